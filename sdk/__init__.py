@@ -1,0 +1,34 @@
+"""colibri-sdk: Hugging Face MoE checkpoints → .colibri weights → AOT-built bundles → on-device runtime.
+
+The device side imports with NumPy only: `colibri_sdk.format`, `colibri_sdk.reference`, `colibri_sdk.runtime`.
+Build-side modules (NVRTC, converter, deploy) import their extra dependencies lazily.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    BackendError,
+    BundleError,
+    ColibriError,
+    CompileError,
+    ConvertError,
+    CudaError,
+    DeployError,
+    FormatError,
+    InputError,
+    ProfileError,
+)
+
+__all__ = [
+    "__version__",
+    "BackendError",
+    "BundleError",
+    "ColibriError",
+    "CompileError",
+    "ConvertError",
+    "CudaError",
+    "DeployError",
+    "FormatError",
+    "InputError",
+    "ProfileError",
+]

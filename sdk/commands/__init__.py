@@ -1,0 +1,1 @@
+"""One module per `colibri-sdk` subcommand; each exposes `register(subparsers)`."""
