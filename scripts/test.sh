@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up everything the tests need on a fresh Debian/Ubuntu machine and run them.
+#   - OpenSSH server (deploy tests start their own sshd on 127.0.0.1); installed with apt when running as root
+#   - .venv with colibri-sdk[all]: NVRTC 12 + CUDA headers from pip, transformers + CPU torch, paramiko
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k format`.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+  if [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq && apt-get install -y -qq openssh-server openssh-client >/dev/null
+  else
+    echo "note: sshd is not installed and this is not root: deploy tests will be skipped (apt-get install openssh-server)"
+  fi
+fi
+source scripts/setup_env.sh all
+python -m pytest -q -ra "$@"
