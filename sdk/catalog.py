@@ -118,3 +118,35 @@ def spec(name: str) -> KernelSpec:
         if k.name == name:
             return k
     raise KeyError(name)
+
+
+def compile_defines(profile: dict, header) -> dict[str, int]:
+    """Compile-time constants (`-D NAME=VALUE`) every kernel source receives.
+
+    Args:
+        profile: the validated profile as a plain dict (the YAML structure of profiles/*.yaml).
+        header: the weights' `colibri_sdk.format.Header`.
+
+    Returns:
+        {"COLI_HIDDEN", "COLI_INTER", "COLI_EXPERTS", "COLI_TOPK", "COLI_MAX_TOKENS" (batch * tokens),
+         "COLI_FP16" (1 = fp16 storage, fp32 accumulation; 0 = fp32), "COLI_ATOMIC_AGG" (1 = atomicAdd aggregation),
+         "COLI_ROUTING" (format routing code), "COLI_RESIDUAL" (1 = residual composition)}
+        plus "COLI_<KERNEL>_<PARAM>" for every `kernels.<kernel>.<param>` of the profile, upper-cased
+        (e.g. COLI_GATE_UP_BLOCK_M).
+    """
+    shape = profile["shape"]
+    defines = {
+        "COLI_HIDDEN": header.hidden_size,
+        "COLI_INTER": header.intermediate_size,
+        "COLI_EXPERTS": header.num_experts,
+        "COLI_TOPK": header.top_k,
+        "COLI_MAX_TOKENS": shape["batch"] * shape["tokens"],
+        "COLI_FP16": 1 if profile["dtype"] == "fp16" else 0,
+        "COLI_ATOMIC_AGG": 1 if profile["aggregation"] == "atomic" else 0,
+        "COLI_ROUTING": header.routing,
+        "COLI_RESIDUAL": header.composition,
+    }
+    for kernel, params in sorted(profile["kernels"].items()):
+        for param, value in sorted(params.items()):
+            defines[f"COLI_{kernel.upper()}_{param.upper()}"] = int(value)
+    return defines
