@@ -72,16 +72,23 @@ class KernelSpec:
     params: tuple[Param, ...]
 
 
-# The pipeline of one MoE layer, in launch order.
+# The pipeline of one MoE layer, in launch order. docs/kernels.md describes each kernel.
 KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec("routing", "routing.cu", ("colibri_routing", "colibri_align"), (THREADS,)),
+    KernelSpec(
+        "routing",
+        "routing.cu",
+        ("colibri_routing", "colibri_align"),
+        (
+            THREADS,
+            Param("block_m", 1, 128, power_of_two=True, doc="rows (token, slot pairs) per tile of the padded order"),
+        ),
+    ),
     KernelSpec(
         "gate_up",
         "expert_gate_up.cu",
         ("colibri_gate_up",),
         (
             THREADS,
-            Param("block_m", 1, 128, power_of_two=True, doc="rows (token, slot pairs) per tile"),
             Param("block_n", 16, 256, power_of_two=True, doc="intermediate columns per tile"),
             Param("block_k", 16, 128, power_of_two=True, doc="hidden elements per shared-memory stage"),
         ),
@@ -92,7 +99,6 @@ KERNELS: tuple[KernelSpec, ...] = (
         ("colibri_down", "colibri_aggregate"),
         (
             THREADS,
-            Param("block_m", 1, 128, power_of_two=True, doc="rows (token, slot pairs) per tile"),
             Param("block_n", 16, 256, power_of_two=True, doc="hidden columns per tile"),
             Param("block_k", 16, 128, power_of_two=True, doc="intermediate elements per shared-memory stage"),
         ),
@@ -104,7 +110,6 @@ KERNELS: tuple[KernelSpec, ...] = (
         (THREADS, Param("max_pairs", 1, 4096, doc="tokens*top_k at or below this take the GEMV fast path")),
     ),
 )
-
 
 def kernel_dir() -> Path:
     """The folder holding the .cu sources: inside the installed package, or kernels/ of a source checkout."""
@@ -150,3 +155,191 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         for param, value in sorted(params.items()):
             defines[f"COLI_{kernel.upper()}_{param.upper()}"] = int(value)
     return defines
+
+
+# ---- fixed-shape sizes, buffers and the launch plan ------------------------------------------------------------
+# Every size below follows from the profile's fixed shape and the weights' header alone, never from a routing
+# outcome: one launch sequence serves every input, so it can be captured once into a CUDA Graph.
+
+FLOAT32_BYTES = 4
+INT32_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The fixed-shape sizes of one forward pass (docs/kernels.md, "Padded expert order").
+
+    Attributes:
+        tokens: batch * tokens of the profile's shape (padded tokens included).
+        pairs: tokens * top_k, the (token, slot) pairs.
+        block_m: rows per tile of the padded expert order (profile `kernels.routing.block_m`).
+        padded: tokens * top_k + experts * (block_m - 1), the most rows the padded expert order can need.
+        blocks: padded // block_m, the most tiles of block_m rows it can need.
+        small_batch: True when pairs <= `kernels.small_batch.max_pairs`: the GEMV kernels replace the tiled ones.
+    """
+
+    tokens: int
+    pairs: int
+    block_m: int
+    padded: int
+    blocks: int
+    small_batch: bool
+
+
+def sizes(profile: dict, header) -> Sizes:
+    """The fixed-shape sizes for a validated profile dict and a weights header."""
+    tokens = profile["shape"]["batch"] * profile["shape"]["tokens"]
+    pairs = tokens * header.top_k
+    block_m = profile["kernels"]["routing"]["block_m"]
+    padded = pairs + header.num_experts * (block_m - 1)
+    # sum_e ceil(c_e / block_m) <= (pairs + experts*(block_m-1)) / block_m, and the left side is an integer.
+    return Sizes(
+        tokens=tokens,
+        pairs=pairs,
+        block_m=block_m,
+        padded=padded,
+        blocks=padded // block_m,
+        small_batch=pairs <= profile["kernels"]["small_batch"]["max_pairs"],
+    )
+
+
+def device_buffers(profile: dict, header) -> dict[str, int]:
+    """Scratch buffers of one forward pass, allocated once at load: name → size in bytes.
+
+    The weights are not listed: they are one more buffer holding the .colibri data after the header, byte for byte.
+
+        x0, x1           (tokens, hidden) float32   activations; layer l reads x{l%2} and writes x{(l+1)%2}
+        topk_ids         (tokens, top_k) int32      selected experts, largest logit first
+        topk_weights     (tokens, top_k) float32    routing weights
+        expert_counts    (experts,) int32           (token, slot) pairs per expert
+        expert_offsets   (experts + 1,) int32       start of each expert's rows in the padded order
+        sorted_pairs     (padded,) int32            pair index token*top_k+slot per row, -1 for padding rows
+        block_experts    (blocks,) int32            expert of each tile of block_m rows, -1 for unused tiles
+        act              (pairs, intermediate) float32   silu(gate) * up per pair
+        pair_out         (pairs, hidden) float32    routing weight * down per pair (ordered aggregation only)
+    """
+    s = sizes(profile, header)
+    e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
+    buffers = {
+        "x0": s.tokens * h * FLOAT32_BYTES,
+        "x1": s.tokens * h * FLOAT32_BYTES,
+        "topk_ids": s.pairs * INT32_BYTES,
+        "topk_weights": s.pairs * FLOAT32_BYTES,
+        "expert_counts": e * INT32_BYTES,
+        "expert_offsets": (e + 1) * INT32_BYTES,
+        "sorted_pairs": s.padded * INT32_BYTES,
+        "block_experts": s.blocks * INT32_BYTES,
+        "act": s.pairs * i * FLOAT32_BYTES,
+    }
+    if profile["aggregation"] == "ordered":
+        buffers["pair_out"] = s.pairs * h * FLOAT32_BYTES
+    return buffers
+
+
+def io_buffers(header) -> dict[str, str]:
+    """Which buffers the input is copied into and the output copied out of: {"input": "x0", "output": "x0"|"x1"}."""
+    return {"input": "x0", "output": f"x{header.num_layers % 2}"}
+
+
+def _buf(name: str) -> dict:
+    return {"kind": "buffer", "name": name}
+
+
+def _weights(header, kind: str, layer: int) -> dict:
+    """A pointer into the weights buffer: the layer's first tensor of `kind` (experts follow contiguously)."""
+    from .format.constants import HEADER_SIZE
+
+    expert = None if kind == "router" else 0
+    offset = header.tensor_offset(kind, layer, expert) - HEADER_SIZE
+    return {"kind": "weights", "tensor": kind, "layer": layer, "offset": offset}
+
+
+def _launch(layer: int, kernel: str, symbol: str, grid, threads: int, args: list[dict]) -> dict:
+    return {
+        "layer": layer,
+        "kernel": kernel,
+        "symbol": symbol,
+        "grid": [int(g) for g in grid],
+        "block": [int(threads), 1, 1],
+        "shared_bytes": 0,
+        "args": args,
+    }
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def launch_plan(profile: dict, header) -> list[dict]:
+    """The kernel launches of one forward pass, in order.
+
+    Each launch is {"layer", "kernel" (KERNELS name), "symbol", "grid" [x, y, z], "block" [x, y, z],
+    "shared_bytes" (dynamic shared memory; the kernels use static shared memory only, so 0), "args"}, where each
+    argument is a pointer: {"kind": "buffer", "name"} (a `device_buffers` entry), {"kind": "weights", "tensor",
+    "layer", "offset"} (byte offset into the weights buffer, which holds the .colibri data after the header) or
+    {"kind": "null"}. The input is copied into `io_buffers(header)["input"]` before the first launch and the output
+    copied out of `io_buffers(header)["output"]` after the last.
+
+    Per layer: routing → align → gate/up → down → aggregate (ordered aggregation only). When tokens*top_k is at
+    most `kernels.small_batch.max_pairs`, the GEMV kernels of small_batch.cu replace the tiled gate/up and down.
+    """
+    s = sizes(profile, header)
+    k = profile["kernels"]
+    e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
+    ordered = profile["aggregation"] == "ordered"
+    plan = []
+    for layer in range(header.num_layers):
+        x, x_next = _buf(f"x{layer % 2}"), _buf(f"x{(layer + 1) % 2}")
+        pair_out = _buf("pair_out") if ordered else {"kind": "null"}
+        plan.append(
+            _launch(
+                layer, "routing", "colibri_routing", (s.tokens, 1, 1), k["routing"]["threads"],
+                [x, _weights(header, "router", layer), _buf("topk_ids"), _buf("topk_weights"), x_next],
+            )
+        )
+        plan.append(
+            _launch(
+                layer, "routing", "colibri_align", (1, 1, 1), k["routing"]["threads"],
+                [_buf("topk_ids"), _buf("expert_counts"), _buf("expert_offsets"), _buf("sorted_pairs"),
+                 _buf("block_experts")],
+            )
+        )
+        gate, up, down = (_weights(header, kind, layer) for kind in ("gate_proj", "up_proj", "down_proj"))
+        if s.small_batch:
+            warps = k["small_batch"]["threads"] // 32
+            routed = [_buf("expert_counts"), _buf("expert_offsets"), _buf("sorted_pairs")]
+            plan.append(
+                _launch(
+                    layer, "small_batch", "colibri_gate_up_gemv", (_ceil_div(i, warps), e, 1),
+                    k["small_batch"]["threads"], [x, gate, up, *routed, _buf("act")],
+                )
+            )
+            plan.append(
+                _launch(
+                    layer, "small_batch", "colibri_down_gemv", (_ceil_div(h, warps), e, 1),
+                    k["small_batch"]["threads"],
+                    [_buf("act"), down, _buf("topk_weights"), *routed, pair_out, x_next],
+                )
+            )
+        else:
+            tiles = [_buf("sorted_pairs"), _buf("block_experts")]
+            plan.append(
+                _launch(
+                    layer, "gate_up", "colibri_gate_up", (s.blocks, _ceil_div(i, k["gate_up"]["block_n"]), 1),
+                    k["gate_up"]["threads"], [x, gate, up, *tiles, _buf("act")],
+                )
+            )
+            plan.append(
+                _launch(
+                    layer, "down", "colibri_down", (s.blocks, _ceil_div(h, k["down"]["block_n"]), 1),
+                    k["down"]["threads"], [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next],
+                )
+            )
+        if ordered:
+            plan.append(
+                _launch(
+                    layer, "down", "colibri_aggregate", (s.tokens, 1, 1), k["down"]["threads"],
+                    [x, _buf("pair_out"), x_next],
+                )
+            )
+    return plan

@@ -1,6 +1,51 @@
-"""`colibri-sdk build` (being written)."""
+"""`colibri-sdk build --profile orin [--weights model.colibri] [-o OUT] [--archive]`: compile the kernels for a
+device profile with NVRTC (no GPU needed) and write a bundle (docs/build.md)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
 
 
 def register(sub) -> None:
-    p = sub.add_parser("build", help="(not available yet)")
-    p.set_defaults(func=lambda args: 1)
+    p = sub.add_parser("build", help="compile the kernels for a device profile and write a bundle (no GPU needed)")
+    p.add_argument(
+        "--profile", required=True, help="a shipped profile name (orin, a100, rtx4090, h200) or a path to a .yaml file"
+    )
+    p.add_argument("--weights", help="a .colibri file (default: the embedded demo model)")
+    p.add_argument("-o", "--output", help="the bundle folder (default: bundles/<profile>)")
+    p.add_argument("--archive", action="store_true", help="also write <output>.tar (reproducible)")
+    # --kernels DIR: compile the kernel sources of another folder (kernel development); not in --help.
+    p.add_argument("--kernels", metavar="DIR", help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..build.bundle import build_bundle
+    from ..bundle import format_resources
+    from ..profile import load_profile
+
+    start = time.perf_counter()
+    profile = load_profile(args.profile)
+    out = Path(args.output) if args.output else Path("bundles") / profile.stem
+    result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive)
+    m = result.manifest
+    h = m["weights"]["header"]
+    print(
+        f"{result.path}: {profile.name} ({m['arch']}, {m['dtype']}, batch {m['shape']['batch']} x tokens "
+        f"{m['shape']['tokens']}, {m['aggregation']} aggregation), NVRTC {m['nvrtc_version']}, "
+        f"min driver {m['min_driver']}"
+    )
+    print(
+        f"  weights: {'demo model' if args.weights is None else args.weights} → {m['weights']['file']} "
+        f"({h['num_layers']} layers x {h['num_experts']} experts, top-{h['top_k']}, hidden {h['hidden_size']}, "
+        f"intermediate {h['intermediate_size']})"
+    )
+    print(format_resources(m["kernels"]))
+    total = sum(f["size"] for f in m["files"])
+    print(f"  {len(m['files'])} files, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass")
+    if result.archive is not None:
+        print(f"  archive: {result.archive}")
+    print(f"  built in {time.perf_counter() - start:.2f} s")
+    return 0

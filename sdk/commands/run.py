@@ -1,6 +1,90 @@
-"""`colibri-sdk run` (being written)."""
+"""`colibri-sdk run BUNDLE [--input IN.npy] [--output OUT.npy] [--backend auto|cuda|cpu] [--iters N] [--eager]
+[--lengths N ...]`: run a bundle on one input, write the output, print the backend and the latency per call."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 
 def register(sub) -> None:
-    p = sub.add_parser("run", help="(not available yet)")
-    p.set_defaults(func=lambda args: 1)
+    p = sub.add_parser("run", help="run a bundle on an input (random when none) and time it")
+    p.add_argument("bundle", help="a bundle folder (colibri-sdk build)")
+    p.add_argument(
+        "--input",
+        metavar="IN.npy",
+        help="float32 or float16 (batch, tokens, hidden) or (tokens, hidden), at most the bundle's fixed shape; "
+        "default: N(0, 1) at the fixed shape",
+    )
+    p.add_argument("--output", metavar="OUT.npy", help="write the output here (float32, the input's shape)")
+    p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="default: auto")
+    p.add_argument("--iters", type=int, default=100, help="timed calls after the first (default: 100)")
+    p.add_argument("--eager", action="store_true", help="CUDA: launch kernels one by one instead of graph replay")
+    p.add_argument("--lengths", type=int, nargs="+", metavar="N", help="per-sequence lengths, one per batch row")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random input (default: 0)")
+    p.add_argument("--no-verify", action="store_true", help="skip the size and sha256 check of every file at load")
+    p.set_defaults(func=run)
+
+
+def latency_ms(seconds: list[float]) -> dict[str, float]:
+    """p50, p99 and max of per-call wall times, in milliseconds (percentiles by linear interpolation)."""
+    import numpy as np
+
+    ms = np.asarray(seconds, dtype=np.float64) * 1e3
+    p50, p99 = np.percentile(ms, [50, 99])
+    return {"p50": float(p50), "p99": float(p99), "max": float(ms.max())}
+
+
+def load_input(path: str):
+    """An input array from a .npy file (no pickles)."""
+    import numpy as np
+
+    from ..errors import InputError
+
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--input {path}: cannot load a .npy array ({exc})") from exc
+
+
+def run(args) -> int:
+    import time
+
+    import numpy as np
+
+    from ..errors import InputError
+    from ..runtime import Runtime
+
+    if args.iters < 1:
+        raise InputError(f"--iters {args.iters}; allowed: 1 or more")
+    rt = Runtime.load(args.bundle, backend=args.backend, eager=args.eager, verify=not args.no_verify)
+    with rt:
+        batch, tokens = rt.shape
+        if args.input:
+            x = load_input(args.input)
+            source = args.input
+        else:
+            x = np.random.default_rng(args.seed).standard_normal((batch, tokens, rt.hidden_size)).astype(np.float32)
+            source = f"random N(0, 1), seed {args.seed}"
+        start = time.perf_counter()
+        y = rt.infer(x, input_lengths=args.lengths)
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            rt.infer(x, input_lengths=args.lengths)
+            times.append(time.perf_counter() - start)
+        mode = {"cpu": "NumPy"}.get(rt.backend_name, "eager launches" if args.eager else "CUDA Graph replay")
+        print(f"bundle   {rt.bundle.path}  ({rt.dtype}, batch {batch} x tokens {tokens}, hidden {rt.hidden_size})")
+        print(f"backend  {rt.backend_name} ({mode})")
+        print(f"load     {rt.load_seconds * 1e3:.1f} ms" + ("" if args.no_verify else " (with checksums)"))
+        print(f"input    {source}  {x.dtype} {tuple(x.shape)}" + (f"  lengths {args.lengths}" if args.lengths else ""))
+        stats = latency_ms(times)
+        print(f"first    {first * 1e3:.3f} ms")
+        print(
+            f"latency  p50 {stats['p50']:.3f} ms  p99 {stats['p99']:.3f} ms  max {stats['max']:.3f} ms"
+            f"  ({args.iters} calls)"
+        )
+    if args.output:
+        np.save(Path(args.output), y)
+        print(f"output   {args.output}  {y.dtype} {tuple(y.shape)}")
+    return 0

@@ -62,6 +62,10 @@ class Header:
                 raise FormatError(f"{name} = {value!r}; allowed: an integer in 1..{U16_MAX}")
         if self.top_k > self.num_experts:
             raise FormatError(f"top_k = {self.top_k} exceeds num_experts = {self.num_experts}; allowed: 1..num_experts")
+        for name in ("dtype", "routing", "composition"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise FormatError(f"{name} code {value!r}; allowed: an integer code")
         if self.dtype not in DTYPES:
             raise FormatError(f"dtype code {self.dtype!r}; allowed: {sorted(DTYPES)} ({DTYPE_NAMES})")
         if self.routing not in ROUTING_NAMES:

@@ -1,0 +1,220 @@
+"""CPU backend benchmark: per-call latency of the demo model at tokens 1, 4, 16, 64, and load time and memory of a
+small vs a large bundle, measured side by side in one run.
+
+Latency: one bundle per fixed shape (batch 1 x tokens T, built with `colibri-sdk build` from profiles/orin.yaml with
+`shape.tokens` replaced), each timed at its own shape; next to it, the tokens-64 bundle fed T tokens (padded to 64
+internally). Both in a child process with the default BLAS threads and with OPENBLAS_NUM_THREADS=1 /
+OMP_NUM_THREADS=1 (tiny matrix products pay for thread wake-ups, most of all on a loaded machine).
+
+Load: the demo bundle (25 MB of weights) and a large one (one Mixtral-like layer of ~1 GB, hidden 4096, 8 experts,
+top-2), each loaded in a fresh child process: load time without and with checksums (`verify`), resident set after
+loading and after the first call, and the peak. The weights are mmap'ed and read only when a call touches them, so
+load time and RSS after load should not depend on the weights' size.
+
+    python bench/runtime_cpu_bench.py                  # writes bench/results/runtime_cpu_bench.txt
+    python bench/runtime_cpu_bench.py --iters 50 --large-gb 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+ORIN = ROOT / "profiles" / "orin.yaml"
+TOKENS = (1, 4, 16, 64)
+RESULTS = ROOT / "bench" / "results" / "runtime_cpu_bench.txt"
+
+LATENCY_CHILD = """
+import json, sys, time
+import numpy as np
+from colibri_sdk.runtime import Runtime
+bundles, padded_bundle, iters = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+
+def timed(rt, x):
+    for _ in range(3):
+        rt.infer(x)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        rt.infer(x)
+        times.append(time.perf_counter() - start)
+    ms = np.asarray(times) * 1e3
+    return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
+
+rng = np.random.default_rng(0)
+out = {}
+with Runtime.load(padded_bundle, backend="cpu", verify=False) as padded:
+    for tokens, path in bundles.items():
+        x = rng.standard_normal((1, int(tokens), padded.hidden_size)).astype(np.float32)
+        with Runtime.load(path, backend="cpu", verify=False) as rt:
+            own = timed(rt, x)
+        out[tokens] = {"own": own, "padded": timed(padded, x)}
+print(json.dumps(out))
+"""
+
+LOAD_CHILD = """
+import json, resource, sys, time
+import numpy as np
+from colibri_sdk.runtime import Runtime
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+path, verify = sys.argv[1], sys.argv[2] == "1"
+base = rss_mb()
+start = time.perf_counter()
+rt = Runtime.load(path, backend="cpu", verify=verify)
+load_s = time.perf_counter() - start
+after_load = rss_mb()
+b, t = rt.shape
+x = np.random.default_rng(0).standard_normal((b, t, rt.hidden_size)).astype(np.float32)
+start = time.perf_counter()
+rt.infer(x)
+first_s = time.perf_counter() - start
+after_call = rss_mb()
+rt.close()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"load_ms": load_s * 1e3, "first_ms": first_s * 1e3, "base_mb": base, "load_mb": after_load,
+                  "call_mb": after_call, "peak_mb": peak}))
+"""
+
+
+def build(out: Path, profile: Path, weights: Path | None = None) -> Path:
+    """`colibri-sdk build` in this process, its printout swallowed."""
+    from colibri_sdk.cli import main
+
+    args = ["build", "--profile", str(profile), "-o", str(out)] + (["--weights", str(weights)] if weights else [])
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(args)
+    if code != 0:
+        raise SystemExit(f"colibri-sdk {' '.join(args)} failed with exit code {code}")
+    return out
+
+
+def profile_with_shape(folder: Path, batch: int, tokens: int) -> Path:
+    text = ORIN.read_text()
+    text = re.sub(r"(?m)^  batch: \d+", f"  batch: {batch}", text)
+    text = re.sub(r"(?m)^  tokens: \d+", f"  tokens: {tokens}", text)
+    path = folder / f"orin-{batch}x{tokens}.yaml"
+    path.write_text(text)
+    return path
+
+
+def write_large_model(path: Path, gb: float) -> int:
+    """One Mixtral-like fp16 layer (hidden 4096, 8 experts, top-2) of about `gb` x 10^9 bytes; returns its bytes."""
+    from colibri_sdk.format import ColibriWriter, Header
+
+    hidden, experts = 4096, 8
+    inter = max(64, int(gb * 1e9 / (3 * experts * hidden * 2)) // 64 * 64)
+    header = Header(num_layers=1, num_experts=experts, top_k=2, hidden_size=hidden, intermediate_size=inter, dtype=1)
+    rng = np.random.default_rng(1)
+    noise = (rng.standard_normal(hidden * inter + 7, dtype=np.float32) * 0.02).astype(np.float16)
+    with ColibriWriter(path, header) as w:
+        for k, (kind, layer, expert) in enumerate(w.pending()):
+            rows, cols = header.shape(kind)
+            w.write(kind, layer, expert, np.roll(noise, 13 * k)[: rows * cols].reshape(rows, cols))
+    return header.data_size
+
+
+def child(code: str, args: list[str], env: dict | None = None) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
+        check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"benchmark child failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def median_run(code: str, args: list[str], repeats: int) -> dict:
+    """Run a child `repeats` times; the run with the median load time."""
+    runs = sorted((child(code, args) for _ in range(repeats)), key=lambda r: r["load_ms"])
+    return runs[len(runs) // 2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=30, help="timed calls per point (default: 30)")
+    parser.add_argument("--large-gb", type=float, default=1.0, help="size of the large model (default: 1 GB)")
+    parser.add_argument("--repeats", type=int, default=3, help="load measurements per bundle (median; default: 3)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    lines = [
+        f"# bench/runtime_cpu_bench.py  ({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, NumPy {np.__version__}, load average "
+        f"{os.getloadavg()[0]:.1f} at start)",
+    ]
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    with tempfile.TemporaryDirectory(prefix="colibri-rt-bench-") as tmp:
+        tmp = Path(tmp)
+        bundles = {t: build(tmp / f"demo-{t}", profile_with_shape(tmp, 1, t)) for t in TOKENS}
+
+        say("")
+        say(f"CPU backend latency, demo model (4 layers x 8 experts, top-2, hidden 256, intermediate 512, fp16), "
+            f"batch 1, {args.iters} calls, ms")
+        say(f"  {'BLAS threads':<14} {'tokens':>6} {'p50':>9} {'p99':>9}   {'padded to 64: p50':>17} {'p99':>9}")
+        paths = {str(t): str(p) for t, p in bundles.items()}
+        for label, env in (("default", {}), ("1", {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})):
+            result = child(LATENCY_CHILD, [json.dumps(paths), str(bundles[64]), str(args.iters)], env)
+            for t in TOKENS:
+                own, pad = result[str(t)]["own"], result[str(t)]["padded"]
+                say(f"  {label:<14} {t:>6} {own['p50']:>9.2f} {own['p99']:>9.2f}   {pad['p50']:>17.2f} {pad['p99']:>9.2f}")
+
+        large_weights = tmp / "large.colibri"
+        large_bytes = write_large_model(large_weights, args.large_gb)
+        large = build(tmp / "large", profile_with_shape(tmp, 1, 1), large_weights)
+        large_weights.unlink()
+        small = bundles[16]
+        small_bytes = (small / "model.colibri").stat().st_size
+
+        say("")
+        say(f"Load, fresh process per load (median of {args.repeats}); RSS in MB above the process after imports")
+        say(f"  {'bundle':<8} {'weights MB':>10} {'load ms':>8} {'verify ms':>10} {'RSS load':>9} {'RSS call':>9} "
+            f"{'peak':>7} {'first call ms':>14}")
+        rows = {}
+        for name, path, size in (("small", small, small_bytes), ("large", large, large_bytes)):
+            fast = median_run(LOAD_CHILD, [str(path), "0"], args.repeats)
+            checked = median_run(LOAD_CHILD, [str(path), "1"], args.repeats)
+            rows[name] = fast
+            base = fast["base_mb"]
+            say(f"  {name:<8} {size / 1e6:>10.1f} {fast['load_ms']:>8.2f} {checked['load_ms']:>10.1f} "
+                f"{fast['load_mb'] - base:>9.1f} {fast['call_mb'] - base:>9.1f} {fast['peak_mb'] - base:>7.1f} "
+                f"{fast['first_ms']:>14.1f}")
+        s, g = rows["small"], rows["large"]
+        say("")
+        say(f"  weights ratio large/small         {large_bytes / small_bytes:8.1f}x")
+        say(f"  load time ratio (no verify)        {g['load_ms'] / s['load_ms']:8.2f}x")
+        say(f"  RSS after load, large - small      {(g['load_mb'] - g['base_mb']) - (s['load_mb'] - s['base_mb']):8.1f} MB")
+        say(f"  peak RSS above imports / weights   small {(s['peak_mb'] - s['base_mb']) * 1e6 / small_bytes / 2**20:.3f}"
+            f"   large {(g['peak_mb'] - g['base_mb']) * 1e6 / large_bytes / 2**20:.3f}")
+        say("  (a call touches only the routed experts' pages: the large model's first call maps 2 of 8 experts)")
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text("\n".join(lines) + "\n")
+    print(f"\nwrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

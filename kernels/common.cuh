@@ -1,0 +1,84 @@
+// common.cuh: definitions shared by every colibri kernel source.
+//
+// Compile-time constants (sdk/catalog.py `compile_defines`, passed as -D by the build):
+//   COLI_HIDDEN, COLI_INTER        hidden and intermediate size (any value >= 1; tails are handled)
+//   COLI_EXPERTS, COLI_TOPK        experts per layer (<= 256) and experts per token (<= 8, <= COLI_EXPERTS)
+//   COLI_MAX_TOKENS                batch * tokens of the fixed shape (padded tokens included)
+//   COLI_FP16                      1: weights stored as IEEE fp16, 0: fp32. Activations and accumulation: fp32
+//   COLI_ATOMIC_AGG                1: the down kernels atomicAdd into the layer output (order not fixed)
+//                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
+//   COLI_ROUTING                   0: softmax over the k selected logits, 1: softmax over all, then select
+//   COLI_RESIDUAL                  1: layer output = input + MoE(input), 0: layer output = MoE(input)
+//   COLI_<KERNEL>_<PARAM>          the profile's kernels.<kernel>.<param>
+// No CUDA header is included: fp16 is converted with one PTX instruction, so NVRTC needs no include path.
+#pragma once
+
+#if !defined(COLI_HIDDEN) || !defined(COLI_INTER) || !defined(COLI_EXPERTS) || !defined(COLI_TOPK) || \
+    !defined(COLI_MAX_TOKENS) || !defined(COLI_FP16) || !defined(COLI_ATOMIC_AGG) || !defined(COLI_ROUTING) || \
+    !defined(COLI_RESIDUAL) || !defined(COLI_ROUTING_BLOCK_M)
+#error "colibri kernels need the -D constants of sdk/catalog.py compile_defines"
+#endif
+
+#define H_ COLI_HIDDEN
+#define I_ COLI_INTER
+#define E_ COLI_EXPERTS
+#define K_ COLI_TOPK
+#define T_ COLI_MAX_TOKENS
+#define PAIRS_ (COLI_MAX_TOKENS * COLI_TOPK)
+#define BM_ COLI_ROUTING_BLOCK_M
+// Padded expert order (sdk/catalog.py `sizes`): rows and tiles of block_m rows, at most.
+#define PADDED_ (PAIRS_ + E_ * (BM_ - 1))
+#define BLOCKS_ (PADDED_ / BM_)
+
+static_assert(H_ >= 1 && I_ >= 1, "COLI_HIDDEN and COLI_INTER must be >= 1");
+static_assert(E_ >= 1 && E_ <= 256, "COLI_EXPERTS must be in 1..256");
+static_assert(K_ >= 1 && K_ <= 8 && K_ <= E_, "COLI_TOPK must be in 1..8 and <= COLI_EXPERTS");
+static_assert(T_ >= 1, "COLI_MAX_TOKENS must be >= 1");
+static_assert((long long)PADDED_ < 0x7fffffffLL, "tokens*top_k + experts*(block_m-1) must fit in int32");
+static_assert(BM_ >= 1 && (BM_ & (BM_ - 1)) == 0, "COLI_ROUTING_BLOCK_M must be a power of two");
+
+#define FULL_MASK 0xffffffffu
+
+#if COLI_FP16
+typedef unsigned short wt;  // IEEE binary16 bits
+__device__ __forceinline__ float wt_to_float(wt v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+#else
+typedef float wt;
+__device__ __forceinline__ float wt_to_float(wt v) { return v; }
+#endif
+
+// Weight elements in one 16-byte vector.
+#define VEC_ (16 / (int)sizeof(wt))
+
+// Unpack one 16-byte vector of weights into VEC_ floats, element order as in memory (little-endian).
+__device__ __forceinline__ void unpack16(uint4 raw, float out[VEC_]) {
+#if COLI_FP16
+    const unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = wt_to_float((wt)(w[i] & 0xffffu));
+        out[2 * i + 1] = wt_to_float((wt)(w[i] >> 16));
+    }
+#else
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+#endif
+}
+
+// silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); for very negative g, exp overflows to inf and the result is -0,
+// the exact limit (as sdk/reference.py `silu`).
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// Sum over the 32 lanes of a warp by an xor butterfly: a fixed order, and every lane ends with the same bits
+// (each step adds two values in both lanes, and float addition is commutative).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;
+}

@@ -1,0 +1,101 @@
+// expert_down.cu: tiled down projection of the experts scaled by the routing weight, and the aggregation over the
+// k slots of each token.
+//
+// colibri_down — grid (blocks, ceil(hidden / BLOCK_N)), block (COLI_DOWN_THREADS). Same tiling as colibri_gate_up
+//   (expert_gate_up.cu) over the padded expert order, reducing over the intermediate dimension:
+//       v = topk_weights[p] * sum_i act[p, i] * down[e, n, i]          for each pair p of the tile, column n
+//   COLI_ATOMIC_AGG 0: pair_out[p, n] = v   (every pair_out row is written: each pair belongs to one expert)
+//   COLI_ATOMIC_AGG 1: atomicAdd(x_next[p / k, n], v); x_next was set by colibri_routing; pair_out is unused (null)
+//   down: (experts, hidden, intermediate) row-major, the layer's slice; act: (tokens*k, intermediate) fp32.
+//
+// colibri_aggregate — grid (tokens), block (COLI_DOWN_THREADS); ordered aggregation only. For token t, column h:
+//       s = pair_out[t*k + 0, h] + pair_out[t*k + 1, h] + ... + pair_out[t*k + k-1, h]     (slots in order)
+//       x_next[t, h] = x[t, h] + s (COLI_RESIDUAL) or s
+//   A fixed summation order: the output is bitwise identical from run to run.
+//
+// Limits: routing.block_m * BLOCK_N / THREADS <= 32, (block_m + BLOCK_N) * (BLOCK_K+1) * 4 bytes <= 48 KiB.
+// Any hidden / intermediate size.
+#include "common.cuh"
+
+#define THREADS_ COLI_DOWN_THREADS
+#define BN_ COLI_DOWN_BLOCK_N
+#define BK_ COLI_DOWN_BLOCK_K
+#define ACC_ ((BM_ * BN_ + THREADS_ - 1) / THREADS_)
+static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024, "down threads: multiple of 32 in 32..1024");
+static_assert(ACC_ <= 32, "down: routing.block_m * down.block_n / down.threads must be <= 32");
+static_assert((BM_ + BN_) * (BK_ + 1) * 4 <= 48 * 1024,
+              "down: (routing.block_m + block_n) * (block_k+1) * 4 bytes of shared memory must be <= 48 KiB");
+
+extern "C" __global__ void __launch_bounds__(THREADS_)
+colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
+             const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts, float* __restrict__ pair_out,
+             float* __restrict__ x_next) {
+    __shared__ float as[BM_][BK_ + 1];
+    __shared__ float ds[BN_][BK_ + 1];
+    __shared__ int pairs[BM_];
+
+    const int b = blockIdx.x;
+    const int e = block_experts[b];
+    if (e < 0) return;  // the same for the whole block, before any barrier
+    const int n0 = blockIdx.y * BN_;
+    const int tid = threadIdx.x;
+    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = sorted_pairs[b * BM_ + m];
+    const wt* d_e = down + (size_t)e * H_ * I_;
+
+    float acc[ACC_];
+#pragma unroll
+    for (int a = 0; a < ACC_; ++a) acc[a] = 0.0f;
+
+    for (int k0 = 0; k0 < I_; k0 += BK_) {
+        __syncthreads();  // pairs[] written (first stage); the previous stage fully consumed (later stages)
+        for (int i = tid; i < BM_ * BK_; i += THREADS_) {
+            const int m = i / BK_, kk = i % BK_, c = k0 + kk;
+            const int p = pairs[m];
+            as[m][kk] = (p >= 0 && c < I_) ? act[(size_t)p * I_ + c] : 0.0f;
+        }
+        for (int i = tid; i < BN_ * BK_; i += THREADS_) {
+            const int n = i / BK_, kk = i % BK_, col = n0 + n, c = k0 + kk;
+            ds[n][kk] = (col < H_ && c < I_) ? wt_to_float(d_e[(size_t)col * I_ + c]) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int a = 0; a < ACC_; ++a) {
+            const int i = tid + a * THREADS_;
+            if (i < BM_ * BN_) {
+                const int m = i / BN_, n = i % BN_;
+                float s = acc[a];
+#pragma unroll 8
+                for (int kk = 0; kk < BK_; ++kk) s += as[m][kk] * ds[n][kk];
+                acc[a] = s;
+            }
+        }
+    }
+
+#pragma unroll
+    for (int a = 0; a < ACC_; ++a) {
+        const int i = tid + a * THREADS_;
+        if (i < BM_ * BN_) {
+            const int m = i / BN_, col = n0 + i % BN_;
+            const int p = pairs[m];
+            if (p >= 0 && col < H_) {
+                const float v = topk_weights[p] * acc[a];
+#if COLI_ATOMIC_AGG
+                atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
+#else
+                pair_out[(size_t)p * H_ + col] = v;
+#endif
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS_)
+colibri_aggregate(const float* __restrict__ x, const float* __restrict__ pair_out, float* __restrict__ x_next) {
+    const int t = blockIdx.x;
+    for (int h = threadIdx.x; h < H_; h += THREADS_) {
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K_; ++j) s += pair_out[((size_t)t * K_ + j) * H_ + h];
+        x_next[(size_t)t * H_ + h] = COLI_RESIDUAL ? x[(size_t)t * H_ + h] + s : s;
+    }
+}

@@ -1,0 +1,105 @@
+"""Compile the kernel catalogue for one profile and check the results against the profile.
+
+For each `colibri_sdk.catalog.KERNELS` entry: read kernels/<source>, compile it with the profile's arch and the
+catalogue's compile-time constants, then check that the cubin's ELF header names the arch, that every catalogue
+symbol was compiled, that no entry function spills (unless `allow_spills`), and that static shared memory fits the
+profile's `hardware.shared_memory_per_block`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .. import catalog
+from ..errors import CompileError
+from .cubin import check_cubin_arch
+from .nvrtc import CompiledSource, compile_source
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    """One catalogue kernel compiled for a profile.
+
+    Attributes:
+        spec: the catalogue entry.
+        defines: the -D constants it was compiled with.
+        output: cubin, PTX, log and ptxas resources.
+    """
+
+    spec: catalog.KernelSpec
+    defines: dict
+    output: CompiledSource
+
+    @property
+    def resources(self) -> dict:
+        return self.output.resources
+
+
+def check_resources(spec: catalog.KernelSpec, resources: dict, profile) -> None:
+    """Every symbol compiled, no spills unless allowed, static shared memory within the per-block limit.
+
+    Raises:
+        CompileError: naming the kernel, symbol, value and limit.
+    """
+    missing = [s for s in spec.symbols if s not in resources]
+    if missing:
+        raise CompileError(
+            f"{spec.source}: entry point(s) {missing} not compiled (found {sorted(resources)}); "
+            f'each catalogue symbol must be an extern "C" __global__ function'
+        )
+    limit = profile.hardware["shared_memory_per_block"]
+    for symbol in spec.symbols:
+        r = resources[symbol]
+        spills = r["spill_store_bytes"] + r["spill_load_bytes"]
+        if spills and not profile.allow_spills:
+            raise CompileError(
+                f"{spec.source}: {symbol} spills registers ({r['spill_store_bytes']} bytes stored, "
+                f"{r['spill_load_bytes']} bytes loaded, {r['registers']} registers); allowed: 0 unless the profile "
+                f"sets allow_spills: true (or lower kernels.{spec.name}.threads / tile sizes)"
+            )
+        if r["shared_bytes"] > limit:
+            raise CompileError(
+                f"{spec.source}: {symbol} uses {r['shared_bytes']} bytes of static shared memory; allowed: at most "
+                f"{limit} (hardware.shared_memory_per_block of the profile)"
+            )
+
+
+def compile_kernel(spec: catalog.KernelSpec, profile, header, kernel_dir: Path) -> CompiledKernel:
+    """Compile and check one catalogue kernel for `profile` (a `colibri_sdk.profile.Profile`).
+
+    Raises:
+        CompileError: the source is missing, NVRTC fails (log with file and line), the cubin names another SM, or
+            a resource check fails.
+    """
+    path = Path(kernel_dir) / spec.source
+    try:
+        source = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CompileError(f"kernel source {path} cannot be read: {exc.strerror}") from exc
+    defines = catalog.compile_defines(profile.to_dict(), header)
+    output = compile_source(source, spec.source, profile.arch, defines, [Path(kernel_dir)], toolkit=profile.toolkit)
+    check_cubin_arch(output.cubin, profile.arch, f"{spec.source} cubin")
+    check_resources(spec, output.resources, profile)
+    return CompiledKernel(spec, defines, output)
+
+
+def compile_catalog(profile, header, kernel_dir: Path | None = None, workers: int = 2) -> list[CompiledKernel]:
+    """Compile every catalogue kernel for `profile`, in catalogue order.
+
+    Args:
+        profile: a validated `Profile`.
+        header: the weights' `colibri_sdk.format.Header` (sizes become compile-time constants).
+        kernel_dir: folder of the .cu sources; default `catalog.kernel_dir()`.
+        workers: NVRTC compilations run at once (NVRTC programs are independent; the calls release the GIL).
+
+    Raises:
+        CompileError: see `compile_kernel`; the first failure in catalogue order is raised.
+    """
+    folder = Path(kernel_dir) if kernel_dir is not None else catalog.kernel_dir()
+    if workers <= 1:
+        return [compile_kernel(spec, profile, header, folder) for spec in catalog.KERNELS]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(compile_kernel, spec, profile, header, folder) for spec in catalog.KERNELS]
+        return [f.result() for f in futures]

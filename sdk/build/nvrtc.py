@@ -1,0 +1,222 @@
+"""Compile CUDA C with NVRTC through `cuda.bindings.nvrtc` (the low-level API): no GPU and no driver needed.
+
+One compilation per source with `-arch=sm_XY` gives both images: the SASS cubin for that arch and the PTX it was
+assembled from (the PTX is byte-identical to a `-arch=compute_XY` compile of the same source; tests check this).
+The arch always comes from the profile, never from a GPU. The CUDA headers (`cuda_fp16.h`, ...) come from the pip
+package `nvidia-cuda-runtime-cu12`, passed with `-I`.
+
+Every NVRTC call goes through `_check`, which raises CompileError with the call name, NVRTC's error string and,
+for a failed compilation, the full log (file and line of each diagnostic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from ..errors import CompileError
+
+STD = "--std=c++17"
+_PIP_NVRTC = {12: 'pip install "cuda-python>=12,<13" nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12',
+              13: 'pip install "cuda-python>=13,<14" nvidia-cuda-nvrtc nvidia-cuda-runtime'}
+
+
+def pip_hint(major: int) -> str:
+    """The pip command that installs NVRTC and the CUDA headers of CUDA major version `major`."""
+    return _PIP_NVRTC.get(major, f"the NVRTC {major}.x wheels (nvidia-cuda-nvrtc-cu{major}, nvidia-cuda-runtime-cu{major})")
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise CompileError(f"cuda.bindings.nvrtc is not importable ({exc}); install it: {pip_hint(12)}") from exc
+    return nvrtc
+
+
+def _check(result, call: str, prog=None):
+    """Unpack an NVRTC result tuple `(nvrtcResult, *values)`; raise CompileError unless NVRTC_SUCCESS.
+
+    Args:
+        result: what the cuda.bindings call returned.
+        call: the NVRTC function name, quoted in the error.
+        prog: the program, whose log is attached to the error when given.
+    """
+    nvrtc = _nvrtc()
+    err, *values = result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, text = nvrtc.nvrtcGetErrorString(err)
+        text = text.decode(errors="replace")
+        message = f"{call} failed: {err.name}" + (f" ({text})" if text != err.name else "")
+        if prog is not None:
+            log = program_log(prog)
+            if log:
+                message += "\n" + log
+        raise CompileError(message)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def program_log(prog) -> str:
+    """The compilation log of `prog` (diagnostics as `file(line): error: ...`, ptxas output), stripped."""
+    nvrtc = _nvrtc()
+    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or size <= 1:
+        return ""
+    buf = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.rstrip(b"\x00").decode(errors="replace").strip()
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC library that cuda.bindings loads."""
+    nvrtc = _nvrtc()
+    return _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+
+
+def supported_archs() -> list[int]:
+    """Compute capabilities (e.g. 87) the installed NVRTC can compile for (nvrtcGetSupportedArchs)."""
+    nvrtc = _nvrtc()
+    return [int(a) for a in _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")]
+
+
+def cuda_include_dir() -> Path:
+    """The CUDA headers of the pip package `nvidia-cuda-runtime-cu12` (`nvidia/cuda_runtime/include`).
+
+    Raises:
+        CompileError: the package is not installed.
+    """
+    try:
+        import nvidia.cuda_runtime as runtime
+    except ImportError as exc:
+        raise CompileError(
+            f"the CUDA headers are missing (no module nvidia.cuda_runtime); install them: {pip_hint(12)}"
+        ) from exc
+    for root in runtime.__path__:
+        include = Path(root) / "include"
+        if (include / "cuda_fp16.h").is_file():
+            return include
+    raise CompileError(f"no cuda_fp16.h under {list(runtime.__path__)}/include; reinstall nvidia-cuda-runtime-cu12")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledSource:
+    """The output of compiling one source for one arch.
+
+    Attributes:
+        cubin: SASS ELF image for the arch.
+        ptx: PTX text (UTF-8 bytes, without the trailing NUL nvrtcGetPTX writes).
+        log: the NVRTC log, including ptxas' resource report.
+        resources: {symbol: {"registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes"}}
+            for every entry function ptxas compiled.
+        options: the NVRTC options used, in order.
+    """
+
+    cubin: bytes
+    ptx: bytes
+    log: str
+    resources: dict
+    options: tuple[str, ...]
+
+
+def compile_options(arch: str, defines: dict[str, int], include_dirs: list[Path]) -> list[str]:
+    """NVRTC options: `-arch=<arch>`, C++17, `-I` dirs, sorted `-D` defines, and ptxas' verbose resource report."""
+    opts = [f"-arch={arch}", STD]
+    opts += [f"-I{d}" for d in include_dirs]
+    opts += [f"-D{name}={int(value)}" for name, value in sorted(defines.items())]
+    if arch.startswith("sm_"):
+        opts += ["-Xptxas", "-v"]
+    return opts
+
+
+def compile_source(
+    source: str,
+    name: str,
+    arch: str,
+    defines: dict[str, int] | None = None,
+    include_dirs: list[Path] | None = None,
+    toolkit: int | None = None,
+) -> CompiledSource:
+    """Compile one CUDA C source with NVRTC.
+
+    Args:
+        source: the CUDA C text.
+        name: the file name diagnostics are reported under (e.g. "routing.cu").
+        arch: "sm_87" (cubin + PTX) or "compute_87" (PTX only; cubin is then b"").
+        defines: `-D NAME=VALUE` compile-time constants.
+        include_dirs: extra `-I` folders (the kernels folder for shared headers); the CUDA headers of
+            nvidia-cuda-runtime-cu12 are always added.
+        toolkit: the CUDA major the profile requires; a different NVRTC major is refused.
+
+    Raises:
+        CompileError: NVRTC of another major than `toolkit` (naming the pip package), or a failed NVRTC call,
+            with the log (`name(line): error: ...`).
+    """
+    nvrtc = _nvrtc()
+    if toolkit is not None:
+        major, minor = nvrtc_version()
+        if major != toolkit:
+            raise CompileError(
+                f"the profile needs CUDA {toolkit} (target.toolkit = {toolkit}) but the installed NVRTC is "
+                f"{major}.{minor}; install NVRTC {toolkit}: {pip_hint(toolkit)}"
+            )
+    dirs = [Path(d) for d in (include_dirs or [])] + [cuda_include_dir()]
+    options = compile_options(arch, defines or {}, dirs)
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        encoded = [o.encode() for o in options]
+        _check(nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded), f"nvrtcCompileProgram({name}, {arch})", prog)
+        log = program_log(prog)
+        ptx_size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        ptx = b" " * ptx_size
+        _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        cubin = b""
+        if arch.startswith("sm_"):
+            cubin_size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+            cubin = b" " * cubin_size
+            _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return CompiledSource(cubin, ptx.rstrip(b"\x00"), log, parse_resources(log), tuple(options))
+
+
+# ptxas -v, per entry function:
+#   ptxas info    : Compiling entry function 'colibri_routing' for 'sm_87'
+#   ptxas info    : Function properties for colibri_routing
+#   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+#   ptxas info    : Used 12 registers, used 1 barriers, 1024 bytes smem, 368 bytes cmem[0]
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_resources(log: str) -> dict[str, dict[str, int]]:
+    """Registers, static shared memory, stack frame and spill bytes per entry function from a `-Xptxas -v` log.
+
+    Returns:
+        {symbol: {"registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes"}}, bytes;
+        only entry functions (device functions that ptxas reports separately are not launchable).
+    """
+    out: dict[str, dict[str, int]] = {}
+    entry = None  # the entry function whose report is being read
+    props = None  # the function the next stack/spill line belongs to
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            entry = m.group(1)
+            out[entry] = {"registers": 0, "shared_bytes": 0, "stack_bytes": 0,
+                          "spill_store_bytes": 0, "spill_load_bytes": 0}
+            props = None
+        elif m := _PROPS.search(line):
+            props = m.group(1)
+        elif (m := _FRAME.search(line)) and props is not None and props == entry:
+            stack, stores, loads = map(int, m.groups())
+            out[entry].update(stack_bytes=stack, spill_store_bytes=stores, spill_load_bytes=loads)
+        elif (m := _USED.search(line)) and entry is not None:
+            out[entry]["registers"] = int(m.group(1))
+            if s := _SMEM.search(line):
+                out[entry]["shared_bytes"] = int(s.group(1))
+    return out

@@ -1,0 +1,244 @@
+"""One SSH connection to one device (paramiko), with timeouts and typed errors.
+
+`Target` says where to go (user, host, port, key, known_hosts policy, timeouts). `Connection` connects,
+verifies the host key through `hostkeys.StrictHostKeyPolicy`, authenticates with a key, and runs remote
+commands (argv lists, each argument quoted with `shlex.quote`) on exec channels of the one transport, so
+several uploads can share the connection.
+
+The transport prefers AES-GCM (`aes128-gcm@openssh.com`): paramiko spends less CPU per byte with it than with
+AES-CTR + HMAC, which is what limits its throughput (see bench/deploy_bench.py).
+"""
+
+from __future__ import annotations
+
+import getpass
+import select
+import shlex
+import socket
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import (
+    AuthenticationError,
+    ConnectError,
+    ConnectRefusedError,
+    ConnectTimeoutError,
+    DeployError,
+    RemoteTimeoutError,
+)
+from .hostkeys import KnownHosts, StrictHostKeyPolicy, changed_key_error
+
+PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr", "aes256-ctr")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to connect.
+
+    Attributes:
+        host: host name or address.
+        user: login user; None for the local user name.
+        port: TCP port.
+        identity: private key file; None to try ssh-agent and ~/.ssh/id_* keys.
+        known_hosts: known_hosts file; None for ~/.ssh/known_hosts (+ /etc/ssh/ssh_known_hosts).
+        accept_new_host_key: store the key of a host not yet in known_hosts instead of refusing.
+        connect_timeout: seconds for TCP connect, SSH banner and authentication each.
+        command_timeout: seconds of silence after which a remote command is abandoned.
+    """
+
+    host: str
+    user: str | None = None
+    port: int = 22
+    identity: str | None = None
+    known_hosts: str | None = None
+    accept_new_host_key: bool = False
+    connect_timeout: float = 10.0
+    command_timeout: float = 120.0
+
+    @classmethod
+    def parse(cls, spec: str, **fields) -> "Target":
+        """`[user@]host[:port]` (IPv6 as `[addr]:port`) plus other fields; the spec's user/port win."""
+        user, _, hostport = spec.rpartition("@")
+        host, port = hostport, None
+        if hostport.startswith("["):
+            host, _, rest = hostport[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else None
+        elif hostport.count(":") == 1:
+            host, port = hostport.split(":")
+        if not host:
+            raise DeployError(f"host {spec!r}: expected [user@]host[:port]")
+        if user:
+            fields["user"] = user
+        if port:
+            try:
+                fields["port"] = int(port)
+            except ValueError:
+                raise DeployError(f"host {spec!r}: port {port!r} is not a number") from None
+        return cls(host=host, **fields)
+
+    @property
+    def login(self) -> str:
+        return self.user or getpass.getuser()
+
+    @property
+    def label(self) -> str:
+        """`user@host:port`, as messages name the device."""
+        return f"{self.login}@{self.host}:{self.port}"
+
+    def with_(self, **changes) -> "Target":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """A finished remote command: exit status, stdout and stderr bytes."""
+
+    exit_status: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode("utf-8", "replace")[-2000:]
+
+
+def command_line(argv) -> str:
+    """The remote shell command for `argv`: every argument quoted with shlex.quote, nothing left to the shell."""
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+class Connection:
+    """An authenticated SSH connection to `target`. Use as a context manager, or call `close()`.
+
+    Raises (from `open`):
+        HostKeyUnknownError, HostKeyChangedError: the host key is not trusted.
+        AuthenticationError: no offered key was accepted.
+        ConnectRefusedError, ConnectTimeoutError, ConnectError: no SSH session could be set up.
+    """
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.client = None
+
+    def __enter__(self) -> "Connection":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> "Connection":
+        import paramiko
+
+        t = self.target
+        known = KnownHosts(t.known_hosts)
+        client = paramiko.SSHClient()
+        # Only our own HostKeys: paramiko compares same-type keys itself (BadHostKeyException) and calls the
+        # policy for everything else.
+        for hostname in known.keys.keys():
+            for key_type, key in known.keys[hostname].items():
+                client.get_host_keys().add(hostname, key_type, key)
+        client.set_missing_host_key_policy(StrictHostKeyPolicy(known, t.accept_new_host_key))
+        key_file = str(Path(t.identity).expanduser()) if t.identity else None
+        if key_file and not Path(key_file).is_file():
+            raise AuthenticationError(f"{t.label}: identity file {key_file} not found")
+        try:
+            client.connect(
+                t.host, port=t.port, username=t.login, key_filename=key_file,
+                look_for_keys=key_file is None, allow_agent=key_file is None,
+                timeout=t.connect_timeout, banner_timeout=t.connect_timeout, auth_timeout=t.connect_timeout,
+                channel_timeout=t.connect_timeout, transport_factory=_transport_factory,
+            )
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise changed_key_error(exc.hostname, exc.key, exc.expected_key, known.path) from None
+        except paramiko.PasswordRequiredException:
+            client.close()
+            raise AuthenticationError(f"{t.label}: key {key_file} is encrypted; load it into ssh-agent "
+                                      f"(ssh-add) and leave out --identity") from None
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            tried = f"identity file {key_file}" if key_file else "ssh-agent and ~/.ssh/id_* keys"
+            raise AuthenticationError(f"{t.label}: authentication failed ({exc}); tried {tried}. "
+                                      f"Is the public key in the device's ~/.ssh/authorized_keys?") from None
+        except (socket.timeout, TimeoutError):
+            client.close()
+            raise ConnectTimeoutError(f"{t.label}: connection timed out after {t.connect_timeout:g} s") from None
+        except paramiko.ssh_exception.NoValidConnectionsError as exc:
+            client.close()
+            raise ConnectRefusedError(f"{t.label}: connection refused ({exc})") from None
+        except ConnectionRefusedError:
+            client.close()
+            raise ConnectRefusedError(f"{t.label}: connection refused (nothing listens on port {t.port})") from None
+        except socket.gaierror as exc:
+            client.close()
+            raise ConnectError(f"{t.label}: cannot resolve host {t.host!r} ({exc.strerror})") from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            client.close()
+            if isinstance(exc, DeployError):
+                raise
+            raise ConnectError(f"{t.label}: SSH connection failed: {exc}") from None
+        self.client = client
+        return self
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def exec(self, argv):
+        """Start `argv` on the device; returns the paramiko Channel (stdin writable, stdout/stderr readable)."""
+        transport = self.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise ConnectError(f"{self.target.label}: the SSH connection was lost")
+        channel = transport.open_session(timeout=self.target.connect_timeout)
+        channel.settimeout(self.target.command_timeout)
+        channel.exec_command(command_line(argv))
+        return channel
+
+    def run(self, argv, timeout: float | None = None) -> CommandResult:
+        """Run `argv` to completion (stdin closed) and collect its output.
+
+        Raises:
+            RemoteTimeoutError: it did not finish within `timeout` seconds (default: the target's
+                command_timeout).
+        """
+        channel = self.exec(argv)
+        channel.shutdown_write()
+        return collect(channel, timeout or self.target.command_timeout, self.target.label, argv)
+
+
+def collect(channel, timeout: float, label: str, argv) -> CommandResult:
+    """Read stdout and stderr of `channel` until the command exits; abandon it after `timeout` seconds."""
+    out, err = bytearray(), bytearray()
+    deadline = time.monotonic() + timeout
+    while True:
+        while channel.recv_ready():
+            out += channel.recv(1 << 16)
+        while channel.recv_stderr_ready():
+            err += channel.recv_stderr(1 << 16)
+        if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
+            break
+        if time.monotonic() > deadline:
+            channel.close()
+            raise RemoteTimeoutError(f"{label}: remote command {_short(argv)} did not finish within {timeout:g} s",
+                                     None, err.decode("utf-8", "replace")[-2000:])
+        select.select([channel], [], [], 0.05)
+    status = channel.recv_exit_status()
+    channel.close()
+    return CommandResult(status, bytes(out), bytes(err))
+
+
+def _short(argv) -> str:
+    text = command_line(argv)
+    return text if len(text) < 160 else text[:70] + " ... " + text[-70:]
+
+
+def _transport_factory(sock, **kwargs):
+    import paramiko
+
+    transport = paramiko.Transport(sock, **kwargs)
+    options = transport.get_security_options()
+    available = [c for c in PREFERRED_CIPHERS if c in options.ciphers]
+    options.ciphers = tuple(available) + tuple(c for c in options.ciphers if c not in available)
+    return transport

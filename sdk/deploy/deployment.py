@@ -1,0 +1,163 @@
+"""Deploying a bundle to one device, rolling back, and reading its status.
+
+`deploy()` is the whole sequence; the device's active bundle changes only in its last step:
+
+1. plan      which store objects the device has (stored, partial with offset, missing) and its free space
+2. upload    the missing bytes only, resuming partials; each object hashed on the device as it is written
+3. stage     bundles/<id> built from hard links into the store; every file not hashed in step 2 is hashed
+             now, so every file of the folder has been verified on the device (corrupt objects are re-sent)
+4. verify    with `verify=True`, `colibri-sdk verify bundles/<id>` runs on the device (the bundle's self-test)
+5. switch    `current` → bundles/<id> by renaming a new symlink over it; old bundles beyond `keep` and
+             store objects no bundle links to are deleted
+
+Killing the deploy at any moment before step 5 leaves `current` and the bundle it names untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .connection import Connection, Target
+from .errors import ChecksumMismatchError, DeployError, RemoteDiskFullError
+from .local_bundle import LocalBundle
+from .remote import RemoteAgent, run_verify
+from .store import DeviceStore, StoreStatus
+from .transfer import Upload, Uploader
+
+DEFAULT_REMOTE_DIR = "~/colibri"
+HASH_BYTES_PER_S = 50e6  # a slow device's sha256 rate, for timeouts only
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    """How to deploy (the same for every host).
+
+    Attributes:
+        remote_dir: store root on the device (`~` expands there).
+        keep: bundles kept on the device besides current and previous.
+        verify: run the bundle's self-test on the device before switching.
+        remote_python: the device's Python (runs the store agent).
+        remote_colibri: the device's colibri-sdk command (runs `verify`).
+        streams: upload channels used at once.
+        verify_timeout: seconds allowed for the remote self-test.
+    """
+
+    remote_dir: str = DEFAULT_REMOTE_DIR
+    keep: int = 3
+    verify: bool = False
+    remote_python: str = "python3"
+    remote_colibri: str = "colibri-sdk"
+    streams: int = 2
+    verify_timeout: float = 600.0
+
+    def __post_init__(self):
+        if self.keep < 1:
+            raise DeployError(f"--keep {self.keep}: must keep at least 1 bundle")
+        if self.streams < 1:
+            raise DeployError(f"--streams {self.streams}: must be at least 1")
+
+
+@dataclass
+class DeployResult:
+    """What one deploy did. Byte counts are payload bytes (file contents) sent over SSH."""
+
+    host: str
+    bundle_id: str
+    remote_path: str = ""
+    total_bytes: int = 0
+    bytes_sent: int = 0
+    sent: list = field(default_factory=list)
+    resumed: list = field(default_factory=list)
+    retried: list = field(default_factory=list)
+    previous: str | None = None
+    changed: bool = True
+    seconds: float = 0.0
+
+
+def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions(), progress=None) -> DeployResult:
+    """Put the bundle at `bundle_path` on `target` and make it the active bundle.
+
+    Args:
+        progress: called with byte counts as they are sent (e.g. a tqdm bar's `update`), or None.
+
+    Raises:
+        BundleError: the local bundle is incomplete or its files do not match the manifest.
+        DeployError subclasses (errors.py): connection, host key, authentication, disk full, permission,
+            checksum mismatch, remote timeout, failed self-test. The active bundle is unchanged in every case.
+    """
+    start = time.monotonic()
+    bundle = LocalBundle.open(bundle_path)
+    objects = {}
+    for f in bundle.files:  # identical contents are one store object
+        objects.setdefault(f.sha256, f)
+    result = DeployResult(target.label, bundle.bundle_id, total_bytes=bundle.total_bytes)
+    with Connection(target) as conn:
+        store = DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python))
+        plan = store.plan({sha: f.size for sha, f in objects.items()})
+        uploads = [Upload(f, plan.objects[sha].offset) for sha, f in objects.items()
+                   if plan.objects[sha].state != "stored"]
+        _check_space(target, plan, uploads)
+        if hasattr(progress, "add_total"):
+            progress.add_total(sum(u.file.size - u.offset for u in uploads))
+        uploader = Uploader(store.agent, options.streams, progress)
+        fresh = set()
+        keep_now = 0 if options.verify else options.keep  # without --verify, stage and switch in one call
+        for attempt in range(2):
+            report = uploader.upload(uploads)
+            _merge(result, report)
+            fresh |= {u.file.sha256 for u in uploads}
+            staged = store.stage(bundle.bundle_id, bundle.files, fresh, keep=keep_now,
+                                 timeout=target.command_timeout + bundle.total_bytes / HASH_BYTES_PER_S)
+            if not staged.corrupt:
+                break
+            if attempt == 1:
+                raise ChecksumMismatchError(
+                    f"{target.label}: store objects {', '.join(staged.corrupt)} failed their sha256 check on the "
+                    f"device twice; the active bundle was not changed")
+            # Stored objects that no longer match their sha256 (bit rot, tampering): deleted there, send again.
+            uploads = [Upload(objects[sha], 0) for sha in staged.corrupt]
+            result.retried += [objects[sha].path for sha in staged.corrupt]
+        result.remote_path = staged.path
+        switched = staged.answer
+        if options.verify:
+            run_verify(conn, options.remote_colibri, staged.path, options.verify_timeout)
+            switched = store.switch(bundle.bundle_id, options.keep)
+        result.previous = switched.get("previous")
+        result.changed = result.previous != bundle.bundle_id
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def rollback(target: Target, options: DeployOptions = DeployOptions(), to: str | None = None) -> dict:
+    """Switch `current` back to the previous bundle (or to bundle `to`) after re-hashing all its files.
+
+    Returns the agent's answer: {"current": id, "previous": id}.
+
+    Raises:
+        RemoteCommandError: nothing to roll back to, unknown id, or the bundle failed its sha256 check.
+    """
+    with Connection(target) as conn:
+        store = DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python))
+        return store.rollback(to, timeout=target.command_timeout + 8e9 / HASH_BYTES_PER_S)
+
+
+def status(target: Target, options: DeployOptions = DeployOptions()) -> StoreStatus:
+    """The bundles, pointers and store usage on `target`."""
+    with Connection(target) as conn:
+        return DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python)).status()
+
+
+def _merge(result: DeployResult, report) -> None:
+    result.bytes_sent += report.bytes_sent
+    result.sent += report.sent
+    result.resumed += report.resumed
+    result.retried += report.retried
+
+
+def _check_space(target: Target, plan, uploads) -> None:
+    needed = sum(u.file.size - u.offset for u in uploads)
+    if needed > plan.free_bytes:
+        raise RemoteDiskFullError(
+            f"{target.label}: the bundle needs {needed:,} more bytes under {plan.root!r} but only "
+            f"{plan.free_bytes:,} are free on the device's disk; free space or lower --keep")

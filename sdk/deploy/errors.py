@@ -1,0 +1,100 @@
+"""Typed deploy errors. Each is a `DeployError` (so the CLI prints it and exits 1) and names the host.
+
+    DeployError
+    ├── ConnectError              the TCP connection failed
+    │   ├── ConnectRefusedError       nothing listens on the port
+    │   └── ConnectTimeoutError       no answer within the connect timeout
+    ├── AuthenticationError       the server refused every key offered
+    ├── HostKeyError              the server's host key is not trusted
+    │   ├── HostKeyUnknownError       no key stored for this host (use --accept-new-host-key once)
+    │   └── HostKeyChangedError       a different key, or only keys of another type, are stored for this host
+    ├── RemoteCommandError        a remote command failed (exit status and stderr attached)
+    │   ├── RemoteTimeoutError        a remote command ran past its timeout
+    │   ├── RemoteDiskFullError       ENOSPC / EDQUOT on the device
+    │   ├── RemotePermissionError     EACCES / EPERM / EROFS on the device
+    │   └── RemoteVerifyError         `colibri-sdk verify` failed on the device (the pointer was not switched)
+    └── ChecksumMismatchError     a file's sha256 on the device differs from the manifest after upload
+"""
+
+from __future__ import annotations
+
+from ..errors import DeployError
+
+__all__ = [
+    "DeployError",
+    "ConnectError",
+    "ConnectRefusedError",
+    "ConnectTimeoutError",
+    "AuthenticationError",
+    "HostKeyError",
+    "HostKeyUnknownError",
+    "HostKeyChangedError",
+    "RemoteCommandError",
+    "RemoteTimeoutError",
+    "RemoteDiskFullError",
+    "RemotePermissionError",
+    "RemoteVerifyError",
+    "ChecksumMismatchError",
+]
+
+
+class ConnectError(DeployError):
+    """The TCP connection to the device failed."""
+
+
+class ConnectRefusedError(ConnectError):
+    """Nothing accepts connections on the host and port."""
+
+
+class ConnectTimeoutError(ConnectError):
+    """The host did not answer within the connect timeout."""
+
+
+class AuthenticationError(DeployError):
+    """The SSH server refused every key that was offered."""
+
+
+class HostKeyError(DeployError):
+    """The server's host key is not trusted."""
+
+
+class HostKeyUnknownError(HostKeyError):
+    """No key is stored for this host in known_hosts."""
+
+
+class HostKeyChangedError(HostKeyError):
+    """known_hosts holds a different key for this host (of the same type or only of other types)."""
+
+
+class RemoteCommandError(DeployError):
+    """A remote command failed.
+
+    Attributes:
+        exit_status: the remote exit status, or None when it never finished.
+        stderr: the command's standard error, decoded (may be truncated to its last 2000 characters).
+    """
+
+    def __init__(self, message: str, exit_status: int | None = None, stderr: str = ""):
+        super().__init__(message)
+        self.exit_status = exit_status
+        self.stderr = stderr
+
+
+class RemoteTimeoutError(RemoteCommandError):
+    """A remote command ran past its timeout and was abandoned."""
+
+
+class RemoteDiskFullError(RemoteCommandError):
+    """The device's file system is full (ENOSPC) or over quota (EDQUOT)."""
+
+
+class RemotePermissionError(RemoteCommandError):
+    """The device refused a write: EACCES, EPERM (e.g. an immutable folder) or EROFS (read-only file system)."""
+
+
+class RemoteVerifyError(RemoteCommandError):
+    """The bundle's self-test failed on the device; the active bundle was left as it was."""
+
+
+class ChecksumMismatchError(DeployError):
+    """A file's sha256 on the device differs from the manifest after upload (and after one retry)."""

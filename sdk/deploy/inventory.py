@@ -1,0 +1,140 @@
+"""Many devices: a YAML inventory, a bounded thread pool, and a per-host result table.
+
+Inventory file (`--hosts FILE`):
+
+    defaults:                   # optional; fields every host inherits (command-line flags come first)
+      user: nvidia
+      port: 22
+      identity: ~/.ssh/id_ed25519
+      remote_dir: /opt/colibri
+    hosts:
+      - orin-01.local                         # [user@]host[:port]
+      - {host: 10.0.0.12, port: 2222, name: line-3}
+
+Host fields: host (required), name (table label), user, port, identity, known_hosts, remote_dir.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..errors import ColibriError
+from .connection import Target
+from .errors import DeployError
+
+HOST_FIELDS = {"host", "name", "user", "port", "identity", "known_hosts", "remote_dir"}
+TOP_LEVEL = {"defaults", "hosts"}
+
+
+@dataclass(frozen=True)
+class InventoryHost:
+    """One inventory entry: its label, connection target and store root (None: the command's --remote-dir)."""
+
+    name: str
+    target: Target
+    remote_dir: str | None = None
+
+
+@dataclass
+class HostResult:
+    """The outcome on one host: `ok`, a short `detail` for the table, and the result or the error."""
+
+    name: str
+    ok: bool
+    detail: str
+    value: object = None
+    error: Exception | None = None
+
+
+def load_inventory(path, base: Target) -> list:
+    """Read a YAML inventory; each host's Target starts from `base` (the command-line flags).
+
+    Raises:
+        DeployError: unreadable YAML, unknown keys (the allowed set is quoted), no hosts, duplicate names.
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise DeployError(f"inventory {path}: cannot read it ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("hosts"), list) or not data["hosts"]:
+        raise DeployError(f"inventory {path}: expected a mapping with a non-empty 'hosts' list")
+    _check_keys(path, "top level", data, TOP_LEVEL)
+    defaults = data.get("defaults") or {}
+    _check_keys(path, "defaults", defaults, HOST_FIELDS - {"host", "name"})
+    hosts, names = [], set()
+    for index, entry in enumerate(data["hosts"]):
+        fields = dict(defaults)
+        if isinstance(entry, str):
+            fields["spec"] = entry
+        elif isinstance(entry, dict):
+            _check_keys(path, f"hosts[{index}]", entry, HOST_FIELDS)
+            if "host" not in entry:
+                raise DeployError(f"inventory {path}: hosts[{index}] has no 'host'")
+            fields.update(entry)
+            fields["spec"] = str(entry["host"])
+        else:
+            raise DeployError(f"inventory {path}: hosts[{index}] is {entry!r}; expected a string or a mapping")
+        host = _host(base, fields)
+        if host.name in names:
+            raise DeployError(f"inventory {path}: host name {host.name!r} appears twice")
+        names.add(host.name)
+        hosts.append(host)
+    return hosts
+
+
+def _check_keys(path, where: str, mapping, allowed: set) -> None:
+    if not isinstance(mapping, dict):
+        raise DeployError(f"inventory {path}: {where} must be a mapping, got {mapping!r}")
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise DeployError(f"inventory {path}: unknown key(s) {unknown} in {where}; allowed: {sorted(allowed)}")
+
+
+def _host(base: Target, fields: dict) -> InventoryHost:
+    changes = {k: fields[k] for k in ("user", "identity", "known_hosts") if fields.get(k) is not None}
+    if fields.get("port") is not None:
+        changes["port"] = int(fields["port"])
+    target = Target.parse(fields["spec"], **{**_fields(base), **changes})
+    name = str(fields.get("name") or target.label)
+    return InventoryHost(name, target, fields.get("remote_dir"))
+
+
+def _fields(target: Target) -> dict:
+    return {k: getattr(target, k) for k in ("user", "port", "identity", "known_hosts", "accept_new_host_key",
+                                            "connect_timeout", "command_timeout")}
+
+
+def run_on_hosts(hosts: list, action, parallel: int = 4) -> list:
+    """Call `action(host) -> (value, detail)` for every host on at most `parallel` threads.
+
+    A ColibriError from one host becomes a failed HostResult; the others go on. Results keep inventory order.
+    """
+
+    def one(host: InventoryHost) -> HostResult:
+        try:
+            value, detail = action(host)
+            return HostResult(host.name, True, detail, value)
+        except ColibriError as exc:
+            return HostResult(host.name, False, str(exc), error=exc)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(hosts))), thread_name_prefix="host") as pool:
+        return list(pool.map(one, hosts))
+
+
+def format_table(results: list) -> str:
+    """A fixed-width table: HOST, RESULT (ok / FAILED: error type), DETAIL (first line of the message)."""
+    rows = [("HOST", "RESULT", "DETAIL")]
+    for r in results:
+        outcome = "ok" if r.ok else f"FAILED: {type(r.error).__name__}"
+        rows.append((r.name, outcome, r.detail.splitlines()[0] if r.detail else ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows)
+
+
+def with_remote_dir(options, host: InventoryHost):
+    """`options` with the host's own remote_dir, if the inventory gives one."""
+    return replace(options, remote_dir=host.remote_dir) if host.remote_dir else options

@@ -1,0 +1,109 @@
+"""The content-addressed store on a device, seen from the deploying machine.
+
+The layout and the on-device logic are in agent.py (it runs there); this module gives typed answers:
+
+    REMOTE_DIR/store/<sha256>          verified file contents (read-only), `.partial` while uploading
+    REMOTE_DIR/bundles/<id>/           bundle folders, hard links into the store
+    REMOTE_DIR/current -> bundles/<id> the active bundle (switched by an atomic rename)
+    REMOTE_DIR/previous -> bundles/<id>
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .remote import RemoteAgent
+
+
+@dataclass(frozen=True)
+class ObjectState:
+    """One store object on the device: "stored", "partial" (with `offset` bytes already there) or "missing"."""
+
+    state: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The device's answer to `plan`: the absolute store root, free bytes, and the state of each object."""
+
+    root: str
+    free_bytes: int
+    objects: dict  # sha256 -> ObjectState
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A staged bundle folder: its absolute path on the device, whether it already existed, corrupt objects."""
+
+    path: str
+    reused: bool
+    corrupt: tuple
+    answer: dict
+
+
+@dataclass(frozen=True)
+class BundleEntry:
+    """One bundle folder on the device, as `--status` lists it."""
+
+    bundle_id: str
+    activated: float  # seconds since the epoch (the folder's mtime, set at each activation)
+    files: int
+    bytes: int
+    manifest: dict
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class StoreStatus:
+    """What `--status` shows for one device."""
+
+    root: str
+    exists: bool
+    current: str | None = None
+    previous: str | None = None
+    bundles: tuple = ()
+    store_objects: int = 0
+    store_bytes: int = 0
+    partial: int = 0
+    free_bytes: int = 0
+
+
+class DeviceStore:
+    """Typed access to the agent's operations (see agent.py for what each does on the device)."""
+
+    def __init__(self, agent: RemoteAgent):
+        self.agent = agent
+
+    def plan(self, objects: dict) -> Plan:
+        """`objects`: {sha256: size in bytes}."""
+        answer = self.agent.call("plan", *(f"{sha}:{size}" for sha, size in objects.items()))
+        states = {sha: ObjectState(v["state"], int(v["offset"])) for sha, v in answer["objects"].items()}
+        return Plan(answer["root"], int(answer["free"]), states)
+
+    def stage(self, bundle_id: str, files, fresh, timeout: float, keep: int = 0) -> Staged:
+        """Build bundles/<bundle_id> from `files` (BundleFile list) and hash every file not in `fresh`; with
+        `keep` > 0 and nothing corrupt, also switch to it (as `switch`). The agent's full answer is `.answer`."""
+        items = [f"{f.sha256}:{f.path}" for f in files]
+        answer = self.agent.call("stage", bundle_id, ",".join(sorted(fresh)), keep, *items, timeout=timeout)
+        return Staged(answer["path"], bool(answer["reused"]), tuple(answer["corrupt"]), answer)
+
+    def switch(self, bundle_id: str, keep: int) -> dict:
+        """Make bundles/<bundle_id> current; keep `keep` bundles (plus current and previous); collect garbage."""
+        return self.agent.call("switch", bundle_id, keep)
+
+    def rollback(self, bundle_id: str | None, timeout: float) -> dict:
+        """Re-verify bundles/<bundle_id> (default: the previous one) and make it current."""
+        return self.agent.call("rollback", *([bundle_id] if bundle_id else []), timeout=timeout)
+
+    def status(self) -> StoreStatus:
+        answer = self.agent.call("status")
+        if not answer.get("exists"):
+            return StoreStatus(answer["root"], False)
+        bundles = tuple(
+            BundleEntry(b["id"], float(b["activated"]), int(b["files"]), int(b["bytes"]), b.get("manifest") or {},
+                        b.get("error", ""))
+            for b in answer["bundles"])
+        return StoreStatus(answer["root"], True, answer.get("current"), answer.get("previous"), bundles,
+                           int(answer["store_objects"]), int(answer["store_bytes"]), int(answer["partial"]),
+                           int(answer["free"]))

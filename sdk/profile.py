@@ -1,0 +1,371 @@
+"""Device profiles (profiles/*.yaml): the target arch and toolkit, the fixed shape, the kernel tile sizes, and the
+hardware facts the build checks against. Spec: docs/profiles.md.
+
+    profile = load_profile("orin")                 # the packaged profiles/orin.yaml
+    profile = load_profile("my/board.yaml")        # a path is used as it is
+    profile.arch, profile.compute_capability, profile.to_dict()
+
+Validation is strict: an unknown or duplicate key, a missing key, a wrong type, a value out of range, shared memory
+above the arch's limit, or an arch / toolkit the installed NVRTC cannot build for is a ProfileError naming the key
+path, the value seen and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from .catalog import KERNELS
+from .errors import ProfileError
+
+DTYPES = ("fp16", "fp32")
+AGGREGATIONS = ("ordered", "atomic")
+MAX_TOKENS = 65536  # batch * tokens: the kernels index (token, slot) pairs with 32-bit integers, kept far below
+
+# Shared memory per arch (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability", table
+# "Maximum amount of shared memory per thread block" with opt-in, and "... per SM"), bytes.
+# Without opt-in a block may use 48 KiB on every arch listed.
+SHARED_MEMORY_PER_BLOCK = 49152
+ARCH_SHARED_MEMORY: dict[int, tuple[int, int]] = {
+    # cc: (per block with opt-in, per SM)
+    70: (98304, 98304),
+    72: (98304, 98304),
+    75: (65536, 65536),
+    80: (166912, 167936),
+    86: (101376, 102400),
+    87: (166912, 167936),
+    89: (101376, 102400),
+    90: (232448, 233472),
+    100: (232448, 233472),
+    120: (101376, 102400),
+}
+
+_ARCH = re.compile(r"sm_(\d{2,3})")
+
+
+def parse_arch(arch: str) -> tuple[int, int]:
+    """"sm_87" → (8, 7); "sm_100" → (10, 0). Raises ProfileError for anything else."""
+    match = _ARCH.fullmatch(arch) if isinstance(arch, str) else None
+    if not match:
+        raise ProfileError(f"target.arch = {arch!r}; allowed: sm_XY, e.g. 'sm_87' (no 'a'/'f' feature suffix)")
+    digits = match.group(1)
+    return int(digits[:-1]), int(digits[-1])
+
+
+# ---- a tiny declarative schema --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One scalar key: its type(s), an optional check returning a reason, and the allowed values for messages."""
+
+    types: tuple[type, ...]
+    check: Callable[[Any], bool] | None = None
+    allowed: str = ""
+    required: bool = True
+
+    def validate(self, value, key: str, source: str) -> None:
+        type_ok = isinstance(value, self.types) and not (isinstance(value, bool) and bool not in self.types)
+        names = " or ".join(t.__name__ for t in self.types)
+        if not type_ok:
+            raise ProfileError(
+                f"{source}: {key} = {value!r} ({type(value).__name__}); allowed: {names}"
+                + (f", {self.allowed}" if self.allowed else "")
+            )
+        if self.check is not None and not self.check(value):
+            raise ProfileError(f"{source}: {key} = {value!r}; allowed: {self.allowed}")
+
+
+def _int(lo: int, hi: int, extra: str = "", check=None, required=True) -> Leaf:
+    def ok(v):
+        return lo <= v <= hi and (check is None or check(v))
+
+    return Leaf((int,), ok, f"an integer in {lo}..{hi}" + (f", {extra}" if extra else ""), required)
+
+
+def _choice(values: tuple[str, ...]) -> Leaf:
+    return Leaf((str,), lambda v: v in values, f"one of {list(values)}")
+
+
+def _kernel_schema() -> dict:
+    schema = {}
+    for kernel in KERNELS:
+        schema[kernel.name] = {p.name: p for p in kernel.params}
+    return schema
+
+
+SCHEMA: dict = {
+    "name": Leaf((str,), lambda v: bool(re.fullmatch(r"[A-Za-z0-9._-]+", v)), "letters, digits, '.', '_', '-'"),
+    "description": Leaf((str,), required=False),
+    "target": {
+        "arch": Leaf((str,), lambda v: bool(_ARCH.fullmatch(v)), "sm_XY, e.g. 'sm_87'"),
+        "toolkit": _int(11, 99, "the CUDA major version the build's NVRTC must have"),
+        "min_driver": _int(11000, 99990, "cuDriverGetVersion encoding 1000*major + 10*minor", lambda v: v % 10 == 0),
+        "unified_memory": Leaf((bool,), allowed="true or false"),
+    },
+    "hardware": {
+        "sm_count": _int(1, 1024),
+        "shared_memory_per_block": _int(1024, SHARED_MEMORY_PER_BLOCK, "bytes without opt-in"),
+        "shared_memory_per_block_optin": _int(1024, 1 << 20, "bytes"),
+        "shared_memory_per_sm": _int(1024, 1 << 20, "bytes"),
+        "memory_bandwidth_gbs": Leaf((int, float), lambda v: 0 < v < 1e5, "a number of GB/s in (0, 100000)"),
+    },
+    "dtype": _choice(DTYPES),
+    "shape": {
+        "batch": _int(1, MAX_TOKENS),
+        "tokens": _int(1, MAX_TOKENS),
+    },
+    "kernels": _kernel_schema(),
+    "aggregation": _choice(AGGREGATIONS),
+    "allow_spills": Leaf((bool,), allowed="true or false"),
+}
+
+
+def _validate(data, schema: dict, path: str, source: str) -> None:
+    if not isinstance(data, dict):
+        where = path or "the profile"
+        raise ProfileError(f"{source}: {where} is {type(data).__name__} {data!r}; allowed: a mapping of {sorted(schema)}")
+    for key in data:
+        if key not in schema:
+            full = f"{path}.{key}" if path else str(key)
+            raise ProfileError(f"{source}: unknown key {full!r}; allowed keys{' in ' + path if path else ''}: {sorted(schema)}")
+    for key, rule in schema.items():
+        full = f"{path}.{key}" if path else key
+        if key not in data:
+            if isinstance(rule, Leaf) and not rule.required:
+                continue
+            raise ProfileError(f"{source}: missing key {full!r}")
+        value = data[key]
+        if isinstance(rule, dict):
+            _validate(value, rule, full, source)
+        elif isinstance(rule, Leaf):
+            rule.validate(value, full, source)
+        else:  # a catalogue Param
+            reason = rule.check(value)
+            if reason:
+                raise ProfileError(f"{source}: {full} = {value!r}: {reason}; allowed: {rule.allowed()} ({rule.doc})")
+
+
+def _check_limits(data: dict, source: str) -> None:
+    """Cross-key checks: the shape's size, shared memory against the arch's hardware limits."""
+    shape = data["shape"]
+    if shape["batch"] * shape["tokens"] > MAX_TOKENS:
+        raise ProfileError(
+            f"{source}: shape batch*tokens = {shape['batch'] * shape['tokens']}; allowed: at most {MAX_TOKENS}"
+        )
+    major, minor = parse_arch(data["target"]["arch"])
+    cc = major * 10 + minor
+    if cc not in ARCH_SHARED_MEMORY:
+        known = ", ".join(f"sm_{c}" for c in sorted(ARCH_SHARED_MEMORY))
+        raise ProfileError(f"{source}: target.arch = {data['target']['arch']!r}: shared memory limits unknown; allowed: {known}")
+    optin_limit, sm_limit = ARCH_SHARED_MEMORY[cc]
+    hw = data["hardware"]
+    arch = data["target"]["arch"]
+    checks = (
+        ("shared_memory_per_block_optin", hw["shared_memory_per_block"], optin_limit,
+         f"shared_memory_per_block ({hw['shared_memory_per_block']}) .. {optin_limit} ({arch} opt-in limit)"),
+        ("shared_memory_per_sm", hw["shared_memory_per_block_optin"], sm_limit,
+         f"shared_memory_per_block_optin ({hw['shared_memory_per_block_optin']}) .. {sm_limit} ({arch} per-SM limit)"),
+    )
+    for key, lo, hi, allowed in checks:
+        if not lo <= hw[key] <= hi:
+            raise ProfileError(f"{source}: hardware.{key} = {hw[key]}; allowed: {allowed}")
+    toolkit, driver = data["target"]["toolkit"], data["target"]["min_driver"]
+    if driver // 1000 != toolkit:
+        raise ProfileError(
+            f"{source}: target.min_driver = {driver} is a CUDA {driver // 1000}.x driver; allowed: a CUDA {toolkit}.x "
+            f"driver version ({toolkit * 1000}..{toolkit * 1000 + 990}) to match target.toolkit = {toolkit}"
+        )
+
+
+def check_toolchain(data: dict, source: str) -> None:
+    """The installed NVRTC must have the profile's toolkit major and support its arch.
+
+    Raises:
+        ProfileError: naming target.toolkit (with the pip package to install) or target.arch (with the archs the
+            installed NVRTC supports).
+    """
+    from .build import nvrtc
+
+    major, minor = nvrtc.nvrtc_version()
+    toolkit = data["target"]["toolkit"]
+    if major != toolkit:
+        raise ProfileError(
+            f"{source}: target.toolkit = {toolkit}, but the installed NVRTC is {major}.{minor}; "
+            f"allowed: {major}, or install NVRTC {toolkit}: {nvrtc.pip_hint(toolkit)}"
+        )
+    cc_major, cc_minor = parse_arch(data["target"]["arch"])
+    supported = nvrtc.supported_archs()
+    if cc_major * 10 + cc_minor not in supported:
+        raise ProfileError(
+            f"{source}: target.arch = {data['target']['arch']!r} is not supported by the installed NVRTC "
+            f"{major}.{minor}; allowed: {', '.join(f'sm_{a}' for a in supported)}"
+        )
+
+
+# ---- YAML ------------------------------------------------------------------------------------------------------------
+def _strict_loader():
+    """PyYAML's SafeLoader, refusing duplicate keys (plain safe_load keeps the last one silently)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ProfileError(
+                    f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
+                    f"(first at line {seen[key] + 1}); allowed: each key once"
+                )
+            seen[key] = key_node.start_mark.line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return StrictLoader
+
+
+def parse_yaml(text: str, source: str) -> dict:
+    """YAML text → dict with the safe loader; syntax errors and duplicate keys → ProfileError with the line."""
+    import yaml
+
+    try:
+        data = yaml.load(text, Loader=_strict_loader())  # a SafeLoader subclass: no arbitrary objects
+    except ProfileError as exc:
+        raise ProfileError(f"{source}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{source}: not valid YAML: {exc}") from None
+    return data
+
+
+# ---- the profile -------------------------------------------------------------------------------------------------------
+def packaged_dir() -> Path:
+    """The folder of the shipped profiles: inside the installed package, or profiles/ of a source checkout."""
+    from . import profiles
+
+    return Path(profiles.__file__).parent
+
+
+def packaged_names() -> list[str]:
+    """Names of the shipped profiles (file stems), sorted."""
+    return sorted(p.stem for p in packaged_dir().glob("*.yaml"))
+
+
+def resolve(ref: str | os.PathLike) -> Path:
+    """A profile reference → its file. A name without a path separator or .yaml/.yml suffix (e.g. "orin") names a
+    shipped profile; anything else is a path used as it is.
+
+    Raises:
+        ProfileError: no shipped profile of that name, or no such file.
+    """
+    text = os.fspath(ref)
+    is_path = os.sep in text or "/" in text or text.endswith((".yaml", ".yml")) or Path(text).is_file()
+    path = Path(text) if is_path else packaged_dir() / f"{text}.yaml"
+    if not path.is_file():
+        if is_path:
+            raise ProfileError(f"profile file {text!r} not found")
+        raise ProfileError(f"no shipped profile named {text!r}; allowed: {packaged_names()} or a path to a .yaml file")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A validated device profile.
+
+    Attributes:
+        data: the profile as plain Python values (the YAML structure).
+        source: the file it was read from ("<dict>" when built from a dict).
+    """
+
+    data: dict
+    source: str = "<dict>"
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>", *, toolchain: bool = True) -> "Profile":
+        """Validate a profile given as a dict (deep-copied).
+
+        Args:
+            toolchain: also check the installed NVRTC against target.toolkit and target.arch.
+
+        Raises:
+            ProfileError: the first violation, naming the key path, the value and what is allowed.
+        """
+        data = copy.deepcopy(data)
+        _validate(data, SCHEMA, "", source)
+        if toolchain:
+            check_toolchain(data, source)
+        _check_limits(data, source)
+        return cls(data, source)
+
+    def to_dict(self) -> dict:
+        """A deep copy of the profile as plain dicts, lists, strings, numbers and booleans."""
+        return copy.deepcopy(self.data)
+
+    @property
+    def name(self) -> str:
+        return self.data["name"]
+
+    @property
+    def stem(self) -> str:
+        """The file name without .yaml (what `--profile` takes for a shipped profile), else the name."""
+        return Path(self.source).stem if self.source.endswith((".yaml", ".yml")) else self.name
+
+    @property
+    def arch(self) -> str:
+        return self.data["target"]["arch"]
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        return parse_arch(self.arch)
+
+    @property
+    def toolkit(self) -> int:
+        return self.data["target"]["toolkit"]
+
+    @property
+    def min_driver(self) -> int:
+        return self.data["target"]["min_driver"]
+
+    @property
+    def dtype(self) -> str:
+        return self.data["dtype"]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(batch, tokens)."""
+        return self.data["shape"]["batch"], self.data["shape"]["tokens"]
+
+    @property
+    def aggregation(self) -> str:
+        return self.data["aggregation"]
+
+    @property
+    def allow_spills(self) -> bool:
+        return self.data["allow_spills"]
+
+    @property
+    def hardware(self) -> dict:
+        return dict(self.data["hardware"])
+
+
+def load_profile(ref: str | os.PathLike, *, toolchain: bool = True) -> Profile:
+    """Read and validate a profile: a shipped name ("orin") or a path to a YAML file.
+
+    Args:
+        toolchain: also check the installed NVRTC (toolkit major, supported archs). The build needs it; reading
+            a profile for anything else does not.
+
+    Raises:
+        ProfileError: no such profile, invalid YAML, or a schema violation (see `Profile.from_dict`).
+    """
+    path = resolve(ref)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{source}: cannot read: {exc}") from exc
+    return Profile.from_dict(parse_yaml(text, source), source, toolchain=toolchain)

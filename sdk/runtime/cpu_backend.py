@@ -1,0 +1,60 @@
+"""The CPU backend: the NumPy reference engine (colibri_sdk.reference) on the bundle's mmap'ed weights.
+
+Loading maps `model.colibri` read-only and reads only its 64-byte header: no weight byte is read until a forward
+pass touches it, so load time does not grow with the weights' size. Each forward pass converts the experts it uses
+to float32 on the fly (fp32 accumulation, as on the GPU) and keeps no copy, so the process holds the weights at
+most once (in the page cache, shared with any other reader of the file).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BackendError
+from ..reference import ReferenceEngine
+
+
+class CpuBackend:
+    """Runs a bundle on the CPU with NumPy.
+
+    Args:
+        bundle: an open `colibri_sdk.bundle.Bundle`.
+        eager: accepted for symmetry with the CUDA backend; the CPU backend always runs eagerly.
+
+    Attributes:
+        name: "cpu".
+        shape: the bundle's fixed (batch, tokens).
+        hidden_size: the model's hidden size.
+    """
+
+    name = "cpu"
+
+    def __init__(self, bundle, eager: bool = False):
+        self.shape = tuple(bundle.shape)
+        self._file = bundle.open_weights()
+        self._engine = ReferenceEngine(self._file, compute_dtype=np.float32)
+        self.hidden_size = self._file.header.hidden_size
+
+    def infer_padded(self, x: np.ndarray) -> np.ndarray:
+        """One forward pass at the fixed shape.
+
+        Args:
+            x: float32, C-contiguous, (batch, tokens, hidden) at the bundle's fixed batch and tokens. The caller
+                (Runtime) has validated it.
+
+        Returns:
+            float32 (batch, tokens, hidden), a new array.
+
+        Raises:
+            BackendError: the backend is closed.
+        """
+        if self._engine is None:
+            raise BackendError("the CPU backend is closed; load the bundle again")
+        return self._engine.forward(x)
+
+    def close(self) -> None:
+        """Unmap the weights. Safe to call more than once."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+            self._file = None

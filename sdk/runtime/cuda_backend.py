@@ -1,0 +1,404 @@
+"""The CUDA backend: a bundle's kernels on a GPU through the driver API (cuda-bindings 12.x and 13.x).
+
+At load (docs/runtime-cuda.md):
+  1. cuInit, device 0, its compute capability against the bundle's: same major and >= minor runs the cubin; a newer
+     GPU JIT-compiles the PTX if the driver is at least as new as the PTX; anything else is a BackendError naming
+     both capabilities.
+  2. cuModuleLoadData for each catalogue kernel; cuModuleGetFunction for each symbol of the launch plan.
+  3. The weights (the .colibri data after the header) are uploaded once from the mmap'ed file in 64 MiB chunks:
+     through two pinned staging buffers on a discrete GPU; directly from the mapping on an integrated GPU
+     (CU_DEVICE_ATTRIBUTE_INTEGRATED, e.g. Jetson Orin), dropping each chunk's pages afterwards (madvise
+     MADV_DONTNEED, posix_fadvise POSIX_FADV_DONTNEED) so the weights are not resident twice.
+  4. Every scratch buffer of `catalog.device_buffers` is allocated once; input and output live in pinned host memory.
+  5. The whole forward pass (input copy, every layer's launches, output copy) is captured once into a CUDA Graph.
+Per call: copy x into the pinned input, cuGraphLaunch, one cuStreamSynchronize, copy the pinned output out. Eager
+mode enqueues the same copies and launches without the graph. A lock serialises calls; `close()` frees everything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from .. import catalog
+from ..errors import BackendError, InputError
+from ..format.constants import HEADER_SIZE
+from .driver import check, format_driver_version
+
+UPLOAD_CHUNK = 64 << 20  # bytes per weight upload step
+POISON_WORD = 0x7FC00000  # a float32 quiet NaN; as int32 a large positive value no kernel accepts as an index
+
+
+def parse_version(text: str) -> int:
+    """"12.9" → 12090, cuDriverGetVersion's encoding (1000*major + 10*minor)."""
+    major, _, minor = str(text).partition(".")
+    return 1000 * int(major) + 10 * int(minor or 0)
+
+
+def select_image(device_cc, bundle_cc, driver_version: int, min_driver: int, nvrtc_version: str) -> str:
+    """Which image of a bundle runs on a device.
+
+    Args:
+        device_cc, bundle_cc: (major, minor) compute capabilities of the GPU and of the bundle's arch.
+        driver_version: cuDriverGetVersion of this driver (e.g. 12060).
+        min_driver: the bundle's minimum driver (manifest `min_driver`).
+        nvrtc_version: the NVRTC that wrote the PTX ("12.9"); JIT needs a driver at least that new.
+
+    Returns:
+        "cubin" (same major, device minor >= bundle minor) or "ptx" (a newer GPU and a new enough driver).
+
+    Raises:
+        BackendError: the driver is older than the bundle's minimum, or the GPU is older than the bundle's arch,
+            or PTX JIT would need a newer driver; the message names both capabilities and versions.
+    """
+    dev, bun = tuple(int(v) for v in device_cc), tuple(int(v) for v in bundle_cc)
+    names = f"the GPU is sm_{dev[0]}{dev[1]}, the bundle is built for sm_{bun[0]}{bun[1]}"
+    if driver_version < min_driver:
+        raise BackendError(
+            f"the CUDA driver is {format_driver_version(driver_version)}; the bundle needs at least "
+            f"{format_driver_version(min_driver)} (manifest min_driver {min_driver}); {names}"
+        )
+    if dev[0] == bun[0] and dev[1] >= bun[1]:
+        return "cubin"
+    if dev < bun:
+        raise BackendError(
+            f"{names}: its code cannot run on an older GPU; build the bundle with a profile for "
+            f"sm_{dev[0]}{dev[1]} or older"
+        )
+    needed = max(min_driver, parse_version(nvrtc_version))
+    if driver_version < needed:
+        raise BackendError(
+            f"{names}: the cubin needs compute capability {bun[0]}.x, and JIT-compiling the PTX (NVRTC "
+            f"{nvrtc_version}) needs a CUDA driver >= {format_driver_version(needed)}, this one is "
+            f"{format_driver_version(driver_version)}"
+        )
+    return "ptx"
+
+
+class _Resources:
+    """Everything the backend holds on the GPU and in pinned memory, released once (by close or the finalizer)."""
+
+    def __init__(self, cu):
+        self.cu = cu
+        self.ctx = None
+        self.device = None
+        self.stream = None
+        self.modules: list = []
+        self.device_ptrs: list = []
+        self.host_ptrs: list = []
+        self.events: list = []
+        self.graph = None
+        self.graph_exec = None
+        self.released = False
+
+    def release(self) -> None:
+        """Free in reverse order of creation; errors are ignored (a dead context frees everything anyway)."""
+        if self.released:
+            return
+        self.released = True
+        cu = self.cu
+        if self.ctx is not None:
+            cu.cuCtxSetCurrent(self.ctx)
+        if self.stream is not None:
+            cu.cuStreamSynchronize(self.stream)
+        if self.graph_exec is not None:
+            cu.cuGraphExecDestroy(self.graph_exec)
+        if self.graph is not None:
+            cu.cuGraphDestroy(self.graph)
+        for event in self.events:
+            cu.cuEventDestroy(event)
+        for ptr in self.device_ptrs:
+            cu.cuMemFree(ptr)
+        for ptr in self.host_ptrs:
+            cu.cuMemFreeHost(ptr)
+        for module in self.modules:
+            cu.cuModuleUnload(module)
+        if self.stream is not None:
+            cu.cuStreamDestroy(self.stream)
+        if self.ctx is not None:
+            cu.cuDevicePrimaryCtxRelease(self.device)
+        self.graph_exec = self.graph = self.stream = self.ctx = None
+        self.events, self.device_ptrs, self.host_ptrs, self.modules = [], [], [], []
+
+
+class CudaBackend:
+    """Runs a bundle on device `device` through the CUDA driver API.
+
+    Args:
+        bundle: an opened `colibri_sdk.bundle.Bundle`.
+        eager: launch kernels one by one on each call instead of replaying the captured CUDA Graph.
+        device: CUDA device ordinal.
+
+    Attributes:
+        name: "cuda".
+        image_kind: "cubin" or "ptx" (JIT), per `select_image`.
+        device_name, compute_capability (major, minor), integrated (bool), driver_version (int).
+        shape: (batch, tokens) fixed shape; hidden: hidden size.
+
+    Raises:
+        BackendError: driver too old, or the bundle's code cannot run on this GPU (names both capabilities).
+        CudaError: a driver call failed (call name + CUDA error name).
+    """
+
+    name = "cuda"
+
+    def __init__(self, bundle, eager: bool = False, device: int = 0):
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        self._lock = threading.Lock()
+        self._res = _Resources(cu)
+        self._finalizer = weakref.finalize(self, self._res.release)
+        self.eager = bool(eager)
+        self.bundle = bundle
+        try:
+            self._open_device(device)
+            self._load(bundle)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- load -------------------------------------------------------------------------------------------------
+    def _open_device(self, ordinal: int) -> None:
+        cu, res = self._cu, self._res
+        check(cu.cuInit(0), "cuInit")
+        self.driver_version = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+        count = int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+        if not 0 <= ordinal < count:
+            raise BackendError(f"CUDA device {ordinal} does not exist; allowed: 0..{count - 1}")
+        dev = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        res.device = dev
+        res.ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
+        attr = cu.CUdevice_attribute
+        major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute")
+        minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute")
+        self.compute_capability = (int(major), int(minor))
+        self.integrated = bool(check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_INTEGRATED, dev), "cuDeviceGetAttribute"))
+        raw = check(cu.cuDeviceGetName(256, dev), "cuDeviceGetName")
+        self.device_name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
+        res.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+
+    def _load(self, bundle) -> None:
+        manifest = bundle.manifest
+        self.image_kind = select_image(
+            self.compute_capability,
+            bundle.compute_capability,
+            self.driver_version,
+            int(manifest["min_driver"]),
+            str(manifest["nvrtc_version"]),
+        )
+        with bundle.open_weights() as weights:
+            self.header = weights.header
+        profile = manifest["profile"]
+        self.shape = tuple(bundle.shape)
+        self.hidden = self.header.hidden_size
+        self._functions = self._load_functions(bundle)
+        self._weights = self._upload_weights(bundle.weights_path)
+        self._buffers = {name: self._alloc(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
+        self._io = catalog.io_buffers(self.header)
+        plan = manifest.get("launch") or catalog.launch_plan(profile, self.header)
+        self._launches = [self._prepare(launch) for launch in plan]
+        batch, tokens = self.shape
+        self._io_bytes = batch * tokens * self.hidden * 4
+        self._in_ptr, self._in = self._pinned(self._io_bytes)
+        self._out_ptr, self._out = self._pinned(self._io_bytes)
+        if not self.eager:
+            self._capture()
+
+    def _load_functions(self, bundle) -> dict[str, object]:
+        cu, res = self._cu, self._res
+        functions = {}
+        for kernel in bundle.manifest["kernels"]:
+            image = bundle.kernel_image(kernel["name"], self.image_kind)
+            if self.image_kind == "ptx" and not image.endswith(b"\0"):
+                image += b"\0"  # cuModuleLoadData reads PTX as a NUL-terminated string
+            data = np.frombuffer(image, dtype=np.uint8)
+            module = check(cu.cuModuleLoadData(data.ctypes.data), f"cuModuleLoadData({kernel['name']}.{self.image_kind})")
+            res.modules.append(module)
+            for symbol in kernel["symbols"]:
+                functions[symbol] = check(cu.cuModuleGetFunction(module, symbol.encode()), f"cuModuleGetFunction({symbol})")
+        return functions
+
+    def _alloc(self, size: int) -> int:
+        ptr = check(self._cu.cuMemAlloc(max(int(size), 1)), "cuMemAlloc")
+        self._res.device_ptrs.append(ptr)
+        return int(ptr)
+
+    def _pinned(self, size: int) -> tuple[int, np.ndarray]:
+        """Page-locked host memory and a uint8 NumPy view of it (valid until close)."""
+        ptr = check(self._cu.cuMemHostAlloc(size, 0), "cuMemHostAlloc")
+        self._res.host_ptrs.append(ptr)
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(int(ptr)))
+        return int(ptr), view
+
+    def _upload_weights(self, path) -> int:
+        """Copy the .colibri data after the header into one device buffer; returns its device pointer."""
+        cu, stream = self._cu, self._res.stream
+        size = self.header.data_size
+        dst = self._alloc(size)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            try:
+                if self.integrated:
+                    self._upload_integrated(fd, mapping, dst, size)
+                else:
+                    self._upload_staged(mapping, dst, size)
+            finally:
+                mapping.close()
+        finally:
+            os.close(fd)
+        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        return dst
+
+    def _upload_integrated(self, fd: int, mapping: mmap.mmap, dst: int, size: int) -> None:
+        """Copy straight from the mapping, then drop the copied pages: GPU and CPU share the DRAM, so keeping the
+        file's pages resident would hold the weights twice."""
+        cu = self._cu
+        page = mmap.PAGESIZE
+        dropped = 0  # file offset up to which pages were dropped (page-aligned)
+        for offset in range(0, size, UPLOAD_CHUNK):
+            n = min(UPLOAD_CHUNK, size - offset)
+            start = HEADER_SIZE + offset
+            chunk = np.frombuffer(mapping, dtype=np.uint8, count=n, offset=start)
+            check(cu.cuMemcpyHtoD(cu.CUdeviceptr(dst + offset), chunk.ctypes.data, n), "cuMemcpyHtoD")
+            del chunk
+            end = (start + n) // page * page if offset + n < size else len(mapping)
+            if end > dropped:
+                mapping.madvise(mmap.MADV_DONTNEED, dropped, end - dropped)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, dropped, end - dropped, os.POSIX_FADV_DONTNEED)
+                dropped = end
+
+    def _upload_staged(self, mapping: mmap.mmap, dst: int, size: int) -> None:
+        """Two pinned staging buffers: fill one while the other's copy runs."""
+        cu, res = self._cu, self._res
+        chunk_size = min(UPLOAD_CHUNK, max(size, 1))
+        stages = [self._pinned(chunk_size) for _ in range(2)]
+        events = [check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)]
+        res.events.extend(events)
+        source = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=HEADER_SIZE)
+        try:
+            for i, offset in enumerate(range(0, size, chunk_size)):
+                n = min(chunk_size, size - offset)
+                ptr, view = stages[i % 2]
+                if i >= 2:
+                    check(cu.cuEventSynchronize(events[i % 2]), "cuEventSynchronize")
+                view[:n] = source[offset : offset + n]
+                check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dst + offset), ptr, n, res.stream), "cuMemcpyHtoDAsync")
+                check(cu.cuEventRecord(events[i % 2], res.stream), "cuEventRecord")
+        finally:
+            del source
+
+    # ---- the forward pass -------------------------------------------------------------------------------------
+    def _pointer(self, arg: dict) -> int:
+        kind = arg["kind"]
+        if kind == "buffer":
+            return self._buffers[arg["name"]]
+        if kind == "weights":
+            return self._weights + int(arg["offset"])
+        if kind == "null":
+            return 0
+        raise BackendError(f"launch argument kind {kind!r}; allowed: buffer, weights, null")
+
+    def _prepare(self, launch: dict) -> tuple:
+        """(function, grid, block, shared bytes, kernelParams array, the arrays it points into)."""
+        symbol = launch["symbol"]
+        if symbol not in self._functions:
+            raise BackendError(f"launch plan names {symbol!r}; the bundle's kernels define {sorted(self._functions)}")
+        values = np.array([self._pointer(a) for a in launch["args"]], dtype=np.uint64)
+        params = np.array([values.ctypes.data + 8 * i for i in range(len(values))], dtype=np.uint64)
+        return (self._functions[symbol], tuple(launch["grid"]), tuple(launch["block"]), int(launch["shared_bytes"]),
+                params, values)
+
+    def _enqueue(self) -> None:
+        """Input copy, every launch, output copy, on the backend's stream (captured or not)."""
+        cu, stream = self._cu, self._res.stream
+        check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self._buffers[self._io["input"]]), self._in_ptr, self._io_bytes,
+                                   stream), "cuMemcpyHtoDAsync")
+        for function, grid, block, shared, params, _ in self._launches:
+            check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0), "cuLaunchKernel")
+        check(cu.cuMemcpyDtoHAsync(self._out_ptr, cu.CUdeviceptr(self._buffers[self._io["output"]]), self._io_bytes,
+                                   stream), "cuMemcpyDtoHAsync")
+
+    def _capture(self) -> None:
+        cu, res = self._cu, self._res
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(res.stream, mode), "cuStreamBeginCapture")
+        try:
+            self._enqueue()
+        except BaseException:
+            cu.cuStreamEndCapture(res.stream)  # end the broken capture; the first error is the one to report
+            raise
+        res.graph = check(cu.cuStreamEndCapture(res.stream), "cuStreamEndCapture")
+        res.graph_exec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def infer_padded(self, x: np.ndarray) -> np.ndarray:
+        """Run the bundle on one input at the fixed shape.
+
+        Args:
+            x: float32 C-contiguous (batch, tokens, hidden) at exactly the bundle's fixed shape.
+
+        Returns:
+            float32 (batch, tokens, hidden), a new array.
+
+        Raises:
+            InputError: another shape, dtype or layout.
+            BackendError: the backend is closed.
+            CudaError: a driver call failed (e.g. a kernel fault reported by cuStreamSynchronize).
+        """
+        batch, tokens = self.shape
+        expected = (batch, tokens, self.hidden)
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != expected or not x.flags.c_contiguous:
+            got = f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}".strip()
+            raise InputError(f"infer_padded takes a C-contiguous float32 array of shape {expected}; got {got}")
+        cu = self._cu
+        with self._lock:
+            if self._res.released:
+                raise BackendError("this CUDA backend is closed; load the bundle again")
+            check(cu.cuCtxSetCurrent(self._res.ctx), "cuCtxSetCurrent")
+            self._in[:] = x.reshape(-1).view(np.uint8)
+            if self.eager:
+                self._enqueue()
+            else:
+                check(cu.cuGraphLaunch(self._res.graph_exec, self._res.stream), "cuGraphLaunch")
+            check(cu.cuStreamSynchronize(self._res.stream), "cuStreamSynchronize")
+            return self._out.view(np.float32).reshape(expected).copy()
+
+    def poison(self) -> None:
+        """Fill every scratch buffer and the pinned output with 0x7FC00000 words (float32 NaN), for tests that
+        check that every value a call reads was written during that call."""
+        cu = self._cu
+        with self._lock:
+            check(cu.cuCtxSetCurrent(self._res.ctx), "cuCtxSetCurrent")
+            sizes = catalog.device_buffers(self.bundle.manifest["profile"], self.header)
+            for name, ptr in self._buffers.items():
+                check(cu.cuMemsetD32(cu.CUdeviceptr(ptr), POISON_WORD, sizes[name] // 4), "cuMemsetD32")
+            check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            self._out.view(np.uint32)[:] = POISON_WORD
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the graph, buffers, modules, stream and the context reference. Safe to call twice."""
+        with self._lock:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._res.released
+
+    def __enter__(self) -> "CudaBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("eager" if self.eager else "graph")
+        return f"CudaBackend({getattr(self, 'device_name', '?')}, {self.image_kind if hasattr(self, 'image_kind') else '?'}, {state})"

@@ -1,0 +1,352 @@
+"""The on-device runtime: load a bundle, pick a backend, check and pad inputs, run, self-test.
+
+A bundle is compiled for one fixed shape (batch, tokens) — the profile's `shape`. The runtime accepts any smaller
+input, pads it with zeros to the fixed shape, runs the backend at that shape and returns the unpadded part. Per-
+sequence lengths (`input_lengths`, as in the source description) zero the positions past each sequence's end, in
+the input and in the output. Tokens do not interact in a MoE layer (routing is per token), so padding never changes
+the valid positions' values.
+
+Backends (docs/runtime.md): "cuda" (colibri_sdk.runtime.cuda_backend, the CUDA driver API through cuda-bindings,
+imported only when asked for) and "cpu" (colibri_sdk.runtime.cpu_backend, the NumPy reference engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from ..errors import BackendError, BundleError, InputError
+
+BACKENDS = ("auto", "cuda", "cpu")
+INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+# ---- backend selection ------------------------------------------------------------------------------------------
+def cuda_status() -> tuple[bool, str]:
+    """Whether the CUDA driver can be used here, without risking a hang.
+
+    Returns:
+        (ok, reason): ok is True when the CUDA backend is installed and `driver.probe_driver()` found a working
+        driver; reason says why not otherwise (one line). Whether a device of the bundle's compute capability
+        exists is checked when a bundle is loaded.
+    """
+    try:
+        from .driver import probe_driver
+    except ImportError as exc:
+        return False, f"the CUDA backend cannot be imported ({exc})"
+    ok, reason = probe_driver()
+    return bool(ok), " ".join(str(reason).split())
+
+
+def available_backends() -> list[str]:
+    """Backends that can run here, preferred first: ["cuda", "cpu"] when a CUDA driver is usable, else ["cpu"]."""
+    ok, _ = cuda_status()
+    return ["cuda", "cpu"] if ok else ["cpu"]
+
+
+def _load_cuda(bundle, eager: bool):
+    """Construct the CUDA backend (imported here so the CPU path never imports cuda.bindings).
+
+    Raises:
+        BackendError: no usable driver or device, or the bundle's code cannot run on the device.
+    """
+    ok, reason = cuda_status()
+    if not ok:
+        raise BackendError(f"backend 'cuda' is not available here: {reason}; use backend='cpu' or 'auto'")
+    from .cuda_backend import CudaBackend
+
+    return CudaBackend(bundle, eager=eager)
+
+
+def _load_cpu(bundle, eager: bool):
+    from .cpu_backend import CpuBackend
+
+    return CpuBackend(bundle, eager=eager)
+
+
+def select_backend(bundle, backend: str = "auto", eager: bool = False):
+    """Construct the backend for `bundle`.
+
+    Args:
+        backend: "cuda", "cpu", or "auto" (CUDA when a driver and a suitable device exist, else CPU).
+
+    Returns:
+        (backend object, notice): notice is None, or one line saying why "auto" fell back to the CPU.
+
+    Raises:
+        BackendError: an unknown backend name, or "cuda" asked for where it cannot run (the reason is quoted).
+    """
+    if backend not in BACKENDS:
+        raise BackendError(f"backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if backend == "cpu":
+        return _load_cpu(bundle, eager), None
+    if backend == "cuda":
+        return _load_cuda(bundle, eager), None
+    try:
+        return _load_cuda(bundle, eager), None
+    except BackendError as exc:
+        reason = " ".join(str(exc).split())
+        return _load_cpu(bundle, eager), f"colibri-sdk: running on the CPU backend: {reason}"
+
+
+# ---- self-test --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SelfTestResult:
+    """Outcome of running a bundle's self-test vectors.
+
+    Attributes:
+        passed: every element satisfies |actual - expected| <= atol + rtol * |expected| (NumPy's allclose rule)
+            and every output is finite.
+        max_abs_err: max |actual - expected|.
+        max_rel_err: max |actual - expected| / max(|expected|, atol).
+        rtol, atol: the tolerances from the manifest (`selftest.rtol`, `selftest.atol`), chosen by dtype.
+        backend: the backend that ran it ("cuda" | "cpu").
+    """
+
+    passed: bool
+    max_abs_err: float
+    max_rel_err: float
+    rtol: float
+    atol: float
+    backend: str = ""
+
+    def __str__(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        return (
+            f"self-test {verdict} on {self.backend}: max abs err {self.max_abs_err:.3g}, max rel err "
+            f"{self.max_rel_err:.3g} (rtol {self.rtol:g}, atol {self.atol:g})"
+        )
+
+    def raise_if_failed(self) -> None:
+        """Raise BundleError with the numbers when the self-test failed."""
+        if not self.passed:
+            raise BundleError(str(self))
+
+
+def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float, backend: str = "") -> SelfTestResult:
+    """Compare a backend's output with the stored reference output (both float32, same shape)."""
+    if actual.shape != expected.shape:
+        raise BundleError(f"self-test output shape {actual.shape}; the stored reference output is {expected.shape}")
+    a = actual.astype(np.float64)
+    e = expected.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a - e)
+        finite = bool(np.isfinite(a).all())
+        passed = finite and bool((diff <= atol + rtol * np.abs(e)).all())
+        max_abs = float(diff.max()) if diff.size else 0.0
+        max_rel = float((diff / np.maximum(np.abs(e), atol)).max()) if diff.size else 0.0
+    if not finite:
+        max_abs = max_rel = float("inf")
+    return SelfTestResult(passed, max_abs, max_rel, float(rtol), float(atol), backend)
+
+
+# ---- the runtime ------------------------------------------------------------------------------------------------
+class Runtime:
+    """A loaded bundle, ready to run.
+
+    Usage::
+
+        with Runtime.load("bundles/demo") as rt:
+            y = rt.infer(x)                      # x (batch, tokens, hidden) or (tokens, hidden)
+            y = rt.infer(x, input_lengths=[5])   # sequence 0 is 5 tokens long; the rest is padding
+
+    Attributes:
+        bundle: the open `colibri_sdk.bundle.Bundle`.
+        backend_name: "cuda" | "cpu".
+        shape: the fixed (batch, tokens) the bundle was built for.
+        hidden_size: the model's hidden size.
+        dtype: the bundle's weight dtype, "fp16" | "fp32".
+        notice: None, or the one line printed when backend="auto" fell back to the CPU.
+        load_seconds: wall time of `load`, in seconds.
+
+    Thread safety: calls are serialised by a lock; `infer` from several threads gives the results of running the
+    same calls one after another.
+    """
+
+    def __init__(self, bundle, backend, notice: str | None = None):
+        self.bundle = bundle
+        self._backend = backend
+        self.backend_name: str = backend.name
+        self.shape: tuple[int, int] = tuple(int(n) for n in bundle.shape)
+        header = bundle.manifest["weights"]["header"]
+        self.hidden_size: int = int(header["hidden_size"])
+        self.dtype: str = bundle.dtype
+        self.notice = notice
+        self.load_seconds = 0.0
+        self._lock = threading.Lock()
+        self._staging = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
+        self._finalizer = weakref.finalize(self, backend.close)
+
+    @classmethod
+    def load(cls, bundle_dir: str | os.PathLike, backend: str = "auto", eager: bool = False, verify: bool = True):
+        """Open a bundle and prepare a backend.
+
+        Args:
+            bundle_dir: a bundle folder (manifest.json, model.colibri, kernels/, selftest/).
+            backend: "auto" | "cuda" | "cpu". "auto" takes CUDA when `driver.probe_driver()` finds a driver and
+                a device that can run the bundle exists, else the CPU, printing one line on stderr with the reason.
+            eager: CUDA only — launch the kernels one by one instead of replaying the captured CUDA Graph.
+            verify: check every file's size and SHA-256 against the manifest first. This reads every byte of
+                the weights once; pass False for a fast start of a bundle already checked with
+                `colibri-sdk verify`.
+
+        Raises:
+            BundleError: missing or tampered files, unknown schema.
+            BackendError: unknown backend name; "cuda" asked for where it cannot run (the reason is quoted).
+            CudaError: a CUDA driver call failed while loading.
+        """
+        from ..bundle import Bundle
+
+        start = time.perf_counter()
+        bundle = Bundle.open(bundle_dir, verify=verify)
+        engine, notice = select_backend(bundle, backend, eager)
+        if notice:
+            print(notice, file=sys.stderr)
+        runtime = cls(bundle, engine, notice)
+        runtime.load_seconds = time.perf_counter() - start
+        return runtime
+
+    # ---- running --------------------------------------------------------------------------------------------
+    def infer(self, x: np.ndarray, input_lengths=None) -> np.ndarray:
+        """Run the model on one input.
+
+        Args:
+            x: float32 or float16, C-contiguous, finite at the valid positions; (batch, tokens, hidden) with
+                1 <= batch <= the fixed batch and 1 <= tokens <= the fixed tokens, or (tokens, hidden) for one
+                sequence.
+            input_lengths: optional ints, shape (batch,) — or one int for a (tokens, hidden) input: each sequence's
+                length, 0..tokens. Positions at or past a sequence's length are ignored in the input (their
+                values may be anything) and are zero in the output.
+
+        Returns:
+            float32 array of x's shape, owned by the caller.
+
+        Raises:
+            InputError: not a NumPy array; dtype other than float32/float16; wrong rank or hidden size; batch or
+                tokens above the fixed shape (or zero); non-contiguous; NaN/Inf at a valid position; lengths of
+                the wrong shape or type, negative, or above the input's tokens.
+            BackendError: the runtime is closed.
+        """
+        with self._lock:
+            if not self._finalizer.alive:
+                raise BackendError("this Runtime is closed; load the bundle again")
+            x3, lengths = self._check_input(x, input_lengths)
+            batch, tokens, _ = x3.shape
+            padded = self._pad(x3, lengths)
+            y = self._backend.infer_padded(padded)
+            out = np.array(y[:batch, :tokens], dtype=np.float32, copy=True)
+        if lengths is not None:
+            for b, n in enumerate(lengths):
+                out[b, n:] = 0.0
+        return out.reshape(np.shape(x))
+
+    def _check_input(self, x, input_lengths):
+        """Validate x and input_lengths; return x as (batch, tokens, hidden) and lengths (batch,) or None."""
+        fixed_batch, fixed_tokens = self.shape
+        hidden = self.hidden_size
+        expected = f"(batch <= {fixed_batch}, tokens <= {fixed_tokens}, {hidden}) or (tokens <= {fixed_tokens}, {hidden})"
+        if not isinstance(x, np.ndarray):
+            raise InputError(f"input is a {type(x).__name__}; expected a numpy.ndarray {expected}, float32 or float16")
+        if x.dtype not in INPUT_DTYPES:
+            raise InputError(f"input dtype {x.dtype}; allowed: float32, float16")
+        if x.ndim not in (2, 3):
+            raise InputError(f"input shape {x.shape}; expected {expected}")
+        if x.shape[-1] != hidden:
+            raise InputError(f"input hidden size {x.shape[-1]} (shape {x.shape}); expected {hidden}")
+        x3 = x if x.ndim == 3 else x[None]
+        batch, tokens, _ = x3.shape
+        if not 1 <= batch <= fixed_batch:
+            raise InputError(f"input batch {batch} (shape {x.shape}); allowed: 1..{fixed_batch}, the bundle's fixed batch")
+        if not 1 <= tokens <= fixed_tokens:
+            raise InputError(
+                f"input tokens {tokens} (shape {x.shape}); allowed: 1..{fixed_tokens}, the bundle's fixed tokens"
+            )
+        if not x.flags.c_contiguous:
+            raise InputError(
+                f"input is not C-contiguous (shape {x.shape}, strides {x.strides}); pass np.ascontiguousarray(x)"
+            )
+        lengths = None if input_lengths is None else self._check_lengths(input_lengths, x.ndim, batch, tokens)
+        return x3, lengths
+
+    def _check_lengths(self, input_lengths, ndim: int, batch: int, tokens: int) -> list[int]:
+        arr = np.asarray(input_lengths)
+        if ndim == 2 and arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.dtype.kind not in "iu":
+            raise InputError(f"input_lengths dtype {arr.dtype}; allowed: integers")
+        if arr.shape != (batch,):
+            raise InputError(f"input_lengths shape {arr.shape}; expected ({batch},), one length per sequence")
+        lengths = [int(n) for n in arr]
+        fixed_tokens = self.shape[1]
+        for b, n in enumerate(lengths):
+            if not 0 <= n <= tokens:
+                raise InputError(
+                    f"input_lengths[{b}] = {n}; allowed: 0..{tokens} (the input's tokens; the bundle's fixed "
+                    f"tokens are {fixed_tokens})"
+                )
+        return lengths
+
+    def _pad(self, x3: np.ndarray, lengths: list[int] | None) -> np.ndarray:
+        """Copy x3 into the fixed-shape staging buffer (float32), zeros elsewhere; check the copied values."""
+        staging = self._staging
+        staging.fill(0.0)
+        batch, tokens, _ = x3.shape
+        if lengths is None:
+            staging[:batch, :tokens] = x3
+        else:
+            for b, n in enumerate(lengths):
+                staging[b, :n] = x3[b, :n]
+        finite = np.isfinite(staging)
+        if not finite.all():
+            bad = np.argwhere(~finite.all(axis=-1))
+            b, t = (int(v) for v in bad[0])
+            raise InputError(
+                f"input has non-finite values (NaN or Inf) at {len(bad)} valid positions, first at "
+                f"(batch {b}, token {t}); all values at valid positions must be finite"
+            )
+        return staging
+
+    def self_test(self) -> SelfTestResult:
+        """Run the bundle's self-test input and compare with its stored reference output.
+
+        Returns:
+            SelfTestResult; `passed` is False on a mismatch (call `raise_if_failed()` to turn it into an error).
+
+        Raises:
+            BundleError: the self-test files are missing or their shapes do not match the bundle.
+        """
+        x, expected, rtol, atol = self.bundle.selftest()
+        fixed = self.shape + (self.hidden_size,)
+        if x.shape != fixed:
+            raise BundleError(f"self-test input shape {x.shape}; the bundle's fixed shape is {fixed}")
+        actual = self.infer(np.ascontiguousarray(x, dtype=np.float32))
+        return compare(actual, np.asarray(expected, dtype=np.float32), rtol, atol, self.backend_name)
+
+    # ---- lifetime -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the backend (device memory, graph, weight mapping). Safe to call more than once."""
+        with self._lock:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (
+            f"Runtime({str(self.bundle.path)!r}, backend={self.backend_name!r}, shape={self.shape}, "
+            f"hidden={self.hidden_size}, dtype={self.dtype!r}, {state})"
+        )

@@ -1,0 +1,201 @@
+"""Bundle integrity: a changed byte anywhere (manifest.json included), a missing, truncated or extra file is refused
+with the file's name, by `Bundle.open` and by `colibri-sdk verify`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from colibri_sdk import cli
+from colibri_sdk.bundle import Bundle, canonical_json, manifest_digest
+from colibri_sdk.errors import BundleError
+
+
+@pytest.fixture(scope="module")
+def bundle_copy(built, tmp_path_factory):
+    """A private copy of the orin bundle; each test restores what it changes."""
+    path = tmp_path_factory.mktemp("tamper") / "orin"
+    shutil.copytree(built["orin"].path, path)
+    return path
+
+
+def files_of(path):
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+
+
+def test_every_file_is_covered(bundle_copy):
+    """Flip one byte in the middle of each file in turn: each is refused naming that file."""
+    names = files_of(bundle_copy)
+    assert len(names) == 12 and "manifest.json" in names
+    for rel in names:
+        target = bundle_copy / rel
+        data = bytearray(target.read_bytes())
+        original = bytes(data)
+        middle = len(data) // 2
+        data[middle] ^= 0x01
+        target.write_bytes(bytes(data))
+        try:
+            with pytest.raises(BundleError) as info:
+                Bundle.open(bundle_copy)
+            assert str(info.value).startswith(f"{rel}:") or f"{rel}:" in str(info.value), str(info.value)
+        finally:
+            target.write_bytes(original)
+    Bundle.open(bundle_copy)  # restored: valid again
+
+
+def test_manifest_value_edit_in_canonical_form_is_refused(bundle_copy):
+    path = bundle_copy / "manifest.json"
+    original = path.read_bytes()
+    manifest = json.loads(original)
+    manifest["selftest"]["rtol"] = 0.5  # loosen the self-test, keep canonical form
+    path.write_bytes(canonical_json(manifest))
+    try:
+        with pytest.raises(BundleError, match=r"manifest.json: content sha256 [0-9a-f]{64} differs from the recorded manifest_sha256"):
+            Bundle.open(bundle_copy)
+        # Schema-only opening (inspect) still reads it.
+        assert Bundle.open(bundle_copy, verify=False).manifest["selftest"]["rtol"] == 0.5
+    finally:
+        path.write_bytes(original)
+
+
+def test_manifest_reformatted_is_refused(bundle_copy):
+    path = bundle_copy / "manifest.json"
+    original = path.read_bytes()
+    path.write_bytes(json.dumps(json.loads(original), indent=4, sort_keys=True).encode() + b"\n")
+    try:
+        with pytest.raises(BundleError, match=r"manifest.json: not in canonical form"):
+            Bundle.open(bundle_copy)
+    finally:
+        path.write_bytes(original)
+
+
+def test_weights_swapped_with_recomputed_manifest_entry_but_stale_digest(bundle_copy):
+    """Editing a file and its manifest entry consistently still breaks the manifest digest."""
+    from colibri_sdk.bundle import file_sha256
+
+    mpath, wpath = bundle_copy / "manifest.json", bundle_copy / "selftest" / "output.npy"
+    m_orig, w_orig = mpath.read_bytes(), wpath.read_bytes()
+    try:
+        expected = np.load(wpath)
+        np.save(wpath, np.zeros_like(expected))
+        manifest = json.loads(m_orig)
+        entry = next(e for e in manifest["files"] if e["path"] == "selftest/output.npy")
+        entry["sha256"], entry["size"] = file_sha256(wpath), wpath.stat().st_size
+        mpath.write_bytes(canonical_json(manifest))
+        with pytest.raises(BundleError, match="manifest.json: content sha256"):
+            Bundle.open(bundle_copy)
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        mpath.write_bytes(canonical_json(manifest))
+        assert Bundle.open(bundle_copy).selftest()[1].max() == 0  # consistent edits are not a signature check
+    finally:
+        mpath.write_bytes(m_orig)
+        wpath.write_bytes(w_orig)
+
+
+def test_missing_truncated_and_extra_files(bundle_copy):
+    cubin = bundle_copy / "kernels" / "gate_up.sm_87.cubin"
+    original = cubin.read_bytes()
+    cubin.unlink()
+    try:
+        with pytest.raises(BundleError, match=r"kernels/gate_up.sm_87.cubin: listed in the manifest but missing"):
+            Bundle.open(bundle_copy)
+        cubin.write_bytes(original[:-1])
+        with pytest.raises(BundleError, match=rf"kernels/gate_up.sm_87.cubin: {len(original) - 1} bytes; the manifest records {len(original)}"):
+            Bundle.open(bundle_copy)
+    finally:
+        cubin.write_bytes(original)
+    extra = bundle_copy / "kernels" / "extra.sm_87.cubin"
+    extra.write_bytes(original)
+    try:
+        with pytest.raises(BundleError, match=r"kernels/extra.sm_87.cubin: not listed in the manifest"):
+            Bundle.open(bundle_copy)
+    finally:
+        extra.unlink()
+    Bundle.open(bundle_copy)
+
+
+def test_schema_faults(bundle_copy, tmp_path):
+    with pytest.raises(BundleError, match="is not a bundle folder"):
+        Bundle.open(tmp_path / "none")
+    with pytest.raises(BundleError, match="manifest.json: cannot read the manifest"):
+        Bundle.open(tmp_path)
+    path = bundle_copy / "manifest.json"
+    original = path.read_bytes()
+    try:
+        for change, match in [
+            ({"schema_version": 2}, r"schema_version = 2; this SDK reads schema_version 1"),
+            ({"dtype": "bf16"}, r"dtype = 'bf16'; allowed: \('fp16', 'fp32'\)"),
+            ({"extra": 1}, r"unknown keys \['extra'\]"),
+            ({"min_driver": "12020"}, r"min_driver = '12020'; allowed: int"),
+        ]:
+            manifest = json.loads(original)
+            manifest.update(change)
+            path.write_bytes(canonical_json(manifest))
+            with pytest.raises(BundleError, match=match):
+                Bundle.open(bundle_copy, verify=False)
+        manifest = json.loads(original)
+        del manifest["kernels"]
+        path.write_bytes(canonical_json(manifest))
+        with pytest.raises(BundleError, match=r"missing key 'kernels'"):
+            Bundle.open(bundle_copy, verify=False)
+        manifest = json.loads(original)
+        manifest["files"][0]["path"] = "../outside"
+        path.write_bytes(canonical_json(manifest))
+        with pytest.raises(BundleError, match=r"files\[0\].path: path '../outside'; allowed: a normalised relative path"):
+            Bundle.open(bundle_copy, verify=False)
+        path.write_bytes(original[:100])
+        with pytest.raises(BundleError, match="manifest.json: not valid JSON"):
+            Bundle.open(bundle_copy, verify=False)
+    finally:
+        path.write_bytes(original)
+
+
+def test_accessors(bundle_copy):
+    bundle = Bundle.open(bundle_copy)
+    assert bundle.kernel_image("routing", "cubin")[:4] == b"\x7fELF"
+    with pytest.raises(BundleError, match=r"no kernel 'softmax' in .*; allowed: \['routing', 'gate_up', 'down', 'small_batch'\]"):
+        bundle.kernel_image("softmax", "cubin")
+    with pytest.raises(BundleError, match=r"kernel image kind 'sass'; allowed: \('cubin', 'ptx'\)"):
+        bundle.kernel_image("routing", "sass")
+    with bundle.open_weights() as weights:
+        assert weights.header.hidden_size == 256
+    assert bundle.weights_path == bundle_copy / "model.colibri"
+    assert repr(bundle).endswith("arch=sm_87, dtype=fp16, shape=(1, 16))")
+
+
+def test_verify_cli(bundle_copy, capsys):
+    assert cli.main(["verify", str(bundle_copy), "--backend", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "schema 1, 12 files, checksums ok" in out and "self-test passed on cpu" in out
+    target = bundle_copy / "selftest" / "input.npy"
+    original = target.read_bytes()
+    target.write_bytes(original[:-4] + b"\x00\x00\x80\x7f")
+    try:
+        assert cli.main(["verify", str(bundle_copy), "--backend", "cpu"]) == 1
+        err = capsys.readouterr().err
+        assert "colibri-sdk verify: error: selftest/input.npy: sha256" in err
+    finally:
+        target.write_bytes(original)
+
+
+def test_verify_cli_fails_on_a_wrong_expected_output(bundle_copy, capsys):
+    """A self-test whose stored output does not match what the backend computes fails verify (exit 1)."""
+    mpath, opath = bundle_copy / "manifest.json", bundle_copy / "selftest" / "output.npy"
+    m_orig, o_orig = mpath.read_bytes(), opath.read_bytes()
+    try:
+        from colibri_sdk.bundle import file_sha256
+
+        np.save(opath, np.load(opath) + 1.0)
+        manifest = json.loads(m_orig)
+        entry = next(e for e in manifest["files"] if e["path"] == "selftest/output.npy")
+        entry["sha256"] = file_sha256(opath)
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        mpath.write_bytes(canonical_json(manifest))
+        assert cli.main(["verify", str(bundle_copy), "--backend", "cpu"]) == 1
+        assert "self-test failed" in capsys.readouterr().err
+    finally:
+        mpath.write_bytes(m_orig)
+        opath.write_bytes(o_orig)

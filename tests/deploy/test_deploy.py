@@ -1,0 +1,157 @@
+"""First deploy, re-deploy, kernel-only re-deploy, rollback, keep/garbage collection, --verify: against a
+real sshd on 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import stat
+from pathlib import Path
+
+import json
+
+import pytest
+from conftest import remote_tree, write_bundle
+
+from colibri_sdk.deploy import DeployOptions, RemoteCommandError, RemoteVerifyError, deploy, rollback, status
+
+pytestmark = pytest.mark.ssh
+
+
+def active(device_dir: Path) -> str:
+    return os.readlink(device_dir / "current")
+
+
+def test_first_deploy_puts_every_file_and_switches_pointer(bundle, target, options, device_dir):
+    result = deploy(bundle, target, options)
+    expected = remote_tree(bundle)
+    sizes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+    assert result.bytes_sent == sizes
+    assert active(device_dir) == f"bundles/{result.bundle_id}"
+    assert remote_tree(device_dir / "current") == expected
+    assert result.remote_path == str(device_dir / "bundles" / result.bundle_id)
+    model = device_dir / "current" / "model.colibri"
+    assert stat.S_IMODE(model.stat().st_mode) == 0o444  # store objects are read-only
+    assert model.stat().st_nlink == 2  # a hard link into the store
+    assert not list((device_dir / "store").glob("*.partial"))
+
+
+def test_hostile_remote_dir_is_used_literally(bundle, target, options, device_dir):
+    deploy(bundle, target, options)
+    assert (device_dir / "current" / "manifest.json").is_file()
+    # Nothing was expanded by a shell: the only folder under remote/ is the literal name.
+    assert [p.name for p in device_dir.parent.iterdir()] == [device_dir.name]
+
+
+def test_redeploy_sends_nothing(bundle, target, options, device_dir, wire):
+    first = deploy(bundle, target, options)
+    wire["bytes"] = 0
+    again = deploy(bundle, target, options)
+    assert again.bytes_sent == 0 and again.sent == []
+    assert again.changed is False and again.bundle_id == first.bundle_id
+    bundle_bytes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+    assert wire["bytes"] < 0.05 * bundle_bytes, (wire["bytes"], bundle_bytes)
+
+
+def test_kernel_only_redeploy_sends_only_kernels(tmp_path, target, options, device_dir, wire):
+    a = write_bundle(tmp_path / "a", kernel_seed=0)
+    b = write_bundle(tmp_path / "b", kernel_seed=1)
+    deploy(a, target, options)
+    wire["bytes"] = 0
+    result = deploy(b, target, options)
+    kernels = sorted(str(p.relative_to(b)) for p in (b / "kernels").iterdir())
+    assert sorted(result.sent) == sorted(kernels + ["manifest.json"])
+    changed_bytes = sum((b / k).stat().st_size for k in kernels) + (b / "manifest.json").stat().st_size
+    assert result.bytes_sent == changed_bytes
+    assert wire["bytes"] < changed_bytes + 100_000
+    assert remote_tree(device_dir / "current") == remote_tree(b)
+
+
+def test_identical_files_are_one_store_object(tmp_path, target, options, device_dir):
+    b = write_bundle(tmp_path / "b")
+    data = (b / "selftest" / "input.npy").read_bytes()
+    (b / "selftest" / "output.npy").write_bytes(data)
+
+    manifest = json.loads((b / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == "selftest/output.npy":
+            entry["sha256"] = hashlib.sha256(data).hexdigest()
+    (b / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")
+    result = deploy(b, target, options)
+    assert result.bytes_sent == result.total_bytes - len(data)
+    assert remote_tree(device_dir / "current") == remote_tree(b)
+
+
+def test_rollback_switches_back_and_forth(tmp_path, target, options, device_dir):
+    a = deploy(write_bundle(tmp_path / "a", kernel_seed=0), target, options)
+    b = deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, options)
+    assert b.previous == a.bundle_id
+    answer = rollback(target, options)
+    assert answer == {"current": a.bundle_id, "previous": b.bundle_id}
+    assert active(device_dir) == f"bundles/{a.bundle_id}"
+    assert remote_tree(device_dir / "current") == remote_tree(tmp_path / "a")
+    rollback(target, options)
+    assert active(device_dir) == f"bundles/{b.bundle_id}"
+    rollback(target, options, to=a.bundle_id)
+    assert active(device_dir) == f"bundles/{a.bundle_id}"
+    with pytest.raises(RemoteCommandError, match="no bundle 00000000 under"):
+        rollback(target, options, to="00000000")
+    with pytest.raises(RemoteCommandError, match=f"bundle {a.bundle_id} is already active"):
+        rollback(target, options, to=a.bundle_id)
+
+
+def test_rollback_refuses_a_corrupt_bundle(tmp_path, target, options, device_dir):
+    a = deploy(write_bundle(tmp_path / "a", kernel_seed=0), target, options)
+    deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, options)
+    victim = device_dir / "bundles" / a.bundle_id / "kernels" / "router.ptx"
+    victim.chmod(0o644)
+    victim.write_bytes(b"tampered")
+    with pytest.raises(RemoteCommandError, match=rf"bundle {a.bundle_id} is corrupt \(kernels/router.ptx\)"):
+        rollback(target, options)
+    assert active(device_dir) != f"bundles/{a.bundle_id}"
+
+
+def test_rollback_without_previous_is_refused(bundle, target, options):
+    deploy(bundle, target, options)
+    with pytest.raises(RemoteCommandError, match="nothing to roll back to"):
+        rollback(target, options)
+
+
+def test_keep_prunes_old_bundles_and_their_store_objects(tmp_path, target, device_dir):
+    options = DeployOptions(remote_dir=str(device_dir), keep=1)
+    bundles = [write_bundle(tmp_path / f"b{i}", kernel_seed=i, model_seed=i, model_bytes=200_000) for i in range(3)]
+    ids = [deploy(b, target, options).bundle_id for b in bundles]
+    # keep=1 keeps the newest; the previous one stays too, for rollback.
+    assert sorted(p.name for p in (device_dir / "bundles").iterdir()) == sorted(ids[1:])
+    wanted = set(remote_tree(bundles[1]).values()) | set(remote_tree(bundles[2]).values())
+    assert {p.name for p in (device_dir / "store").iterdir()} == wanted
+    st = status(target, options)
+    assert (st.current, st.previous) == (ids[2], ids[1])
+    assert [b.bundle_id for b in st.bundles] == [ids[2], ids[1]]
+    assert st.bundles[0].manifest["arch"] == "sm_87"
+
+
+def test_verify_failure_keeps_the_active_bundle(tmp_path, target, device_dir):
+    a = write_bundle(tmp_path / "a", kernel_seed=0)
+    b = write_bundle(tmp_path / "b", kernel_seed=1)
+    first = deploy(a, target, DeployOptions(remote_dir=str(device_dir)))
+    failing = DeployOptions(remote_dir=str(device_dir), verify=True,
+                            remote_colibri="sh -c 'echo self-test failed: max_abs_err 0.5; exit 3' sh")
+    with pytest.raises(RemoteVerifyError, match=r"(?s)failed \(exit status 3\).*not changed.*max_abs_err 0.5"):
+        deploy(b, target, failing)
+    assert active(device_dir) == f"bundles/{first.bundle_id}"
+
+
+def test_verify_runs_on_the_staged_bundle_before_the_switch(tmp_path, target, device_dir):
+    record = tmp_path / "verify args"
+    # The probe records `verify PATH` and fails: the pointer must not exist afterwards on this fresh device.
+    probe = shlex.join(["sh", "-c", 'printf %s "$1 $2" > "$0"; exit 9', str(record)])
+    bundle = write_bundle(tmp_path / "a")
+    with pytest.raises(RemoteVerifyError, match="exit status 9"):
+        deploy(bundle, target, DeployOptions(remote_dir=str(device_dir), verify=True, remote_colibri=probe))
+    bundle_id = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()[:16]
+    assert record.read_text() == f"verify {device_dir}/bundles/{bundle_id}"
+    assert not os.path.lexists(device_dir / "current")
+    result = deploy(bundle, target, DeployOptions(remote_dir=str(device_dir), verify=True, remote_colibri="true"))
+    assert active(device_dir) == f"bundles/{bundle_id}" and result.bytes_sent == 0

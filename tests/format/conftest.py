@@ -1,0 +1,30 @@
+"""Fixtures for tests/format: small .colibri files with known contents."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_sdk.format import Header, write_model
+
+SIZES = dict(num_layers=2, num_experts=3, top_k=2, hidden_size=4, intermediate_size=5)
+
+
+def small_arrays(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    L, E, H, I = 2, 3, 4, 5
+    return {
+        "gate_proj": rng.standard_normal((L, E, I, H)).astype(np.float32),
+        "up_proj": rng.standard_normal((L, E, I, H)).astype(np.float32),
+        "down_proj": rng.standard_normal((L, E, H, I)).astype(np.float32),
+        "router": rng.standard_normal((L, H, E)).astype(np.float32),
+    }
+
+
+@pytest.fixture
+def small_file(tmp_path):
+    """(path, header, arrays) of a small fp16 file."""
+    header = Header(**SIZES, dtype=1)
+    a = small_arrays()
+    path = write_model(tmp_path / "small.colibri", header, a["gate_proj"], a["up_proj"], a["down_proj"], a["router"])
+    return path, header, a

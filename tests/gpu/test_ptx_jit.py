@@ -1,0 +1,58 @@
+"""Every shipped profile's kernels on this GPU: the cubin when the arch matches, else the PTX through the driver's
+JIT (a newer GPU), checked with the bundle's own self-test vectors."""
+
+from __future__ import annotations
+
+import copy
+import os
+import resource
+
+import numpy as np
+import pytest
+
+from colibri_sdk.bundle import Bundle
+from colibri_sdk.profile import load_profile, packaged_dir
+
+from gpu_support import build, device_compute_capability
+
+pytestmark = pytest.mark.gpu
+
+PROFILES = sorted(p.stem for p in packaged_dir().glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_shipped_profile_runs(tmp_path, name):
+    from colibri_sdk.build.nvrtc import nvrtc_version
+    from colibri_sdk.runtime.cuda_backend import CudaBackend
+
+    data = copy.deepcopy(load_profile(name, toolchain=False).data)
+    data["target"]["toolkit"] = nvrtc_version()[0]  # the installed NVRTC; the arch stays the profile's
+    bundle = Bundle.open(build(data, None, tmp_path / name))
+    device = device_compute_capability()
+    cc = tuple(bundle.compute_capability)
+    if device < cc:
+        pytest.skip(f"profile {name} targets sm_{cc[0]}{cc[1]}, newer than this GPU (sm_{device[0]}{device[1]})")
+    with CudaBackend(bundle) as backend:
+        expected_kind = "cubin" if device[0] == cc[0] else "ptx"
+        assert backend.image_kind == expected_kind
+        x, expected, rtol, atol = bundle.selftest()
+        backend.poison()
+        y = backend.infer_padded(np.ascontiguousarray(x, dtype=np.float32))
+        np.testing.assert_allclose(y, expected, rtol=rtol, atol=atol, err_msg=f"{name} via {backend.image_kind}")
+
+
+def test_integrated_gpu_peak_memory(tmp_path):
+    """On an integrated GPU (Jetson) the weights must not be resident twice: peak RSS <= 1.1 x weights + baseline."""
+    from colibri_sdk.runtime.cuda_backend import CudaBackend
+
+    from gpu_support import profile_for_this_gpu, random_model
+
+    weights = random_model(tmp_path / "big.colibri", experts=8, top_k=2, hidden=1024, inter=4096, layers=4)
+    bundle = Bundle.open(build(profile_for_this_gpu(dtype="fp32"), weights, tmp_path / "bundle"))
+    size = os.path.getsize(bundle.weights_path)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with CudaBackend(bundle) as backend:
+        if not backend.integrated:
+            pytest.skip(f"{backend.device_name} is a discrete GPU; the single-copy rule is for integrated GPUs")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert peak - before <= 1.1 * size, f"RSS grew by {peak - before:,} bytes for {size:,} bytes of weights"

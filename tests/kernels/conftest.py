@@ -1,0 +1,16 @@
+"""Fixtures for the kernel tests: NVRTC compilation of the catalogue sources for a profile dict and a header."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from colibri_sdk.profile import load_profile
+
+
+@pytest.fixture(scope="session")
+def orin_profile() -> dict:
+    """The shipped Orin profile as a plain dict (validated by the profile loader, toolchain not checked)."""
+    return copy.deepcopy(load_profile("orin", toolchain=False).data)
+

@@ -1,0 +1,105 @@
+"""Every kernel source compiles with NVRTC for each supported arch, in fp16 and fp32, with odd sizes, without spills.
+
+Real NVRTC (cuda.bindings.nvrtc, the build's compile helper); no GPU needed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from colibri_sdk import catalog
+from colibri_sdk.build.cubin import cubin_sm
+from colibri_sdk.build.nvrtc import compile_source
+from colibri_sdk.errors import CompileError
+
+from kernel_support import make_header
+
+ARCHS = ("sm_80", "sm_87", "sm_89", "sm_90")
+# (label, header kwargs, profile overrides)
+CONFIGS = {
+    "demo-fp16": (dict(hidden=256, inter=512, experts=8, top_k=2, dtype="fp16"), {}),
+    "odd-fp32": (dict(hidden=100, inter=75, experts=64, top_k=8, dtype="fp32", routing=1, composition=0),
+                 {"dtype": "fp32"}),
+    "odd-fp16-atomic": (dict(hidden=130, inter=97, experts=16, top_k=4, dtype="fp16"), {"aggregation": "atomic"}),
+    # Few pairs: serial loops over them must not be unrolled into registers (they spilled once).
+    "few-pairs": (dict(hidden=64, inter=33, experts=64, top_k=1, dtype="fp32"),
+                  {"dtype": "fp32", "shape": {"batch": 1, "tokens": 3}, "kernels_routing": {"block_m": 1}}),
+    "max-experts": (dict(hidden=4096, inter=14336, experts=256, top_k=8, dtype="fp16", routing=1), {}),
+}
+
+
+def compile_all(profile: dict, header, arch: str) -> dict[str, dict]:
+    """Compile every catalogue source; return {symbol: resources} and check each cubin names `arch`."""
+    defines = catalog.compile_defines(profile, header)
+    resources = {}
+    for spec in catalog.KERNELS:
+        source = (catalog.kernel_dir() / spec.source).read_text()
+        out = compile_source(source, spec.source, arch, defines, [catalog.kernel_dir()])
+        assert cubin_sm(out.cubin) == int(arch[3:]), f"{spec.source}: cubin SM differs from {arch}"
+        assert out.ptx.lstrip().startswith(b"//"), f"{spec.source}: PTX text expected"
+        for symbol in spec.symbols:
+            assert symbol in out.resources, f"{spec.source}: {symbol} not compiled (found {sorted(out.resources)})"
+        resources.update(out.resources)
+    return resources
+
+
+def profile_with(base: dict, overrides: dict) -> dict:
+    p = copy.deepcopy(base)
+    overrides = dict(overrides)
+    p["kernels"]["routing"].update(overrides.pop("kernels_routing", {}))
+    p.update(overrides)
+    return p
+
+
+@pytest.mark.parametrize(
+    "arch,config",
+    [(a, "demo-fp16") for a in ARCHS] + [(a, "odd-fp32") for a in ARCHS]
+    + [("sm_87", "odd-fp16-atomic"), ("sm_90", "max-experts"), ("sm_80", "few-pairs"), ("sm_90", "few-pairs")],
+)
+def test_compiles_without_spills(orin_profile, arch, config):
+    header_kwargs, overrides = CONFIGS[config]
+    profile = profile_with(orin_profile, overrides)
+    resources = compile_all(profile, make_header(**header_kwargs), arch)
+    for symbol, r in resources.items():
+        assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, f"{symbol} spills: {r}"
+        assert r["stack_bytes"] == 0, f"{symbol} uses a stack frame: {r}"
+        assert r["shared_bytes"] <= 48 * 1024, f"{symbol}: {r['shared_bytes']} bytes of static shared memory"
+
+
+def test_largest_allowed_tiles_compile(orin_profile):
+    """block_m 16 x block_n 256 at 128 threads: 32 accumulators per thread, the documented limit."""
+    profile = copy.deepcopy(orin_profile)
+    profile["kernels"]["routing"].update(threads=1024, block_m=16)
+    profile["kernels"]["gate_up"].update(threads=128, block_n=256, block_k=16)
+    profile["kernels"]["down"].update(threads=128, block_n=256, block_k=32)
+    profile["kernels"]["small_batch"].update(threads=1024)
+    resources = compile_all(profile, make_header(hidden=200, inter=300, experts=32, top_k=4), "sm_87")
+    assert all(r["spill_store_bytes"] == 0 for r in resources.values()), resources
+
+
+def test_too_many_accumulators_is_a_compile_error(orin_profile):
+    profile = copy.deepcopy(orin_profile)
+    profile["kernels"]["routing"]["block_m"] = 128
+    profile["kernels"]["gate_up"].update(threads=32, block_n=256)
+    defines = catalog.compile_defines(profile, make_header())
+    source = (catalog.kernel_dir() / "expert_gate_up.cu").read_text()
+    with pytest.raises(CompileError, match=r"block_m \* gate_up.block_n / gate_up.threads must be <= 32"):
+        compile_source(source, "expert_gate_up.cu", "sm_87", defines, [catalog.kernel_dir()])
+
+
+def test_missing_defines_name_the_catalogue(orin_profile):
+    source = (catalog.kernel_dir() / "routing.cu").read_text()
+    with pytest.raises(CompileError, match=r"(?s)routing.cu.*common.cuh.*need the -D constants of sdk/catalog.py compile_defines"):
+        compile_source(source, "routing.cu", "sm_87", {}, [catalog.kernel_dir()])
+
+
+def test_sources_open_with_a_description():
+    """Each kernel file starts with a comment saying what it computes, its grid mapping and its limits."""
+    for spec in catalog.KERNELS:
+        head = (catalog.kernel_dir() / spec.source).read_text().split("#include")[0]
+        assert head.startswith(f"// {spec.source}:"), spec.source
+        assert "grid (" in head and "Limits" in head, f"{spec.source}: header comment lacks grid mapping or limits"
+        for symbol in spec.symbols:
+            assert symbol in head, f"{spec.source}: {symbol} not described in the header comment"

@@ -1,0 +1,149 @@
+"""The launch plan and the scratch buffers agree with the kernel sources and with the padded-order limits."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+import pytest
+
+from colibri_sdk import catalog
+from colibri_sdk.format.constants import HEADER_SIZE
+
+from kernel_support import make_header
+
+SIGNATURE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\w+\)\s*(\w+)\(([^)]*)\)', re.S)
+
+
+def kernel_parameters() -> dict[str, list[str]]:
+    """{symbol: [parameter names]} parsed from the .cu sources."""
+    out = {}
+    for spec in catalog.KERNELS:
+        text = (catalog.kernel_dir() / spec.source).read_text()
+        for symbol, params in SIGNATURE.findall(text):
+            out[symbol] = [p.split()[-1].lstrip("*") for p in params.split(",")]
+    return out
+
+
+def expected_parameter(arg: dict, layer: int) -> str:
+    """The kernel parameter name a plan argument must bind to."""
+    if arg["kind"] == "weights":
+        return arg["tensor"].removesuffix("_proj")
+    if arg["kind"] == "null":
+        return "pair_out"
+    name = arg["name"]
+    if name == f"x{layer % 2}":
+        return "x"
+    if name == f"x{(layer + 1) % 2}":
+        return "x_next"
+    return name
+
+
+CASES = [
+    ({}, dict(layers=4)),  # the demo sizes at the Orin shape: GEMV path (32 pairs <= max_pairs 32)
+    ({"shape": {"batch": 2, "tokens": 64}}, dict(layers=3, experts=64, top_k=4, hidden=100, inter=75)),  # tiled
+    ({"aggregation": "atomic"}, dict(layers=2, experts=16, top_k=1)),
+    ({"aggregation": "atomic", "shape": {"batch": 1, "tokens": 64}}, dict(layers=1, experts=256, top_k=8, dtype="fp32")),
+]
+
+
+@pytest.mark.parametrize("overrides,header_kwargs", CASES)
+def test_plan_binds_every_parameter(orin_profile, overrides, header_kwargs):
+    profile = copy.deepcopy(orin_profile)
+    profile.update(overrides)
+    header = make_header(**header_kwargs)
+    params = kernel_parameters()
+    buffers = catalog.device_buffers(profile, header)
+    plan = catalog.launch_plan(profile, header)
+    specs = {k.name: k for k in catalog.KERNELS}
+    per_layer = 4 if profile["aggregation"] == "atomic" else 5
+    assert len(plan) == per_layer * header.num_layers
+    for launch in plan:
+        symbol, layer = launch["symbol"], launch["layer"]
+        assert symbol in specs[launch["kernel"]].symbols
+        names = [expected_parameter(a, layer) for a in launch["args"]]
+        assert names == params[symbol], f"layer {layer} {symbol}: plan binds {names}, source takes {params[symbol]}"
+        for arg in launch["args"]:
+            if arg["kind"] == "buffer":
+                assert arg["name"] in buffers, f"{symbol}: unknown buffer {arg['name']}"
+            elif arg["kind"] == "weights":
+                expert = None if arg["tensor"] == "router" else 0
+                assert arg["offset"] == header.tensor_offset(arg["tensor"], arg["layer"], expert) - HEADER_SIZE
+                assert arg["layer"] == layer
+        assert launch["block"][0] == profile["kernels"][launch["kernel"]]["threads"]
+        assert launch["block"][1:] == [1, 1] and launch["shared_bytes"] == 0
+    assert plan[-1]["args"][-1] == {"kind": "buffer", "name": catalog.io_buffers(header)["output"]}
+
+
+@pytest.mark.parametrize("overrides,header_kwargs", CASES)
+def test_grids_cover_the_outputs(orin_profile, overrides, header_kwargs):
+    profile = copy.deepcopy(orin_profile)
+    profile.update(overrides)
+    header = make_header(**header_kwargs)
+    k = profile["kernels"]
+    tokens = profile["shape"]["batch"] * profile["shape"]["tokens"]
+    e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
+    block_m = k["routing"]["block_m"]
+    padded = tokens * header.top_k + e * (block_m - 1)
+    for launch in catalog.launch_plan(profile, header):
+        gx, gy, gz = launch["grid"]
+        assert gz == 1
+        s = launch["symbol"]
+        if s in ("colibri_routing", "colibri_aggregate"):
+            assert (gx, gy) == (tokens, 1)
+        elif s == "colibri_align":
+            assert (gx, gy) == (1, 1)
+        elif s == "colibri_gate_up":
+            assert gx == padded // block_m and (gy - 1) * k["gate_up"]["block_n"] < i <= gy * k["gate_up"]["block_n"]
+        elif s == "colibri_down":
+            assert gx == padded // block_m and (gy - 1) * k["down"]["block_n"] < h <= gy * k["down"]["block_n"]
+        elif s == "colibri_gate_up_gemv":
+            warps = k["small_batch"]["threads"] // 32
+            assert gy == e and (gx - 1) * warps < i <= gx * warps
+        elif s == "colibri_down_gemv":
+            warps = k["small_batch"]["threads"] // 32
+            assert gy == e and (gx - 1) * warps < h <= gx * warps
+        else:
+            pytest.fail(f"unexpected symbol {s}")
+
+
+def test_buffer_sizes(orin_profile):
+    profile = copy.deepcopy(orin_profile)
+    profile["shape"] = {"batch": 2, "tokens": 24}
+    header = make_header(hidden=100, inter=75, experts=64, top_k=8)
+    b = catalog.device_buffers(profile, header)
+    tokens, pairs, block_m = 48, 48 * 8, profile["kernels"]["routing"]["block_m"]
+    assert b["sorted_pairs"] == 4 * (pairs + 64 * (block_m - 1))
+    assert b["block_experts"] == 4 * ((pairs + 64 * (block_m - 1)) // block_m)
+    assert b["x0"] == b["x1"] == tokens * 100 * 4
+    assert b["act"] == pairs * 75 * 4 and b["pair_out"] == pairs * 100 * 4
+    assert b["topk_ids"] == b["topk_weights"] == pairs * 4
+    assert b["expert_counts"] == 64 * 4 and b["expert_offsets"] == 65 * 4
+    profile["aggregation"] = "atomic"
+    assert "pair_out" not in catalog.device_buffers(profile, header)
+
+
+def padded_order(topk_ids: np.ndarray, experts: int, block_m: int) -> tuple[np.ndarray, int]:
+    """The rows each expert owns in colibri_align's padded order (count rounded up to block_m) and the total."""
+    counts = np.bincount(topk_ids.ravel(), minlength=experts)
+    rows = -(-counts // block_m) * block_m
+    return rows, int(rows.sum())
+
+
+@pytest.mark.parametrize("experts,top_k,tokens,block_m", [(8, 2, 16, 16), (64, 8, 33, 4), (256, 8, 7, 128), (16, 1, 1, 1)])
+def test_padded_order_fits_the_fixed_size(orin_profile, experts, top_k, tokens, block_m):
+    """For many routings (all on one expert, spread, random) the padded order fits the fixed buffers."""
+    profile = copy.deepcopy(orin_profile)
+    profile["shape"] = {"batch": 1, "tokens": tokens}
+    profile["kernels"]["routing"]["block_m"] = block_m
+    s = catalog.sizes(profile, make_header(experts=experts, top_k=top_k))
+    rng = np.random.default_rng(7)
+    routings = [np.arange(tokens * top_k).reshape(tokens, top_k) % experts]  # spread: most experts touched
+    routings.append(np.stack([np.arange(top_k)] * tokens))  # every token on the same k experts
+    routings += [np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]) for _ in range(50)]
+    for ids in routings:
+        _, used = padded_order(ids, experts, block_m)
+        assert used <= s.padded and used // block_m <= s.blocks and used % block_m == 0
+    assert s.padded == tokens * top_k + experts * (block_m - 1)
+    assert s.blocks == s.padded // block_m

@@ -1,0 +1,120 @@
+"""Backend selection: "cpu", "auto" (CUDA when usable, else the CPU with a one-line notice), "cuda" without a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from colibri_sdk.errors import BackendError
+from colibri_sdk.runtime import Runtime, available_backends, cuda_status
+from colibri_sdk.runtime import runtime as runtime_module
+
+CUDA_OK, CUDA_REASON = cuda_status()
+needs_no_gpu = pytest.mark.skipif(CUDA_OK, reason="a CUDA driver is present; these tests check the no-GPU path")
+
+
+def test_cpu_backend_prints_nothing(small_bundle, capsys):
+    with Runtime.load(small_bundle, backend="cpu") as rt:
+        assert rt.backend_name == "cpu"
+        assert rt.notice is None
+    assert capsys.readouterr().err == ""
+
+
+@needs_no_gpu
+def test_auto_falls_back_to_cpu_with_one_line_notice(small_bundle, capsys):
+    with Runtime.load(small_bundle) as rt:
+        assert rt.backend_name == "cpu"
+    err = capsys.readouterr().err
+    assert err == f"colibri-sdk: running on the CPU backend: backend 'cuda' is not available here: {CUDA_REASON}; use backend='cpu' or 'auto'\n"
+    assert rt.notice == err.rstrip("\n")
+    assert available_backends() == ["cpu"]
+
+
+@needs_no_gpu
+def test_cuda_without_gpu_is_a_backend_error(small_bundle):
+    assert CUDA_REASON  # the probe says why
+    with pytest.raises(BackendError, match=r"^backend 'cuda' is not available here: .+; use backend='cpu' or 'auto'$"):
+        Runtime.load(small_bundle, backend="cuda")
+
+
+def test_unknown_backend(small_bundle):
+    with pytest.raises(BackendError, match=r"backend 'tpu'; allowed: auto, cuda, cpu"):
+        Runtime.load(small_bundle, backend="tpu")
+
+
+def _fake_cuda_module(monkeypatch, backend_class):
+    module = types.ModuleType("colibri_sdk.runtime.cuda_backend")
+    module.CudaBackend = backend_class
+    monkeypatch.setitem(sys.modules, "colibri_sdk.runtime.cuda_backend", module)
+    monkeypatch.setattr(runtime_module, "cuda_status", lambda: (True, "driver 12.6"))
+
+
+def test_auto_falls_back_when_the_device_cannot_run_the_bundle(small_bundle, monkeypatch, capsys):
+    class NoDevice:
+        def __init__(self, bundle, eager=False):
+            raise BackendError("no CUDA device: cuDeviceGetCount returned 0")
+
+    _fake_cuda_module(monkeypatch, NoDevice)
+    with Runtime.load(small_bundle) as rt:
+        assert rt.backend_name == "cpu"
+    assert capsys.readouterr().err == (
+        "colibri-sdk: running on the CPU backend: no CUDA device: cuDeviceGetCount returned 0\n"
+    )
+    with pytest.raises(BackendError, match=r"^no CUDA device: cuDeviceGetCount returned 0$"):
+        Runtime.load(small_bundle, backend="cuda")
+
+
+def test_auto_takes_cuda_when_it_loads(small_bundle, monkeypatch, capsys):
+    calls, seen = [], []
+
+    class FakeCuda:
+        name = "cuda"
+
+        def __init__(self, bundle, eager=False):
+            calls.append(("init", eager))
+
+        def infer_padded(self, x):
+            calls.append(("infer", x.shape, x.dtype, x.flags.c_contiguous))
+            seen.append(x.copy())
+            return np.full(x.shape, 7.0, np.float32)
+
+        def close(self):
+            calls.append(("close",))
+
+    _fake_cuda_module(monkeypatch, FakeCuda)
+    with Runtime.load(small_bundle, eager=True) as rt:
+        assert rt.backend_name == "cuda"
+        y = rt.infer(np.ones((3, 64), np.float16))
+        # Positions past a sequence's length are zero whatever the backend computed there.
+        z = rt.infer(np.ones((2, 5, 64), np.float32), input_lengths=[2, 0])
+    assert y.shape == (3, 64) and np.all(y == 7.0)
+    assert z.shape == (2, 5, 64) and np.all(z[0, :2] == 7.0) and np.all(z[0, 2:] == 0) and np.all(z[1] == 0)
+    padded = ("infer", (2, 8, 64), np.dtype(np.float32), True)
+    assert calls == [("init", True), padded, padded, ("close",)]
+    # What the backend saw: the input, zeros elsewhere (the second call's staging holds nothing of the first).
+    first = np.zeros((2, 8, 64), np.float32)
+    first[0, :3] = 1
+    second = np.zeros((2, 8, 64), np.float32)
+    second[0, :2] = 1
+    np.testing.assert_array_equal(seen[0], first)
+    np.testing.assert_array_equal(seen[1], second)
+    assert capsys.readouterr().err == ""
+
+
+def test_cpu_path_never_imports_cuda(small_bundle):
+    code = (
+        "import sys, numpy as np\n"
+        "from colibri_sdk.runtime import Runtime\n"
+        f"rt = Runtime.load({str(small_bundle)!r}, backend='cpu')\n"
+        "rt.infer(np.zeros((1, 64), np.float32)); rt.self_test(); rt.close()\n"
+        # A bare `cuda` namespace package may be pre-registered by site-packages' .pth files; its submodules not.
+        "bad = sorted(m for m in sys.modules if m.startswith('cuda.') or m.split('.')[0] in ('yaml', 'torch', 'paramiko', 'transformers'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
