@@ -66,15 +66,18 @@ print(json.dumps(out))
 """
 
 LOAD_CHILD = """
-import json, resource, sys, time
+import json, sys, time
 import numpy as np
 from colibri_sdk.runtime import Runtime
 
-def rss_mb():
+def status_mb(key):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
+
+def rss_mb():
+    return status_mb("VmRSS")
 
 path, verify = sys.argv[1], sys.argv[2] == "1"
 base = rss_mb()
@@ -89,7 +92,7 @@ rt.infer(x)
 first_s = time.perf_counter() - start
 after_call = rss_mb()
 rt.close()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak = status_mb("VmHWM")  # this process's high-water mark (ru_maxrss would include the forking parent's)
 print(json.dumps({"load_ms": load_s * 1e3, "first_ms": first_s * 1e3, "base_mb": base, "load_mb": after_load,
                   "call_mb": after_call, "peak_mb": peak}))
 """
@@ -179,7 +182,8 @@ def main() -> int:
             result = child(LATENCY_CHILD, [json.dumps(paths), str(bundles[64]), str(args.iters)], env)
             for t in TOKENS:
                 own, pad = result[str(t)]["own"], result[str(t)]["padded"]
-                say(f"  {label:<14} {t:>6} {own['p50']:>9.2f} {own['p99']:>9.2f}   {pad['p50']:>17.2f} {pad['p99']:>9.2f}")
+                say(f"  {label:<14} {t:>6} {own['p50']:>9.2f} {own['p99']:>9.2f}   "
+                    f"{pad['p50']:>17.2f} {pad['p99']:>9.2f}")
 
         large_weights = tmp / "large.colibri"
         large_bytes = write_large_model(large_weights, args.large_gb)
@@ -205,9 +209,11 @@ def main() -> int:
         say("")
         say(f"  weights ratio large/small         {large_bytes / small_bytes:8.1f}x")
         say(f"  load time ratio (no verify)        {g['load_ms'] / s['load_ms']:8.2f}x")
-        say(f"  RSS after load, large - small      {(g['load_mb'] - g['base_mb']) - (s['load_mb'] - s['base_mb']):8.1f} MB")
-        say(f"  peak RSS above imports / weights   small {(s['peak_mb'] - s['base_mb']) * 1e6 / small_bytes / 2**20:.3f}"
-            f"   large {(g['peak_mb'] - g['base_mb']) * 1e6 / large_bytes / 2**20:.3f}")
+        grown = (g["load_mb"] - g["base_mb"]) - (s["load_mb"] - s["base_mb"])
+        say(f"  RSS after load, large - small      {grown:8.1f} MB")
+        peak_s, peak_g = s["peak_mb"] - s["base_mb"], g["peak_mb"] - g["base_mb"]
+        say(f"  peak RSS above imports, large/small {peak_g / peak_s:7.2f}x  ({peak_s:.1f} MB vs {peak_g:.1f} MB; "
+            f"÷ weights: small {peak_s * 2**20 / small_bytes:.2f}, large {peak_g * 2**20 / large_bytes:.2f})")
         say("  (a call touches only the routed experts' pages: the large model's first call maps 2 of 8 experts)")
 
     args.output.parent.mkdir(parents=True, exist_ok=True)

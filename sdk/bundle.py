@@ -358,7 +358,7 @@ def bundle_summary(bundle: Bundle) -> dict:
         "min_driver": m["min_driver"],
         "weights": m["weights"],
         "kernels": [
-            {"name": k["name"], "symbols": k["symbols"], "cubin": k["cubin"], "ptx": k["ptx"], "resources": k["resources"]}
+            {key: k[key] for key in ("name", "symbols", "cubin", "ptx", "resources")}
             for k in m["kernels"]
         ],
         "launches": len(m.get("launch") or []),

@@ -126,11 +126,14 @@ SCHEMA: dict = {
 def _validate(data, schema: dict, path: str, source: str) -> None:
     if not isinstance(data, dict):
         where = path or "the profile"
-        raise ProfileError(f"{source}: {where} is {type(data).__name__} {data!r}; allowed: a mapping of {sorted(schema)}")
+        raise ProfileError(
+            f"{source}: {where} is {type(data).__name__} {data!r}; allowed: a mapping of {sorted(schema)}"
+        )
     for key in data:
         if key not in schema:
             full = f"{path}.{key}" if path else str(key)
-            raise ProfileError(f"{source}: unknown key {full!r}; allowed keys{' in ' + path if path else ''}: {sorted(schema)}")
+            where = f" in {path}" if path else ""
+            raise ProfileError(f"{source}: unknown key {full!r}; allowed keys{where}: {sorted(schema)}")
     for key, rule in schema.items():
         full = f"{path}.{key}" if path else key
         if key not in data:
@@ -159,7 +162,9 @@ def _check_limits(data: dict, source: str) -> None:
     cc = major * 10 + minor
     if cc not in ARCH_SHARED_MEMORY:
         known = ", ".join(f"sm_{c}" for c in sorted(ARCH_SHARED_MEMORY))
-        raise ProfileError(f"{source}: target.arch = {data['target']['arch']!r}: shared memory limits unknown; allowed: {known}")
+        raise ProfileError(
+            f"{source}: target.arch = {data['target']['arch']!r}: shared memory limits unknown; allowed: {known}"
+        )
     optin_limit, sm_limit = ARCH_SHARED_MEMORY[cc]
     hw = data["hardware"]
     arch = data["target"]["arch"]
@@ -173,10 +178,11 @@ def _check_limits(data: dict, source: str) -> None:
         if not lo <= hw[key] <= hi:
             raise ProfileError(f"{source}: hardware.{key} = {hw[key]}; allowed: {allowed}")
     toolkit, driver = data["target"]["toolkit"], data["target"]["min_driver"]
-    if driver // 1000 != toolkit:
+    if driver < toolkit * 1000:
         raise ProfileError(
-            f"{source}: target.min_driver = {driver} is a CUDA {driver // 1000}.x driver; allowed: a CUDA {toolkit}.x "
-            f"driver version ({toolkit * 1000}..{toolkit * 1000 + 990}) to match target.toolkit = {toolkit}"
+            f"{source}: target.min_driver = {driver} is a CUDA {driver // 1000}.x driver; allowed: at least "
+            f"{toolkit * 1000} (CUDA {toolkit}.0): code built by CUDA {toolkit} (target.toolkit) needs a CUDA "
+            f"{toolkit} driver"
         )
 
 
@@ -242,7 +248,7 @@ def parse_yaml(text: str, source: str) -> dict:
     return data
 
 
-# ---- the profile -------------------------------------------------------------------------------------------------------
+# ---- the profile ----------------------------------------------------------------------------------------------
 def packaged_dir() -> Path:
     """The folder of the shipped profiles: inside the installed package, or profiles/ of a source checkout."""
     from . import profiles

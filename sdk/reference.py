@@ -116,7 +116,7 @@ class ReferenceEngine:
 
     def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Router logits → (indices, weights), each (tokens, top_k). x: (tokens, hidden) in the compute dtype."""
-        router = self.file.router(layer).astype(self.compute_dtype)
+        router = self.file.router(layer).astype(self.compute_dtype, copy=False)
         logits = x @ router
         return topk_route(logits, self.header.top_k, self.header.routing)
 
@@ -128,9 +128,9 @@ class ReferenceEngine:
         for expert in np.unique(indices):
             tokens, slots = np.nonzero(indices == expert)
             xs = x[tokens]
-            gate = self.file.tensor("gate_proj", layer, int(expert)).astype(dt)
-            up = self.file.tensor("up_proj", layer, int(expert)).astype(dt)
-            down = self.file.tensor("down_proj", layer, int(expert)).astype(dt)
+            gate = self.file.tensor("gate_proj", layer, int(expert)).astype(dt, copy=False)
+            up = self.file.tensor("up_proj", layer, int(expert)).astype(dt, copy=False)
+            down = self.file.tensor("down_proj", layer, int(expert)).astype(dt, copy=False)
             hidden = silu(xs @ gate.T) * (xs @ up.T)
             y = hidden @ down.T
             # Each (token, expert) pair occurs once, so this scatter has no duplicate indices.

@@ -24,7 +24,8 @@ _PIP_NVRTC = {12: 'pip install "cuda-python>=12,<13" nvidia-cuda-nvrtc-cu12 nvid
 
 def pip_hint(major: int) -> str:
     """The pip command that installs NVRTC and the CUDA headers of CUDA major version `major`."""
-    return _PIP_NVRTC.get(major, f"the NVRTC {major}.x wheels (nvidia-cuda-nvrtc-cu{major}, nvidia-cuda-runtime-cu{major})")
+    wheels = f"nvidia-cuda-nvrtc-cu{major}, nvidia-cuda-runtime-cu{major}"
+    return _PIP_NVRTC.get(major, f"the NVRTC {major}.x wheels ({wheels})")
 
 
 def _nvrtc():

@@ -27,7 +27,7 @@ from .errors import (
     DeployError,
     RemoteTimeoutError,
 )
-from .hostkeys import KnownHosts, StrictHostKeyPolicy, changed_key_error
+from .hostkeys import KnownHosts, StrictHostKeyPolicy, changed_key_error, host_entry_name
 
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr", "aes256-ctr")
 
@@ -151,7 +151,7 @@ class Connection:
             )
         except paramiko.BadHostKeyException as exc:
             client.close()
-            raise changed_key_error(exc.hostname, exc.key, exc.expected_key, known.path) from None
+            raise changed_key_error(known, host_entry_name(t.host, t.port), exc.key) from None
         except paramiko.PasswordRequiredException:
             client.close()
             raise AuthenticationError(f"{t.label}: key {key_file} is encrypted; load it into ssh-agent "

@@ -78,14 +78,8 @@ class StrictHostKeyPolicy(paramiko.MissingHostKeyPolicy):
         self.accept_new = accept_new
 
     def missing_host_key(self, client, hostname, key):
-        stored = self.known.stored(hostname)
-        if stored:
-            types = ", ".join(sorted(stored))
-            raise HostKeyChangedError(
-                f"host key for {hostname} has CHANGED: the server offers {key.get_name()} {key.fingerprint}, "
-                f"but {self.known.path} stores only keys of another type ({types}) for it; refusing. If the "
-                f"device was reinstalled, remove the old entry (ssh-keygen -R '{hostname}') and connect again"
-            )
+        if self.known.stored(hostname):
+            raise changed_key_error(self.known, hostname, key)
         if not self.accept_new:
             raise HostKeyUnknownError(
                 f"host {hostname} is not in {self.known.path} (it offers {key.get_name()} {key.fingerprint}); "
@@ -96,10 +90,17 @@ class StrictHostKeyPolicy(paramiko.MissingHostKeyPolicy):
         client.get_host_keys().add(hostname, key.get_name(), key)
 
 
-def changed_key_error(hostname: str, offered: paramiko.PKey, expected: paramiko.PKey, path: Path):
-    """The error for paramiko's BadHostKeyException: same key type, different key."""
+def changed_key_error(known: KnownHosts, name: str, offered: paramiko.PKey) -> HostKeyChangedError:
+    """The error for a host whose stored key(s) do not match the offered one (paramiko's BadHostKeyException)."""
+    stored = known.stored(name)
+    same_type = stored.get(offered.get_name())
+    if same_type is not None:
+        what = f"{known.path} stores {same_type.get_name()} {same_type.fingerprint}"
+    else:
+        types = ", ".join(sorted(stored)) or "none"
+        what = f"{known.path} stores only keys of another type ({types}) for it"
     return HostKeyChangedError(
-        f"host key for {hostname} has CHANGED: the server offers {offered.get_name()} {offered.fingerprint}, "
-        f"{path} stores {expected.get_name()} {expected.fingerprint}; refusing (possible man-in-the-middle). If "
-        f"the device was reinstalled, remove the old entry (ssh-keygen -R '{hostname}') and connect again"
+        f"host key for {name} has CHANGED: the server offers {offered.get_name()} {offered.fingerprint}, but "
+        f"{what}; refusing (possible man-in-the-middle). If the device was reinstalled, remove the old entry "
+        f"(ssh-keygen -R '{name}') and connect again"
     )

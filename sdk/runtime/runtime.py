@@ -59,8 +59,10 @@ def _load_cuda(bundle, eager: bool):
     ok, reason = cuda_status()
     if not ok:
         raise BackendError(f"backend 'cuda' is not available here: {reason}; use backend='cpu' or 'auto'")
-    from .cuda_backend import CudaBackend
-
+    try:
+        from .cuda_backend import CudaBackend
+    except ImportError as exc:
+        raise BackendError(f"backend 'cuda' cannot be imported here ({exc}); use backend='cpu' or 'auto'") from exc
     return CudaBackend(bundle, eager=eager)
 
 
@@ -181,6 +183,7 @@ class Runtime:
         self.load_seconds = 0.0
         self._lock = threading.Lock()
         self._staging = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
+        self._written = (0, 0)  # the (batch, tokens) corner of _staging the last call wrote
         self._finalizer = weakref.finalize(self, backend.close)
 
     @classmethod
@@ -208,7 +211,11 @@ class Runtime:
         engine, notice = select_backend(bundle, backend, eager)
         if notice:
             print(notice, file=sys.stderr)
-        runtime = cls(bundle, engine, notice)
+        try:
+            runtime = cls(bundle, engine, notice)
+        except BaseException:
+            engine.close()
+            raise
         runtime.load_seconds = time.perf_counter() - start
         return runtime
 
@@ -250,7 +257,9 @@ class Runtime:
         """Validate x and input_lengths; return x as (batch, tokens, hidden) and lengths (batch,) or None."""
         fixed_batch, fixed_tokens = self.shape
         hidden = self.hidden_size
-        expected = f"(batch <= {fixed_batch}, tokens <= {fixed_tokens}, {hidden}) or (tokens <= {fixed_tokens}, {hidden})"
+        expected = (
+            f"(batch <= {fixed_batch}, tokens <= {fixed_tokens}, {hidden}) or (tokens <= {fixed_tokens}, {hidden})"
+        )
         if not isinstance(x, np.ndarray):
             raise InputError(f"input is a {type(x).__name__}; expected a numpy.ndarray {expected}, float32 or float16")
         if x.dtype not in INPUT_DTYPES:
@@ -262,7 +271,9 @@ class Runtime:
         x3 = x if x.ndim == 3 else x[None]
         batch, tokens, _ = x3.shape
         if not 1 <= batch <= fixed_batch:
-            raise InputError(f"input batch {batch} (shape {x.shape}); allowed: 1..{fixed_batch}, the bundle's fixed batch")
+            raise InputError(
+                f"input batch {batch} (shape {x.shape}); allowed: 1..{fixed_batch}, the bundle's fixed batch"
+            )
         if not 1 <= tokens <= fixed_tokens:
             raise InputError(
                 f"input tokens {tokens} (shape {x.shape}); allowed: 1..{fixed_tokens}, the bundle's fixed tokens"
@@ -293,18 +304,24 @@ class Runtime:
         return lengths
 
     def _pad(self, x3: np.ndarray, lengths: list[int] | None) -> np.ndarray:
-        """Copy x3 into the fixed-shape staging buffer (float32), zeros elsewhere; check the copied values."""
+        """Copy x3 into the fixed-shape staging buffer (float32), zeros elsewhere; check the copied values.
+
+        Only the corner the previous call wrote is cleared, and only the corner this call writes is checked, so the
+        cost follows the input's size, not the fixed shape's.
+        """
         staging = self._staging
-        staging.fill(0.0)
+        last_batch, last_tokens = self._written
+        staging[:last_batch, :last_tokens] = 0.0
         batch, tokens, _ = x3.shape
+        self._written = (batch, tokens)
         if lengths is None:
             staging[:batch, :tokens] = x3
         else:
             for b, n in enumerate(lengths):
                 staging[b, :n] = x3[b, :n]
-        finite = np.isfinite(staging)
-        if not finite.all():
-            bad = np.argwhere(~finite.all(axis=-1))
+        corner = staging[:batch, :tokens]
+        if not np.isfinite(corner).all():
+            bad = np.argwhere(~np.isfinite(corner).all(axis=-1))
             b, t = (int(v) for v in bad[0])
             raise InputError(
                 f"input has non-finite values (NaN or Inf) at {len(bad)} valid positions, first at "

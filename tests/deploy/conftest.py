@@ -97,7 +97,8 @@ def device_dir(tmp_path):
 def options(device_dir):
     from colibri_sdk.deploy import DeployOptions
 
-    return DeployOptions(remote_dir=str(device_dir), keep=3)
+    # The device's Python: this interpreter (sshd's PATH may not have a python3 with a working stdlib in CI).
+    return DeployOptions(remote_dir=str(device_dir), keep=3, remote_python=sys.executable)
 
 
 @pytest.fixture

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+from dataclasses import replace
 import stat
+import sys
 from pathlib import Path
 
 import json
@@ -119,7 +121,7 @@ def test_rollback_without_previous_is_refused(bundle, target, options):
 
 
 def test_keep_prunes_old_bundles_and_their_store_objects(tmp_path, target, device_dir):
-    options = DeployOptions(remote_dir=str(device_dir), keep=1)
+    options = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, keep=1)
     bundles = [write_bundle(tmp_path / f"b{i}", kernel_seed=i, model_seed=i, model_bytes=200_000) for i in range(3)]
     ids = [deploy(b, target, options).bundle_id for b in bundles]
     # keep=1 keeps the newest; the previous one stays too, for rollback.
@@ -135,8 +137,8 @@ def test_keep_prunes_old_bundles_and_their_store_objects(tmp_path, target, devic
 def test_verify_failure_keeps_the_active_bundle(tmp_path, target, device_dir):
     a = write_bundle(tmp_path / "a", kernel_seed=0)
     b = write_bundle(tmp_path / "b", kernel_seed=1)
-    first = deploy(a, target, DeployOptions(remote_dir=str(device_dir)))
-    failing = DeployOptions(remote_dir=str(device_dir), verify=True,
+    first = deploy(a, target, DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable))
+    failing = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, verify=True,
                             remote_colibri="sh -c 'echo self-test failed: max_abs_err 0.5; exit 3' sh")
     with pytest.raises(RemoteVerifyError, match=r"(?s)failed \(exit status 3\).*not changed.*max_abs_err 0.5"):
         deploy(b, target, failing)
@@ -148,10 +150,18 @@ def test_verify_runs_on_the_staged_bundle_before_the_switch(tmp_path, target, de
     # The probe records `verify PATH` and fails: the pointer must not exist afterwards on this fresh device.
     probe = shlex.join(["sh", "-c", 'printf %s "$1 $2" > "$0"; exit 9', str(record)])
     bundle = write_bundle(tmp_path / "a")
+    verifying = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, verify=True)
     with pytest.raises(RemoteVerifyError, match="exit status 9"):
-        deploy(bundle, target, DeployOptions(remote_dir=str(device_dir), verify=True, remote_colibri=probe))
+        deploy(bundle, target, replace(verifying, remote_colibri=probe))
     bundle_id = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()[:16]
     assert record.read_text() == f"verify {device_dir}/bundles/{bundle_id}"
     assert not os.path.lexists(device_dir / "current")
-    result = deploy(bundle, target, DeployOptions(remote_dir=str(device_dir), verify=True, remote_colibri="true"))
+    result = deploy(bundle, target, replace(verifying, remote_colibri="true"))
     assert active(device_dir) == f"bundles/{bundle_id}" and result.bytes_sent == 0
+
+
+@pytest.mark.skipif(not any(os.access(p, os.X_OK) for p in ("/usr/bin/python3", "/usr/local/bin/python3")),
+                    reason="no python3 on sshd's default PATH to run the store helper with the default setting")
+def test_default_remote_python(bundle, target, device_dir):
+    result = deploy(bundle, target, DeployOptions(remote_dir=str(device_dir)))
+    assert remote_tree(device_dir / "current") == remote_tree(bundle) and result.bytes_sent == result.total_bytes

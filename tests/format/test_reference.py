@@ -11,7 +11,7 @@ from colibri_sdk.errors import InputError
 from colibri_sdk.format import Header, write_model
 from colibri_sdk.reference import ReferenceEngine, topk_route
 
-from conftest import SIZES, small_arrays
+from format_cases import SIZES, small_arrays
 
 
 def test_ties_go_to_the_lower_expert():

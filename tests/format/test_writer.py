@@ -9,7 +9,7 @@ from colibri_sdk.errors import FormatError
 from colibri_sdk.format import ColibriFile, ColibriWriter, Header
 from colibri_sdk.format.writer import tensor_order
 
-from conftest import SIZES, small_arrays
+from format_cases import SIZES, small_arrays
 
 
 def header(dtype: int = 0) -> Header:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -29,7 +30,10 @@ def test_auto_falls_back_to_cpu_with_one_line_notice(small_bundle, capsys):
     with Runtime.load(small_bundle) as rt:
         assert rt.backend_name == "cpu"
     err = capsys.readouterr().err
-    assert err == f"colibri-sdk: running on the CPU backend: backend 'cuda' is not available here: {CUDA_REASON}; use backend='cpu' or 'auto'\n"
+    assert err == (
+        "colibri-sdk: running on the CPU backend: backend 'cuda' is not available here: "
+        f"{CUDA_REASON}; use backend='cpu' or 'auto'\n"
+    )
     assert rt.notice == err.rstrip("\n")
     assert available_backends() == ["cpu"]
 
@@ -112,9 +116,22 @@ def test_cpu_path_never_imports_cuda(small_bundle):
         f"rt = Runtime.load({str(small_bundle)!r}, backend='cpu')\n"
         "rt.infer(np.zeros((1, 64), np.float32)); rt.self_test(); rt.close()\n"
         # A bare `cuda` namespace package may be pre-registered by site-packages' .pth files; its submodules not.
-        "bad = sorted(m for m in sys.modules if m.startswith('cuda.') or m.split('.')[0] in ('yaml', 'torch', 'paramiko', 'transformers'))\n"
+        "heavy = ('yaml', 'torch', 'paramiko', 'transformers')\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('cuda.') or m.split('.')[0] in heavy)\n"
         "print(bad)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_auto_falls_back_when_the_cuda_backend_cannot_be_imported(small_bundle, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "colibri_sdk.runtime.cuda_backend", None)  # import raises ImportError
+    monkeypatch.setattr(runtime_module, "cuda_status", lambda: (True, "driver 12.6"))
+    with Runtime.load(small_bundle) as rt:
+        assert rt.backend_name == "cpu"
+    assert re.fullmatch(
+        r"colibri-sdk: running on the CPU backend: backend 'cuda' cannot be imported here \(.+\); "
+        r"use backend='cpu' or 'auto'\n",
+        capsys.readouterr().err,
+    )

@@ -13,7 +13,7 @@ from colibri_sdk.errors import BackendError
 from colibri_sdk.format import Header
 from colibri_sdk.runtime import Runtime
 
-from conftest import write_bundle
+from runtime_bundles import write_bundle
 
 
 def _mapped(path) -> bool:

@@ -11,7 +11,7 @@ from colibri_sdk.errors import BundleError
 from colibri_sdk.runtime import Runtime, SelfTestResult
 from colibri_sdk.runtime.runtime import compare
 
-from conftest import write_manifest
+from runtime_bundles import write_manifest
 
 
 def _tamper_output(bundle, delta=0.5):

@@ -9,9 +9,9 @@ A frame is (size, size) uint8 grey levels, by default 128 x 128:
                  with a brushed texture (streaks along one axis)
     lighting     a linear gradient in a random direction (+-0.18), a global gain 0.75-1.25
     defect       one of
-                   scratch  a straight thin line, 25-70 px long, brighter or darker than the plate
-                   spot     a soft elliptic blob, radius 2.5-7 px, darker or brighter
-                   crack    a jagged dark polyline (a random walk of 6-12 short segments), sometimes branched
+                   scratch  a straight thin line, 25-70 px long, mostly brighter than the plate (70 %)
+                   spot     a soft elliptic blob, radius 2.5-7 px, mostly darker (75 %)
+                   crack    a jagged dark polyline (a random walk of 10-18 segments of 3-6 px), often branched
     noise        Gaussian, sigma 0.01-0.035 (in units of full scale)
 
 Classes (the label order is the model's output order): 0 ok, 1 scratch, 2 spot, 3 crack.
@@ -69,7 +69,7 @@ def _scratch(rng, y, x, centre, reach):
     my, mx = cy + rng.uniform(-reach, reach), cx + rng.uniform(-reach, reach)
     dy, dx = np.sin(angle) * length / 2, np.cos(angle) * length / 2
     d = _segment_distance(y, x, (my - dy, mx - dx), (my + dy, mx + dx))
-    contrast = rng.uniform(0.15, 0.35) * rng.choice((-1.0, 1.0))
+    contrast = rng.uniform(0.15, 0.35) * (1.0 if rng.random() < 0.7 else -1.0)  # mostly bright (reflective)
     return contrast * _line_alpha(d, rng.uniform(0.6, 1.4))
 
 
@@ -88,19 +88,19 @@ def _crack(rng, y, x, centre, reach):
     heading = rng.uniform(0, 2 * np.pi)
     half_width = rng.uniform(0.5, 1.1)
     distance = np.full(y.shape, np.inf, np.float32)
-    branch_at = int(rng.integers(3, 6)) if rng.random() < 0.4 else -1
+    branch_at = int(rng.integers(3, 8)) if rng.random() < 0.6 else -1
     branch_from = None
-    for step in range(int(rng.integers(6, 13))):
-        heading += rng.uniform(-0.9, 0.9)
-        nxt = point + rng.uniform(4, 8) * np.array([np.sin(heading), np.cos(heading)])
+    for step in range(int(rng.integers(10, 19))):
+        heading += rng.uniform(-1.2, 1.2)
+        nxt = point + rng.uniform(3, 6) * np.array([np.sin(heading), np.cos(heading)])
         distance = np.minimum(distance, _segment_distance(y, x, point, nxt))
         if step == branch_at:
             branch_from = (nxt.copy(), heading + rng.choice((-1.0, 1.0)) * rng.uniform(0.6, 1.2))
         point = nxt
     if branch_from is not None:
         point, heading = branch_from
-        for _ in range(int(rng.integers(2, 5))):
-            heading += rng.uniform(-0.7, 0.7)
+        for _ in range(int(rng.integers(3, 7))):
+            heading += rng.uniform(-1.0, 1.0)
             nxt = point + rng.uniform(3, 6) * np.array([np.sin(heading), np.cos(heading)])
             distance = np.minimum(distance, _segment_distance(y, x, point, nxt))
             point = nxt

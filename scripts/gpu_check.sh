@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The GPU check, in one go (under 5 minutes on one GPU): install, build every shipped profile, run the GPU and
+# kernel tests, run the GPU benchmark, print a short table. Everything is written under OUT_DIR.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]          default OUT_DIR: bench/results/gpu
+#
+# Install: `pip install -e ".[build,cuda]"` when the packages are missing. Offline machines: put the wheels
+# (cuda-python/cuda-bindings 12.x, nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12, pyyaml) in a folder and set
+# COLIBRI_WHEELS=/that/folder (or use shared/wheels); pip then installs with --no-index from there.
+# Each step has its own time limit; a failed step is reported in the table and the script goes on.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+out="${1:-bench/results/gpu}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+python="${PYTHON:-python3}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+declare -a summary=()
+step() {  # step NAME LIMIT_S LOG COMMAND...: run with a time limit, record PASS/FAIL and the duration
+  local name="$1" limit="$2" log="$3"
+  shift 3
+  local start=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  local status="PASS"
+  [ $rc -eq 0 ] || status="FAIL (rc $rc$([ $rc -eq 124 ] && echo ', timed out'))"
+  summary+=("$(printf '%-22s %-26s %4ss  %s' "$name" "$status" "$((SECONDS - start))" "${log#"$root"/}")")
+  echo "[$name] $status in $((SECONDS - start)) s (log: $log)"
+  tail -n 3 "$log" | sed 's/^/    /'
+  return $rc
+}
+
+# 1. Install what is missing.
+wheels="${COLIBRI_WHEELS:-$root/shared/wheels}"
+install() {
+  if "$python" -c "import colibri_sdk, cuda.bindings.driver, cuda.bindings.nvrtc, yaml, numpy" 2>/dev/null \
+     && [ "$("$python" -c 'import colibri_sdk, os; print(os.path.realpath(colibri_sdk.__path__[0]))')" = "$root/sdk" ]; then
+    echo "already installed"
+  elif [ -d "$wheels" ]; then
+    "$python" -m pip install --no-index --find-links "$wheels" -e ".[build,cuda]"
+  else
+    "$python" -m pip install --retries 1 --timeout 10 -e ".[build,cuda]" \
+      || "$python" -m pip install --no-deps --no-build-isolation -e .
+  fi
+  "$python" - <<'EOF'
+import platform
+from colibri_sdk.runtime.driver import probe_driver
+print("python", platform.python_version())
+try:
+    import cuda.bindings
+    print("cuda-bindings", cuda.bindings.__version__)
+    from colibri_sdk.build.nvrtc import nvrtc_version
+    print("nvrtc", nvrtc_version())
+except Exception as exc:
+    print("cuda-bindings / NVRTC:", exc)
+print("driver probe", probe_driver())
+EOF
+}
+export python wheels root out
+export -f install
+step install 60 "$out/install.log" bash -c install
+
+# 2. Build every shipped profile with the embedded demo model (the profile's own arch; no GPU involved).
+build_all() {
+  local rc=0
+  for profile in profiles/*.yaml; do
+    name="$(basename "$profile" .yaml)"
+    echo "== $name"
+    "$python" -m colibri_sdk build --profile "$profile" -o "$out/bundles/$name" || rc=1
+  done
+  return $rc
+}
+export -f build_all
+step build-profiles 60 "$out/build.log" bash -c build_all
+
+# 3. Tests: the kernels compile (CPU) and the CUDA backend against the reference (GPU).
+step pytest 120 "$out/pytest.log" "$python" -m pytest tests/kernels tests/gpu -q -ra -p no:cacheprovider \
+  --junitxml="$out/pytest.xml"
+
+# 4. Benchmark: graph vs eager vs transformers, bandwidth floor.
+step gpu-bench 150 "$out/bench.log" "$python" bench/gpu_bench.py --out "$out" --iters 100
+
+echo
+echo "== GPU check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1))"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+grep -E "passed|failed|error" "$out/pytest.log" | tail -n 1 | tee -a "$out/summary.txt"
+[ -f "$out/gpu_bench.txt" ] && tee -a "$out/summary.txt" <"$out/gpu_bench.txt"
+exit 0

@@ -1,0 +1,105 @@
+"""Host keys, authentication, refused connections, quoting and timeouts of remote commands."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from sshd_server import free_port, keygen
+
+from colibri_sdk.deploy import (
+    AuthenticationError,
+    Connection,
+    ConnectRefusedError,
+    HostKeyChangedError,
+    HostKeyUnknownError,
+    RemoteTimeoutError,
+)
+from colibri_sdk.deploy.connection import command_line
+
+pytestmark = pytest.mark.ssh
+
+
+def other_key_line(tmp_path, sshd, kind: str) -> str:
+    pub = keygen(tmp_path / f"other_{kind}", kind).with_suffix(".pub").read_text().split()
+    return f"[127.0.0.1]:{sshd.port} {pub[0]} {pub[1]}\n"
+
+
+def test_known_host_connects_and_runs_a_command(target):
+    with Connection(target) as conn:
+        result = conn.run(["echo", "ok"])
+    assert (result.exit_status, result.stdout) == (0, b"ok\n")
+
+
+def test_unknown_host_is_refused(target, tmp_path):
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    with pytest.raises(HostKeyUnknownError, match=r"host \[127.0.0.1\]:\d+ is not in .*empty_known_hosts "
+                                                  r"\(it offers ssh-ed25519 SHA256:"):
+        Connection(target.with_(known_hosts=str(empty))).open()
+    assert empty.read_text() == ""
+
+
+def test_accept_new_host_key_stores_it_once(target, tmp_path, sshd):
+    path = tmp_path / "new" / "known_hosts"
+    with Connection(target.with_(known_hosts=str(path), accept_new_host_key=True)) as conn:
+        conn.run(["true"])
+    assert path.read_text() == sshd.known_hosts_line()
+    with Connection(target.with_(known_hosts=str(path))) as conn:  # now known, no flag needed
+        conn.run(["true"])
+    assert path.read_text() == sshd.known_hosts_line()
+
+
+def test_changed_key_of_same_type_is_refused_even_with_accept_new(target, tmp_path, sshd):
+    path = tmp_path / "known_hosts"
+    line = other_key_line(tmp_path, sshd, "ed25519")
+    path.write_text(line)
+    for accept in (False, True):
+        with pytest.raises(HostKeyChangedError, match=r"has CHANGED: the server offers ssh-ed25519 SHA256:.*"
+                                                      r"stores ssh-ed25519 SHA256:"):
+            Connection(target.with_(known_hosts=str(path), accept_new_host_key=accept)).open()
+    assert path.read_text() == line
+
+
+def test_stored_key_of_another_type_is_refused(target, tmp_path, sshd):
+    path = tmp_path / "known_hosts"
+    line = other_key_line(tmp_path, sshd, "ecdsa")
+    path.write_text(line)
+    with pytest.raises(HostKeyChangedError, match=r"host key for \[127.0.0.1\]:\d+ has CHANGED: the server offers "
+                                                  r"ssh-ed25519 .* only keys of another type \(ecdsa-sha2-nistp256\)"):
+        Connection(target.with_(known_hosts=str(path), accept_new_host_key=True)).open()
+    assert path.read_text() == line
+
+
+def test_authentication_failure_is_typed(target, tmp_path):
+    stranger = keygen(tmp_path / "stranger")
+    with pytest.raises(AuthenticationError, match=r"authentication failed .* tried identity file .*stranger"):
+        Connection(target.with_(identity=str(stranger))).open()
+
+
+def test_missing_identity_file(target, tmp_path):
+    with pytest.raises(AuthenticationError, match=r"identity file .*nope not found"):
+        Connection(target.with_(identity=str(tmp_path / "nope"))).open()
+
+
+def test_connection_refused_is_typed(target):
+    with pytest.raises(ConnectRefusedError, match=r"connection refused"):
+        Connection(target.with_(port=free_port())).open()
+
+
+def test_command_timeout(target):
+    with Connection(target) as conn:
+        with pytest.raises(RemoteTimeoutError, match=r"remote command sleep 5 did not finish within 0.5 s"):
+            conn.run(["sleep", "5"], timeout=0.5)
+
+
+def test_arguments_reach_the_device_unchanged(target):
+    hostile = ["a b", "it's", 'say "hi"', "$HOME", "`id`", "$(id)", "semi;colon", "back\\slash", "new\nline", ""]
+    with Connection(target) as conn:
+        result = conn.run(["printf", r"%s\0", *hostile])
+    assert result.stdout.split(b"\0")[:-1] == [h.encode() for h in hostile]
+
+
+def test_command_line_quotes_every_argument():
+    assert command_line(["ls", "a b", "$x"]) == "ls 'a b' '$x'"
+    assert shlex.split(command_line(["it's", "`id`"])) == ["it's", "`id`"]
