@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     except ColibriError as exc:
         print(f"colibri-sdk {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader of stdout went away (e.g. `colibri-sdk inspect --json | head`): not an error of ours.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"colibri-sdk {args.command}: interrupted", file=sys.stderr)
         return 130

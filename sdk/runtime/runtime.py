@@ -33,8 +33,8 @@ def cuda_status() -> tuple[bool, str]:
 
     Returns:
         (ok, reason): ok is True when the CUDA backend is installed and `driver.probe_driver()` found a working
-        driver; reason says why not otherwise (one line). Whether a device of the bundle's compute capability
-        exists is checked when a bundle is loaded.
+        driver with at least one device; reason is the probe's line (why not, when not ok). Whether the device
+        can run a given bundle (compute capability, driver version) is checked when the bundle is loaded.
     """
     try:
         from .driver import probe_driver
@@ -137,12 +137,13 @@ def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float, 
         raise BundleError(f"self-test output shape {actual.shape}; the stored reference output is {expected.shape}")
     a = actual.astype(np.float64)
     e = expected.astype(np.float64)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(a - e)
         finite = bool(np.isfinite(a).all())
         passed = finite and bool((diff <= atol + rtol * np.abs(e)).all())
         max_abs = float(diff.max()) if diff.size else 0.0
-        max_rel = float((diff / np.maximum(np.abs(e), atol)).max()) if diff.size else 0.0
+        floor = max(float(atol), float(np.finfo(np.float32).tiny))  # atol = 0 must not divide by zero
+        max_rel = float((diff / np.maximum(np.abs(e), floor)).max()) if diff.size else 0.0
     if not finite:
         max_abs = max_rel = float("inf")
     return SelfTestResult(passed, max_abs, max_rel, float(rtol), float(atol), backend)

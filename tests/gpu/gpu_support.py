@@ -47,6 +47,8 @@ def profile_for_this_gpu(base: str = "orin", **overrides) -> dict:
     major, minor = device_compute_capability()
     data["target"]["arch"] = f"sm_{major}{minor}"
     data["target"]["toolkit"] = nvrtc_version()[0]
+    # A profile's min_driver must be a driver of its toolkit's major (1000 * major at least).
+    data["target"]["min_driver"] = max(data["target"]["min_driver"], 1000 * data["target"]["toolkit"])
     data["target"]["unified_memory"] = False
     kernels = overrides.pop("kernels", {})
     data.update(overrides)
