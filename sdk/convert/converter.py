@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import ConvertError, FormatError
 from ..format import ColibriWriter, Header
-from ..format.constants import COMPOSITION_NAMES, COMPOSITION_RESIDUAL, DTYPE_CODES, FP16_MAX
+from ..format.constants import COMPOSITION_NAMES, DTYPE_CODES, FP16_MAX
 from .checkpoint import Checkpoint
 from .families import ModelSpec, model_spec
 from .layout import Layout, plan

@@ -7,7 +7,6 @@ layer l is `model.model.layers[l].mlp` (transformers 5.x names it `mlp` for ever
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np

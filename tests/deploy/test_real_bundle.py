@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from conftest import remote_tree
@@ -65,8 +68,6 @@ def test_real_bundle_verified_on_device_then_kernel_only_rebuild(real_bundles, t
 
 
 def test_real_verify_failure_keeps_previous(real_bundles, tmp_path, target, device_dir):
-    import shutil
-
     first, rebuilt = real_bundles
     options = DeployOptions(remote_dir=str(device_dir), verify=True, remote_python=sys.executable,
                             remote_colibri=f"{sys.executable} -m colibri_sdk")
@@ -76,12 +77,8 @@ def test_real_verify_failure_keeps_previous(real_bundles, tmp_path, target, devi
     bad = shutil.copytree(rebuilt, tmp_path / "bad")
     manifest = json.loads((bad / "manifest.json").read_text())
     out = bad / manifest["selftest"]["output"]
-    import numpy as np
-
     expected = np.load(out)
     np.save(out, expected + 1.0)
-    import hashlib
-
     for entry in manifest["files"]:
         if entry["path"] == manifest["selftest"]["output"]:
             entry["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 SIZES = dict(num_layers=2, num_experts=3, top_k=2, hidden_size=4, intermediate_size=5)
 
 

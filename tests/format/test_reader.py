@@ -12,7 +12,7 @@ from colibri_sdk.errors import FormatError
 from colibri_sdk.format import ColibriFile, Header, write_model
 from colibri_sdk.format.constants import HEADER_SIZE
 
-from format_cases import SIZES, small_arrays
+from format_cases import SIZES
 
 
 def test_views_hold_the_written_values(small_file):

@@ -1,6 +1,6 @@
 """The classifier around the colibri runtime: NumPy stem and head, the MoE part from a bundle.
 
-    frame → preprocess (64, 64) → stem (16, 64) → runtime.infer: MoE layers (16, 64) → mean → head (4,) → softmax
+    frame → preprocess (64, 64) → conv stem (16, 64) → runtime.infer: MoE layers (16, 64) → mean → head (4,) → softmax
 
 The stem and head are the torch model's (qc.torch_model.QCNet) in NumPy, same operations in the same order, float32.
 The MoE part runs from a bundle built with `colibri-sdk build --profile profiles/orin.yaml --weights
@@ -21,11 +21,16 @@ import numpy as np
 from .dataset import CLASSES
 from .preprocess import IMAGE_SIZE, preprocess
 
-PATCH = 16
+PATCH = 16                          # pixels of the (64, 64) image per token side
 GRID = IMAGE_SIZE // PATCH          # 4 x 4 patches
 TOKENS = GRID * GRID                # 16, the profile's fixed tokens
 HIDDEN = 64
 NUM_CLASSES = len(CLASSES)
+CHANNELS = 16                       # conv filters of the stem
+KERNEL = 5                          # conv kernel side, zero padding KERNEL // 2
+STRIDE = 2                          # conv stride: the feature map is (32, 32)
+CELL = PATCH // STRIDE              # feature-map cells per token side: 8
+FEATURES = 2 * CHANNELS             # per token: max and mean of each channel over its cell
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent
 WEIGHTS_DIR = EXAMPLE_DIR / "weights"
@@ -34,10 +39,15 @@ STEM_HEAD_WEIGHTS = WEIGHTS_DIR / "qc_stem_head.npz"
 DEFAULT_PROFILE = EXAMPLE_DIR.parent.parent / "profiles" / "orin.yaml"
 DEFAULT_THRESHOLD = 0.5
 
-
-def patchify(image: np.ndarray) -> np.ndarray:
-    """(64, 64) → (16, 256): a 4 x 4 grid of 16 x 16 patches, row-major; each patch's pixels row-major."""
-    return image.reshape(GRID, PATCH, GRID, PATCH).transpose(0, 2, 1, 3).reshape(TOKENS, PATCH * PATCH)
+STEM_HEAD_SHAPES = {
+    "conv_w": (CHANNELS, KERNEL * KERNEL),  # torch Conv2d weight (16, 1, 5, 5) flattened row-major
+    "conv_b": (CHANNELS,),
+    "stem_w": (HIDDEN, FEATURES),
+    "stem_b": (HIDDEN,),
+    "pos": (TOKENS, HIDDEN),
+    "head_w": (NUM_CLASSES, HIDDEN),
+    "head_b": (NUM_CLASSES,),
+}
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -47,23 +57,42 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class StemHead:
-    """The NumPy stem and head, from the shipped .npz (stem_w (64, 256), stem_b (64,), pos (16, 64),
-    head_w (4, 64), head_b (4,), all float32)."""
+    """The NumPy stem and head, from the shipped .npz (float32 arrays named and shaped as STEM_HEAD_SHAPES).
+
+    Stem, for a (64, 64) image — torch: qc.torch_model.QCNet.tokens:
+        f = relu(conv2d(image, conv_w, conv_b, stride 2, zero padding 2))      (32, 32, 16)
+            (cross-correlation, as torch.nn.Conv2d: f[y, x] = sum_ij w[i, j] * image[2y + i - 2, 2x + j - 2])
+        per token t = 4 * row + col, its 8 x 8 cell of f:
+            features = [max over the cell (16), mean over the cell (16)]        (16, 32)
+        tokens = features @ stem_w.T + stem_b + pos                            (16, 64)
+    Head: logits = mean over tokens of the MoE output @ head_w.T + head_b      (4,)
+    """
 
     def __init__(self, path: str | os.PathLike = STEM_HEAD_WEIGHTS):
         with np.load(path) as data:
             self.arrays = {k: np.ascontiguousarray(data[k], dtype=np.float32) for k in data.files}
-        expected = {"stem_w": (HIDDEN, PATCH * PATCH), "stem_b": (HIDDEN,), "pos": (TOKENS, HIDDEN),
-                    "head_w": (NUM_CLASSES, HIDDEN), "head_b": (NUM_CLASSES,)}
-        for name, shape in expected.items():
+        for name, shape in STEM_HEAD_SHAPES.items():
             if name not in self.arrays or self.arrays[name].shape != shape:
                 got = self.arrays[name].shape if name in self.arrays else "missing"
                 raise ValueError(f"{path}: array {name!r} is {got}; expected {shape}")
 
+    def features(self, image: np.ndarray) -> np.ndarray:
+        """(64, 64) float32 preprocessed image → (16, 32) float32 per-token features."""
+        a = self.arrays
+        pad = KERNEL // 2
+        padded = np.pad(image, pad)
+        windows = np.lib.stride_tricks.sliding_window_view(padded, (KERNEL, KERNEL))[::STRIDE, ::STRIDE]
+        side = windows.shape[0]                                              # 32
+        fmap = windows.reshape(side * side, KERNEL * KERNEL) @ a["conv_w"].T + a["conv_b"]
+        fmap = np.maximum(fmap, 0.0).reshape(GRID, CELL, GRID, CELL, CHANNELS)
+        peak = fmap.max(axis=(1, 3)).reshape(TOKENS, CHANNELS)
+        mean = fmap.mean(axis=(1, 3), dtype=np.float32).reshape(TOKENS, CHANNELS)
+        return np.concatenate([peak, mean], axis=1)
+
     def tokens(self, image: np.ndarray) -> np.ndarray:
         """(64, 64) float32 preprocessed image → (16, 64) float32 tokens."""
         a = self.arrays
-        return (patchify(image) @ a["stem_w"].T + a["stem_b"]) + a["pos"]
+        return (self.features(image) @ a["stem_w"].T + a["stem_b"]) + a["pos"]
 
     def head(self, hidden: np.ndarray) -> np.ndarray:
         """(16, 64) MoE output → (4,) class logits."""

@@ -1,8 +1,9 @@
 """The classifier in torch: used to train it and as the reference the bundle's predictions are checked against.
 
     image (batch, 64, 64)
-      → 16 patches of 16 x 16 (a 4 x 4 grid, row-major; pixels row-major)      (batch, 16, 256)
-      → stem: patch @ stem_w.T + stem_b + pos                                 (batch, 16, 64)
+      → conv 5 x 5, 16 filters, stride 2, zero padding 2, ReLU                  (batch, 16, 32, 32)
+      → per token (a 4 x 4 grid of 8 x 8 cells, row-major): max and mean       (batch, 16, 32)
+      → stem: features @ stem_w.T + stem_b + pos                              (batch, 16, 64)
       → MoE layers, residual: h = h + moe_l(h)                                 (batch, 16, 64)
             moe(x) = sum_{j<k} w_j * down_{S_j}( silu(gate_{S_j} x) * up_{S_j} x )
             z = x @ router (router (hidden, experts)); S = top-k of z; w = softmax(z[S])
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .model import GRID, HIDDEN, NUM_CLASSES, PATCH, TOKENS
+from .model import CELL, CHANNELS, FEATURES, GRID, HIDDEN, KERNEL, NUM_CLASSES, STRIDE, TOKENS
 
 EXPERTS = 8
 TOP_K = 2
@@ -63,7 +64,8 @@ class QCNet(nn.Module):
 
     def __init__(self, layers: int = LAYERS):
         super().__init__()
-        self.stem = nn.Linear(PATCH * PATCH, HIDDEN)
+        self.conv = nn.Conv2d(1, CHANNELS, KERNEL, stride=STRIDE, padding=KERNEL // 2)
+        self.stem = nn.Linear(FEATURES, HIDDEN)
         self.pos = nn.Parameter(torch.randn(TOKENS, HIDDEN) * 0.02)
         self.moe = nn.ModuleList(MoELayer() for _ in range(layers))
         self.head = nn.Linear(HIDDEN, NUM_CLASSES)
@@ -71,8 +73,9 @@ class QCNet(nn.Module):
     def tokens(self, images: torch.Tensor) -> torch.Tensor:
         """(batch, 64, 64) → (batch, 16, 64) stem output."""
         b = images.shape[0]
-        patches = images.reshape(b, GRID, PATCH, GRID, PATCH).permute(0, 1, 3, 2, 4).reshape(b, TOKENS, PATCH * PATCH)
-        return self.stem(patches) + self.pos
+        fmap = torch.relu(self.conv(images[:, None])).reshape(b, CHANNELS, GRID, CELL, GRID, CELL)
+        features = torch.cat([fmap.amax(dim=(3, 5)), fmap.mean(dim=(3, 5))], dim=1)   # (b, 32, 4, 4)
+        return self.stem(features.permute(0, 2, 3, 1).reshape(b, TOKENS, FEATURES)) + self.pos
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         h = self.tokens(images)
@@ -112,7 +115,8 @@ class QCNet(nn.Module):
     def stem_head_arrays(self) -> dict[str, np.ndarray]:
         """float32 arrays for the NumPy stem and head (qc.model.StemHead)."""
         f = lambda t: t.detach().cpu().numpy().astype(np.float32)  # noqa: E731
-        return {"stem_w": f(self.stem.weight), "stem_b": f(self.stem.bias), "pos": f(self.pos),
+        return {"conv_w": f(self.conv.weight).reshape(CHANNELS, KERNEL * KERNEL), "conv_b": f(self.conv.bias),
+                "stem_w": f(self.stem.weight), "stem_b": f(self.stem.bias), "pos": f(self.pos),
                 "head_w": f(self.head.weight), "head_b": f(self.head.bias)}
 
     @classmethod
@@ -121,6 +125,8 @@ class QCNet(nn.Module):
         layers = moe_file.header.num_layers
         net = cls(layers=layers)
         with torch.no_grad():
+            net.conv.weight.copy_(torch.from_numpy(np.asarray(stem_head["conv_w"]).reshape(CHANNELS, 1, KERNEL, KERNEL)))
+            net.conv.bias.copy_(torch.from_numpy(np.asarray(stem_head["conv_b"])))
             net.stem.weight.copy_(torch.from_numpy(np.asarray(stem_head["stem_w"])))
             net.stem.bias.copy_(torch.from_numpy(np.asarray(stem_head["stem_b"])))
             net.pos.copy_(torch.from_numpy(np.asarray(stem_head["pos"])))

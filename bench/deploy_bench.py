@@ -1,0 +1,175 @@
+"""Deploy throughput vs `scp`, side by side in one run, on loopback (a local sshd on 127.0.0.1).
+
+    python bench/deploy_bench.py [--gib 1.0] [--repeat 2] [--sftp] | tee bench/results/deploy_bench.txt
+
+1. A synthetic bundle: model.colibri of --gib GiB random bytes, 8 kernels (cubin + PTX, ~250 KB), self-test.
+2. `scp -r` of the bundle folder (OpenSSH defaults) into a fresh folder, vs `colibri-sdk deploy` into a fresh
+   store (end to end: connect, plan, upload, sha256 of every byte on the device, stage, switch). Alternated,
+   --repeat times; the best time of each is compared. Ratio = scp time / deploy time (>= 0.8 is the goal).
+3. A kernel-only rebuild (same weights, other kernels) deployed on top: bytes sent / bundle bytes (<= 1 %).
+4. With --sftp: paramiko SFTP `put` of the same files, for reference.
+
+Needs root and openssh-server (it starts its own sshd with throw-away keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "deploy"))
+from sshd_server import SshServer, sshd_unavailable_reason  # noqa: E402
+
+KERNELS = ("routing", "gate_up", "down", "small_batch")
+
+
+def write_bundle(folder: Path, model: Path, kernel_seed: int) -> Path:
+    """A bundle folder per the contract; model.colibri is a hard link to `model` (no second GiB on disk)."""
+    folder.mkdir(parents=True)
+    os.link(model, folder / "model.colibri")
+    contents = {}
+    for name in KERNELS:
+        contents[f"kernels/{name}.sm_87.cubin"] = hashlib.sha256(f"{name}{kernel_seed}".encode()).digest() * 800
+        contents[f"kernels/{name}.ptx"] = f"// {name} {kernel_seed}\n".encode() * 1500
+    contents["selftest/input.npy"] = b"\x01" * 65536
+    contents["selftest/output.npy"] = b"\x02" * 65536
+    for rel, data in contents.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    files = [{"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+             for rel, data in contents.items()]
+    files.append({"path": "model.colibri", "sha256": sha256_file(model), "size": model.stat().st_size})
+    manifest = {"schema_version": 1, "arch": "sm_87", "dtype": "fp16", "files": sorted(files, key=lambda f: f["path"])}
+    (folder / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")
+    return folder
+
+
+_sha_cache: dict = {}
+
+
+def sha256_file(path: Path) -> str:
+    if path not in _sha_cache:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        _sha_cache[path] = h.hexdigest()
+    return _sha_cache[path]
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def run_scp(server: SshServer, known_hosts: Path, bundle: Path, dest: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(["scp", "-q", "-r", "-P", str(server.port), "-i", str(server.user_key),
+                    "-o", f"UserKnownHostsFile={known_hosts}", "-o", "BatchMode=yes",
+                    str(bundle), f"{server.user}@127.0.0.1:{dest}"], check=True)
+    return time.perf_counter() - start
+
+
+def run_sftp(target, bundle: Path, dest: Path) -> float:
+    from colibri_sdk.deploy import Connection
+
+    start = time.perf_counter()
+    with Connection(target) as conn:
+        sftp = conn.client.open_sftp()
+        for p in sorted(bundle.rglob("*")):
+            remote = dest / p.relative_to(bundle)
+            if p.is_dir():
+                sftp.mkdir(str(remote))
+            else:
+                sftp.put(str(p), str(remote))
+        sftp.close()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=1.0, help="size of model.colibri in GiB (default 1)")
+    parser.add_argument("--repeat", type=int, default=2, help="alternated runs of scp and deploy (default 2)")
+    parser.add_argument("--streams", type=int, default=2, help="deploy upload channels (default 2)")
+    parser.add_argument("--sftp", action="store_true", help="also time paramiko SFTP put")
+    parser.add_argument("--workdir", default=None, help="scratch folder (default: a temporary folder)")
+    args = parser.parse_args()
+    reason = sshd_unavailable_reason()
+    if reason:
+        print(f"skipped: {reason}")
+        return 0
+    from colibri_sdk.deploy import DeployOptions, Target, deploy
+
+    work = Path(tempfile.mkdtemp(prefix="deploy_bench_", dir=args.workdir))
+    server = SshServer.start(work / "sshd")
+    try:
+        known_hosts = work / "known_hosts"
+        known_hosts.write_text(server.known_hosts_line())
+        target = Target("127.0.0.1", server.user, server.port, str(server.user_key), str(known_hosts),
+                        command_timeout=300.0)
+        model = work / "weights.bin"
+        size = int(args.gib * (1 << 30))
+        with open(model, "wb") as f:
+            left = size
+            while left:
+                n = min(left, 64 << 20)
+                f.write(os.urandom(n))
+                left -= n
+        a = write_bundle(work / "bundle_a", model, kernel_seed=0)
+        b = write_bundle(work / "bundle_b", model, kernel_seed=1)
+        total = folder_bytes(a)
+        print(f"bundle: {total:,} bytes ({total / 1e9:.2f} GB), {len(list(a.rglob('*.*')))} files; "
+              f"loopback sshd, {os.cpu_count()} CPUs; paramiko cipher preference aes128-gcm, "
+              f"{args.streams} streams; scp with OpenSSH defaults")
+        scp_times, deploy_times, sftp_times = [], [], []
+        for i in range(args.repeat):
+            dest = work / f"scp_{i}"
+            scp_times.append(run_scp(server, known_hosts, a, dest))
+            shutil.rmtree(dest)
+            store = work / f"device_{i}"
+            options = DeployOptions(remote_dir=str(store), remote_python=sys.executable, streams=args.streams)
+            start = time.perf_counter()
+            result = deploy(a, target, options)
+            deploy_times.append(time.perf_counter() - start)
+            assert result.bytes_sent == total, (result.bytes_sent, total)
+            if i + 1 < args.repeat:
+                shutil.rmtree(store)
+            print(f"  run {i + 1}: scp {scp_times[-1]:.2f} s ({total / scp_times[-1] / 1e6:.0f} MB/s), "
+                  f"deploy {deploy_times[-1]:.2f} s ({total / deploy_times[-1] / 1e6:.0f} MB/s)")
+            if args.sftp:
+                dest = work / f"sftp_{i}"
+                dest.mkdir()
+                sftp_times.append(run_sftp(target, a, dest))
+                shutil.rmtree(dest)
+                print(f"         sftp put {sftp_times[-1]:.2f} s ({total / sftp_times[-1] / 1e6:.0f} MB/s)")
+        best_scp, best_deploy = min(scp_times), min(deploy_times)
+        print(f"scp    best {best_scp:6.2f} s  {total / best_scp / 1e6:6.0f} MB/s")
+        print(f"deploy best {best_deploy:6.2f} s  {total / best_deploy / 1e6:6.0f} MB/s  (incl. sha256 of every "
+              f"byte on the device, stage, atomic switch)")
+        if sftp_times:
+            print(f"sftp   best {min(sftp_times):6.2f} s  {total / min(sftp_times) / 1e6:6.0f} MB/s")
+        print(f"throughput ratio deploy/scp = {best_scp / best_deploy:.2f}   (goal >= 0.80)")
+
+        kernel_only = deploy(b, target, options)
+        ratio = kernel_only.bytes_sent / kernel_only.total_bytes
+        print(f"kernel-only re-deploy: sent {kernel_only.bytes_sent:,} of {kernel_only.total_bytes:,} bytes "
+              f"= {100 * ratio:.3f} % of the bundle ({len(kernel_only.sent)} files) in {kernel_only.seconds:.2f} s"
+              f"   (goal <= 1 %)")
+        nothing = deploy(b, target, options)
+        print(f"unchanged re-deploy: sent {nothing.bytes_sent:,} bytes in {nothing.seconds:.2f} s")
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
