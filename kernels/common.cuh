@@ -42,9 +42,13 @@ static_assert(BM_ >= 1 && (BM_ & (BM_ - 1)) == 0, "COLI_ROUTING_BLOCK_M must be 
 #if COLI_FP16
 typedef unsigned short wt;  // IEEE binary16 bits
 __device__ __forceinline__ float wt_to_float(wt v) {
+#ifdef COLI_CPU_EMULATION  // g++ through tests/kernels/emu/cuda_shim.h: no PTX
+    return __half_bits_to_float(v);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
     return f;
+#endif
 }
 #else
 typedef float wt;

@@ -1,0 +1,406 @@
+// cuda_shim.h: the CUDA C subset of kernels/*.cu on the CPU, so that g++ compiles the unmodified kernel sources
+// and tests/kernels/emulator.py runs a launch plan without a GPU.
+//
+// An emulation of the LOGIC only (indexing, tails, barriers, warp exchanges, atomics): it says nothing about GPU
+// timing, the GPU memory model, occupancy or register use.
+//
+// Execution model: one launch runs its blocks one after another on the calling thread. The threads of a block are
+// fibers (ucontext) of that thread, switched only at the synchronisation points: __syncthreads, __syncwarp and the
+// warp shuffles. So
+//   - `__shared__` variables are function statics, one copy shared by the block's fibers; they live in the ELF
+//     section `coli_shared`, which is filled with a NaN pattern before every block (a read before a write shows);
+//   - atomics need no lock (nothing runs in between), yet their order follows the schedule;
+//   - the schedule is chosen per launch (coli_emu_set_schedule): fibers in increasing order, decreasing order, or a
+//     fresh pseudo-random order every round; blocks likewise. Results of the ordered aggregation must not depend
+//     on it; a missing barrier usually does;
+//   - strict rules, each an error of the launch rather than a hang: a __syncthreads must be reached by every
+//     thread of the block, a full-mask warp operation by all 32 lanes (a thread that exited before counts as
+//     missing), and a state where no fiber can move is a deadlock. A segmentation fault inside a kernel is
+//     reported with the block and thread instead of killing the process.
+// Only the intrinsics the kernels use are defined; anything else fails to compile, which is the point.
+#pragma once
+
+#include <csetjmp>
+#include <csignal>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <cmath>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <utility>
+
+#define COLI_CPU_EMULATION 1
+
+// ---- qualifiers --------------------------------------------------------------------------------------------------
+#define __global__
+#define __device__ static
+#define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
+#define __shared__ static __attribute__((section("coli_shared"), aligned(16)))
+// __restrict__ is a g++ extension already.
+
+// ---- vector and index types --------------------------------------------------------------------------------------
+struct uint3 { unsigned int x, y, z; };
+struct dim3 { unsigned int x, y, z; };
+struct __attribute__((aligned(16))) uint4 { unsigned int x, y, z, w; };
+struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
+struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
+
+// Set by the scheduler before every switch into a fiber.
+inline uint3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+
+namespace coli_emu {
+
+constexpr int kMaxThreads = 1024;
+constexpr int kWarps = kMaxThreads / 32;
+constexpr size_t kStackBytes = 256 << 10;
+constexpr uint32_t kSharedPoison = 0x7FC0BAD0u;  // a float32 NaN; as an int32 a large positive value
+
+enum class Wait { none, block, warp, done };
+
+struct Fiber {
+    ucontext_t ctx;
+    Wait wait;
+    unsigned gen;  // the barrier generation it waits to see change
+};
+
+struct State {
+    Fiber fibers[kMaxThreads];
+    char* stacks = nullptr;
+    ucontext_t sched;
+    int nthreads = 0;
+    int current = 0;
+    int alive = 0;
+    unsigned long long events = 0;  // bumped on every arrival, release and exit: progress for deadlock detection
+    // __syncthreads
+    int block_arrived = 0;
+    unsigned block_gen = 0;
+    // warps: arrivals, generation, exchange slots [parity][lane]
+    int warp_arrived[kWarps];
+    unsigned warp_gen[kWarps];
+    uint32_t exchange[kWarps][2][32];
+    int exited[kWarps];  // lanes of the warp that have returned
+    // schedule: 0 increasing, 1 decreasing, else pseudo-random (xorshift state)
+    int mode = 0;
+    uint64_t rng = 0x9E3779B97F4A7C15ull;
+    bool failed = false;
+    char error[512] = {0};
+    void (*thunk)(void**) = nullptr;
+    void** params = nullptr;
+    sigjmp_buf fault_jump;
+    volatile void* fault_addr = nullptr;
+    const char* symbol = "";
+    dim3 block_now;
+};
+
+inline State g;
+
+inline uint64_t next_random() {
+    uint64_t x = g.rng;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return g.rng = x;
+}
+
+inline void set_thread(int tid) {
+    g.current = tid;
+    threadIdx = {tid % blockDim.x, (tid / blockDim.x) % blockDim.y, tid / (blockDim.x * blockDim.y)};
+}
+
+// Give control back to the scheduler; the fiber is resumed later at this point.
+inline void yield() { swapcontext(&g.fibers[g.current].ctx, &g.sched); }
+
+// Record the first error, then park the fiber for good; the scheduler ends the launch.
+[[noreturn]] inline void fail(const char* what) {
+    if (!g.failed) {
+        g.failed = true;
+        std::snprintf(g.error, sizeof g.error, "%s: block (%u, %u, %u) thread %d: %s", g.symbol, blockIdx.x,
+                      blockIdx.y, blockIdx.z, g.current, what);
+    }
+    for (;;) yield();
+}
+
+inline int warp_size_of(int warp) {
+    const int rest = g.nthreads - warp * 32;
+    return rest < 32 ? rest : 32;
+}
+
+inline void block_barrier() {
+    Fiber& f = g.fibers[g.current];
+    ++g.events;
+    if (++g.block_arrived == g.nthreads) {
+        g.block_arrived = 0;
+        ++g.block_gen;
+        return;
+    }
+    f.wait = Wait::block;
+    f.gen = g.block_gen;
+    while (g.block_gen == f.gen) yield();
+    f.wait = Wait::none;
+}
+
+// All lanes of the calling warp meet here; returns the generation at arrival (its parity picks exchange slots).
+inline unsigned warp_barrier(unsigned mask) {
+    const int warp = g.current / 32;
+    if (mask != 0xffffffffu || warp_size_of(warp) != 32) fail("warp operation without all 32 lanes (mask or block size)");
+    if (g.exited[warp]) fail("warp operation with a full mask after a lane of the warp returned");
+    Fiber& f = g.fibers[g.current];
+    const unsigned gen = g.warp_gen[warp];
+    ++g.events;
+    if (++g.warp_arrived[warp] == 32) {
+        g.warp_arrived[warp] = 0;
+        ++g.warp_gen[warp];
+        return gen;
+    }
+    f.wait = Wait::warp;
+    f.gen = gen;
+    while (g.warp_gen[warp] == gen) yield();
+    f.wait = Wait::none;
+    return gen;
+}
+
+// Lane `lane` gets the value of lane src(lane). Slots alternate by generation parity: a lane cannot write the next
+// exchange's slot before every lane has passed this exchange's barrier, i.e. has read.
+template <class T, class Src>
+inline T exchange(unsigned mask, T v, Src src) {
+    static_assert(sizeof(T) == 4, "shuffles of 4-byte values only");
+    const int warp = g.current / 32, lane = g.current % 32;
+    const unsigned parity = g.warp_gen[warp] & 1u;
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    g.exchange[warp][parity][lane] = bits;
+    warp_barrier(mask);
+    const int from = src(lane);
+    bits = g.exchange[warp][parity][(from >= 0 && from < 32) ? from : lane];
+    T out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+extern "C" char __start_coli_shared[] __attribute__((weak));
+extern "C" char __stop_coli_shared[] __attribute__((weak));
+
+inline void poison_shared() {
+    for (char* p = __start_coli_shared; p + 4 <= __stop_coli_shared; p += 4) std::memcpy(p, &kSharedPoison, 4);
+}
+
+inline void fiber_main() {
+    g.thunk(g.params);
+    g.fibers[g.current].wait = Wait::done;
+    --g.alive;
+    ++g.events;
+    ++g.exited[g.current / 32];
+    // returning resumes uc_link, the scheduler
+}
+
+// Order of the fibers (or blocks) in round r: 0..n-1, n-1..0 or an affine pseudo-random permutation.
+struct Order {
+    int n, a = 1, c = 0;
+    explicit Order(int count) : n(count) {
+        if (g.mode >= 2 && n > 1) {
+            do a = 1 + int(next_random() % uint64_t(n)); while (gcd(a, n) != 1);
+            c = int(next_random() % uint64_t(n));
+        }
+    }
+    static int gcd(int x, int y) { return y ? gcd(y, x % y) : x; }
+    int operator[](int i) const {
+        if (g.mode == 1) return n - 1 - i;
+        if (g.mode >= 2) return int((long long)a * i % n + c) % n;
+        return i;
+    }
+};
+
+inline void describe_deadlock() {
+    int at_block = 0, at_warp = 0, done = 0;
+    for (int t = 0; t < g.nthreads; ++t) {
+        const Wait w = g.fibers[t].wait;
+        at_block += w == Wait::block;
+        at_warp += w == Wait::warp;
+        done += w == Wait::done;
+    }
+    std::snprintf(g.error, sizeof g.error,
+                  "%s: block (%u, %u, %u): deadlock, %d threads wait at __syncthreads, %d at a warp operation, "
+                  "%d returned (of %d): a barrier not reached by every thread",
+                  g.symbol, blockIdx.x, blockIdx.y, blockIdx.z, at_block, at_warp, done, g.nthreads);
+    g.failed = true;
+}
+
+// Run one block to completion; false on an error (g.error says which).
+inline bool run_block() {
+    const int n = g.nthreads;
+    g.alive = n;
+    g.block_arrived = 0;
+    const int warps = (n + 31) / 32;
+    for (int w = 0; w < warps; ++w) g.warp_arrived[w] = g.exited[w] = 0;
+    poison_shared();
+    for (int t = 0; t < n; ++t) {
+        Fiber& f = g.fibers[t];
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = g.stacks + size_t(t) * kStackBytes;
+        f.ctx.uc_stack.ss_size = kStackBytes;
+        f.ctx.uc_link = &g.sched;
+        f.wait = Wait::none;
+        makecontext(&f.ctx, fiber_main, 0);
+    }
+    while (g.alive > 0) {
+        const unsigned long long before = g.events;
+        const Order order{n};
+        for (int i = 0; i < n; ++i) {
+            const int t = order[i];
+            if (g.fibers[t].wait == Wait::done) continue;
+            set_thread(t);
+            swapcontext(&g.sched, &g.fibers[t].ctx);
+            if (g.failed) return false;
+        }
+        if (g.alive > 0 && g.events == before) {
+            describe_deadlock();
+            return false;
+        }
+    }
+    return true;
+}
+
+inline void on_fault(int, siginfo_t* info, void*) {
+    g.fault_addr = info->si_addr;
+    siglongjmp(g.fault_jump, 1);
+}
+
+// Launch `thunk(params)` as a grid; 0 on success, 1 with coli_emu_error() set.
+inline int launch(const char* symbol, void (*thunk)(void**), const unsigned* grid, const unsigned* block,
+                  void** params) {
+    g.failed = false;
+    g.error[0] = 0;
+    g.symbol = symbol;
+    const long long threads = (long long)block[0] * block[1] * block[2];
+    if (threads < 1 || threads > kMaxThreads || grid[0] < 1 || grid[1] < 1 || grid[2] < 1) {
+        std::snprintf(g.error, sizeof g.error, "%s: block %ux%ux%u, grid %ux%ux%u; allowed: 1..%d threads, grid >= 1",
+                      symbol, block[0], block[1], block[2], grid[0], grid[1], grid[2], kMaxThreads);
+        return 1;
+    }
+    if (!g.stacks) {
+        void* p = mmap(nullptr, kStackBytes * kMaxThreads, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) {
+            std::snprintf(g.error, sizeof g.error, "cannot map %zu bytes of fiber stacks", kStackBytes * kMaxThreads);
+            return 1;
+        }
+        g.stacks = static_cast<char*>(p);
+    }
+    g.thunk = thunk;
+    g.params = params;
+    g.nthreads = int(threads);
+    blockDim = {block[0], block[1], block[2]};
+    gridDim = {grid[0], grid[1], grid[2]};
+
+    static char alt_stack[1 << 16];
+    stack_t ss{}, old_ss{};
+    ss.ss_sp = alt_stack;
+    ss.ss_size = sizeof alt_stack;
+    sigaltstack(&ss, &old_ss);
+    struct sigaction sa{}, old_segv{}, old_bus{};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &old_segv);
+    sigaction(SIGBUS, &sa, &old_bus);
+
+    int rc = 0;
+    if (sigsetjmp(g.fault_jump, 1)) {
+        std::snprintf(g.error, sizeof g.error, "%s: block (%u, %u, %u) thread %d: memory fault at address %p", symbol,
+                      blockIdx.x, blockIdx.y, blockIdx.z, g.current, const_cast<void*>(g.fault_addr));
+        rc = 1;
+    } else {
+        const long long blocks = (long long)grid[0] * grid[1] * grid[2];
+        const Order order{int(blocks)};
+        for (long long i = 0; i < blocks && rc == 0; ++i) {
+            const long long b = order[int(i)];
+            blockIdx = {unsigned(b % grid[0]), unsigned(b / grid[0] % grid[1]), unsigned(b / grid[0] / grid[1])};
+            if (!run_block()) rc = 1;
+        }
+    }
+    sigaction(SIGSEGV, &old_segv, nullptr);
+    sigaction(SIGBUS, &old_bus, nullptr);
+    sigaltstack(&old_ss, nullptr);
+    return rc;
+}
+
+// Call kernel F with the arguments cuLaunchKernel would pass: params[i] points at argument i.
+template <class... A, size_t... I>
+inline void call(void (*f)(A...), void** params, std::index_sequence<I...>) {
+    f(*static_cast<A*>(params[I])...);
+}
+
+template <class... A>
+constexpr size_t arity(void (*)(A...)) { return sizeof...(A); }
+
+template <auto F>
+void thunk(void** params) { call(F, params, std::make_index_sequence<arity(F)>{}); }
+
+// IEEE binary16 bits → float32, exact (every half value is a float).
+inline float half_bits_to_float(unsigned short h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);  // inf, NaN (payload kept)
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);  // normal: rebias 15 → 127
+    } else if (mant == 0) {
+        bits = sign;  // ±0
+    } else {  // subnormal: normalise
+        exp = 113u;
+        while (!(mant & 0x400u)) {
+            mant <<= 1;
+            --exp;
+        }
+        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+}  // namespace coli_emu
+
+// ---- intrinsics ------------------------------------------------------------------------------------------------
+inline void __syncthreads() { coli_emu::block_barrier(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { coli_emu::warp_barrier(mask); }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    return coli_emu::exchange(mask, v, [&](int lane) { return ((lane ^ lane_mask) & (width - 1)) | (lane & ~(width - 1)); });
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return coli_emu::exchange(mask, v, [&](int lane) {
+        const int src = lane + int(delta);
+        return (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane;
+    });
+}
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+    return coli_emu::exchange(mask, v, [&](int lane) { return (lane & ~(width - 1)) + (src_lane & (width - 1)); });
+}
+
+// Nothing else runs between two synchronisation points, so a plain read-modify-write is atomic here.
+inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
+inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
+inline int atomicMax(int* p, int v) { const int old = *p; *p = old > v ? old : v; return old; }
+
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline float __half_bits_to_float(unsigned short h) { return coli_emu::half_bits_to_float(h); }
+
+// Exported entry point of one kernel: int coli_emu_launch_<symbol>(grid[3], block[3], params).
+#define COLI_EMU_EXPORT(symbol)                                                                                 \
+    extern "C" __attribute__((visibility("default"))) int coli_emu_launch_##symbol(                            \
+        const unsigned* grid, const unsigned* block, void** params) {                                          \
+        return coli_emu::launch(#symbol, coli_emu::thunk<symbol>, grid, block, params);                        \
+    }

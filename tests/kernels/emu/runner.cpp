@@ -1,0 +1,19 @@
+// runner.cpp: the entry points of the emulation library besides the kernels (tests/kernels/emulator.py builds
+// one library per set of compile-time constants: this file plus one unit per kernel source, each unit
+// `#include "cuda_shim.h"`, `#include "<source>.cu"` and COLI_EMU_EXPORT(symbol) for each entry point).
+#include "cuda_shim.h"
+
+#define COLI_EMU_API extern "C" __attribute__((visibility("default")))
+
+// The error of the last failed launch ("" after a successful one).
+COLI_EMU_API const char* coli_emu_error() { return coli_emu::g.error; }
+
+// Schedule of the following launches: 0 threads and blocks in increasing order, 1 decreasing, 2 a pseudo-random
+// order per scheduling round seeded by `seed`.
+COLI_EMU_API void coli_emu_set_schedule(int mode, unsigned long long seed) {
+    coli_emu::g.mode = mode;
+    coli_emu::g.rng = seed ? seed : 0x9E3779B97F4A7C15ull;
+}
+
+// The fp16 → fp32 conversion the kernels use under emulation, for a test against NumPy.
+COLI_EMU_API float coli_emu_half_to_float(unsigned short bits) { return coli_emu::half_bits_to_float(bits); }

@@ -1,0 +1,225 @@
+"""The colibri kernels emulated on the CPU: the unmodified kernels/*.cu compiled by g++ through
+tests/kernels/emu/cuda_shim.h, and a whole `catalog.launch_plan` run on host memory.
+
+An emulation of the LOGIC (indexing, tails, padded expert order, barriers, warp exchanges, atomics, what is
+written): it proves nothing about GPU timing, the GPU memory model, occupancy or registers. See docs/kernels.md,
+"Emulated on the CPU", and the execution model in emu/cuda_shim.h.
+
+    lib = build_library(catalog.compile_defines(profile, header))     # cached by hash of sources, flags, defines
+    device = EmulatedDevice(profile, "model.colibri")
+    device.poison()
+    y = device.run(x)                                                   # x (tokens, hidden) float32
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import types
+from pathlib import Path
+
+import numpy as np
+
+from colibri_sdk import catalog
+from colibri_sdk.format import ColibriFile
+from colibri_sdk.format.constants import HEADER_SIZE
+from colibri_sdk.runtime.cuda_backend import POISON_WORD, CudaBackend
+
+EMU_DIR = Path(__file__).parent / "emu"
+CXX = shutil.which("g++")
+CXXFLAGS = ("-O1", "-std=c++20", "-pthread", "-fPIC", "-fvisibility=hidden", "-U_FORTIFY_SOURCE", "-Wall",
+            "-Wno-unknown-pragmas")
+CACHE = Path(tempfile.gettempdir()) / "colibri-kernel-emu"
+ALIGN = 256  # bytes: cuMemAlloc's alignment, so the GEMV picks the same vector/scalar path as on the GPU
+GUARD = 4096  # bytes of canary before and after every buffer
+CANARY_WORD = 0x7FC0CAFE  # a float32 NaN that no kernel writes
+
+
+class EmulationError(RuntimeError):
+    """The emulation library failed to build, or a launch failed (deadlock, divergent barrier, memory fault)."""
+
+
+def kernel_units() -> list[tuple[str, tuple[str, ...]]]:
+    """(source file in kernels/, its entry points) for every catalogue kernel."""
+    return [(spec.source, spec.symbols) for spec in catalog.KERNELS]
+
+
+def unit_text(source: str, symbols: tuple[str, ...]) -> str:
+    exports = "".join(f"COLI_EMU_EXPORT({s})\n" for s in symbols)
+    return f'#include "cuda_shim.h"\n#include "{source}"\n{exports}'
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version() -> str:
+    return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def build_library(defines: dict[str, int], source_dir: Path | None = None,
+                  units: list[tuple[str, tuple[str, ...]]] | None = None) -> Path:
+    """Compile the kernel sources with g++ into one shared library; returns its path.
+
+    Args:
+        defines: -D constants (`catalog.compile_defines`).
+        source_dir: folder of the .cu sources and common.cuh (default: the catalogue's kernels/).
+        units: (source file, entry points) to compile (default: every catalogue kernel).
+
+    The library is cached under the temp folder by a hash of compiler, flags, defines and every source byte.
+
+    Raises:
+        EmulationError: g++ missing or a compile/link error (the compiler's output is in the message).
+    """
+    if CXX is None:
+        raise EmulationError("g++ not found on PATH")
+    source_dir = Path(source_dir or catalog.kernel_dir())
+    units = units or kernel_units()
+    flags = [*CXXFLAGS, *(f"-D{k}={int(v)}" for k, v in sorted(defines.items()))]
+    digest = hashlib.sha256("\n".join([_compiler_version(), *flags, repr(units)]).encode())
+    for folder in (source_dir, EMU_DIR):
+        for path in sorted(folder.iterdir()):
+            if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    out = CACHE / digest.hexdigest()[:24] / "libcolibri_emu.so"
+    if out.exists():
+        return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=CACHE, prefix="build-"))
+    includes = [f"-I{EMU_DIR}", f"-I{source_dir}"]
+    compiles = [(EMU_DIR / "runner.cpp", work / "runner.o")]
+    for source, symbols in units:
+        unit = work / (Path(source).stem + ".cpp")
+        unit.write_text(unit_text(source, symbols))
+        compiles.append((unit, work / (unit.stem + ".o")))
+    jobs = [subprocess.Popen([CXX, *flags, *includes, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for src, obj in compiles]
+    logs = [(src, job.communicate()[0], job.returncode) for (src, _), job in zip(compiles, jobs)]
+    failed = [f"{src.name}:\n{log}" for src, log, rc in logs if rc != 0]
+    if failed:
+        raise EmulationError("g++ failed:\n" + "\n".join(failed))
+    link = subprocess.run([CXX, *CXXFLAGS, "-shared", *(str(o) for _, o in compiles), "-o", str(work / out.name)],
+                          capture_output=True, text=True)
+    if link.returncode != 0:
+        raise EmulationError(f"g++ link failed:\n{link.stderr}")
+    out.parent.mkdir(exist_ok=True)
+    os.replace(work / out.name, out)  # atomic: a concurrent build of the same key writes the same bytes
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+class EmulationLibrary:
+    """A loaded emulation library: `launch(symbol, grid, block, params_address)` and the schedule setting."""
+
+    SCHEDULES = {"increasing": 0, "decreasing": 1, "random": 2}
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.coli_emu_error.restype = ctypes.c_char_p
+        self._lib.coli_emu_set_schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
+        self._lib.coli_emu_half_to_float.argtypes = [ctypes.c_ushort]
+        self._lib.coli_emu_half_to_float.restype = ctypes.c_float
+
+    def function(self, symbol: str):
+        fn = getattr(self._lib, f"coli_emu_launch_{symbol}")
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint), ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+
+    def launch(self, function, grid, block, params_address: int, symbol: str = "") -> None:
+        """Run one grid; `params_address` is a cuLaunchKernel kernelParams array (pointers to the arguments)."""
+        g = (ctypes.c_uint * 3)(*grid)
+        b = (ctypes.c_uint * 3)(*block)
+        if function(g, b, params_address) != 0:
+            raise EmulationError(self._lib.coli_emu_error().decode())
+
+    def set_schedule(self, name: str, seed: int = 0) -> None:
+        """'increasing', 'decreasing' or 'random' (seeded) order of threads and blocks for the next launches."""
+        self._lib.coli_emu_set_schedule(self.SCHEDULES[name], seed)
+
+    def half_to_float(self, bits: int) -> float:
+        return self._lib.coli_emu_half_to_float(bits)
+
+
+class Region:
+    """A host buffer standing for a device allocation: ALIGN-aligned, with GUARD bytes of canary on each side."""
+
+    def __init__(self, size: int):
+        self.size = max(int(size), 1)
+        self._raw = np.empty(self.size + 2 * GUARD + ALIGN, dtype=np.uint8)
+        start = (-self._raw.ctypes.data) % ALIGN + GUARD
+        self.bytes = self._raw[start : start + self.size]
+        after = start + -(-self.size // 4) * 4
+        self._before = self._raw[start - GUARD : start].view(np.uint32)
+        self._after = self._raw[after : after + GUARD].view(np.uint32)
+        self._before[:] = CANARY_WORD
+        self._after[:] = CANARY_WORD
+        self.bytes[:] = 0
+        self.address = self.bytes.ctypes.data
+
+    def view(self, dtype) -> np.ndarray:
+        return self.bytes[: self.size // np.dtype(dtype).itemsize * np.dtype(dtype).itemsize].view(dtype)
+
+    def guards_intact(self) -> bool:
+        return bool((self._before == CANARY_WORD).all() and (self._after == CANARY_WORD).all())
+
+
+class EmulatedDevice:
+    """One bundle's forward pass on the CPU: the scratch buffers of `catalog.device_buffers`, the weights buffer
+    (the .colibri bytes after the header) and `catalog.launch_plan`, with the kernel arguments built by the CUDA
+    backend's own code (`CudaBackend._pointer` and `_prepare`), so what runs is what the backend launches.
+
+    Args:
+        profile: a validated profile dict.
+        weights: path of a .colibri file.
+
+    Raises:
+        EmulationError: the library does not build, or a launch fails.
+    """
+
+    def __init__(self, profile: dict, weights: str | os.PathLike):
+        with ColibriFile(weights) as f:
+            self.header = f.header
+        self.profile = profile
+        self.lib = EmulationLibrary(build_library(catalog.compile_defines(profile, self.header)))
+        self.sizes = catalog.sizes(profile, self.header)
+        self.buffers = {name: Region(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
+        data = Path(weights).read_bytes()[HEADER_SIZE:]
+        self.weights = Region(len(data))
+        self.weights.bytes[:] = np.frombuffer(data, dtype=np.uint8)
+        self.io = catalog.io_buffers(self.header)
+        self.plan = catalog.launch_plan(profile, self.header)
+        symbols = {s for spec in catalog.KERNELS for s in spec.symbols}
+        backend = types.SimpleNamespace(
+            _buffers={name: r.address for name, r in self.buffers.items()},
+            _weights=self.weights.address,
+            _functions={s: self.lib.function(s) for s in symbols},
+        )
+        backend._pointer = functools.partial(CudaBackend._pointer, backend)
+        self._launches = [CudaBackend._prepare(backend, launch) for launch in self.plan]
+
+    def poison(self) -> None:
+        """Fill every scratch buffer with POISON_WORD (float32 NaN), as CudaBackend.poison does."""
+        for region in self.buffers.values():
+            region.view(np.uint32)[:] = POISON_WORD
+
+    def run(self, x: np.ndarray, schedule: str = "increasing", seed: int = 0) -> np.ndarray:
+        """The forward pass: x (tokens, hidden) float32 → (tokens, hidden) float32, a new array."""
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(self.sizes.tokens, self.header.hidden_size)
+        self.lib.set_schedule(schedule, seed)
+        self.buffers[self.io["input"]].view(np.float32)[:] = x.reshape(-1)
+        for (function, grid, block, _shared, params, _values), launch in zip(self._launches, self.plan):
+            self.lib.launch(function, grid, block, params.ctypes.data, launch["symbol"])
+        return self.buffers[self.io["output"]].view(np.float32).reshape(x.shape).copy()
+
+    def buffer(self, name: str, dtype) -> np.ndarray:
+        """A copy of scratch buffer `name` as `dtype`."""
+        return self.buffers[name].view(dtype).copy()
+
+    def damaged_guards(self) -> list[str]:
+        """Names of the buffers whose canary words before or after were overwritten (out-of-bounds writes)."""
+        regions = dict(self.buffers, weights=self.weights)
+        return [name for name, region in regions.items() if not region.guards_intact()]
