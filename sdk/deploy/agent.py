@@ -201,36 +201,72 @@ def read_block(limit):
     return view[:got]
 
 
-class HashAndFlush(threading.Thread):
-    """Hashes the received blocks and flushes the file to disk (fdatasync every FLUSH_BYTES) beside the
-    receiving loop, so neither waits for the other and the final fsync finds little left to write."""
+class Hasher(threading.Thread):
+    """Hashes a file as it grows, reading back what was written (from the page cache), and flushes it to disk
+    (fdatasync every FLUSH_BYTES), beside the receiving loop: neither waits for the other, and the final fsync
+    finds little left to write. `advance(n)` says the first n bytes are written."""
 
-    def __init__(self, fd, h):
+    def __init__(self, fd, h, start):
         threading.Thread.__init__(self, daemon=True)
         self.fd, self.h = fd, h
-        self.blocks = queue.Queue(maxsize=16)
+        self.hashed = self.available = start
+        self.done = False
         self.error = None
+        self.cond = threading.Condition()
+
+    def advance(self, available):
+        with self.cond:
+            self.available = available
+            self.cond.notify()
 
     def run(self):
         unflushed = 0
-        while True:
-            block = self.blocks.get()
-            if block is None:
-                return
-            try:
-                self.h.update(block)
-                unflushed += len(block)
+        try:
+            while True:
+                with self.cond:
+                    while self.available == self.hashed and not self.done:
+                        self.cond.wait()
+                    end, done = self.available, self.done
+                if end == self.hashed and done:
+                    return
+                while self.hashed < end:
+                    block = os.pread(self.fd, min(CHUNK, end - self.hashed), self.hashed)
+                    if not block:
+                        raise OSError(errno.EIO, "file shorter than written", "")
+                    self.h.update(block)
+                    self.hashed += len(block)
+                    unflushed += len(block)
                 if unflushed >= FLUSH_BYTES:
                     os.fdatasync(self.fd)
                     unflushed = 0
-            except OSError as exc:
-                self.error = exc
+        except OSError as exc:
+            self.error = exc
 
     def finish(self):
-        self.blocks.put(None)
+        with self.cond:
+            self.done = True
+            self.cond.notify()
         self.join()
         if self.error is not None:
             raise self.error
+
+
+def copy_stdin(fd, count, use_splice):
+    """Move up to `count` bytes from stdin to fd at its offset: splice(2) (no copy through Python) when stdin
+    is a pipe and Python has os.splice (3.10+), else read + write. Returns the bytes moved (0 at end of input)."""
+    if use_splice[0]:
+        try:
+            return os.splice(0, fd, count)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            use_splice[0] = False  # stdin is not a pipe, or the file system refuses splice
+    block = read_block(count)
+    view = block
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+    return len(block)
 
 
 def receive_one(root, sha, size, offset):
@@ -247,24 +283,22 @@ def receive_one(root, sha, size, offset):
             raise AgentError("%s holds %d bytes, fewer than the resume offset %d" % (partial, current, offset))
         if current > offset:
             os.ftruncate(fd, offset)
-        h, _ = hash_fd(fd, offset)
         os.lseek(fd, offset, os.SEEK_SET)
+        h = hashlib.sha256()
+        hasher = Hasher(fd, h, 0)
+        hasher.start()
+        hasher.advance(offset)  # the part already there from an interrupted upload is hashed too
         received = offset
-        worker = HashAndFlush(fd, h)
-        worker.start()
+        use_splice = [hasattr(os, "splice")]
         try:
             while received < size:
-                block = read_block(min(CHUNK, size - received))
-                if not block:
+                moved = copy_stdin(fd, min(CHUNK, size - received), use_splice)
+                if not moved:
                     break
-                view = block
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
-                worker.blocks.put(block)
-                received += len(block)
+                received += moved
+                hasher.advance(received)
         finally:
-            worker.finish()
+            hasher.finish()
         if received != size:
             return {"status": "short", "size": received}
         os.fsync(fd)

@@ -87,20 +87,16 @@ def test_numpy_stem_equals_torch_stem(check_set, torch_net):
     np.testing.assert_allclose(numpy_tokens, torch_tokens, atol=1e-5, rtol=1e-5)
 
 
-def test_classify_applies_the_threshold(qc_bundle, check_set):
-    from qc.model import load_classifier
+def test_classify_applies_the_threshold(qc_classifier, check_set):
+    from qc.model import Classifier
 
     frames, labels, _ = check_set
-    defect = frames[int(np.flatnonzero(labels == 2)[0])]  # a spot
-    strict = load_classifier(qc_bundle, backend="cpu", threshold=1.0)
-    lenient = load_classifier(qc_bundle, backend="cpu", threshold=1e-6)
-    try:
-        a, b = strict.classify(defect), lenient.classify(defect)
-    finally:
-        strict.close()
-        lenient.close()
-    assert a.p_defect == pytest.approx(b.p_defect)
-    assert 1e-6 < a.p_defect < 1.0
-    assert a.passed and not b.passed  # p_defect < 1.0 passes the strict threshold; >= 1e-6 fails the lenient one
+    ok_frame = frames[int(np.flatnonzero(labels == 0)[0])]
+    p_defect = qc_classifier.classify(ok_frame).p_defect
+    assert 0.0 < p_defect < 0.5
+    below = Classifier(qc_classifier.moe, qc_classifier.stem_head, threshold=p_defect * 0.99)
+    above = Classifier(qc_classifier.moe, qc_classifier.stem_head, threshold=p_defect * 1.01)
+    assert not below.classify(ok_frame).passed  # fails when p_defect >= threshold
+    assert above.classify(ok_frame).passed
     with pytest.raises(ValueError, match=r"threshold 0.0; allowed: 0 < threshold <= 1"):
-        load_classifier(qc_bundle, backend="cpu", threshold=0.0)
+        Classifier(qc_classifier.moe, qc_classifier.stem_head, threshold=0.0)

@@ -120,8 +120,8 @@ class EmulationLibrary:
         self._lib = ctypes.CDLL(str(path))
         self._lib.coli_emu_error.restype = ctypes.c_char_p
         self._lib.coli_emu_set_schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
-        self._lib.coli_emu_half_to_float.argtypes = [ctypes.c_ushort]
-        self._lib.coli_emu_half_to_float.restype = ctypes.c_float
+        self._lib.coli_emu_half_to_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong]
+        self._lib.coli_emu_half_to_float.restype = None
 
     def function(self, symbol: str):
         fn = getattr(self._lib, f"coli_emu_launch_{symbol}")
@@ -140,8 +140,12 @@ class EmulationLibrary:
         """'increasing', 'decreasing' or 'random' (seeded) order of threads and blocks for the next launches."""
         self._lib.coli_emu_set_schedule(self.SCHEDULES[name], seed)
 
-    def half_to_float(self, bits: int) -> float:
-        return self._lib.coli_emu_half_to_float(bits)
+    def half_to_float(self, bits: np.ndarray) -> np.ndarray:
+        """fp16 bit patterns (uint16) → the float32 bit patterns (uint32) the kernels' wt_to_float gives."""
+        bits = np.ascontiguousarray(bits, dtype=np.uint16)
+        out = np.empty(bits.shape, dtype=np.uint32)
+        self._lib.coli_emu_half_to_float(bits.ctypes.data, out.ctypes.data, bits.size)
+        return out
 
 
 class Region:

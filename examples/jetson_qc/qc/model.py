@@ -199,9 +199,12 @@ def load_classifier(bundle_dir: str | os.PathLike, backend: str = "auto", thresh
     """
     from colibri_sdk.runtime import Runtime
 
+    stem_head = StemHead(stem_head)
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold {threshold!r}; allowed: 0 < threshold <= 1")
     runtime = Runtime.load(bundle_dir, backend=backend, verify=verify)
     fixed = tuple(runtime.shape) + (runtime.hidden_size,)
     if fixed != (1, TOKENS, HIDDEN):
         runtime.close()
         raise ValueError(f"bundle {bundle_dir} has the fixed shape {fixed}; this model needs (1, {TOKENS}, {HIDDEN})")
-    return Classifier(runtime, StemHead(stem_head), threshold)
+    return Classifier(runtime, stem_head, threshold)

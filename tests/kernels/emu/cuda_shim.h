@@ -139,7 +139,10 @@ inline void block_barrier() {
     }
     f.wait = Wait::block;
     f.gen = g.block_gen;
-    while (g.block_gen == f.gen) yield();
+    while (g.block_gen == f.gen) {
+        yield();
+        if (g.alive < g.nthreads && g.block_gen == f.gen) fail("__syncthreads not reached by every thread: some returned");
+    }
     f.wait = Wait::none;
 }
 
@@ -158,7 +161,10 @@ inline unsigned warp_barrier(unsigned mask) {
     }
     f.wait = Wait::warp;
     f.gen = gen;
-    while (g.warp_gen[warp] == gen) yield();
+    while (g.warp_gen[warp] == gen) {
+        yield();
+        if (g.exited[warp] && g.warp_gen[warp] == gen) fail("warp operation with a full mask after a lane of the warp returned");
+    }
     f.wait = Wait::none;
     return gen;
 }

@@ -15,5 +15,11 @@ COLI_EMU_API void coli_emu_set_schedule(int mode, unsigned long long seed) {
     coli_emu::g.rng = seed ? seed : 0x9E3779B97F4A7C15ull;
 }
 
-// The fp16 → fp32 conversion the kernels use under emulation, for a test against NumPy.
-COLI_EMU_API float coli_emu_half_to_float(unsigned short bits) { return coli_emu::half_bits_to_float(bits); }
+// The fp16 → fp32 conversion the kernels use under emulation, bits to bits (no float crosses the ABI, so a
+// signalling NaN stays as it is), for a test against NumPy.
+COLI_EMU_API void coli_emu_half_to_float(const unsigned short* in, unsigned int* out, unsigned long long n) {
+    for (unsigned long long i = 0; i < n; ++i) {
+        const float f = coli_emu::half_bits_to_float(in[i]);
+        std::memcpy(&out[i], &f, 4);
+    }
+}
