@@ -50,19 +50,22 @@ def available_backends() -> list[str]:
     return ["cuda", "cpu"] if ok else ["cpu"]
 
 
-def _load_cuda(bundle, eager: bool):
+def _load_cuda(bundle, eager: bool, hint: str = "; use backend='cpu' or 'auto'"):
     """Construct the CUDA backend (imported here so the CPU path never imports cuda.bindings).
+
+    Args:
+        hint: appended to the error message (what the caller can do instead); "" when "auto" falls back anyway.
 
     Raises:
         BackendError: no usable driver or device, or the bundle's code cannot run on the device.
     """
     ok, reason = cuda_status()
     if not ok:
-        raise BackendError(f"backend 'cuda' is not available here: {reason}; use backend='cpu' or 'auto'")
+        raise BackendError(f"backend 'cuda' is not available here: {reason}{hint}")
     try:
         from .cuda_backend import CudaBackend
     except ImportError as exc:
-        raise BackendError(f"backend 'cuda' cannot be imported here ({exc}); use backend='cpu' or 'auto'") from exc
+        raise BackendError(f"backend 'cuda' cannot be imported here ({exc}){hint}") from exc
     return CudaBackend(bundle, eager=eager)
 
 
@@ -91,7 +94,7 @@ def select_backend(bundle, backend: str = "auto", eager: bool = False):
     if backend == "cuda":
         return _load_cuda(bundle, eager), None
     try:
-        return _load_cuda(bundle, eager), None
+        return _load_cuda(bundle, eager, hint=""), None
     except BackendError as exc:
         reason = " ".join(str(exc).split())
         return _load_cpu(bundle, eager), f"colibri-sdk: running on the CPU backend: {reason}"
