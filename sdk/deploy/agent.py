@@ -21,8 +21,9 @@ Operations (each prints exactly one JSON object on stdout):
                                     free bytes of the file system
     receive ROOT (SHA SIZE OFFSET)...
                                     for each object in turn, append SIZE - OFFSET bytes of stdin to
-                                    store/SHA.partial, hashing the whole file on the way; on a match rename it
-                                    to store/SHA, on a mismatch delete it
+                                    store/SHA.partial (splice(2) where possible) while a second thread hashes
+                                    the whole file, read back as it grows; on a match fsync and rename it to
+                                    store/SHA, on a mismatch delete it
     stage ROOT ID FRESH KEEP SHA:PATH...
                                     build bundles/ID from store objects and hash every file of it, except the
                                     objects listed in FRESH (comma-separated, hashed by `receive` this session);
@@ -41,7 +42,6 @@ import fcntl
 import hashlib
 import json
 import os
-import queue
 import shutil
 import sys
 import threading

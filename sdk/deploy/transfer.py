@@ -89,14 +89,21 @@ class Uploader:
             return report
         with ThreadPoolExecutor(max_workers=min(self.streams, len(loads)), thread_name_prefix="upload") as pool:
             futures = [pool.submit(self._send_batch, batch, report) for batch in loads]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            try:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            except BaseException:  # Ctrl-C: stop the streams after their current block, then leave
+                self._stop(futures)
+                raise
             failed = [f for f in done if f.exception() is not None]
             if failed:
-                self.stop.set()
-                for f in futures:
-                    f.cancel()
+                self._stop(futures)
                 raise failed[0].exception()
         return report
+
+    def _stop(self, futures) -> None:
+        self.stop.set()
+        for f in futures:
+            f.cancel()
 
     def _send_batch(self, batch: list, report: UploadReport) -> None:
         if self.stop.is_set():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import remote_tree, write_bundle
+from deploy_bundles import remote_tree, write_bundle
 from sshd_server import free_port
 
 from colibri_sdk.cli import main

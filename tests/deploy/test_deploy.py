@@ -14,7 +14,7 @@ from pathlib import Path
 import json
 
 import pytest
-from conftest import remote_tree, write_bundle
+from deploy_bundles import remote_tree, write_bundle
 
 from colibri_sdk.deploy import DeployOptions, RemoteCommandError, RemoteVerifyError, deploy, rollback, status
 
@@ -25,11 +25,25 @@ def active(device_dir: Path) -> str:
     return os.readlink(device_dir / "current")
 
 
+class Progress:
+    """Records what a progress bar is told: the announced total and the byte counts."""
+
+    def __init__(self):
+        self.total, self.counted = 0, 0
+
+    def add_total(self, n):
+        self.total += n
+
+    def __call__(self, n):
+        self.counted += n
+
+
 def test_first_deploy_puts_every_file_and_switches_pointer(bundle, target, options, device_dir):
-    result = deploy(bundle, target, options)
+    progress = Progress()
+    result = deploy(bundle, target, options, progress=progress)
     expected = remote_tree(bundle)
     sizes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
-    assert result.bytes_sent == sizes
+    assert result.bytes_sent == sizes == progress.total == progress.counted
     assert active(device_dir) == f"bundles/{result.bundle_id}"
     assert remote_tree(device_dir / "current") == expected
     assert result.remote_path == str(device_dir / "bundles" / result.bundle_id)

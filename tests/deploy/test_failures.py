@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import remote_tree, write_bundle
+from deploy_bundles import remote_tree, write_bundle
 
 from colibri_sdk.deploy import (
     ChecksumMismatchError,

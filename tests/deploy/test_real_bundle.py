@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import remote_tree
+from deploy_bundles import remote_tree
 
 from colibri_sdk.deploy import DeployOptions, RemoteVerifyError, deploy
 

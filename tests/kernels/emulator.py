@@ -111,7 +111,10 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
 
 
 class EmulationLibrary:
-    """A loaded emulation library: `launch(symbol, grid, block, params_address)` and the schedule setting."""
+    """A loaded emulation library: one launch function per kernel symbol, the schedule setting, the fp16 conversion.
+
+    The library keeps its scheduler state in globals: one launch at a time per process.
+    """
 
     SCHEDULES = {"increasing": 0, "decreasing": 1, "random": 2}
 
@@ -129,7 +132,7 @@ class EmulationLibrary:
         fn.restype = ctypes.c_int
         return fn
 
-    def launch(self, function, grid, block, params_address: int, symbol: str = "") -> None:
+    def launch(self, function, grid, block, params_address: int) -> None:
         """Run one grid; `params_address` is a cuLaunchKernel kernelParams array (pointers to the arguments)."""
         g = (ctypes.c_uint * 3)(*grid)
         b = (ctypes.c_uint * 3)(*block)
@@ -215,8 +218,8 @@ class EmulatedDevice:
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(self.sizes.tokens, self.header.hidden_size)
         self.lib.set_schedule(schedule, seed)
         self.buffers[self.io["input"]].view(np.float32)[:] = x.reshape(-1)
-        for (function, grid, block, _shared, params, _values), launch in zip(self._launches, self.plan):
-            self.lib.launch(function, grid, block, params.ctypes.data, launch["symbol"])
+        for function, grid, block, _shared, params, _values in self._launches:
+            self.lib.launch(function, grid, block, params.ctypes.data)
         return self.buffers[self.io["output"]].view(np.float32).reshape(x.shape).copy()
 
     def buffer(self, name: str, dtype) -> np.ndarray:

@@ -93,7 +93,6 @@ struct State {
     sigjmp_buf fault_jump;
     volatile void* fault_addr = nullptr;
     const char* symbol = "";
-    dim3 block_now;
 };
 
 inline State g;
@@ -257,7 +256,11 @@ inline bool run_block() {
         const Order order{n};
         for (int i = 0; i < n; ++i) {
             const int t = order[i];
-            if (g.fibers[t].wait == Wait::done) continue;
+            const Fiber& f = g.fibers[t];
+            // Skip the fibers still waiting (no switch); one whose barrier can no longer complete is resumed and fails.
+            if (f.wait == Wait::done) continue;
+            if (f.wait == Wait::block && g.block_gen == f.gen && g.alive == n) continue;
+            if (f.wait == Wait::warp && g.warp_gen[t / 32] == f.gen && !g.exited[t / 32]) continue;
             set_thread(t);
             swapcontext(&g.sched, &g.fibers[t].ctx);
             if (g.failed) return false;
