@@ -337,7 +337,7 @@ class CudaBackend:
             cu.cuStreamEndCapture(res.stream)  # end the broken capture; the first error is the one to report
             raise
         res.graph = check(cu.cuStreamEndCapture(res.stream), "cuStreamEndCapture")
-        res.graph_exec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        res.graph_exec = check(cu.cuGraphInstantiate(res.graph, 0), "cuGraphInstantiate")
 
     def infer_padded(self, x: np.ndarray) -> np.ndarray:
         """Run the bundle on one input at the fixed shape.
