@@ -83,23 +83,30 @@ def supported_archs() -> list[int]:
     return [int(a) for a in _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")]
 
 
+def find_cuda_include_dir() -> Path | None:
+    """The CUDA headers shipped by pip (`nvidia-cuda-runtime-cu12`: nvidia/cuda_runtime/include; CUDA 13's
+    `nvidia-cuda-runtime`: nvidia/cu13/include), or None when neither is installed."""
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in sorted(nvidia.__path__):
+        for candidate in (Path(root) / "cuda_runtime" / "include", *sorted(Path(root).glob("cu*/include"))):
+            if (candidate / "cuda_fp16.h").is_file():
+                return candidate
+    return None
+
+
 def cuda_include_dir() -> Path:
-    """The CUDA headers of the pip package `nvidia-cuda-runtime-cu12` (`nvidia/cuda_runtime/include`).
+    """Like `find_cuda_include_dir`, for code that needs the headers.
 
     Raises:
-        CompileError: the package is not installed.
+        CompileError: no CUDA headers are installed.
     """
-    try:
-        import nvidia.cuda_runtime as runtime
-    except ImportError as exc:
-        raise CompileError(
-            f"the CUDA headers are missing (no module nvidia.cuda_runtime); install them: {pip_hint(12)}"
-        ) from exc
-    for root in runtime.__path__:
-        include = Path(root) / "include"
-        if (include / "cuda_fp16.h").is_file():
-            return include
-    raise CompileError(f"no cuda_fp16.h under {list(runtime.__path__)}/include; reinstall nvidia-cuda-runtime-cu12")
+    include = find_cuda_include_dir()
+    if include is None:
+        raise CompileError(f"the CUDA headers are missing (no nvidia/*/include/cuda_fp16.h); install them: {pip_hint(12)}")
+    return include
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +155,7 @@ def compile_source(
         arch: "sm_87" (cubin + PTX) or "compute_87" (PTX only; cubin is then b"").
         defines: `-D NAME=VALUE` compile-time constants.
         include_dirs: extra `-I` folders (the kernels folder for shared headers); the CUDA headers of
-            nvidia-cuda-runtime-cu12 are always added.
+            pip packages (`find_cuda_include_dir`) are added when installed.
         toolkit: the CUDA major the profile requires; a different NVRTC major is refused.
 
     Raises:
@@ -163,7 +170,9 @@ def compile_source(
                 f"the profile needs CUDA {toolkit} (target.toolkit = {toolkit}) but the installed NVRTC is "
                 f"{major}.{minor}; install NVRTC {toolkit}: {pip_hint(toolkit)}"
             )
-    dirs = [Path(d) for d in (include_dirs or [])] + [cuda_include_dir()]
+    # The shipped kernels include no CUDA header; the pip headers are added for sources that do.
+    headers = find_cuda_include_dir()
+    dirs = [Path(d) for d in (include_dirs or [])] + ([headers] if headers else [])
     options = compile_options(arch, defines or {}, dirs)
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:

@@ -37,6 +37,14 @@ def random_model(path: Path, *, layers=1, experts=8, top_k=2, hidden=256, inter=
     return write_model(path, header, gate, up, down, router)
 
 
+def retarget_toolkit(data: dict, major: int) -> dict:
+    """Point a profile dict at CUDA `major` (the installed NVRTC), keeping its arch: target.toolkit = major and
+    target.min_driver raised to a driver of that major (1000 * major at least). Returns `data`, changed in place."""
+    data["target"]["toolkit"] = major
+    data["target"]["min_driver"] = max(data["target"]["min_driver"], 1000 * major)
+    return data
+
+
 def profile_for_this_gpu(base: str = "orin", **overrides) -> dict:
     """A profile dict for the GPU of this machine (its arch, the installed NVRTC major), with `overrides`:
     top-level keys replace, `kernels` entries are merged per kernel."""
@@ -46,9 +54,7 @@ def profile_for_this_gpu(base: str = "orin", **overrides) -> dict:
     data = copy.deepcopy(load_profile(base, toolchain=False).data)
     major, minor = device_compute_capability()
     data["target"]["arch"] = f"sm_{major}{minor}"
-    data["target"]["toolkit"] = nvrtc_version()[0]
-    # A profile's min_driver must be a driver of its toolkit's major (1000 * major at least).
-    data["target"]["min_driver"] = max(data["target"]["min_driver"], 1000 * data["target"]["toolkit"])
+    retarget_toolkit(data, nvrtc_version()[0])
     data["target"]["unified_memory"] = False
     kernels = overrides.pop("kernels", {})
     data.update(overrides)

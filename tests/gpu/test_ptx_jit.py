@@ -13,7 +13,7 @@ import pytest
 from colibri_sdk.bundle import Bundle
 from colibri_sdk.profile import load_profile, packaged_dir
 
-from gpu_support import build, device_compute_capability
+from gpu_support import build, device_compute_capability, retarget_toolkit
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ def test_shipped_profile_runs(tmp_path, name):
     from colibri_sdk.runtime.cuda_backend import CudaBackend
 
     data = copy.deepcopy(load_profile(name, toolchain=False).data)
-    data["target"]["toolkit"] = nvrtc_version()[0]  # the installed NVRTC; the arch stays the profile's
+    retarget_toolkit(data, nvrtc_version()[0])  # the installed NVRTC; the arch stays the profile's
     bundle = Bundle.open(build(data, None, tmp_path / name))
     device = device_compute_capability()
     cc = tuple(bundle.compute_capability)
