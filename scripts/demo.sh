@@ -7,6 +7,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 source scripts/setup_env.sh build
 out="${1:-bundles/orin-demo}"
+# Small matrix products on the CPU backend run fastest with one BLAS thread (docs/runtime.md).
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 set -x
 colibri-sdk build --profile profiles/orin.yaml -o "$out"
 colibri-sdk inspect "$out"

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install colibri-sdk with the given extras into it.
+# Create .venv (if missing) and install colibri-sdk with the given extras into it (a normal, non-editable
+# install, as a user gets it). Skips the install when the sources, pyproject.toml and extras are unchanged
+# since the last one.
 # Usage: source scripts/setup_env.sh EXTRAS     (e.g. "build" or "all")
 set -euo pipefail
 extras="${1:-all}"
@@ -12,8 +14,15 @@ if [ ! -x "$root/.venv/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 source "$root/.venv/bin/activate"
+stamp="$root/.venv/.colibri-install"
+state="$extras $(cd "$root" && find pyproject.toml sdk kernels profiles -type f -not -name '*.pyc' | LC_ALL=C sort \
+  | xargs sha256sum | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$state" ]; then
+  return 0 2>/dev/null || exit 0
+fi
 python -m pip install -q --upgrade pip
 if [[ "$extras" == *all* || "$extras" == *test* ]]; then
   python -m pip install -q "torch==2.13.0"
 fi
 python -m pip install -q "$root[$extras]"
+echo "$state" >"$stamp"

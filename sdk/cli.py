@@ -15,6 +15,17 @@ from .errors import ColibriError
 
 COMMANDS = ("inspect", "convert", "build", "verify", "run", "deploy")
 
+# Optional dependencies → the extra that installs them (pyproject.toml [project.optional-dependencies]).
+EXTRAS = {
+    "yaml": "build",
+    "cuda": "build",
+    "nvidia": "build",
+    "safetensors": "convert",
+    "tqdm": "convert",
+    "paramiko": "deploy",
+    "cv2": "camera",
+}
+
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -35,6 +46,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ColibriError as exc:
         print(f"colibri-sdk {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        extra = EXTRAS[top]
+        print(
+            f"colibri-sdk {args.command}: error: this command needs the Python package {top!r} "
+            f'(extra "{extra}"): pip install "colibri-sdk[{extra}]"',
+            file=sys.stderr,
+        )
         return 1
     except BrokenPipeError:
         # The reader of stdout went away (e.g. `colibri-sdk inspect --json | head`): not an error of ours.

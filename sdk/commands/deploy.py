@@ -41,8 +41,8 @@ def register(sub) -> None:
                    help="the device's Python 3.8+ (runs the store helper; default python3)")
     p.add_argument("--remote-colibri", default="colibri-sdk", metavar="CMD",
                    help="the device's colibri-sdk command for --verify (e.g. '/opt/venv/bin/python -m colibri_sdk')")
-    p.add_argument("--streams", type=int, default=2, metavar="N", help="parallel upload channels per host")
-    p.add_argument("--parallel", type=int, default=4, metavar="N", help="hosts deployed at once with --hosts")
+    p.add_argument("--streams", type=int, default=2, metavar="N", help="parallel upload channels per host (default: %(default)s)")
+    p.add_argument("--parallel", type=int, default=4, metavar="N", help="hosts deployed at once with --hosts (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds before a silent remote command is abandoned (default 120)")
     p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S", help="connect timeout (default 10)")
@@ -108,7 +108,7 @@ def _summary(result) -> str:
     resumed = f", {len(result.resumed)} resumed" if result.resumed else ""
     return (f"bundle {result.bundle_id} {state} at {result.remote_path}; sent {result.bytes_sent:,} of "
             f"{result.total_bytes:,} bytes ({len(result.sent)} files{resumed}) in {result.seconds:.1f} s "
-            f"({rate:.0f} MB/s)")
+            f"({rate:.1f} MB/s)")
 
 
 def _rollback(host, options, to):

@@ -13,7 +13,7 @@ HEADER_SIZE = 64
 
 # struct layout of the header (little-endian). Offsets in bytes:
 #   0 magic[4]  4 version  6 num_layers  8 num_experts  10 top_k  12 hidden_size  14 intermediate_size  16 dtype
-#   18..63 reserved (46 bytes). v1 extensions that live in the reserved area (zero = the source description's meaning):
+#   18..63 reserved (46 bytes). v1 extensions that live in the reserved area (zero = the original v1 description's meaning):
 #   18 routing  20 composition   22..63 must be zero.
 HEADER_STRUCT = "<4sHHHHHHHHH"  # magic, version, 7 size/dtype fields, routing, composition  → 22 bytes
 RESERVED_OFFSET = 18
@@ -36,7 +36,7 @@ ROUTING_SOFTMAX_TOPK = 1
 ROUTING_NAMES: dict[int, str] = {0: "topk_softmax", 1: "softmax_topk"}
 
 # Layer composition (header offset 20). How layer outputs compose in a multi-layer file:
-#   0 SEQUENTIAL: x_{l+1} = moe_l(x_l)          (the source description's meaning)
+#   0 SEQUENTIAL: x_{l+1} = moe_l(x_l)          (the original v1 description's meaning)
 #   1 RESIDUAL:   x_{l+1} = x_l + moe_l(x_l)
 COMPOSITION_SEQUENTIAL = 0
 COMPOSITION_RESIDUAL = 1
