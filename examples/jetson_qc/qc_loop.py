@@ -82,6 +82,13 @@ def open_classifier(args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        import colibri_sdk  # noqa: F401
+    except ImportError:
+        log.error("colibri_sdk is not installed for %s: activate the environment that has it "
+                  "(`source .venv/bin/activate` after scripts/demo.sh) or `pip install \"colibri-sdk[build]\"`",
+                  sys.executable)
+        return 1
     stop = StopFlag()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stop.request(signal.Signals(signum).name))
