@@ -36,7 +36,9 @@ def _open_driver_library() -> tuple[ctypes.CDLL | None, str]:
             return ctypes.CDLL(name), ""
         except OSError as exc:
             errors.append(str(exc))
-    return None, "no CUDA driver library found (" + "; ".join(errors[:2]) + ")"
+    if all("cannot open shared object file" in e for e in errors):
+        return None, f"no CUDA driver ({names[0]} not found)"
+    return None, "no CUDA driver library could be loaded (" + "; ".join(errors[:2]) + ")"
 
 
 def _probe_with_ctypes() -> tuple[bool, str]:

@@ -50,7 +50,7 @@ def available_backends() -> list[str]:
     return ["cuda", "cpu"] if ok else ["cpu"]
 
 
-def _load_cuda(bundle, eager: bool, hint: str = "; use backend='cpu' or 'auto'"):
+def _load_cuda(bundle, eager: bool, hint: str = "; use the cpu or auto backend"):
     """Construct the CUDA backend (imported here so the CPU path never imports cuda.bindings).
 
     Args:
@@ -61,7 +61,7 @@ def _load_cuda(bundle, eager: bool, hint: str = "; use backend='cpu' or 'auto'")
     """
     ok, reason = cuda_status()
     if not ok:
-        raise BackendError(f"backend 'cuda' is not available here: {reason}{hint}")
+        raise BackendError(f"no usable CUDA GPU here: {reason}{hint}")
     try:
         from .cuda_backend import CudaBackend
     except ImportError as exc:

@@ -31,7 +31,7 @@ def test_auto_falls_back_to_cpu_with_one_line_notice(small_bundle, capsys):
         assert rt.backend_name == "cpu"
     err = capsys.readouterr().err
     assert err == (
-        "colibri-sdk: running on the CPU backend: backend 'cuda' is not available here: "
+        "colibri-sdk: running on the CPU backend: no usable CUDA GPU here: "
         f"{CUDA_REASON}\n"
     )
     assert rt.notice == err.rstrip("\n")
@@ -41,7 +41,7 @@ def test_auto_falls_back_to_cpu_with_one_line_notice(small_bundle, capsys):
 @needs_no_gpu
 def test_cuda_without_gpu_is_a_backend_error(small_bundle):
     assert CUDA_REASON  # the probe says why
-    with pytest.raises(BackendError, match=r"^backend 'cuda' is not available here: .+; use backend='cpu' or 'auto'$"):
+    with pytest.raises(BackendError, match=r"^no usable CUDA GPU here: .+; use the cpu or auto backend$"):
         Runtime.load(small_bundle, backend="cuda")
 
 

@@ -71,7 +71,7 @@ def test_run_errors(small_bundle, tmp_path, capsys, extra, message):
 @pytest.mark.skipif(cuda_status()[0], reason="a CUDA driver is present; this checks the no-GPU message")
 def test_run_cuda_without_gpu(small_bundle, capsys):
     assert main(["run", str(small_bundle), "--backend", "cuda"]) == 1
-    assert "colibri-sdk run: error: backend 'cuda' is not available here: " in capsys.readouterr().err
+    assert "colibri-sdk run: error: no usable CUDA GPU here: " in capsys.readouterr().err
 
 
 def test_run_backend_choices_match_the_runtime():
