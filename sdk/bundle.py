@@ -18,6 +18,7 @@ Device side: needs NumPy and the standard library only.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from .errors import BundleError
+from .profile import MAX_TOKENS
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -51,6 +53,11 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     DIGEST_KEY: str,
 }
 OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list}
+# weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
+HEADER_FIELDS = ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "dtype", "routing",
+                 "composition")
+# kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.build.nvrtc), all integers.
+RESOURCE_KEYS = ("registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes")
 DTYPES = ("fp16", "fp32")
 AGGREGATIONS = ("ordered", "atomic")
 _CHUNK = 1 << 20
@@ -128,8 +135,9 @@ class Bundle:
             raise BundleError(f"{manifest_path}: cannot read the manifest: {exc.strerror}") from exc
         try:
             manifest = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise BundleError(f"{manifest_path}: not valid JSON ({exc}); the file was changed or truncated") from exc
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            detail = str(exc) if len(str(exc)) <= 200 else str(exc)[:197] + "..."
+            raise BundleError(f"{manifest_path}: not valid JSON ({detail}); the file was changed or truncated") from exc
         if not isinstance(manifest, dict):
             raise BundleError(f"{manifest_path}: top level is {type(manifest).__name__}; allowed: a JSON object")
         check_schema(manifest, str(manifest_path))
@@ -225,7 +233,18 @@ class Bundle:
         """The weights as a `colibri_sdk.format.ColibriFile` (mmap, read-only)."""
         from .format import ColibriFile
 
-        return ColibriFile(self.weights_path)
+        weights = ColibriFile(self.weights_path)
+        recorded = self.manifest["weights"]["header"]
+        actual = dataclasses.asdict(weights.header)
+        differ = sorted(k for k in HEADER_FIELDS if recorded[k] != actual[k])
+        if differ:
+            weights.close()
+            key = differ[0]
+            raise BundleError(
+                f"{self.manifest['weights']['file']}: header {key} = {actual[key]}, but the manifest's "
+                f"weights.header.{key} = {recorded[key]}; the weights do not belong to this manifest"
+            )
+        return weights
 
     def kernel(self, name: str) -> dict:
         """The manifest entry of one kernel (keys: name, source, symbols, cubin, ptx, defines, resources).
@@ -262,9 +281,13 @@ class Bundle:
         for key in ("input", "output"):
             full = self.path / entry[key]
             try:
-                arrays.append(np.load(full, allow_pickle=False))
-            except (OSError, ValueError) as exc:
+                array = np.load(full, allow_pickle=False)
+            except (OSError, ValueError, MemoryError) as exc:
                 raise BundleError(f"{entry[key]}: cannot load the self-test {key}: {exc}") from exc
+            if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+                what = f"dtype {array.dtype}" if isinstance(array, np.ndarray) else f"a {type(array).__name__}"
+                raise BundleError(f"{entry[key]}: the self-test {key} is {what}; allowed: a float32 .npy array")
+            arrays.append(array)
         return arrays[0], arrays[1], float(entry["rtol"]), float(entry["atol"])
 
     def _read(self, rel: str) -> bytes:
@@ -317,9 +340,18 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
         raise BundleError(f"{where}: compute_capability = {cc!r}; allowed: [major, minor] integers")
     for key in ("batch", "tokens"):
         _expect(manifest["shape"].get(key), int, f"shape.{key}", where)
+        if not 1 <= manifest["shape"][key] <= MAX_TOKENS:
+            raise BundleError(f"{where}: shape.{key} = {manifest['shape'][key]}; allowed: 1..{MAX_TOKENS}")
+    if manifest["shape"]["batch"] * manifest["shape"]["tokens"] > MAX_TOKENS:
+        raise BundleError(
+            f"{where}: shape batch*tokens = {manifest['shape']['batch'] * manifest['shape']['tokens']}; "
+            f"allowed: at most {MAX_TOKENS}"
+        )
     _expect(manifest["weights"].get("file"), str, "weights.file", where)
     _expect(manifest["weights"].get("header"), dict, "weights.header", where)
     check_relative(manifest["weights"]["file"], f"{where}: weights.file")
+    for key in HEADER_FIELDS:
+        _expect(manifest["weights"]["header"].get(key), int, f"weights.header.{key}", where)
     for i, kernel in enumerate(manifest["kernels"]):
         _expect(kernel, dict, f"kernels[{i}]", where)
         for key, t in (("name", str), ("source", str), ("symbols", list), ("cubin", str), ("ptx", str),
@@ -327,8 +359,14 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
             _expect(kernel.get(key), t, f"kernels[{i}].{key}", where)
         for kind in KINDS:
             check_relative(kernel[kind], f"{where}: kernels[{i}].{kind}")
+        for symbol, resources in kernel["resources"].items():
+            _expect(resources, dict, f"kernels[{i}].resources.{symbol}", where)
+            for key in RESOURCE_KEYS:
+                _expect(resources.get(key), int, f"kernels[{i}].resources.{symbol}.{key}", where)
     for key, t in (("input", str), ("output", str), ("rtol", (int, float)), ("atol", (int, float))):
         _expect(manifest["selftest"].get(key), t, f"selftest.{key}", where)
+    for key in ("input", "output"):
+        check_relative(manifest["selftest"][key], f"{where}: selftest.{key}")
     for i, entry in enumerate(manifest["files"]):
         _expect(entry, dict, f"files[{i}]", where)
         for key, t in (("path", str), ("sha256", str), ("size", int)):

@@ -44,7 +44,7 @@ ARCH_SHARED_MEMORY: dict[int, tuple[int, int]] = {
     120: (101376, 102400),
 }
 
-_ARCH = re.compile(r"sm_(\d{2,3})")
+_ARCH = re.compile(r"sm_([1-9][0-9]{1,2})")  # ASCII digits, no leading zero: what NVRTC's -arch accepts
 
 
 def parse_arch(arch: str) -> tuple[int, int]:
@@ -54,6 +54,17 @@ def parse_arch(arch: str) -> tuple[int, int]:
         raise ProfileError(f"target.arch = {arch!r}; allowed: sm_XY, e.g. 'sm_87' (no 'a'/'f' feature suffix)")
     digits = match.group(1)
     return int(digits[:-1]), int(digits[-1])
+
+
+def _show(value) -> str:
+    """repr() cut to a few items and 120 characters: a value in an error message may be a YAML alias bomb whose
+    full repr would take minutes and gigabytes."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, 80, 80
+    text = short.repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 # ---- a tiny declarative schema --------------------------------------------------------------------------------------
@@ -71,11 +82,11 @@ class Leaf:
         names = " or ".join(t.__name__ for t in self.types)
         if not type_ok:
             raise ProfileError(
-                f"{source}: {key} = {value!r} ({type(value).__name__}); allowed: {names}"
+                f"{source}: {key} = {_show(value)} ({type(value).__name__}); allowed: {names}"
                 + (f", {self.allowed}" if self.allowed else "")
             )
         if self.check is not None and not self.check(value):
-            raise ProfileError(f"{source}: {key} = {value!r}; allowed: {self.allowed}")
+            raise ProfileError(f"{source}: {key} = {_show(value)}; allowed: {self.allowed}")
 
 
 def _int(lo: int, hi: int, extra: str = "", check=None, required=True) -> Leaf:
@@ -127,13 +138,13 @@ def _validate(data, schema: dict, path: str, source: str) -> None:
     if not isinstance(data, dict):
         where = path or "the profile"
         raise ProfileError(
-            f"{source}: {where} is {type(data).__name__} {data!r}; allowed: a mapping of {sorted(schema)}"
+            f"{source}: {where} is {type(data).__name__} {_show(data)}; allowed: a mapping of {sorted(schema)}"
         )
     for key in data:
         if key not in schema:
             full = f"{path}.{key}" if path else str(key)
             where = f" in {path}" if path else ""
-            raise ProfileError(f"{source}: unknown key {full!r}; allowed keys{where}: {sorted(schema)}")
+            raise ProfileError(f"{source}: unknown key {_show(full)}; allowed keys{where}: {sorted(schema)}")
     for key, rule in schema.items():
         full = f"{path}.{key}" if path else key
         if key not in data:
@@ -148,7 +159,9 @@ def _validate(data, schema: dict, path: str, source: str) -> None:
         else:  # a catalogue Param
             reason = rule.check(value)
             if reason:
-                raise ProfileError(f"{source}: {full} = {value!r}: {reason}; allowed: {rule.allowed()} ({rule.doc})")
+                raise ProfileError(
+                    f"{source}: {full} = {_show(value)}: {reason}; allowed: {rule.allowed()} ({rule.doc})"
+                )
 
 
 def _check_limits(data: dict, source: str) -> None:
@@ -223,6 +236,13 @@ def _strict_loader():
         seen = {}
         for key_node, _ in node.value:
             key = loader.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                hash(key)
+            except TypeError:
+                raise ProfileError(
+                    f"the key at line {line} is a {type(key).__name__}; allowed: a plain scalar key"
+                ) from None
             if key in seen:
                 raise ProfileError(
                     f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
@@ -245,6 +265,10 @@ def parse_yaml(text: str, source: str) -> dict:
         raise ProfileError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ProfileError(f"{source}: not valid YAML: {exc}") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise ProfileError(f"{source}: not valid YAML: {str(exc)[:120]}") from None
+    except RecursionError:
+        raise ProfileError(f"{source}: not valid YAML: nested too deeply") from None
     return data
 
 
@@ -272,6 +296,8 @@ def resolve(ref: str | os.PathLike) -> Path:
     is_path = os.sep in text or "/" in text or text.endswith((".yaml", ".yml")) or Path(text).is_file()
     path = Path(text) if is_path else packaged_dir() / f"{text}.yaml"
     if not path.is_file():
+        if is_path and path.is_dir():
+            raise ProfileError(f"profile {text!r} is a folder; allowed: a .yaml file or a shipped profile name")
         if is_path:
             raise ProfileError(f"profile file {text!r} not found")
         raise ProfileError(f"no shipped profile named {text!r}; allowed: {packaged_names()} or a path to a .yaml file")

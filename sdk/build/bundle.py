@@ -240,11 +240,38 @@ def _write_contents(root: Path, profile, weights: Path | None, kernel_dir: Path 
     return manifest, kernels
 
 
+def _check_replaceable(out: Path) -> None:
+    """`out` may be replaced only if it is missing, an empty folder, or a bundle holding nothing but its manifest
+    and the files it lists (so a folder that merely has a manifest.json, or a bundle someone added files to, is
+    never deleted).
+
+    Raises:
+        BundleError: naming why `out` is not replaceable.
+    """
+    refuse = f"{out} exists and is not a bundle; refusing to replace it (choose another -o)"
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise BundleError(refuse)
+    if not any(out.iterdir()):
+        return
+    from ..bundle import Bundle
+
+    try:
+        manifest = Bundle.open(out, verify=False).manifest
+    except BundleError as exc:
+        raise BundleError(f"{refuse}: {exc}") from None
+    listed = {entry["path"] for entry in manifest["files"]} | {MANIFEST}
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out).as_posix()
+        if rel not in listed and not (path.is_dir() and not path.is_symlink()):
+            raise BundleError(f"{refuse}: {rel} is not one of its files")
+
+
 def _place(tmp: Path, out: Path) -> None:
     """Rename the finished bundle into place, replacing an earlier bundle (never a folder that is not one)."""
     if out.exists():
-        if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file()):
-            raise BundleError(f"{out} exists and is not a bundle; refusing to replace it (choose another -o)")
+        _check_replaceable(out)
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
         os.replace(tmp, out)
@@ -265,12 +292,19 @@ def write_archive(folder: Path, archive: Path) -> Path:
         return info
 
     partial = archive.with_name(archive.name + ".partial")
-    with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
-        paths = [folder] + sorted(folder.rglob("*"), key=lambda p: p.relative_to(folder).as_posix())
-        for path in paths:
-            name = Path(folder.name, path.relative_to(folder)).as_posix() if path != folder else folder.name
-            tar.add(path, arcname=name, recursive=False, filter=normalise)
-    os.replace(partial, archive)
+    for target in (archive, partial):
+        if target.is_symlink() or (target.exists() and not target.is_file()):
+            raise BundleError(f"cannot write the archive {target}: it exists and is not a regular file")
+    try:
+        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+            paths = [folder] + sorted(folder.rglob("*"), key=lambda p: p.relative_to(folder).as_posix())
+            for path in paths:
+                name = Path(folder.name, path.relative_to(folder)).as_posix() if path != folder else folder.name
+                tar.add(path, arcname=name, recursive=False, filter=normalise)
+        os.replace(partial, archive)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise BundleError(f"cannot write the archive {archive}: {exc.strerror or exc}") from exc
     return archive
 
 
@@ -296,12 +330,17 @@ def build_bundle(
     Raises:
         CompileError: NVRTC, the cubin's SM, spills, shared memory or the launch plan.
         FormatError: unreadable weights or fp16 overflow while converting.
-        BundleError: `out` exists and is not a bundle.
+        BundleError: `out` exists and is not a bundle (or holds files its manifest does not list), has no file
+            name, or its parent folder cannot be created; the archive path is a folder or cannot be written.
     """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
-        raise BundleError(f"{out} exists and is not a bundle; refusing to replace it (choose another -o)")
+    if out.name in ("", ".", ".."):
+        raise BundleError(f"output {str(out)!r} is not a folder name; allowed: a path ending in the bundle's name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BundleError(f"cannot create the folder {out.parent} for {out}: {exc.strerror}") from exc
+    _check_replaceable(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         manifest, kernels = _write_contents(tmp, profile, weights, kernel_dir, workers)

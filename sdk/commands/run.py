@@ -41,9 +41,26 @@ def load_input(path: str):
     from ..errors import InputError
 
     try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, MemoryError) as exc:  # MemoryError: a header claiming a huge shape
         raise InputError(f"--input {path}: cannot load a .npy array ({exc})") from exc
+    if not isinstance(array, np.ndarray):
+        array.close()  # an NpzFile
+        raise InputError(f"--input {path}: a .npz archive; allowed: a .npy file holding one array")
+    return array
+
+
+def save_output(path: str, y) -> None:
+    """Write `y` as .npy to exactly `path` (np.save on a name would append .npy to a name without it)."""
+    import numpy as np
+
+    from ..errors import InputError
+
+    try:
+        with open(path, "wb") as fh:
+            np.save(fh, y, allow_pickle=False)
+    except OSError as exc:
+        raise InputError(f"--output {path}: cannot write ({exc.strerror or exc})") from exc
 
 
 def run(args) -> int:
@@ -56,6 +73,13 @@ def run(args) -> int:
 
     if args.iters < 1:
         raise InputError(f"--iters {args.iters}; allowed: 1 or more")
+    if args.seed < 0:
+        raise InputError(f"--seed {args.seed}; allowed: 0 or more")
+    if args.output:
+        out = Path(args.output)
+        if out.is_dir() or not out.parent.is_dir():
+            why = "is a folder" if out.is_dir() else f"folder {out.parent} does not exist"
+            raise InputError(f"--output {args.output}: {why}; allowed: a file path in an existing folder")
     rt = Runtime.load(args.bundle, backend=args.backend, eager=args.eager, verify=not args.no_verify)
     with rt:
         batch, tokens = rt.shape
@@ -85,6 +109,6 @@ def run(args) -> int:
             f"  ({args.iters} calls)"
         )
     if args.output:
-        np.save(Path(args.output), y)
+        save_output(args.output, y)
         print(f"output   {args.output}  {y.dtype} {tuple(y.shape)}")
     return 0

@@ -41,6 +41,12 @@ class TensorInfo:
 _STORAGE = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
 
 
+def _short(exc: BaseException, limit: int = 200) -> str:
+    """An exception's message cut to `limit` characters (a hostile file must not make a huge message)."""
+    text = str(exc)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _data_offsets(path: Path) -> dict[str, int]:
     """Absolute data offset of every tensor in a safetensors file, from its header (8-byte LE length + JSON)."""
     size = path.stat().st_size
@@ -120,8 +126,10 @@ class Checkpoint:
             raise ConvertError(f"{self.folder}: no config.json; expected a Hugging Face checkpoint folder")
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConvertError(f"{path}: not valid JSON ({exc})") from exc
+        except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError, a huge int
+            raise ConvertError(f"{path}: not valid JSON ({_short(exc)})") from exc
+        except OSError as exc:
+            raise ConvertError(f"{path}: cannot read: {exc.strerror}") from exc
         if not isinstance(config, dict):
             raise ConvertError(f"{path}: top level is {type(config).__name__}; expected a JSON object")
         return config
@@ -132,13 +140,17 @@ class Checkpoint:
         if index_path.is_file():
             try:
                 weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-                raise ConvertError(f"{index_path}: expected JSON with a 'weight_map' object ({exc!r})") from exc
+            except (ValueError, RecursionError, KeyError, TypeError) as exc:
+                raise ConvertError(
+                    f"{index_path}: expected JSON with a 'weight_map' object ({type(exc).__name__}: {_short(exc)})"
+                ) from exc
+            except OSError as exc:
+                raise ConvertError(f"{index_path}: cannot read: {exc.strerror}") from exc
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ConvertError(f"{index_path}: 'weight_map' must be a non-empty object of tensor → file")
             shards: dict[Path, set[str]] = {}
             for name, file in weight_map.items():
-                if not isinstance(file, str) or Path(file).name != file:
+                if not isinstance(file, str) or not file or Path(file).name != file:
                     raise ConvertError(f"{index_path}: tensor {name!r} maps to {file!r}; expected a file name")
                 shards.setdefault(self.folder / file, set()).add(name)
             for shard in shards:

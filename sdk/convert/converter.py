@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import ConvertError, FormatError
 from ..format import ColibriWriter, Header
 from ..format.constants import COMPOSITION_NAMES, DTYPE_CODES, FP16_MAX
-from .checkpoint import Checkpoint
+from .checkpoint import INDEX_FILE, Checkpoint
 from .families import ModelSpec, model_spec
 from .layout import Layout, plan
 
@@ -87,10 +87,13 @@ def convert(
     if composition not in modes:
         raise ConvertError(f"composition {composition!r}; allowed: {', '.join(modes)}")
     output = Path(output)
+    if output.name in ("", ".", ".."):
+        raise ConvertError(f"output {str(output)!r} is not a file path; allowed: a path ending in a file name")
     if not output.parent.is_dir():
         raise ConvertError(f"output folder {output.parent} does not exist")
     start = time.perf_counter()
     checkpoint, spec, layout = inspect_checkpoint(folder)
+    _refuse_overwriting_source(checkpoint, output)
     header = Header(
         num_layers=spec.num_layers,
         num_experts=spec.num_experts,
@@ -116,6 +119,25 @@ def convert(
     )
 
 
+def _refuse_overwriting_source(checkpoint: Checkpoint, output: Path) -> None:
+    """Refuse an output path that is one of the checkpoint's own files (its weights, index or config.json): the
+    rename at the end of the conversion would replace it."""
+    if not output.exists():
+        return
+    sources = {info.file for info in checkpoint.tensors.values()}
+    sources |= {checkpoint.folder / "config.json", checkpoint.folder / INDEX_FILE}
+    for source in sorted(sources):
+        try:
+            same = source.exists() and os.path.samefile(source, output)
+        except OSError:
+            same = False
+        if same:
+            raise ConvertError(
+                f"output {output} is the checkpoint's own {source.name}; refusing to overwrite the source "
+                f"(choose another -o)"
+            )
+
+
 def _stream(checkpoint: Checkpoint, header: Header, layout: Layout, output: Path, *, clamp_fp16: bool, progress) -> int:
     """Write every tensor in format order; return the number of values clamped to ±65504."""
     from tqdm import tqdm
@@ -124,8 +146,8 @@ def _stream(checkpoint: Checkpoint, header: Header, layout: Layout, output: Path
     clamped = 0
     try:
         writer = ColibriWriter(output, header, clamp_fp16=clamp_fp16)
-    except OSError as exc:
-        raise ConvertError(f"cannot write {output}: {exc.strerror}") from exc
+    except FormatError as exc:
+        raise ConvertError(str(exc)) from exc
     bar = tqdm(total=header.data_size, unit="B", unit_scale=True, desc="convert", disable=None if progress is None else not progress)
     try:
         with writer, checkpoint:
@@ -145,6 +167,8 @@ def _stream(checkpoint: Checkpoint, header: Header, layout: Layout, output: Path
                 del array
     except OSError as exc:
         raise ConvertError(f"writing {output} failed: {exc.strerror or exc}") from exc
+    except FormatError as exc:  # the final rename (ColibriWriter.close)
+        raise ConvertError(str(exc)) from exc
     finally:
         bar.close()
     return clamped

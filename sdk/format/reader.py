@@ -35,7 +35,8 @@ class ColibriFile:
         self.path = Path(path)
         self._mmap = None
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below as not a regular file).
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as exc:
             raise FormatError(f"cannot open {self.path}: {exc.strerror}") from exc
         try:

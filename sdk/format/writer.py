@@ -8,6 +8,7 @@ file it finishes is complete and in order by construction. It writes to `<path>.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +17,20 @@ import numpy as np
 from ..errors import FormatError
 from .constants import FP16_MAX, KINDS
 from .header import Header
+
+
+def _refuse_non_regular(path: Path) -> None:
+    """The writer replaces `path` by renaming onto it: refuse anything but a regular file or a symlink there (a
+    folder, a device such as /dev/null, a FIFO, a socket), which the rename would destroy or fail on."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise FormatError(f"cannot write {path}: {exc.strerror}") from exc
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+        raise FormatError(f"cannot write {path}: it exists and is {kind}; allowed: a new path or an existing file")
 
 
 def tensor_order(header: Header) -> Iterator[tuple[str, int, int | None]]:
@@ -42,8 +57,9 @@ class ColibriWriter:
     values that overflow (|x| > 65504) unless `clamp_fp16=True`, which clamps them to ±65504.
 
     Raises:
-        FormatError: a tensor out of order, of the wrong shape, non-finite, overflowing fp16, or `close()` before
-            every tensor was written (the partial file is then removed).
+        FormatError: a tensor out of order, of the wrong shape, non-finite, overflowing fp16 (or float32), or
+            `close()` before every tensor was written (the partial file is then removed); a path that cannot be
+            created, or that exists as a folder or a special file (device, FIFO), which is never replaced.
     """
 
     def __init__(self, path: str | os.PathLike, header: Header, *, clamp_fp16: bool = False):
@@ -52,8 +68,16 @@ class ColibriWriter:
         self.clamp_fp16 = clamp_fp16
         self._order = list(tensor_order(header))
         self._next = 0
+        if not self.path.name or self.path.name in (".", ".."):
+            raise FormatError(f"cannot write {self.path}: not a file path")
+        self._file = None
+        _refuse_non_regular(self.path)
         self._partial = self.path.with_name(self.path.name + ".partial")
-        self._file = open(self._partial, "wb")
+        _refuse_non_regular(self._partial)
+        try:
+            self._file = open(self._partial, "wb")
+        except OSError as exc:
+            raise FormatError(f"cannot write {self._partial}: {exc.strerror}") from exc
         self._file.write(header.pack())
 
     def pending(self) -> list[tuple[str, int, int | None]]:
@@ -83,10 +107,17 @@ class ColibriWriter:
         self._next += 1
 
     def _encode(self, array: np.ndarray, label: str) -> np.ndarray:
-        as32 = array.astype(np.float32, copy=False)
-        bad = ~np.isfinite(as32)
+        bad = ~np.isfinite(array)
         if bad.any():
             raise FormatError(f"{label}: {int(bad.sum())} non-finite values (NaN or Inf)")
+        with np.errstate(over="ignore"):
+            as32 = array.astype(np.float32, copy=False)
+        over32 = ~np.isfinite(as32)
+        if over32.any():
+            raise FormatError(
+                f"{label}: {int(over32.sum())} values overflow float32 (max |x| = {float(np.abs(array).max()):g}); "
+                f"allowed: |x| <= {float(np.finfo(np.float32).max):g}"
+            )
         target = self.header.np_dtype
         if target.itemsize == 2:
             over = np.abs(as32) > FP16_MAX
@@ -113,7 +144,14 @@ class ColibriWriter:
                 f"{self.path}: closed after {self._next} of {len(self._order)} tensors; "
                 f"missing from (kind={kind!r}, layer={layer}, expert={expert}) on"
             )
-        os.replace(self._partial, self.path)
+        try:
+            _refuse_non_regular(self.path)  # it may have appeared while the file was written
+            os.replace(self._partial, self.path)
+        except (OSError, FormatError) as exc:
+            self._partial.unlink(missing_ok=True)
+            if isinstance(exc, FormatError):
+                raise
+            raise FormatError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
 
     def abort(self) -> None:
         """Drop the partial file without raising."""

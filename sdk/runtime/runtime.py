@@ -266,6 +266,11 @@ class Runtime:
         )
         if not isinstance(x, np.ndarray):
             raise InputError(f"input is a {type(x).__name__}; expected a numpy.ndarray {expected}, float32 or float16")
+        if isinstance(x, np.ma.MaskedArray):
+            raise InputError(
+                "input is a masked array; the mask would be ignored: pass np.asarray(x.filled(0)) and mark padding "
+                "with input_lengths"
+            )
         if x.dtype not in INPUT_DTYPES:
             raise InputError(f"input dtype {x.dtype}; allowed: float32, float16")
         if x.ndim not in (2, 3):
@@ -290,13 +295,16 @@ class Runtime:
         return x3, lengths
 
     def _check_lengths(self, input_lengths, ndim: int, batch: int, tokens: int) -> list[int]:
-        arr = np.asarray(input_lengths)
+        try:
+            arr = np.asarray(input_lengths)
+        except (ValueError, TypeError) as exc:  # e.g. a ragged nested list
+            raise InputError(f"input_lengths is not an array of integers ({exc}); expected ({batch},)") from None
         if ndim == 2 and arr.ndim == 0:
             arr = arr.reshape(1)
-        if arr.dtype.kind not in "iu":
-            raise InputError(f"input_lengths dtype {arr.dtype}; allowed: integers")
         if arr.shape != (batch,):
             raise InputError(f"input_lengths shape {arr.shape}; expected ({batch},), one length per sequence")
+        if arr.dtype.kind not in "iu":
+            raise InputError(f"input_lengths dtype {arr.dtype}; allowed: integers")
         lengths = [int(n) for n in arr]
         fixed_tokens = self.shape[1]
         for b, n in enumerate(lengths):
