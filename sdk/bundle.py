@@ -26,7 +26,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from .errors import BundleError
+from .errors import BundleError, FormatError
+from .format import Header
 from .profile import MAX_TOKENS
 
 SCHEMA_VERSION = 1
@@ -424,12 +425,17 @@ def inspect_bundle(path: str | os.PathLike, as_json: bool = False) -> int:
         ("shape", f"batch {m['shape']['batch']} x tokens {m['shape']['tokens']}"),
         ("aggregation", m["aggregation"]),
         ("nvrtc", m["nvrtc_version"]),
-        ("min driver", m["min_driver"]),
+        ("min driver", f"CUDA {m['min_driver'] // 1000}.{m['min_driver'] % 1000 // 10} ({m['min_driver']})"),
         ("launches", info["launches"]),
     ]
     for key, value in rows:
         print(f"  {key:<14} {value}")
-    print("  weights        " + m["weights"]["file"] + "  " + json.dumps(m["weights"]["header"], sort_keys=True))
+    try:
+        header = Header(**{k: v for k, v in m["weights"]["header"].items() if k in HEADER_FIELDS}).to_dict()
+    except FormatError as exc:
+        raise BundleError(f"{bundle.path}/manifest.json: weights.header: {exc}") from exc
+    described = ", ".join(f"{k} {v}" for k, v in header.items() if k not in ("magic", "version"))
+    print(f"  weights        {m['weights']['file']}: {described}")
     print(format_resources(m["kernels"]))
     print(f"  {'file':<36} {'bytes':>14}  sha256")
     for entry in m["files"]:

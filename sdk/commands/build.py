@@ -44,7 +44,7 @@ def run(args) -> int:
     )
     print(format_resources(m["kernels"]))
     total = sum(f["size"] for f in m["files"])
-    print(f"  {len(m['files'])} files, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass")
+    print(f"  {len(m['files'])} files + manifest, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass")
     if result.archive is not None:
         print(f"  archive: {result.archive}")
     print(f"  built in {time.perf_counter() - start:.2f} s")

@@ -336,7 +336,7 @@ class Runtime:
             bad = np.argwhere(~np.isfinite(corner).all(axis=-1))
             b, t = (int(v) for v in bad[0])
             raise InputError(
-                f"input has non-finite values (NaN or Inf) at {len(bad)} valid positions, first at "
+                f"input has non-finite values (NaN or Inf) at {len(bad)} valid position{'s' if len(bad) != 1 else ''}, first at "
                 f"(batch {b}, token {t}); all values at valid positions must be finite"
             )
         return staging

@@ -169,7 +169,7 @@ def test_accessors(bundle_copy):
 def test_verify_cli(bundle_copy, capsys):
     assert cli.main(["verify", str(bundle_copy), "--backend", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "schema 1, 12 files, checksums ok" in out and "self-test passed on cpu" in out
+    assert "schema 1, 11 files + manifest, checksums ok" in out and "self-test passed on cpu" in out
     target = bundle_copy / "selftest" / "input.npy"
     original = target.read_bytes()
     target.write_bytes(original[:-4] + b"\x00\x00\x80\x7f")

@@ -397,8 +397,8 @@ CUresult parse_cubin(const unsigned char* img, Module* m) {
         const char* name = reinterpret_cast<const char*>(img + stroff + n);
         if (std::strncmp(name, ".nv.info.", 9) != 0) continue;
         Entry e;
-        // Attributes: u8 format, u8 attribute, then by format (0x04: u16 size + data; 0x03: u16 value; 0x02: u8
-        // value + pad; 0x01: nothing). EIATTR_KPARAM_INFO (0x17): u32 index, u16 ordinal, u16 offset, u32 whose
+        // Attributes: u8 format, u8 attribute, then by format 0x04: u16 size + that many bytes; 0x01-0x03: 2 bytes
+        // (value or padding). EIATTR_KPARAM_INFO (0x17): u32 index, u16 ordinal, u16 offset, u32 whose
         // bits 18..31 are the size (measured on NVRTC 12.9 cubins; the format is not documented by NVIDIA).
         const unsigned char* p = img + off;
         const unsigned char* end = p + size;
@@ -417,8 +417,6 @@ CUresult parse_cubin(const unsigned char* img, Module* m) {
                     e.params[ordinal] = {offset, (bits >> 18) & 0x3fff};
                 }
                 p += 4 + len;
-            } else if (fmt == 1) {
-                p += 2;
             } else {
                 p += 4;
             }

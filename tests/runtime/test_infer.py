@@ -141,7 +141,7 @@ BAD_INPUTS = [
     ("no tokens", lambda: np.zeros((1, 0, HIDDEN), np.float32), None, r"input tokens 0 \(shape \(1, 0, 64\)\); allowed: 1\.\.8"),
     ("strided", _noncontiguous, None, r"input is not C-contiguous \(shape \(2, 8, 64\), strides \(4096, 512, 8\)\); pass np\.ascontiguousarray\(x\)"),
     ("nan", lambda: np.full((1, 2, HIDDEN), np.nan, np.float32), None, r"input has non-finite values \(NaN or Inf\) at 2 valid positions, first at \(batch 0, token 0\)"),
-    ("inf16", lambda: np.pad(np.full((1, 1, HIDDEN), np.inf, np.float16), ((1, 0), (2, 0), (0, 0))), None, r"non-finite values \(NaN or Inf\) at 1 valid positions, first at \(batch 1, token 2\)"),
+    ("inf16", lambda: np.pad(np.full((1, 1, HIDDEN), np.inf, np.float16), ((1, 0), (2, 0), (0, 0))), None, r"non-finite values \(NaN or Inf\) at 1 valid position, first at \(batch 1, token 2\)"),
     ("lengths shape", lambda: np.zeros((2, 4, HIDDEN), np.float32), [1, 2, 3], r"input_lengths shape \(3,\); expected \(2,\), one length per sequence"),
     ("lengths float", lambda: np.zeros((2, 4, HIDDEN), np.float32), [1.0, 2.0], r"input_lengths dtype float64; allowed: integers"),
     ("lengths negative", lambda: np.zeros((2, 4, HIDDEN), np.float32), [-1, 2], r"input_lengths\[0\] = -1; allowed: 0\.\.4 \(the input's tokens; the bundle's fixed tokens are 8\)"),
