@@ -32,6 +32,7 @@ from .profile import MAX_TOKENS
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # a manifest is a few KB; anything near this is not one
 DIGEST_KEY = "manifest_sha256"
 KINDS = ("cubin", "ptx")
 
@@ -130,6 +131,12 @@ class Bundle:
         if not root.is_dir():
             raise BundleError(f"{root} is not a bundle folder (no such directory)")
         manifest_path = root / MANIFEST
+        if manifest_path.exists() and not manifest_path.is_file():
+            raise BundleError(f"{manifest_path}: not a regular file; the manifest must be a JSON file")
+        if manifest_path.is_file() and manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise BundleError(
+                f"{manifest_path}: {manifest_path.stat().st_size:,} bytes; allowed: at most {MAX_MANIFEST_BYTES:,}"
+            )
         try:
             raw = manifest_path.read_bytes()
         except OSError as exc:

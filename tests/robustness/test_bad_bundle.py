@@ -139,3 +139,9 @@ def test_selftest_output_of_strings(bundle, capsys):
     assert "the self-test output is dtype <U1; allowed: a float32 .npy array" in cli_error(
         capsys, "verify", str(bundle), "--backend", "cpu"
     )
+
+
+def test_manifest_that_is_a_fifo_is_refused_without_hanging(tmp_path):
+    os.mkfifo(tmp_path / "manifest.json")
+    with pytest.raises(BundleError, match=r"manifest\.json: not a regular file; the manifest must be a JSON file$"):
+        Bundle.open(tmp_path)
