@@ -281,8 +281,10 @@ class CudaBackend:
         cu, res = self._cu, self._res
         chunk_size = min(UPLOAD_CHUNK, max(size, 1))
         stages = [self._pinned(chunk_size) for _ in range(2)]
-        events = [check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)]
-        res.events.extend(events)
+        events = []
+        for _ in range(2):  # recorded one by one: if the second fails, close() still destroys the first
+            events.append(check(cu.cuEventCreate(0), "cuEventCreate"))
+            res.events.append(events[-1])
         source = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=HEADER_SIZE)
         try:
             for i, offset in enumerate(range(0, size, chunk_size)):
@@ -295,6 +297,16 @@ class CudaBackend:
                 check(cu.cuEventRecord(events[i % 2], res.stream), "cuEventRecord")
         finally:
             del source
+        # The staging buffers (up to 2 x 64 MiB page-locked) and their events are not kept for the backend's life.
+        check(cu.cuStreamSynchronize(res.stream), "cuStreamSynchronize")
+        staged = [ptr for ptr, _ in stages]
+        stages = view = None  # no NumPy view of the freed memory stays reachable
+        res.host_ptrs = [p for p in res.host_ptrs if int(p) not in staged]
+        res.events = [e for e in res.events if all(e is not x for x in events)]
+        for ptr in staged:
+            check(cu.cuMemFreeHost(ptr), "cuMemFreeHost")
+        for event in events:
+            check(cu.cuEventDestroy(event), "cuEventDestroy")
 
     # ---- the forward pass -------------------------------------------------------------------------------------
     def _pointer(self, arg: dict) -> int:

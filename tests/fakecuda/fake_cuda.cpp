@@ -125,7 +125,6 @@ struct Settings {
     int integrated = 0;
     int devices = 1;
     std::string name;
-    bool verbose = false;
 };
 Settings S;
 std::recursive_mutex M;  // one call at a time (cuda-bindings releases the GIL)
@@ -170,9 +169,8 @@ const char* env(const char* name, const char* fallback) {
     return (v && *v) ? v : fallback;
 }
 
-void parse_injections() {
+void parse_injections(std::string spec) {
     g_inject.clear();
-    std::string spec = env("COLIBRI_FAKE_CUDA_FAIL", "");
     size_t pos = 0;
     while (pos < spec.size()) {
         size_t end = spec.find(',', pos);
@@ -200,7 +198,11 @@ void parse_injections() {
     }
 }
 
+bool g_loaded = false;
+
 void load_settings() {
+    if (g_loaded) return;
+    g_loaded = true;
     S.driver = std::atoi(env("COLIBRI_FAKE_CUDA_DRIVER", "12090"));
     std::string cc = env("COLIBRI_FAKE_CUDA_CC", "8.7");
     S.cc_major = std::atoi(cc.c_str());
@@ -212,11 +214,12 @@ void load_settings() {
     std::snprintf(name, sizeof name, "Colibri Fake %s GPU (sm_%d%d)", S.integrated ? "Integrated" : "Discrete",
                   S.cc_major, S.cc_minor);
     S.name = env("COLIBRI_FAKE_CUDA_NAME", name);
-    S.verbose = std::atoi(env("COLIBRI_FAKE_CUDA_VERBOSE", "0")) != 0;
     const char* path = std::getenv("COLIBRI_FAKE_CUDA_LOG");
     if (path && *path && !g_log) g_log = std::fopen(path, "a");
-    parse_injections();
+    parse_injections(env("COLIBRI_FAKE_CUDA_FAIL", ""));
 }
+
+void invalidate_captures();
 
 // The injected failure of this call, or CUDA_SUCCESS.
 CUresult injected(const char* call) {
@@ -225,11 +228,19 @@ CUresult injected(const char* call) {
         ++inj.seen;
         if (inj.nth == 0 || inj.nth == inj.seen) {
             complain(call, "injected failure %s (COLIBRI_FAKE_CUDA_FAIL)", find_error(inj.code)->name);
+            invalidate_captures();  // as on a GPU, a call failing during stream capture invalidates the capture
             return inj.code;
         }
     }
     return CUDA_SUCCESS;
 }
+
+#define ENTER_NO_INJECTION(call)                                           \
+    std::lock_guard<std::recursive_mutex> lock_(M);                        \
+    if (!g_initialized) {                                                  \
+        complain(call, "called before cuInit");                            \
+        return CUDA_ERROR_NOT_INITIALIZED;                                 \
+    }
 
 // Entry of every implemented call (the lock is taken by the caller's scope).
 #define ENTER(call, needs_init)                                            \
@@ -240,7 +251,7 @@ CUresult injected(const char* call) {
     }                                                                      \
     if (CUresult inj_ = injected(call); inj_ != CUDA_SUCCESS) return inj_;
 
-// ---- memory ----------------------------------------------------------------------------------------------------------
+// ---- memory ---------------------------------------------------------------------------------------------------------
 constexpr size_t kAlign = 256;  // cuMemAlloc's alignment
 constexpr size_t kGuard = 256;  // canary bytes before and after every device allocation
 constexpr unsigned char kCanary = 0xA5;
@@ -499,7 +510,7 @@ struct GraphExec {
 };
 struct Stream {
     Graph* capture = nullptr;
-    bool invalidated = false;
+    int invalidated = 0;
     int mode = 0;
 };
 struct Event {
@@ -545,6 +556,11 @@ Stream* stream_of(void* h, const char* call, bool* bad) {
     return it->second.get();
 }
 
+void invalidate_captures() {
+    for (auto& [h, s] : g_streams)
+        if (s->capture) s->invalidated = 1;
+}
+
 bool any_capture() {
     for (const auto& [h, s] : g_streams)
         if (s->capture) return true;
@@ -556,7 +572,7 @@ CUresult refuse_during_capture(const char* call) {
     bool refused = false;
     for (auto& [h, s] : g_streams) {
         if (s->capture && s->mode != 2) {
-            s->invalidated = true;
+            s->invalidated = 1;
             refused = true;
         }
     }
@@ -706,7 +722,7 @@ API CUresult cuGetErrorString(CUresult error, const char** pStr) {
 
 API CUresult cuInit(unsigned int flags) {
     std::lock_guard<std::recursive_mutex> lock(M);
-    if (!g_initialized) load_settings();
+    load_settings();
     log_line("cuInit flags=%u", flags);
     if (CUresult r = injected("cuInit")) return r;
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
@@ -717,7 +733,7 @@ API CUresult cuInit(unsigned int flags) {
 
 API CUresult cuDriverGetVersion(int* version) {
     std::lock_guard<std::recursive_mutex> lock(M);
-    if (!g_initialized) load_settings();
+    load_settings();
     if (CUresult r = injected("cuDriverGetVersion")) return r;
     if (!version) return CUDA_ERROR_INVALID_VALUE;
     *version = S.driver;
@@ -865,7 +881,7 @@ API CUresult cuCtxSynchronize() {
     return check_guards("cuCtxSynchronize");
 }
 
-// ---- memory ----------------------------------------------------------------------------------------------------------
+// ---- memory ---------------------------------------------------------------------------------------------------------
 API CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytes) {
     ENTER("cuMemAlloc", true);
     if (CUresult r = need_context("cuMemAlloc")) return r;
@@ -977,7 +993,7 @@ API CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, size_t n, void* s
     return memset_node("cuMemsetD32Async", dst, v, n, 4, stream, true);
 }
 
-// ---- modules ---------------------------------------------------------------------------------------------------------
+// ---- modules --------------------------------------------------------------------------------------------------------
 API CUresult cuModuleLoadData(void** pmod, const void* image) {
     ENTER("cuModuleLoadData", true);
     if (CUresult r = need_context("cuModuleLoadData")) return r;
@@ -1112,7 +1128,7 @@ API CUresult cuStreamSynchronize(void* h) {
     Stream* s = stream_of(h, "cuStreamSynchronize", &bad);
     if (bad) return CUDA_ERROR_INVALID_HANDLE;
     if (s && s->capture) {
-        s->invalidated = true;
+        s->invalidated = 1;
         complain("cuStreamSynchronize", "the stream is capturing; the capture is invalidated");
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     }
@@ -1164,10 +1180,11 @@ API CUresult cuEventSynchronize(void* ev) {
         complain("cuEventSynchronize", "unknown event %p", ev);
         return CUDA_ERROR_INVALID_HANDLE;
     }
+    log_line("cuEventSynchronize");
     return check_guards("cuEventSynchronize");
 }
 
-// ---- launches and graphs ----------------------------------------------------------------------------------------------
+// ---- launches and graphs --------------------------------------------------------------------------------------------
 API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                             unsigned shared, void* stream, void** params, void** extra) {
     ENTER("cuLaunchKernel", true);
@@ -1183,13 +1200,14 @@ API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsi
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     if (!fn->params.empty() && !params) {
-        complain("cuLaunchKernel", "%s takes %zu parameters; kernelParams is NULL", fn->name.c_str(), fn->params.size());
+        complain("cuLaunchKernel", "%s takes %zu parameters; kernelParams is NULL", fn->name.c_str(),
+                 fn->params.size());
         return CUDA_ERROR_INVALID_VALUE;
     }
     const unsigned long long threads = 1ull * bx * by * bz;
     if (!gx || !gy || !gz || !bx || !by || !bz || threads > 1024 || bz > 64 || gy > 65535 || gz > 65535) {
-        complain("cuLaunchKernel", "%s: grid %ux%ux%u block %ux%ux%u out of range", fn->name.c_str(), gx, gy, gz, bx, by,
-                 bz);
+        complain("cuLaunchKernel", "%s: grid %ux%ux%u block %ux%ux%u out of range", fn->name.c_str(), gx, gy, gz,
+                 bx, by, bz);
         return CUDA_ERROR_INVALID_VALUE;
     }
     if (shared > 49152) {
@@ -1229,7 +1247,7 @@ API CUresult cuStreamBeginCapture_v2(void* h, int mode) {
     }
     auto g = std::make_unique<Graph>();
     s->capture = g.get();
-    s->invalidated = false;
+    s->invalidated = 0;
     s->mode = mode;
     g_graphs[g.get()] = std::move(g);
     log_line("cuStreamBeginCapture mode=%d", mode);
@@ -1237,7 +1255,7 @@ API CUresult cuStreamBeginCapture_v2(void* h, int mode) {
 }
 
 API CUresult cuStreamEndCapture(void* h, void** graph) {
-    ENTER("cuStreamEndCapture", true);
+    ENTER_NO_INJECTION("cuStreamEndCapture");
     bool bad;
     Stream* s = stream_of(h, "cuStreamEndCapture", &bad);
     if (bad) return CUDA_ERROR_INVALID_HANDLE;
@@ -1246,11 +1264,14 @@ API CUresult cuStreamEndCapture(void* h, void** graph) {
         return CUDA_ERROR_ILLEGAL_STATE;
     }
     Graph* g = s->capture;
-    s->capture = nullptr;
-    if (s->invalidated) {
+    s->capture = nullptr;  // the capture ends, also when the call fails
+    const CUresult failed = injected("cuStreamEndCapture");
+    if (failed || s->invalidated) {
+        const CUresult r = failed ? failed : CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        s->invalidated = 0;
         g_graphs.erase(g);
         if (graph) *graph = nullptr;
-        return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        return r;
     }
     if (graph) *graph = g;
     log_line("cuStreamEndCapture nodes=%zu", g->nodes.size());
@@ -1323,7 +1344,7 @@ API CUresult cuGetExportTable(const void** table, const void* id) {
     return CUDA_ERROR_NOT_SUPPORTED;
 }
 
-// ---- symbol lookup ---------------------------------------------------------------------------------------------------
+// ---- symbol lookup --------------------------------------------------------------------------------------------------
 API CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version, cuuint64_t flags, int* status);
 
 namespace {
@@ -1397,8 +1418,9 @@ API CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version, cu
     for (const auto& p : kProcs) {
         if (std::strcmp(p.name, symbol) != 0) continue;
         if (version < p.min_version || (p.max_version && version >= p.max_version)) {
-            if (S.verbose || std::getenv("COLIBRI_FAKE_CUDA_VERBOSE"))
-                complain("cuGetProcAddress", "%s at CUDA version %d: that ABI variant is not emulated", symbol, version);
+            if (std::getenv("COLIBRI_FAKE_CUDA_VERBOSE"))
+                complain("cuGetProcAddress", "%s at CUDA version %d: that ABI variant is not emulated", symbol,
+                         version);
             break;
         }
         *pfn = p.fn;
@@ -1415,9 +1437,29 @@ API CUresult cuGetProcAddress(const char* symbol, void** pfn, int version, cuuin
     return cuGetProcAddress_v2(symbol, pfn, version, flags, nullptr);
 }
 
-// ---- test hooks (not part of the CUDA API) ---------------------------------------------------------------------------
+// ---- test hooks (not part of the CUDA API; tests reach them with ctypes.CDLL("libcuda.so.1")) -----------------------
 // The kernel emulation library bound to the modules loaded from now on (NULL: back to COLIBRI_FAKE_CUDA_KERNELS).
 API void colibri_fake_cuda_set_kernels(const char* path) {
     std::lock_guard<std::recursive_mutex> lock(M);
     g_kernels_override = path ? path : "";
+}
+
+// What is alive, for leak checks: "device=N host=N modules=N functions=N streams=N events=N graphs=N execs=N
+// primary_refs=N" (device and host: live allocations).
+API const char* colibri_fake_cuda_live() {
+    std::lock_guard<std::recursive_mutex> lock(M);
+    static char buf[256];
+    size_t device = 0, host = 0;
+    for (const auto& [start, a] : g_allocs) (a.device ? device : host) += 1;
+    std::snprintf(buf, sizeof buf, "device=%zu host=%zu modules=%zu functions=%zu streams=%zu events=%zu graphs=%zu "
+                  "execs=%zu primary_refs=%d", device, host, g_modules.size(), g_functions.size(), g_streams.size(),
+                  g_events.size(), g_graphs.size(), g_execs.size(), g_primary_refs);
+    return buf;
+}
+
+// Replace the failures to inject (the COLIBRI_FAKE_CUDA_FAIL syntax; "" for none); call counts start again.
+API void colibri_fake_cuda_fail(const char* spec) {
+    std::lock_guard<std::recursive_mutex> lock(M);
+    load_settings();
+    parse_injections(spec ? spec : "");
 }

@@ -1,0 +1,137 @@
+"""Fixtures for the CUDA backend against a fake CUDA driver on the CPU (fake_cuda.cpp, docs/runtime-cuda.md).
+
+The fake libcuda.so.1 is built with g++ into a temp folder once per session. Every test runs its Python code in a
+SUBPROCESS whose LD_LIBRARY_PATH starts with that folder, so cuda-bindings (through cuda.pathfinder's system search)
+and the ctypes probe load the fake, the probe's cache is fresh, and the test process itself never loads it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+TESTS = HERE.parent
+ROOT = TESTS.parent
+CXX = shutil.which("g++")
+
+sys.path.insert(0, str(TESTS / "kernels"))
+sys.path.insert(0, str(TESTS / "gpu"))
+
+from emulator import build_library
+from gpu_support import random_model
+
+# The bundle of most tests: the Orin profile (sm_87, min_driver 12.2) at 4 tokens, a 2-layer model small enough that
+# one emulated forward pass takes well under a second.
+TOKENS, HIDDEN, INTER = 4, 64, 32
+
+
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory) -> Path:
+    """Folder holding the fake libcuda.so.1."""
+    out = tmp_path_factory.mktemp("fakecuda")
+    lib = out / "libcuda.so.1"
+    cmd = [CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra",
+           "-Wno-unused-parameter", "-Werror", str(HERE / "fake_cuda.cpp"), "-o", str(lib), "-ldl", "-pthread"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, f"g++ failed:\n{done.stderr}"
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory) -> Path:
+    """A bundle built by the SDK's build (NVRTC) from a random float32 model with the Orin profile at 4 tokens."""
+    from colibri_sdk.build.bundle import build_bundle
+    from colibri_sdk.profile import Profile, load_profile
+
+    root = tmp_path_factory.mktemp("tiny")
+    weights = random_model(root / "model.colibri", layers=2, experts=8, top_k=2, hidden=HIDDEN, inter=INTER, seed=3)
+    data = copy.deepcopy(load_profile("orin", toolchain=False).data)
+    data["shape"] = {"batch": 1, "tokens": TOKENS}
+    return build_bundle(Profile.from_dict(data), root / "bundle", weights, workers=2).path
+
+
+@pytest.fixture(scope="session")
+def kernels_lib(tiny_bundle) -> Path:
+    """The kernel emulation library (tests/kernels/emulator.py) for the tiny bundle's compile-time constants."""
+    from colibri_sdk.bundle import Bundle
+
+    return build_library(Bundle.open(tiny_bundle).manifest["kernels"][0]["defines"])
+
+
+class FakeRun:
+    """What one subprocess on the fake driver gave: its exit code, output, the JSON of its last stdout line (if
+    any) and the fake's call log (one line per driver call; lines starting with "!" are the fake's complaints)."""
+
+    def __init__(self, done: subprocess.CompletedProcess, log: Path):
+        self.rc, self.stdout, self.stderr = done.returncode, done.stdout, done.stderr
+        lines = self.stdout.strip().splitlines()
+        try:
+            self.result = json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError:
+            self.result = None
+        self.log = log.read_text().splitlines() if log.exists() else []
+
+    def calls(self, name: str) -> list[str]:
+        """Log lines of driver call `name` (exact name, e.g. "cuMemcpyHtoD")."""
+        return [line for line in self.log if line.split(" ", 1)[0] == name]
+
+    def __repr__(self) -> str:
+        return f"rc={self.rc}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
+
+
+PRELUDE = """
+import ctypes, json, sys
+import numpy as np
+def live():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.colibri_fake_cuda_live.restype = ctypes.c_char_p
+    return dict(kv.split("=") for kv in lib.colibri_fake_cuda_live().decode().split())
+def emit(**values):
+    print(json.dumps(values))
+"""
+
+
+@pytest.fixture
+def run_fake(fake_driver, kernels_lib, tmp_path):
+    """run_fake(code, timeout=60, args=None, **settings) -> FakeRun: run Python `code` (or, with `args`, that
+    command) in a subprocess on the fake driver. `settings` become COLIBRI_FAKE_CUDA_<NAME> variables (cc="9.0",
+    driver=12060, integrated=1, fail="cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY", kernels=path)."""
+    count = [0]
+
+    def run(code: str = "", *, timeout: float = 60, args: list[str] | None = None, **settings) -> FakeRun:
+        count[0] += 1
+        log = tmp_path / f"calls{count[0]}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(fake_driver), env.get("LD_LIBRARY_PATH")) if p)
+        env["COLIBRI_FAKE_CUDA_LOG"] = str(log)
+        env["COLIBRI_FAKE_CUDA_KERNELS"] = str(kernels_lib)
+        for key, value in settings.items():
+            env[f"COLIBRI_FAKE_CUDA_{key.upper()}"] = str(value)
+        cmd = args or [sys.executable, "-c", PRELUDE + textwrap.dedent(code)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(tmp_path),
+                              check=False)
+        return FakeRun(done, log)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def reference_output(tiny_bundle):
+    """(x, float64 reference output) for a fixed N(0, 1) input of shape (1, TOKENS, HIDDEN)."""
+    from colibri_sdk.bundle import Bundle
+    from gpu_support import reference
+
+    x = np.random.default_rng(11).standard_normal((1, TOKENS, HIDDEN)).astype(np.float32)
+    expected, stable = reference(Bundle.open(tiny_bundle).weights_path, x)
+    assert stable.all(), "the fixed input has a router near-tie; pick another seed"
+    return x, expected

@@ -1,0 +1,30 @@
+"""tests/gpu run against the fake driver, so the GPU tests' own logic (bundles built for "this GPU", the reference
+comparison, graph vs eager, close, the Runtime self-test) is exercised where no GPU exists.
+
+A subset: the cases whose emulated forward passes are fast. Left out (tens of seconds to minutes on the emulator):
+the 1000 replays, the concurrency test, the largest GEMV cases, every shipped profile on the demo model, and the
+integrated-GPU memory test (a 400 MB model)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+from conftest import HERE, ROOT, TESTS
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")
+
+SLOW = ["1000", "concurrent", "peak_memory", "shipped_profile", "gemv-many", "gemv-atomic"]
+
+
+def test_gpu_tests_pass_on_the_fake_driver(run_fake, tmp_path):
+    selection = " and ".join(f"not {name}" for name in SLOW)
+    cmd = [sys.executable, "-m", "pytest", str(TESTS / "gpu"), "-q", "-x", "-p", "fake_gpu_plugin", "-k", selection,
+           "-p", "no:cacheprovider", f"--rootdir={ROOT}", f"--basetemp={tmp_path / 'gpu'}"]
+    run = run_fake(args=["env", f"PYTHONPATH={HERE}{os.pathsep}{TESTS / 'kernels'}", *cmd], timeout=240)
+    assert run.rc == 0, run
+    summary = run.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    assert int(summary.split(" passed")[0].split()[-1]) >= 10, summary
