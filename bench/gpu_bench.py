@@ -86,6 +86,7 @@ def copy_bandwidth() -> float:
 
 def selected_bytes(weights_path: Path, x: np.ndarray) -> int:
     """Bytes of the experts x selects, layer by layer (routing by the float32 reference), plus the routers."""
+    from colibri_sdk.format.constants import COMPOSITION_RESIDUAL
     from colibri_sdk.reference import ReferenceEngine
 
     engine = ReferenceEngine(weights_path)
@@ -97,7 +98,7 @@ def selected_bytes(weights_path: Path, x: np.ndarray) -> int:
         ids, _ = engine.route(layer, h)
         total += len(np.unique(ids)) * per_expert + hd.hidden_size * hd.num_experts * hd.itemsize
         y = engine.layer(layer, h)
-        h = h + y if hd.composition == 1 else y
+        h = h + y if hd.composition == COMPOSITION_RESIDUAL else y
     engine.close()
     return total
 
@@ -125,6 +126,7 @@ def transformers_latency(weights_path: Path, x: np.ndarray, iters: int) -> float
     if not torch.cuda.is_available():
         return None
     from colibri_sdk.format import ColibriFile
+    from colibri_sdk.format.constants import COMPOSITION_RESIDUAL
 
     f = ColibriFile(weights_path)
     hd = f.header
@@ -143,7 +145,7 @@ def transformers_latency(weights_path: Path, x: np.ndarray, iters: int) -> float
             blocks.append(block)
     f.close()
     xt = torch.from_numpy(x).to(device="cuda", dtype=torch.float16)
-    residual = hd.composition == 1
+    residual = hd.composition == COMPOSITION_RESIDUAL
 
     def forward():
         with torch.no_grad():
@@ -155,7 +157,7 @@ def transformers_latency(weights_path: Path, x: np.ndarray, iters: int) -> float
             torch.cuda.synchronize()
 
     result = time_calls(forward, iters)
-    del blocks
+    blocks.clear()  # free the blocks' device memory before emptying the cache
     torch.cuda.empty_cache()
     return result
 

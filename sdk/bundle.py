@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import BundleError, FormatError
 from .format import Header
-from .profile import MAX_TOKENS
+from .profile import AGGREGATIONS, DTYPES, MAX_TOKENS
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -56,12 +56,9 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
 }
 OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list}
 # weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
-HEADER_FIELDS = ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "dtype", "routing",
-                 "composition")
+HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
 # kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.build.nvrtc), all integers.
 RESOURCE_KEYS = ("registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes")
-DTYPES = ("fp16", "fp32")
-AGGREGATIONS = ("ordered", "atomic")
 _CHUNK = 1 << 20
 
 
@@ -423,6 +420,8 @@ def inspect_bundle(path: str | os.PathLike, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
+    from .runtime.driver import format_driver_version
+
     m = bundle.manifest
     print(f"{bundle.path}  (bundle schema {m['schema_version']}, colibri-sdk {m['sdk_version']})")
     rows = [
@@ -432,7 +431,7 @@ def inspect_bundle(path: str | os.PathLike, as_json: bool = False) -> int:
         ("shape", f"batch {m['shape']['batch']} x tokens {m['shape']['tokens']}"),
         ("aggregation", m["aggregation"]),
         ("nvrtc", m["nvrtc_version"]),
-        ("min driver", f"CUDA {m['min_driver'] // 1000}.{m['min_driver'] % 1000 // 10} ({m['min_driver']})"),
+        ("min driver", f"CUDA {format_driver_version(m['min_driver'])} ({m['min_driver']})"),
         ("launches", info["launches"]),
     ]
     for key, value in rows:

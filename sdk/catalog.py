@@ -111,18 +111,12 @@ KERNELS: tuple[KernelSpec, ...] = (
     ),
 )
 
+
 def kernel_dir() -> Path:
     """The folder holding the .cu sources: inside the installed package, or kernels/ of a source checkout."""
     from . import kernels
 
     return Path(kernels.__file__).parent
-
-
-def spec(name: str) -> KernelSpec:
-    for k in KERNELS:
-        if k.name == name:
-            return k
-    raise KeyError(name)
 
 
 def compile_defines(profile: dict, header) -> dict[str, int]:

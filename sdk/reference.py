@@ -106,13 +106,22 @@ class ReferenceEngine:
         Returns:
             Array of x's shape in the compute dtype (float32 by default).
         """
-        shape = np.shape(x)
-        h = self.check_input(x)
+        return self.run(self.check_input(x)).reshape(np.shape(x))
+
+    def run(self, h: np.ndarray) -> np.ndarray:
+        """Run all layers on an input `check_input` has already validated.
+
+        Args:
+            h: (tokens, hidden) in the compute dtype, finite.
+
+        Returns:
+            (tokens, hidden) in the compute dtype, a new array.
+        """
         residual = self.header.composition == COMPOSITION_RESIDUAL
         for layer in range(self.header.num_layers):
             y = self.layer(layer, h)
             h = h + y if residual else y
-        return h.reshape(shape)
+        return h
 
     def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Router logits → (indices, weights), each (tokens, top_k). x: (tokens, hidden) in the compute dtype."""

@@ -25,7 +25,6 @@ from ..bundle import (
     canonical_json,
     check_schema,
     file_sha256,
-    inspect_bundle,  # noqa: F401  (re-exported for `colibri-sdk inspect`)
     manifest_digest,
 )
 from ..errors import BundleError, CompileError, FormatError

@@ -17,7 +17,7 @@ def register(sub) -> None:
 def run(args) -> int:
     path = Path(args.path)
     if path.is_dir():
-        from ..build.bundle import inspect_bundle
+        from ..bundle import inspect_bundle
 
         return inspect_bundle(path, as_json=args.json)
     from ..format import ColibriFile

@@ -199,8 +199,8 @@ class Checkpoint:
         `index=(expert, slice(0, inter))`), as a new float32 array. Only the bytes of that part are read.
 
         Raises:
-            ConvertError: an unknown name, a dtype outside SOURCE_DTYPES (quantised or integer checkpoints), or a
-                shard shorter than its header says.
+            ConvertError: an unknown name, a dtype outside SOURCE_DTYPES (quantised or integer checkpoints), an
+                index that is out of range or not one contiguous run, or a shard shorter than its header says.
         """
         info = self.tensors.get(name)
         if info is None:
@@ -208,7 +208,10 @@ class Checkpoint:
         if info.dtype not in SOURCE_DTYPES:
             raise ConvertError(f"tensor {name!r} has dtype {info.dtype}; allowed: {', '.join(SOURCE_DTYPES)}")
         storage = _STORAGE[info.dtype]
-        start, shape = _byte_range(info.shape, storage.itemsize, index)
+        try:
+            start, shape = _byte_range(info.shape, storage.itemsize, index)
+        except ValueError as exc:
+            raise ConvertError(f"tensor {name!r} of shape {info.shape}: {exc}") from None
         raw = np.empty(shape, dtype=storage)
         fh = self._handle(info.file)
         fh.seek(info.offset + start)

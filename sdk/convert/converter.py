@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import ConvertError, FormatError
 from ..format import ColibriWriter, Header
 from ..format.constants import COMPOSITION_NAMES, DTYPE_CODES, FP16_MAX
+from ..profile import DTYPES
 from .checkpoint import INDEX_FILE, Checkpoint
 from .families import ModelSpec, model_spec
 from .layout import Layout, plan
@@ -81,8 +82,8 @@ def convert(
         ConvertError: unsupported model or feature, missing/extra/mis-shaped tensor, source dtype, fp16 overflow
             (naming the tensor and the count), non-finite weights, unwritable output.
     """
-    if dtype not in ("fp16", "fp32"):
-        raise ConvertError(f"dtype {dtype!r}; allowed: fp16, fp32")
+    if dtype not in DTYPES:
+        raise ConvertError(f"dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     modes = {name: code for code, name in COMPOSITION_NAMES.items()}
     if composition not in modes:
         raise ConvertError(f"composition {composition!r}; allowed: {', '.join(modes)}")

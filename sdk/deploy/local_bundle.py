@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from ..bundle import MANIFEST, file_sha256
 from ..errors import BundleError
 
-MANIFEST = "manifest.json"
 ID_HEX_DIGITS = 16
 
 
@@ -97,8 +97,4 @@ def _bundle_file(root: Path, entry) -> BundleFile:
 
 def rehash(file: BundleFile) -> str:
     """sha256 hex of the local file now."""
-    h = hashlib.sha256()
-    with open(file.local, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(file.local)

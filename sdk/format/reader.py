@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import FormatError
-from .constants import HEADER_SIZE
+from .constants import HEADER_SIZE, KINDS
 from .header import Header
 
 
@@ -40,8 +41,6 @@ class ColibriFile:
         except OSError as exc:
             raise FormatError(f"cannot open {self.path}: {exc.strerror}") from exc
         try:
-            import stat
-
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise FormatError(f"{self.path} is not a regular file")
@@ -148,7 +147,7 @@ class ColibriFile:
         """Per-block offsets and sizes in bytes (for `colibri-sdk inspect`)."""
         h = self.header
         rows = [{"block": "header", "offset": 0, "bytes": HEADER_SIZE, "shape": None}]
-        for kind in ("gate_proj", "up_proj", "down_proj", "router"):
+        for kind in KINDS:
             r, c = h.shape(kind)
             lead = [h.num_layers] if kind == "router" else [h.num_layers, h.num_experts]
             rows.append(

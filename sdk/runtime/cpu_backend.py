@@ -50,7 +50,8 @@ class CpuBackend:
         """
         if self._engine is None:
             raise BackendError("the CPU backend is closed; load the bundle again")
-        return self._engine.forward(x)
+        # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
+        return self._engine.run(x.reshape(-1, self.hidden_size)).reshape(x.shape)
 
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""

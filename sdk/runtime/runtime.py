@@ -251,7 +251,9 @@ class Runtime:
             batch, tokens, _ = x3.shape
             padded = self._pad(x3, lengths)
             y = self._backend.infer_padded(padded)
-            out = np.array(y[:batch, :tokens], dtype=np.float32, copy=True)
+            # infer_padded returns a new float32 array: an input of the fixed shape takes it as it is, a smaller
+            # one copies its corner.
+            out = np.ascontiguousarray(y[:batch, :tokens], dtype=np.float32)
         if lengths is not None:
             for b, n in enumerate(lengths):
                 out[b, n:] = 0.0
