@@ -97,13 +97,23 @@ def main(argv=None) -> int:
     except SourceError as exc:
         log.error("%s", exc)
         return 2
+    stream = sys.stdout
+    if args.events != "-":
+        try:
+            Path(args.events).parent.mkdir(parents=True, exist_ok=True)
+            stream = open(args.events, "a", encoding="utf-8")
+        except OSError as exc:
+            log.error("cannot open the events file %s: %s", args.events, exc.strerror or exc)
+            source.close()
+            return 1
     try:
         classifier = open_classifier(args)
     except Exception as exc:  # the message says what is wrong with the bundle, the build or the backend
         log.error("cannot load the model: %s: %s", type(exc).__name__, exc)
         source.close()
+        if stream is not sys.stdout:
+            stream.close()
         return 1
-    stream = sys.stdout if args.events == "-" else open(args.events, "a", encoding="utf-8")
     events = EventLog(stream)
     runtime = classifier.moe
     events.write({"type": "start", "bundle": str(args.bundle), "backend": runtime.backend_name,

@@ -229,3 +229,29 @@ def test_png_encoder_round_trips_pixels():
     raw = np.frombuffer(zlib.decompress(png[41 : 41 + idat_len]), np.uint8).reshape(5, 1 + 7 * 3)
     assert (raw[:, 0] == 0).all()
     np.testing.assert_array_equal(raw[:, 1:].reshape(5, 7, 3), image)
+
+
+def test_achieved_rate_counts_intervals_between_frames(monkeypatch):
+    """10 frames completed 0.2 s apart are 5 frames per second (9 intervals in 1.8 s), not 10 / 1.8."""
+    from qc import loop
+
+    clock = iter([100.0] + [100.0 + 0.2 * i for i in range(10)] + [200.0] * 4)
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: next(clock))
+    stats = loop.Stats()
+    for _ in range(4):
+        stats.add(1.0, 1.0)
+    first = stats.window(captured=4, dropped=0)  # frames 0..3: 3 intervals in 0.6 s
+    for _ in range(6):
+        stats.add(1.0, 1.0)
+    second = stats.window(captured=10, dropped=0)  # frames 4..9 after frame 3: 6 intervals in 1.2 s
+    final = stats.final(captured=10, dropped=0, stopped_by="max-frames")
+    assert (first["fps"], second["fps"], final["fps"]) == (5.0, 5.0, 5.0)
+
+
+def test_events_file_in_a_new_folder_is_created(qc_bundle, tmp_path):
+    events = tmp_path / "new" / "folder" / "events.jsonl"
+    done = run_cli("--bundle", str(qc_bundle), "--no-build", "--backend", "cpu", "--max-frames", "3", "--fps", "100",
+                   "--no-verify", "--events", str(events))
+    assert done.returncode == 0, done.stderr
+    kinds = [e["type"] for e in parse_events(events.read_text())]
+    assert kinds[0] == "start" and kinds[-1] == "stats" and kinds.count("frame") == 3

@@ -111,7 +111,12 @@ def summary(values: list[float]) -> dict:
 
 
 class Stats:
-    """Counters and latency samples: per reporting window and over the whole run."""
+    """Counters and latency samples: per reporting window and over the whole run.
+
+    The achieved rate counts intervals between completed frames: n frames completed over the time from the first
+    to the last of them are n - 1 intervals (a later window starts at the previous window's last frame, so it has
+    as many intervals as frames).
+    """
 
     def __init__(self):
         self.start = time.perf_counter()
@@ -119,11 +124,21 @@ class Stats:
         self.errors = 0
         self.latency: list[float] = []
         self.infer: list[float] = []
-        self._window_start = self.start
+        self._first_done: float | None = None
+        self._last_done: float | None = None
+        self._window_anchor: float | None = None
+        self._window_intervals = 0
         self._window_latency: list[float] = []
         self._window_infer: list[float] = []
 
     def add(self, latency_ms: float, infer_ms: float) -> None:
+        now = time.perf_counter()
+        if self._first_done is None:
+            self._first_done = now
+        if self._window_anchor is None:
+            self._window_anchor, self._window_intervals = now, -1  # the first frame opens the window
+        self._window_intervals += 1
+        self._last_done = now
         self.frames += 1
         for values, value in ((self.latency, latency_ms), (self.infer, infer_ms), (self._window_latency, latency_ms),
                               (self._window_infer, infer_ms)):
@@ -131,22 +146,30 @@ class Stats:
 
     def window(self, captured: int, dropped: int) -> dict:
         """The stats event for the frames since the last call; starts a new window."""
-        now = time.perf_counter()
         count = len(self._window_latency)
-        event = self._event(count, now - self._window_start, self._window_latency, self._window_infer, captured, dropped)
+        fps = _rate(self._window_intervals, self._window_anchor, self._last_done)
+        event = self._event(fps, self._window_latency, self._window_infer, captured, dropped)
         event["window"] = count
-        self._window_start, self._window_latency, self._window_infer = now, [], []
+        self._window_anchor, self._window_intervals = self._last_done, 0
+        self._window_latency, self._window_infer = [], []
         return event
 
     def final(self, captured: int, dropped: int, stopped_by: str) -> dict:
-        event = self._event(self.frames, time.perf_counter() - self.start, self.latency, self.infer, captured, dropped)
+        fps = _rate(self.frames - 1, self._first_done, self._last_done)
+        event = self._event(fps, self.latency, self.infer, captured, dropped)
         event.update(final=True, stopped_by=stopped_by, seconds=round(time.perf_counter() - self.start, 3))
         return event
 
-    def _event(self, count, elapsed, latency, infer, captured, dropped) -> dict:
+    def _event(self, fps, latency, infer, captured, dropped) -> dict:
         return {"type": "stats", "frames": self.frames, "captured": captured, "dropped": dropped,
-                "errors": self.errors, "fps": round(count / elapsed, 2) if elapsed > 0 else None,
-                "latency_ms": summary(latency), "infer_ms": summary(infer)}
+                "errors": self.errors, "fps": fps, "latency_ms": summary(latency), "infer_ms": summary(infer)}
+
+
+def _rate(intervals: int, start: float | None, end: float | None) -> float | None:
+    """Frames per second from `intervals` frame-to-frame intervals between `start` and `end` (None if undefined)."""
+    if start is None or end is None or intervals < 1 or end <= start:
+        return None
+    return round(intervals / (end - start), 2)
 
 
 class Capture(threading.Thread):
