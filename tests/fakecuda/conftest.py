@@ -135,3 +135,8 @@ def reference_output(tiny_bundle):
     expected, stable = reference(Bundle.open(tiny_bundle).weights_path, x)
     assert stable.all(), "the fixed input has a router near-tie; pick another seed"
     return x, expected
+
+
+def pytest_report_header(config):
+    return ("tests/fakecuda: the CUDA backend against a FAKE libcuda.so.1 on the CPU with emulated kernels "
+            "(docs/runtime-cuda.md) — not a GPU run")

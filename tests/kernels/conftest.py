@@ -14,3 +14,8 @@ def orin_profile() -> dict:
     """The shipped Orin profile as a plain dict (validated by the profile loader, toolchain not checked)."""
     return copy.deepcopy(load_profile("orin", toolchain=False).data)
 
+
+
+def pytest_report_header(config):
+    return ("tests/kernels: NVRTC compiles the kernels (no GPU); test_emulated.py runs them on a CPU emulation "
+            "(docs/kernels.md, 'Emulated on the CPU') — not a GPU run")
