@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = EXTRAS[top]
         print(
             f"colibri-sdk {args.command}: error: this command needs the Python package {top!r} "
-            f'(extra "{extra}"): pip install "colibri-sdk[{extra}]"',
+            f'(extra "{extra}"): pip install "colibri-sdk[{extra}]" (in a source checkout: pip install ".[{extra}]")',
             file=sys.stderr,
         )
         return 1

@@ -31,7 +31,8 @@ def test_missing_optional_dependency_names_the_extra(tmp_path, module, extra, ar
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().endswith(
-        f"needs the Python package {module!r} (extra \"{extra}\"): pip install \"colibri-sdk[{extra}]\""
+        f"needs the Python package {module!r} (extra \"{extra}\"): pip install \"colibri-sdk[{extra}]\" "
+        f"(in a source checkout: pip install \".[{extra}]\")"
     ), result.stderr
 
 
