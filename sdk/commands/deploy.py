@@ -1,7 +1,8 @@
 """`colibri-sdk deploy`: push a bundle to one device or many over SSH; roll back; show what is there.
 
     colibri-sdk deploy BUNDLE --host USER@HOST [--port N] [--identity KEY] [--known-hosts FILE]
-                       [--remote-dir DIR] [--accept-new-host-key] [--verify] [--keep N]
+                       [--remote-dir DIR] [--accept-new-host-key] [--verify [--verify-backend auto|cuda|cpu]]
+                       [--remote-colibri CMD] [--keep N]
     colibri-sdk deploy BUNDLE --hosts inventory.yaml [--parallel N] ...
     colibri-sdk deploy --rollback [--to ID] --host USER@HOST ...
     colibri-sdk deploy --status --host USER@HOST ...
@@ -36,11 +37,15 @@ def register(sub) -> None:
     p.add_argument("--remote-dir", metavar="DIR", help="store root on the device (default ~/colibri)")
     p.add_argument("--verify", action="store_true",
                    help="run `colibri-sdk verify` on the device before switching to the new bundle")
+    p.add_argument("--verify-backend", choices=("auto", "cuda", "cpu"), metavar="{auto,cuda,cpu}",
+                   help="with --verify: the device's `verify --backend` (default auto: CUDA, else the CPU; cuda "
+                        "fails instead of falling back)")
     p.add_argument("--keep", type=int, default=3, metavar="N", help="bundles kept on the device (default 3)")
     p.add_argument("--remote-python", default="python3", metavar="CMD",
                    help="the device's Python 3.8+ (runs the store helper; default python3)")
     p.add_argument("--remote-colibri", default="colibri-sdk", metavar="CMD",
-                   help="the device's colibri-sdk command for --verify (e.g. '/opt/venv/bin/python -m colibri_sdk')")
+                   help="the device's colibri-sdk command for --verify (default colibri-sdk, found only if on the "
+                        "PATH of a non-interactive SSH command; e.g. '/opt/colibri/venv/bin/python -m colibri_sdk')")
     p.add_argument("--streams", type=int, default=2, metavar="N", help="parallel upload channels per host (default: %(default)s)")
     p.add_argument("--parallel", type=int, default=4, metavar="N", help="hosts deployed at once with --hosts (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
@@ -58,12 +63,14 @@ def run(args: argparse.Namespace) -> int:
         raise DeployError("deploy needs a BUNDLE folder (or --rollback / --status)")
     if args.to and not args.rollback:
         raise DeployError("--to ID only goes with --rollback")
+    if args.verify_backend and not args.verify:
+        raise DeployError(f"--verify-backend {args.verify_backend} only goes with --verify")
     base = Target(host="-", port=args.port, identity=args.identity, known_hosts=args.known_hosts,
                   accept_new_host_key=args.accept_new_host_key, connect_timeout=args.connect_timeout,
                   command_timeout=args.timeout)
     options = DeployOptions(remote_dir=args.remote_dir or DEFAULT_REMOTE_DIR, keep=args.keep, verify=args.verify,
                             remote_python=args.remote_python, remote_colibri=args.remote_colibri,
-                            streams=args.streams)
+                            verify_backend=args.verify_backend or "auto", streams=args.streams)
     if args.hosts:
         hosts = load_inventory(args.hosts, base)
     else:
@@ -103,12 +110,30 @@ def _deploy_all(args, hosts, options):
 
 
 def _summary(result) -> str:
+    """One line for the table (the backend that ran the self-test included), then the device's self-test line
+    and its notes, indented."""
     rate = result.bytes_sent / result.seconds / 1e6 if result.seconds else 0.0
     state = "active" if result.changed else "already active"
+    if result.selftest_backend:
+        state = f"{state} (self-test passed on {result.selftest_backend})"
     resumed = f", {len(result.resumed)} resumed" if result.resumed else ""
-    return (f"bundle {result.bundle_id} {state} at {result.remote_path}; sent {result.bytes_sent:,} of "
-            f"{result.total_bytes:,} bytes ({len(result.sent)} files{resumed}) in {result.seconds:.1f} s "
-            f"({rate:.1f} MB/s)")
+    first = (f"bundle {result.bundle_id} {state} at {result.remote_path}; sent {result.bytes_sent:,} of "
+             f"{result.total_bytes:,} bytes ({count_files(result.sent)}{resumed}) in {result.seconds:.1f} s "
+             f"({rate:.1f} MB/s)")
+    lines = [first]
+    lines += [f"  {line}" for line in (result.selftest, *result.verify_notes) if line]
+    return "\n".join(lines)
+
+
+def count_files(paths) -> str:
+    """"11 files + manifest", "1 file", "0 files": the convention of `build`, `verify` and `--status`
+    (manifest.json is not counted among the files)."""
+    from ..bundle import MANIFEST
+
+    paths = list(paths)
+    others = len([p for p in paths if p != MANIFEST])
+    text = f"{others} file{'' if others == 1 else 's'}"
+    return text + " + manifest" if MANIFEST in paths else text
 
 
 def _rollback(host, options, to):
@@ -136,6 +161,6 @@ def _status(host, options):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.activated))
         lines.append(f"  {mark} {b.bundle_id:<18}{when:<21}{b.files:>6}{b.bytes:>16,}  "
                      f"{b.manifest.get('arch') or '?':<6} {b.manifest.get('dtype') or '?'}{b.error}")
-    lines.append("  (* current, - previous)")
+    lines.append("  (* current, - previous; FILES: files besides manifest.json; BYTES: all, manifest included)")
     print("\n".join(lines))
     return st, f"current {st.current}, {len(st.bundles)} bundles"

@@ -32,7 +32,8 @@ Operations (each prints exactly one JSON object on stdout):
     switch ROOT ID KEEP             point `current` at bundles/ID (and `previous` at the old one), keep the KEEP
                                     newest bundles plus current and previous, delete store objects no bundle uses
     rollback ROOT [ID]              re-hash bundles/ID (default: `previous`) against its manifest, then switch
-    status ROOT                     the bundles, pointers, store and free space
+    status ROOT                     the bundles, pointers, store and free space; a bundle's "files" counts the
+                                    files its manifest lists (manifest.json besides), its "bytes" all of them
 
 Errors from the operating system print {"error": {"errno": NAME, "path": PATH, "message": TEXT}} and exit 3.
 """
@@ -472,6 +473,8 @@ def manifest_pairs(folder):
 
 
 def op_rollback(root, bundle_id=""):
+    if not os.path.isdir(os.path.join(root, "bundles")):  # before the lock, which would create ROOT/.lock
+        raise AgentError("nothing to roll back to: no bundles under %s (is --remote-dir right? see --status)" % root)
     with Lock(root):
         current = read_pointer(root, "current")
         target = bundle_id or read_pointer(root, "previous")
@@ -504,9 +507,10 @@ def op_status(root):
         row = {"id": name, "activated": mtime, "files": 0, "bytes": 0, "manifest": {}}
         try:
             with open(os.path.join(folder, "manifest.json"), "rb") as f:
-                manifest = json.loads(f.read().decode("utf-8"))
-            row["files"] = len(manifest.get("files", []))
-            row["bytes"] = sum(int(e.get("size", 0)) for e in manifest.get("files", []))
+                raw = f.read()
+            manifest = json.loads(raw.decode("utf-8"))
+            row["files"] = len(manifest.get("files", []))  # the files the manifest lists, besides itself
+            row["bytes"] = len(raw) + sum(int(e.get("size", 0)) for e in manifest.get("files", []))
             row["manifest"] = {k: manifest.get(k) for k in ("sdk_version", "arch", "dtype", "shape")}
         except (OSError, ValueError, KeyError) as exc:
             row["error"] = str(exc)

@@ -5,6 +5,9 @@ verifies the host key through `hostkeys.StrictHostKeyPolicy`, authenticates with
 commands (argv lists, each argument quoted with `shlex.quote`) on exec channels of the one transport, so
 several uploads can share the connection.
 
+paramiko's own logger ("paramiko") gets a NullHandler, so its thread's tracebacks (e.g. "Error reading SSH
+protocol banner") never reach the terminal; every failure surfaces as one typed error instead.
+
 The transport prefers AES-GCM (`aes128-gcm@openssh.com`): paramiko spends less CPU per byte with it than with
 AES-CTR + HMAC, which is what limits its throughput (see bench/deploy_bench.py).
 """
@@ -12,6 +15,7 @@ AES-CTR + HMAC, which is what limits its throughput (see bench/deploy_bench.py).
 from __future__ import annotations
 
 import getpass
+import logging
 import select
 import shlex
 import socket
@@ -130,6 +134,7 @@ class Connection:
     def open(self) -> "Connection":
         import paramiko
 
+        _quiet_paramiko_log()
         t = self.target
         known = KnownHosts(t.known_hosts)
         client = paramiko.SSHClient()
@@ -174,9 +179,12 @@ class Connection:
             client.close()
             raise ConnectError(f"{t.label}: cannot resolve host {t.host!r} ({exc.strerror})") from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
+            transport = client.get_transport()
             client.close()
             if isinstance(exc, DeployError):
                 raise
+            if transport is not None and not transport.remote_version:
+                raise _no_banner_error(t, exc) from None
             raise ConnectError(f"{t.label}: SSH connection failed: {exc}") from None
         self.client = client
         return self
@@ -227,6 +235,25 @@ def collect(channel, timeout: float, label: str, argv) -> CommandResult:
     status = channel.recv_exit_status()
     channel.close()
     return CommandResult(status, bytes(out), bytes(err))
+
+
+def _no_banner_error(t: Target, exc: Exception) -> ConnectError:
+    """The error for a server that accepted TCP but sent no SSH protocol banner ("SSH-2.0-...")."""
+    if "Indecipherable" in str(exc):  # paramiko: lines came, none of them an SSH banner
+        return ConnectError(f"{t.label}: port {t.port} accepted the TCP connection but does not speak SSH (it sent "
+                            f"no 'SSH-' protocol banner); is this the device's SSH port?")
+    return ConnectTimeoutError(f"{t.label}: port {t.port} accepted the TCP connection but did not speak SSH (no "
+                               f"protocol banner) within {t.connect_timeout:g} s (--connect-timeout); is sshd "
+                               f"running there, and is this its port?")
+
+
+def _quiet_paramiko_log() -> None:
+    """Keep paramiko's log records (tracebacks from its transport thread) off stderr: without a handler of its
+    own, Python's last-resort handler would print them. An application that configures logging still gets
+    them through propagation."""
+    logger = logging.getLogger("paramiko")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
 
 
 def _short(argv) -> str:

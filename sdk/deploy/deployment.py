@@ -6,7 +6,8 @@
 2. upload    the missing bytes only, resuming partials; each object hashed on the device as it is written
 3. stage     bundles/<id> built from hard links into the store; every file not hashed in step 2 is hashed
              now, so every file of the folder has been verified on the device (corrupt objects are re-sent)
-4. verify    with `verify=True`, `colibri-sdk verify bundles/<id>` runs on the device (the bundle's self-test)
+4. verify    with `verify=True`, `colibri-sdk verify --backend B bundles/<id>` runs on the device (the bundle's
+             self-test); its self-test line, which names the backend that ran it, is kept in the result
 5. switch    `current` → bundles/<id> by renaming a new symlink over it; old bundles beyond `keep` and
              store objects no bundle links to are deleted
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from .connection import Connection, Target
 from .errors import ChecksumMismatchError, DeployError, RemoteDiskFullError
 from .local_bundle import LocalBundle
-from .remote import RemoteAgent, run_verify
+from .remote import VERIFY_BACKENDS, RemoteAgent, run_verify
 from .store import DeviceStore, StoreStatus
 from .transfer import Upload, Uploader
 
@@ -39,6 +40,7 @@ class DeployOptions:
         verify: run the bundle's self-test on the device before switching.
         remote_python: the device's Python (runs the store agent).
         remote_colibri: the device's colibri-sdk command (runs `verify`).
+        verify_backend: `verify --backend` on the device: "auto" (CUDA, else the CPU), "cuda" or "cpu".
         streams: upload channels used at once.
         verify_timeout: seconds allowed for the remote self-test.
     """
@@ -48,6 +50,7 @@ class DeployOptions:
     verify: bool = False
     remote_python: str = "python3"
     remote_colibri: str = "colibri-sdk"
+    verify_backend: str = "auto"
     streams: int = 2
     verify_timeout: float = 600.0
 
@@ -56,11 +59,17 @@ class DeployOptions:
             raise DeployError(f"--keep {self.keep}: must keep at least 1 bundle")
         if self.streams < 1:
             raise DeployError(f"--streams {self.streams}: must be at least 1")
+        if self.verify_backend not in VERIFY_BACKENDS:
+            raise DeployError(f"--verify-backend {self.verify_backend!r}: must be one of {', '.join(VERIFY_BACKENDS)}")
 
 
 @dataclass
 class DeployResult:
-    """What one deploy did. Byte counts are payload bytes (file contents) sent over SSH."""
+    """What one deploy did. Byte counts are payload bytes (file contents, manifest.json included) sent over SSH;
+    `sent`, `resumed` and `retried` are bundle-relative paths (manifest.json among them when it was sent).
+    With --verify, `selftest` is the device's self-test line ("self-test passed on cpu: max abs err ..."),
+    `selftest_backend` the backend it names ("cuda", "cpu"; "" if none) and `verify_notes` the standard error
+    lines of `verify` (e.g. why it ran on the CPU)."""
 
     host: str
     bundle_id: str
@@ -73,6 +82,9 @@ class DeployResult:
     previous: str | None = None
     changed: bool = True
     seconds: float = 0.0
+    selftest: str = ""
+    selftest_backend: str = ""
+    verify_notes: tuple = ()
 
 
 def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions(), progress=None) -> DeployResult:
@@ -121,7 +133,10 @@ def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions()
         result.remote_path = staged.path
         switched = staged.answer
         if options.verify:
-            run_verify(conn, options.remote_colibri, staged.path, options.verify_timeout)
+            report = run_verify(conn, options.remote_colibri, staged.path, options.verify_timeout,
+                                options.verify_backend)
+            result.selftest, result.selftest_backend, result.verify_notes = report.selftest, report.backend, \
+                report.notes
             switched = store.switch(bundle.bundle_id, options.keep)
         result.previous = switched.get("previous")
         result.changed = result.previous != bundle.bundle_id
@@ -135,7 +150,8 @@ def rollback(target: Target, options: DeployOptions = DeployOptions(), to: str |
     Returns the agent's answer: {"current": id, "previous": id}.
 
     Raises:
-        RemoteCommandError: nothing to roll back to, unknown id, or the bundle failed its sha256 check.
+        RemoteCommandError: nothing to roll back to (no bundles under remote_dir, or no previous bundle),
+            unknown id, or the bundle failed its sha256 check.
     """
     with Connection(target) as conn:
         store = DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python))

@@ -3,7 +3,7 @@
     DeployError
     ├── ConnectError              the TCP connection failed
     │   ├── ConnectRefusedError       nothing listens on the port
-    │   └── ConnectTimeoutError       no answer within the connect timeout
+    │   └── ConnectTimeoutError       no answer, or no SSH banner, within the connect timeout
     ├── AuthenticationError       the server refused every key offered
     ├── HostKeyError              the server's host key is not trusted
     │   ├── HostKeyUnknownError       no key stored for this host (use --accept-new-host-key once)
@@ -47,7 +47,7 @@ class ConnectRefusedError(ConnectError):
 
 
 class ConnectTimeoutError(ConnectError):
-    """The host did not answer within the connect timeout."""
+    """The host did not answer, or accepted TCP but sent no SSH protocol banner, within the connect timeout."""
 
 
 class AuthenticationError(DeployError):

@@ -4,7 +4,7 @@
   (read with paramiko's `HostKeys`, which understands hashed host names and `[host]:port` entries).
 - A host with no stored key is refused (`HostKeyUnknownError`) unless `accept_new` is set
   (`--accept-new-host-key`, OpenSSH's `StrictHostKeyChecking=accept-new`); then the key is appended to the
-  known_hosts file (the user's, or `--known-hosts`).
+  known_hosts file (the user's, or `--known-hosts`), and one line says so on stderr, as OpenSSH does.
 - A host whose stored key differs — or for which only keys of other types are stored — is always refused
   (`HostKeyChangedError`), as OpenSSH does under StrictHostKeyChecking.
 """
@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 import threading
 from pathlib import Path
 
@@ -21,6 +23,9 @@ from .errors import HostKeyChangedError, HostKeyUnknownError
 
 USER_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
 SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
+# paramiko key type -> the name OpenSSH prints ("Permanently added 'host' (ED25519) ...").
+OPENSSH_KEY_NAMES = {"ssh-ed25519": "ED25519", "ssh-rsa": "RSA", "ssh-dss": "DSA", "ecdsa-sha2-nistp256": "ECDSA",
+                     "ecdsa-sha2-nistp384": "ECDSA", "ecdsa-sha2-nistp521": "ECDSA"}
 
 _append_lock = threading.Lock()
 
@@ -40,6 +45,7 @@ class KnownHosts:
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path).expanduser() if path is not None else USER_KNOWN_HOSTS.expanduser()
+        self.is_default = path is None
         self.keys = paramiko.HostKeys()
         sources = [self.path] if path is not None else [SYSTEM_KNOWN_HOSTS, self.path]
         for source in sources:
@@ -55,7 +61,8 @@ class KnownHosts:
         return dict(found) if found is not None else {}
 
     def append(self, name: str, key: paramiko.PKey) -> None:
-        """Add `name KEYTYPE BASE64` as one line at the end of the known_hosts file (created 0600 if missing)."""
+        """Add `name KEYTYPE BASE64` as one line at the end of the known_hosts file (created 0600 if missing),
+        and print OpenSSH's one-line notice on stderr."""
         with _append_lock:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -64,6 +71,9 @@ class KnownHosts:
                     f.write("\n")
                 f.write(f"{name} {key.get_name()} {key.get_base64()}\n")
             self.keys.add(name, key.get_name(), key)
+        kind = OPENSSH_KEY_NAMES.get(key.get_name(), key.get_name())
+        print(f"Permanently added '{name}' ({kind}) to the list of known hosts ({self.path})", file=sys.stderr,
+              flush=True)
 
 
 class StrictHostKeyPolicy(paramiko.MissingHostKeyPolicy):
@@ -102,5 +112,12 @@ def changed_key_error(known: KnownHosts, name: str, offered: paramiko.PKey) -> H
     return HostKeyChangedError(
         f"host key for {name} has CHANGED: the server offers {offered.get_name()} {offered.fingerprint}, but "
         f"{what}; refusing (possible man-in-the-middle). If the device was reinstalled, remove the old entry "
-        f"(ssh-keygen -R '{name}') and connect again"
+        f"({remove_command(known, name)}) and connect again"
     )
+
+
+def remove_command(known: KnownHosts, name: str) -> str:
+    """The `ssh-keygen -R` command that deletes `name` from the known_hosts file in use (`-f FILE` unless it is
+    the default ~/.ssh/known_hosts, which ssh-keygen edits by default)."""
+    file = "" if known.is_default else f"-f {shlex.quote(str(known.path))} "
+    return f"ssh-keygen {file}-R {shlex.quote(name)}"

@@ -9,7 +9,9 @@ here as a typed error (ENOSPC → RemoteDiskFullError, EACCES/EPERM/EROFS → Re
 from __future__ import annotations
 
 import json
+import re
 import shlex
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -91,7 +93,8 @@ def agent_error(label: str, remote_dir: str, op: str, error: dict, result: Comma
     """The typed error for an agent's {"errno", "path", "message"} answer."""
     name, path, message = error.get("errno", "EIO"), error.get("path", ""), error.get("message", "")
     where = f" {path!r}" if path else ""
-    text = f"{label}: {op} in {remote_dir!r}: {message}{where} ({name})"
+    code = f" ({name})" if name != "EINVAL" else ""  # EINVAL: the agent's own refusal, its message says why
+    text = f"{label}: {op} in {remote_dir!r}: {message}{where}{code}"
     if name in DISK_FULL:
         return RemoteDiskFullError(f"{text}: the device's disk is full", result.exit_status, result.stderr_text)
     if name in PERMISSION:
@@ -100,21 +103,56 @@ def agent_error(label: str, remote_dir: str, op: str, error: dict, result: Comma
     return RemoteCommandError(text, result.exit_status, result.stderr_text)
 
 
-def run_verify(conn: Connection, colibri: str, bundle_path: str, timeout: float) -> CommandResult:
-    """Run `COLIBRI verify BUNDLE_PATH` on the device (the bundle's self-test).
+VERIFY_BACKENDS = ("auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What a passing `colibri-sdk verify` said on the device.
+
+    Attributes:
+        selftest: its self-test line, e.g. "self-test passed on cpu: max abs err 0, ..." (the backend that ran
+            it is named there); "" when the command printed none.
+        notes: its standard error lines (e.g. "colibri-sdk: running on the CPU backend: <why>"), at most 5.
+    """
+
+    selftest: str
+    notes: tuple
+
+    @property
+    def backend(self) -> str:
+        """The backend named in the self-test line ("cuda", "cpu"), or "" when there is none."""
+        match = re.search(r"self-test \w+ on (\w+)", self.selftest)
+        return match.group(1) if match else ""
+
+
+def run_verify(conn: Connection, colibri: str, bundle_path: str, timeout: float,
+               backend: str = "auto") -> VerifyReport:
+    """Run `COLIBRI verify --backend BACKEND BUNDLE_PATH` on the device (checksums, then the bundle's self-test).
 
     Args:
         colibri: the device's command, split like a shell would ("colibri-sdk", "python3 -m colibri_sdk").
+        backend: "auto" (CUDA when it works there, else the CPU), "cuda" (fail rather than fall back) or "cpu".
 
     Raises:
-        RemoteVerifyError: non-zero exit; its stdout/stderr tail is quoted.
+        RemoteVerifyError: non-zero exit; its stdout/stderr tail is quoted, and a command not found (exit 127,
+            or Python's "No module named colibri_sdk") is explained with --remote-colibri.
     """
-    argv = [*shlex.split(colibri), "verify", bundle_path]
+    argv = [*shlex.split(colibri), "verify", "--backend", backend, bundle_path]
     result = conn.run(argv, timeout=timeout)
     if result.exit_status != 0:
         output = (result.stdout + result.stderr).decode("utf-8", "replace").strip()[-1500:]
-        hint = " (is colibri-sdk installed there? see --remote-colibri)" if result.exit_status == 127 else ""
+        if result.exit_status == 127 or "No module named colibri_sdk" in output:
+            raise RemoteVerifyError(
+                f"{conn.target.label}: {colibri!r} cannot run on the device (exit status {result.exit_status}): "
+                f"colibri-sdk is not on the PATH of a non-interactive SSH command there, or not installed. Pass the "
+                f"device's command with --remote-colibri, e.g. --remote-colibri '/opt/colibri/venv/bin/python -m "
+                f"colibri_sdk'; the active bundle was not changed:\n{output}", result.exit_status, result.stderr_text)
         raise RemoteVerifyError(
-            f"{conn.target.label}: self-test of {bundle_path!r} failed (exit status {result.exit_status}){hint}; "
+            f"{conn.target.label}: self-test of {bundle_path!r} failed (exit status {result.exit_status}); "
             f"the active bundle was not changed:\n{output}", result.exit_status, result.stderr_text)
-    return result
+    lines = result.stdout.decode("utf-8", "replace").splitlines()
+    selftest = next((line.strip() for line in reversed(lines) if "self-test" in line), "")
+    selftest = selftest.removeprefix("self-test: ")  # `verify` prints "  self-test: self-test passed on ..."
+    notes = tuple(line.strip() for line in result.stderr_text.splitlines() if line.strip())[-5:]
+    return VerifyReport(selftest, notes)

@@ -48,8 +48,8 @@ class BundleEntry:
 
     bundle_id: str
     activated: float  # seconds since the epoch (the folder's mtime, set at each activation)
-    files: int
-    bytes: int
+    files: int  # files the manifest lists, manifest.json besides ("11 files + manifest")
+    bytes: int  # all of them, manifest.json included
     manifest: dict
     error: str = ""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ from deploy_bundles import remote_tree, write_bundle
 from sshd_server import free_port
 
 from colibri_sdk.cli import main
+from colibri_sdk.commands.deploy import count_files
 
 pytestmark = pytest.mark.ssh
 
@@ -20,21 +22,58 @@ def flags(sshd, known_hosts, device_dir) -> list:
             "--remote-python", sys.executable, "--quiet"]
 
 
+def bundle_bytes(bundle) -> int:
+    return sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+
+
 def test_deploy_status_rollback(tmp_path, sshd, known_hosts, device_dir, capsys):
     common = ["--host", f"{sshd.user}@127.0.0.1:{sshd.port}", *flags(sshd, known_hosts, device_dir)]
     a, b = write_bundle(tmp_path / "a", kernel_seed=0), write_bundle(tmp_path / "b", kernel_seed=1)
+    assert main(["deploy", "--rollback", *common]) == 1  # nothing there yet
+    assert "nothing to roll back to: no bundles under" in capsys.readouterr().err
+    assert main(["deploy", "--status", *common]) == 0
+    assert "no bundles under" in capsys.readouterr().out
     assert main(["deploy", str(a), *common]) == 0
     out = capsys.readouterr().out
-    assert "active at" in out and f"sent {sum(p.stat().st_size for p in a.rglob('*') if p.is_file()):,} of" in out
+    # write_bundle: 7 files listed in the manifest, plus manifest.json ("N files + manifest", as build says).
+    assert "active at" in out and f"sent {bundle_bytes(a):,} of {bundle_bytes(a):,} bytes (7 files + manifest)" in out
     assert main(["deploy", str(b), *common, "--keep", "2"]) == 0
-    capsys.readouterr()
+    assert "(4 files + manifest)" in capsys.readouterr().out  # only the kernels changed
     assert main(["deploy", "--status", *common]) == 0
     out = capsys.readouterr().out
     current = os.path.basename(os.readlink(device_dir / "current"))
-    assert f"* {current}" in out and "(* current, - previous)" in out and "sm_87" in out
+    assert "(* current, - previous; FILES: files besides manifest.json; BYTES: all, manifest included)" in out
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith(f"* {current}"))
+    assert row[4:7] == ["7", f"{bundle_bytes(b):,}", "sm_87"]  # *, id, date, time, FILES, BYTES, ARCH
     assert main(["deploy", "--rollback", *common]) == 0
     assert remote_tree(device_dir / "current") == remote_tree(a)
     assert f"(was {current})" in capsys.readouterr().out
+
+
+def test_verify_echoes_the_devices_self_test_line(tmp_path, sshd, known_hosts, device_dir, capsys):
+    record = tmp_path / "verify args"
+    script = ('printf %s "$*" > "$0"; echo "  self-test: self-test passed on cpu: max abs err 0, max rel err 0"; '
+              'echo "colibri-sdk: running on the CPU backend: no CUDA driver" >&2')
+    common = ["--host", f"{sshd.user}@127.0.0.1:{sshd.port}", *flags(sshd, known_hosts, device_dir)]
+    assert main(["deploy", str(write_bundle(tmp_path / "a")), *common, "--verify", "--verify-backend", "cuda",
+                 "--remote-colibri", shlex.join(["sh", "-c", script, str(record)])]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert record.read_text().startswith("verify --backend cuda ")
+    assert " active (self-test passed on cpu) at " in lines[0]
+    assert lines[1:] == ["  self-test passed on cpu: max abs err 0, max rel err 0",
+                         "  colibri-sdk: running on the CPU backend: no CUDA driver"]
+
+
+def test_verify_backend_needs_verify(tmp_path, sshd, known_hosts, device_dir, capsys):
+    assert main(["deploy", str(tmp_path), "--host", "127.0.0.1", "--verify-backend", "cpu",
+                 *flags(sshd, known_hosts, device_dir)]) == 1
+    assert "--verify-backend cpu only goes with --verify" in capsys.readouterr().err
+
+
+def test_count_files_follows_the_files_plus_manifest_convention():
+    assert count_files(["a", "manifest.json", "b"]) == "2 files + manifest"
+    assert count_files(["kernels/x.cubin"]) == "1 file"
+    assert count_files([]) == "0 files"
 
 
 def test_single_host_error_exits_1_with_message(tmp_path, sshd, known_hosts, device_dir, capsys):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import shlex
+import socket
+import subprocess
+import sys
 
 import pytest
 from sshd_server import free_port, keygen
@@ -11,11 +14,13 @@ from colibri_sdk.deploy import (
     AuthenticationError,
     Connection,
     ConnectRefusedError,
+    ConnectTimeoutError,
     HostKeyChangedError,
     HostKeyUnknownError,
     RemoteTimeoutError,
 )
 from colibri_sdk.deploy.connection import command_line
+from colibri_sdk.deploy.hostkeys import KnownHosts, remove_command
 
 pytestmark = pytest.mark.ssh
 
@@ -40,14 +45,17 @@ def test_unknown_host_is_refused(target, tmp_path):
     assert empty.read_text() == ""
 
 
-def test_accept_new_host_key_stores_it_once(target, tmp_path, sshd):
+def test_accept_new_host_key_stores_it_once_and_says_so(target, tmp_path, sshd, capsys):
     path = tmp_path / "new" / "known_hosts"
     with Connection(target.with_(known_hosts=str(path), accept_new_host_key=True)) as conn:
         conn.run(["true"])
     assert path.read_text() == sshd.known_hosts_line()
+    assert capsys.readouterr().err == (f"Permanently added '[127.0.0.1]:{sshd.port}' (ED25519) to the list of "
+                                       f"known hosts ({path})\n")
     with Connection(target.with_(known_hosts=str(path))) as conn:  # now known, no flag needed
         conn.run(["true"])
     assert path.read_text() == sshd.known_hosts_line()
+    assert capsys.readouterr().err == ""
 
 
 def test_changed_key_of_same_type_is_refused_even_with_accept_new(target, tmp_path, sshd):
@@ -56,9 +64,16 @@ def test_changed_key_of_same_type_is_refused_even_with_accept_new(target, tmp_pa
     path.write_text(line)
     for accept in (False, True):
         with pytest.raises(HostKeyChangedError, match=r"has CHANGED: the server offers ssh-ed25519 SHA256:.*"
-                                                      r"stores ssh-ed25519 SHA256:"):
+                                                      r"stores ssh-ed25519 SHA256:") as caught:
             Connection(target.with_(known_hosts=str(path), accept_new_host_key=accept)).open()
+        assert f"remove the old entry (ssh-keygen -f {path} -R '[127.0.0.1]:{sshd.port}')" in str(caught.value)
     assert path.read_text() == line
+
+
+def test_remove_hint_names_the_file_only_when_it_is_not_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert remove_command(KnownHosts(), "[127.0.0.1]:2222") == "ssh-keygen -R '[127.0.0.1]:2222'"
+    assert remove_command(KnownHosts(tmp_path / "my hosts"), "orin") == f"ssh-keygen -f '{tmp_path}/my hosts' -R orin"
 
 
 def test_stored_key_of_another_type_is_refused(target, tmp_path, sshd):
@@ -85,6 +100,37 @@ def test_missing_identity_file(target, tmp_path):
 def test_connection_refused_is_typed(target):
     with pytest.raises(ConnectRefusedError, match=r"connection refused"):
         Connection(target.with_(port=free_port())).open()
+
+
+@pytest.fixture
+def silent_port():
+    """A port on 127.0.0.1 that accepts TCP connections (the kernel's backlog) and never says anything."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield listener.getsockname()[1]
+
+
+def test_no_ssh_banner_is_a_connect_timeout(target, silent_port):
+    with pytest.raises(ConnectTimeoutError, match=rf"127.0.0.1:{silent_port}: port {silent_port} accepted the TCP "
+                                                  r"connection but did not speak SSH \(no protocol banner\) within "
+                                                  r"1 s \(--connect-timeout\)"):
+        Connection(target.with_(port=silent_port, connect_timeout=1.0)).open()
+
+
+def test_no_ssh_banner_on_the_command_line_prints_one_line_and_no_traceback(sshd, known_hosts, silent_port):
+    # The CLI in a fresh process (no logging set up, as for a user), waiting for paramiko's thread to end, so
+    # whatever it logs about the dead banner would be on stderr.
+    script = ("import sys, threading\nfrom colibri_sdk.cli import main\ncode = main(sys.argv[1:])\n"
+              "[t.join(10) for t in threading.enumerate() if t is not threading.current_thread()]\nsys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", script, "deploy", "--status", "--host", f"127.0.0.1:{silent_port}",
+                           "--connect-timeout", "1", "--identity", str(sshd.user_key), "--known-hosts",
+                           str(known_hosts)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    expected = (f"colibri-sdk deploy: error: {sshd.user}@127.0.0.1:{silent_port}: port {silent_port} accepted the "
+                f"TCP connection but did not speak SSH (no protocol banner) within 1 s (--connect-timeout); is sshd "
+                f"running there, and is this its port?")
+    assert proc.stderr.splitlines() == [expected]
 
 
 def test_command_timeout(target):

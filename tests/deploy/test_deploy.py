@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shlex
 from dataclasses import replace
 import stat
@@ -16,7 +17,15 @@ import json
 import pytest
 from deploy_bundles import remote_tree, write_bundle
 
-from colibri_sdk.deploy import DeployOptions, RemoteCommandError, RemoteVerifyError, deploy, rollback, status
+from colibri_sdk.deploy import (
+    DeployError,
+    DeployOptions,
+    RemoteCommandError,
+    RemoteVerifyError,
+    deploy,
+    rollback,
+    status,
+)
 
 pytestmark = pytest.mark.ssh
 
@@ -146,6 +155,9 @@ def test_keep_prunes_old_bundles_and_their_store_objects(tmp_path, target, devic
     assert (st.current, st.previous) == (ids[2], ids[1])
     assert [b.bundle_id for b in st.bundles] == [ids[2], ids[1]]
     assert st.bundles[0].manifest["arch"] == "sm_87"
+    # files: what the manifest lists (7), manifest.json besides; bytes: all 8 files, as the deploy counts them.
+    assert st.bundles[0].files == 7
+    assert st.bundles[0].bytes == sum(p.stat().st_size for p in bundles[2].rglob("*") if p.is_file())
 
 
 def test_verify_failure_keeps_the_active_bundle(tmp_path, target, device_dir):
@@ -161,17 +173,57 @@ def test_verify_failure_keeps_the_active_bundle(tmp_path, target, device_dir):
 
 def test_verify_runs_on_the_staged_bundle_before_the_switch(tmp_path, target, device_dir):
     record = tmp_path / "verify args"
-    # The probe records `verify PATH` and fails: the pointer must not exist afterwards on this fresh device.
-    probe = shlex.join(["sh", "-c", 'printf %s "$1 $2" > "$0"; exit 9', str(record)])
+    # The probe records its arguments and fails: the pointer must not exist afterwards on this fresh device.
+    probe = shlex.join(["sh", "-c", 'printf %s "$*" > "$0"; exit 9', str(record)])
     bundle = write_bundle(tmp_path / "a")
     verifying = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, verify=True)
     with pytest.raises(RemoteVerifyError, match="exit status 9"):
         deploy(bundle, target, replace(verifying, remote_colibri=probe))
     bundle_id = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()[:16]
-    assert record.read_text() == f"verify {device_dir}/bundles/{bundle_id}"
+    assert record.read_text() == f"verify --backend auto {device_dir}/bundles/{bundle_id}"
     assert not os.path.lexists(device_dir / "current")
     result = deploy(bundle, target, replace(verifying, remote_colibri="true"))
     assert active(device_dir) == f"bundles/{bundle_id}" and result.bytes_sent == 0
+    assert (result.selftest, result.selftest_backend, result.verify_notes) == ("", "", ())
+
+
+def test_verify_backend_is_passed_and_the_self_test_line_is_kept(tmp_path, target, device_dir):
+    record = tmp_path / "verify args"
+    # What `colibri-sdk verify` prints when the self-test fell back to the CPU (see sdk/commands/verify.py).
+    script = ('printf %s "$*" > "$0"; echo "B: schema 1, 7 files + manifest, checksums ok"; '
+              'echo "  self-test: self-test passed on cpu: max abs err 0, max rel err 0 (rtol 0.01, atol 0.001)"; '
+              'echo "colibri-sdk: running on the CPU backend: no CUDA driver" >&2')
+    options = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, verify=True,
+                            verify_backend="cpu", remote_colibri=shlex.join(["sh", "-c", script, str(record)]))
+    result = deploy(write_bundle(tmp_path / "a"), target, options)
+    assert record.read_text() == f"verify --backend cpu {result.remote_path}"
+    assert result.selftest == "self-test passed on cpu: max abs err 0, max rel err 0 (rtol 0.01, atol 0.001)"
+    assert result.selftest_backend == "cpu"
+    assert result.verify_notes == ("colibri-sdk: running on the CPU backend: no CUDA driver",)
+
+
+def test_verify_backend_outside_the_allowed_set_is_refused(device_dir):
+    with pytest.raises(DeployError, match=r"--verify-backend 'gpu': must be one of auto, cuda, cpu"):
+        DeployOptions(remote_dir=str(device_dir), verify=True, verify_backend="gpu")
+
+
+def test_colibri_sdk_missing_on_the_device_names_remote_colibri(bundle, target, device_dir):
+    options = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, verify=True,
+                            remote_colibri="/nonexistent/colibri-sdk")
+    with pytest.raises(RemoteVerifyError, match=r"'/nonexistent/colibri-sdk' cannot run on the device \(exit status "
+                                                r"127\): colibri-sdk is not on the PATH .* Pass the device's command "
+                                                r"with --remote-colibri, e.g. --remote-colibri '/opt/colibri/venv/bin/"
+                                                r"python -m colibri_sdk'; the active bundle was not changed"):
+        deploy(bundle, target, options)
+    assert not os.path.lexists(device_dir / "current")
+
+
+def test_rollback_on_a_missing_remote_dir_says_there_are_no_bundles(target, options, device_dir):
+    with pytest.raises(RemoteCommandError, match=r"rollback in .*: nothing to roll back to: no bundles under "
+                                                 + re.escape(str(device_dir)) + r" \(is --remote-dir right\? see "
+                                                 r"--status\)$"):
+        rollback(target, options)
+    assert not device_dir.exists()  # nothing was created there
 
 
 @pytest.mark.skipif(not any(os.access(p, os.X_OK) for p in ("/usr/bin/python3", "/usr/local/bin/python3")),

@@ -52,9 +52,11 @@ def test_real_bundle_verified_on_device_then_kernel_only_rebuild(real_bundles, t
     first, rebuilt = real_bundles
     colibri = f"{sys.executable} -m colibri_sdk"
     options = DeployOptions(remote_dir=str(device_dir), verify=True, remote_colibri=colibri,
-                            remote_python=sys.executable)
+                            remote_python=sys.executable, verify_backend="cpu")
     result = deploy(first, target, options)
     assert remote_tree(device_dir / "current") == remote_tree(first)
+    # The device's own self-test line comes back, naming the backend that ran it.
+    assert result.selftest.startswith("self-test passed on cpu: max abs err ") and result.selftest_backend == "cpu"
 
     old, new = files_of(first), files_of(rebuilt)
     changed = sorted(p for p in new if old.get(p, {}).get("sha256") != new[p]["sha256"])
