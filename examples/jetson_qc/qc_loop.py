@@ -6,7 +6,8 @@
 
 The bundle folder (--bundle) is built on first use with `colibri-sdk build --profile profiles/orin.yaml --weights
 weights/qc_moe.colibri` when it has no manifest.json (unless --no-build). Events go to stdout as JSON lines (or
---events FILE), logs to stderr. SIGINT and SIGTERM stop the loop cleanly (exit status 0) after the current frame.
+--events FILE), logs to stderr. SIGINT and SIGTERM stop the loop cleanly (exit status 0) after the current frame;
+a frame source that fails (a camera unplugged) ends it with exit status 1, bad arguments with 2.
 See README.md.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -34,6 +36,30 @@ def positive_or_none(text: str) -> int | None:
     return value
 
 
+def number_in(low: float, high: float, low_open: bool = False):
+    """An argparse type: a finite float in [low, high] ((low, high] with `low_open`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        below = value <= low if low_open else value < low
+        if not math.isfinite(value) or below or value > high:
+            bounds = f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
+            raise argparse.ArgumentTypeError(f"{text}; allowed: a finite number {bounds}")
+        return value
+
+    return parse
+
+
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}; allowed: >= 0")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=EXAMPLE_DIR / "bundle",
@@ -46,15 +72,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="runtime backend; auto = CUDA when a driver and device exist, else CPU (default auto)")
     p.add_argument("--no-verify", action="store_true", help="skip the bundle's SHA-256 check at load")
     p.add_argument("--source", default="synthetic", help=f"frame source: {SPEC_HELP} (default synthetic)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic source (default 0)")
+    p.add_argument("--seed", type=non_negative, default=0, help="seed of the synthetic source (default 0)")
     p.add_argument("--repeat", action="store_true", help="folder source: start again after the last image")
-    p.add_argument("--fps", type=float, default=5.0, help="target frames per second; 0 = as fast as possible (5)")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+    p.add_argument("--fps", type=number_in(0.0, 1e6), default=5.0,
+                   help="target frames per second; 0 = as fast as possible (5)")
+    p.add_argument("--threshold", type=number_in(0.0, 1.0, low_open=True), default=DEFAULT_THRESHOLD,
                    help="fail a frame when p_defect = 1 - P(ok) >= this (default %(default)s)")
     p.add_argument("--queue-size", type=positive_or_none, default=4,
                    help="frames waiting before the oldest is dropped (default 4)")
     p.add_argument("--max-frames", type=positive_or_none, default=None, help="stop after capturing N frames")
-    p.add_argument("--stats-every", type=int, default=50, help="a stats line every N frames (default 50; 0: off)")
+    p.add_argument("--stats-every", type=non_negative, default=50,
+                   help="a stats line every N frames (default 50; 0: off)")
     p.add_argument("--events", default="-", help="JSON-lines events file, '-' = stdout (default)")
     p.add_argument("--save-frames", type=Path, default=None, help="write annotated PNG frames to this folder")
     p.add_argument("--save-failures-only", action="store_true", help="with --save-frames: only failed frames")
@@ -97,6 +125,14 @@ def main(argv=None) -> int:
     except SourceError as exc:
         log.error("%s", exc)
         return 2
+    if args.save_frames is not None:
+        try:
+            args.save_frames.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.error("--save-frames %s: cannot use it as a folder for the PNG frames: %s", args.save_frames,
+                      exc.strerror or exc)
+            source.close()
+            return 1
     stream = sys.stdout
     if args.events != "-":
         try:
@@ -120,14 +156,17 @@ def main(argv=None) -> int:
                   "dtype": runtime.dtype, "source": args.source, "fps": args.fps, "threshold": args.threshold,
                   "queue_size": args.queue_size, "load_s": round(runtime.load_seconds, 3)})
     try:
-        run_loop(source, classifier, events, fps=args.fps, queue_size=args.queue_size, max_frames=args.max_frames,
-                 stats_every=args.stats_every, stop=stop, save_dir=args.save_frames,
-                 save_failures_only=args.save_failures_only)
+        final = run_loop(source, classifier, events, fps=args.fps, queue_size=args.queue_size,
+                         max_frames=args.max_frames, stats_every=args.stats_every, stop=stop,
+                         save_dir=args.save_frames, save_failures_only=args.save_failures_only)
     finally:
         classifier.close()
         source.close()
         if stream is not sys.stdout:
             stream.close()
+    if final["stopped_by"] == "source error":  # a camera that went away: non-zero, so a service restarts
+        log.error("stopped: the frame source %s failed (see the error event)", args.source)
+        return 1
     return 0
 
 

@@ -59,16 +59,22 @@ def run(args: argparse.Namespace) -> int:
     from ..deploy import DEFAULT_REMOTE_DIR, DeployError, DeployOptions, Target
     from ..deploy.inventory import InventoryHost, format_table, load_inventory, run_on_hosts, with_remote_dir
 
+    if args.to is not None and not args.rollback:
+        raise DeployError("--to ID only goes with --rollback")
     if not (args.rollback or args.status) and not args.bundle:
         raise DeployError("deploy needs a BUNDLE folder (or --rollback / --status)")
-    if args.to and not args.rollback:
-        raise DeployError("--to ID only goes with --rollback")
+    if (args.rollback or args.status) and args.bundle:
+        raise DeployError(f"BUNDLE {args.bundle!r} does not go with --rollback or --status (--rollback --to ID "
+                          f"names a bundle on the device)")
+    if args.parallel < 1:
+        raise DeployError(f"--parallel {args.parallel}: must be at least 1")
     if args.verify_backend and not args.verify:
         raise DeployError(f"--verify-backend {args.verify_backend} only goes with --verify")
     base = Target(host="-", port=args.port, identity=args.identity, known_hosts=args.known_hosts,
                   accept_new_host_key=args.accept_new_host_key, connect_timeout=args.connect_timeout,
                   command_timeout=args.timeout)
-    options = DeployOptions(remote_dir=args.remote_dir or DEFAULT_REMOTE_DIR, keep=args.keep, verify=args.verify,
+    remote_dir = DEFAULT_REMOTE_DIR if args.remote_dir is None else args.remote_dir
+    options = DeployOptions(remote_dir=remote_dir, keep=args.keep, verify=args.verify,
                             remote_python=args.remote_python, remote_colibri=args.remote_colibri,
                             verify_backend=args.verify_backend or "auto", streams=args.streams)
     if args.hosts:

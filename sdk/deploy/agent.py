@@ -142,6 +142,8 @@ class Lock:
 
 
 def make_dirs(root):
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise OSError(errno.ENOTDIR, "the remote dir exists but is not a folder", root)
     for sub in ("", "store", "bundles"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import getpass
 import logging
+import math
+import re
 import select
 import shlex
 import socket
@@ -34,6 +36,9 @@ from .errors import (
 from .hostkeys import KnownHosts, StrictHostKeyPolicy, changed_key_error, host_entry_name
 
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-ctr", "aes256-ctr")
+# A host name, IPv4 or IPv6 address (with an optional %zone): nothing a resolver would not take.
+HOST_PATTERN = re.compile(r"[A-Za-z0-9._%:-]+")
+PUBLIC_KEY_PREFIXES = (b"ssh-", b"ecdsa-", b"sk-ssh-", b"sk-ecdsa-", b"---- BEGIN SSH2 PUBLIC KEY")
 
 
 @dataclass(frozen=True)
@@ -60,26 +65,65 @@ class Target:
     connect_timeout: float = 10.0
     command_timeout: float = 120.0
 
+    def __post_init__(self):
+        if not isinstance(self.host, str) or not HOST_PATTERN.fullmatch(self.host):
+            raise DeployError(f"host {self.host!r}: expected a host name or IP address (letters, digits, '.', '-', "
+                              f"':' and '%' only)")
+        if self.user is not None and (not isinstance(self.user, str) or not self.user
+                                      or any(c.isspace() or ord(c) < 32 for c in self.user)):
+            raise DeployError(f"user {self.user!r}: expected a non-empty login name without spaces")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise DeployError(f"port {self.port!r}: expected a whole number from 1 to 65535")
+        for name in ("connect_timeout", "command_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
+                                                                                       and value > 0):
+                raise DeployError(f"--{name.replace('_', '-').replace('command-', '')} {value!r}: expected a "
+                                  f"finite number of seconds > 0")
+        for name in ("identity", "known_hosts"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, Path)) or not str(value)):
+                raise DeployError(f"{name} {value!r}: expected a file path")
+
     @classmethod
     def parse(cls, spec: str, **fields) -> "Target":
-        """`[user@]host[:port]` (IPv6 as `[addr]:port`) plus other fields; the spec's user/port win."""
-        user, _, hostport = spec.rpartition("@")
+        """`[user@]host[:port]` (IPv6 as `[addr]:port`) plus other fields; the spec's user/port win.
+
+        Raises:
+            DeployError: an empty user before '@', an unclosed '[', text after ']' other than ':PORT', a port
+                that is not a number from 1 to 65535, or a host with characters no host name has.
+        """
+        if not isinstance(spec, str):
+            raise DeployError(f"host {spec!r}: expected [user@]host[:port] as a string")
+        user, at, hostport = spec.rpartition("@")
+        if at and not user:
+            raise DeployError(f"host {spec!r}: no user before '@'; expected [user@]host[:port]")
         host, port = hostport, None
         if hostport.startswith("["):
-            host, _, rest = hostport[1:].partition("]")
-            port = rest[1:] if rest.startswith(":") else None
+            host, bracket, rest = hostport[1:].partition("]")
+            if not bracket or (rest and not rest.startswith(":")):
+                raise DeployError(f"host {spec!r}: expected [user@][ADDRESS]:PORT for an IPv6 address")
+            port = rest[1:] if rest else None
+            if port == "":
+                raise DeployError(f"host {spec!r}: no port after ':'; expected [user@]host[:port]")
         elif hostport.count(":") == 1:
             host, port = hostport.split(":")
+            if not port:
+                raise DeployError(f"host {spec!r}: no port after ':'; expected [user@]host[:port]")
         if not host:
             raise DeployError(f"host {spec!r}: expected [user@]host[:port]")
         if user:
             fields["user"] = user
-        if port:
-            try:
-                fields["port"] = int(port)
-            except ValueError:
-                raise DeployError(f"host {spec!r}: port {port!r} is not a number") from None
-        return cls(host=host, **fields)
+        if port is not None:
+            if not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise DeployError(f"host {spec!r}: port {port!r} is not a number from 1 to 65535")
+            fields["port"] = int(port)
+        try:
+            return cls(host=host, **fields)
+        except DeployError as exc:
+            if str(exc).startswith("host "):
+                raise
+            raise DeployError(f"host {spec!r}: {exc}") from None
 
     @property
     def login(self) -> str:
@@ -145,8 +189,8 @@ class Connection:
                 client.get_host_keys().add(hostname, key_type, key)
         client.set_missing_host_key_policy(StrictHostKeyPolicy(known, t.accept_new_host_key))
         key_file = str(Path(t.identity).expanduser()) if t.identity else None
-        if key_file and not Path(key_file).is_file():
-            raise AuthenticationError(f"{t.label}: identity file {key_file} not found")
+        if key_file:
+            check_identity(t, key_file)
         try:
             client.connect(
                 t.host, port=t.port, username=t.login, key_filename=key_file,
@@ -214,6 +258,42 @@ class Connection:
         channel = self.exec(argv)
         channel.shutdown_write()
         return collect(channel, timeout or self.target.command_timeout, self.target.label, argv)
+
+
+def check_identity(t: Target, key_file: str) -> None:
+    """Refuse an --identity that is missing, a folder, a public key, or no private key paramiko can read, before
+    any connection is made.
+
+    Raises:
+        AuthenticationError: the file and what is wrong with it.
+    """
+    import paramiko
+
+    path = Path(key_file)
+    if path.is_dir():
+        raise AuthenticationError(f"{t.label}: identity {key_file} is a folder; expected a private key file "
+                                  f"(e.g. ~/.ssh/id_ed25519)")
+    if not path.is_file():
+        raise AuthenticationError(f"{t.label}: identity file {key_file} not found")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+    except OSError as exc:
+        raise AuthenticationError(f"{t.label}: cannot read identity file {key_file}: {exc.strerror}") from None
+    if head.startswith(PUBLIC_KEY_PREFIXES):
+        raise AuthenticationError(f"{t.label}: identity file {key_file} is a public key; pass the private key "
+                                  f"(the same name without .pub)")
+    try:
+        paramiko.PKey.from_path(path)
+    except paramiko.PasswordRequiredException:
+        raise AuthenticationError(f"{t.label}: key {key_file} is encrypted; load it into ssh-agent "
+                                  f"(ssh-add) and leave out --identity") from None
+    except (paramiko.SSHException, paramiko.UnknownKeyType, OSError, ValueError, TypeError) as exc:
+        if "password" in str(exc).lower():  # an encrypted PEM key (cryptography's TypeError)
+            raise AuthenticationError(f"{t.label}: key {key_file} is encrypted; load it into ssh-agent "
+                                      f"(ssh-add) and leave out --identity") from None
+        raise AuthenticationError(f"{t.label}: identity file {key_file} is not a private key paramiko can read "
+                                  f"(OpenSSH ed25519, ECDSA or RSA): {exc}") from None
 
 
 def collect(channel, timeout: float, label: str, argv) -> CommandResult:

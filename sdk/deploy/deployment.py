@@ -16,18 +16,20 @@ Killing the deploy at any moment before step 5 leaves `current` and the bundle i
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
 from .connection import Connection, Target
 from .errors import ChecksumMismatchError, DeployError, RemoteDiskFullError
-from .local_bundle import LocalBundle
+from .local_bundle import ID_HEX_DIGITS, LocalBundle
 from .remote import VERIFY_BACKENDS, RemoteAgent, run_verify
 from .store import DeviceStore, StoreStatus
 from .transfer import Upload, Uploader
 
 DEFAULT_REMOTE_DIR = "~/colibri"
 HASH_BYTES_PER_S = 50e6  # a slow device's sha256 rate, for timeouts only
+BUNDLE_ID = re.compile("[0-9a-f]{1,64}")  # what the device's agent accepts; --status lists 16 digits
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ class DeployOptions:
     verify_timeout: float = 600.0
 
     def __post_init__(self):
+        if not isinstance(self.remote_dir, str) or not self.remote_dir.strip():
+            raise DeployError(f"--remote-dir {self.remote_dir!r}: expected a folder path on the device "
+                              f"(default {DEFAULT_REMOTE_DIR})")
+        if any(ord(c) < 32 or c == "\x7f" for c in self.remote_dir):
+            raise DeployError(f"--remote-dir {self.remote_dir!r}: control characters (newline, tab, ...) are not "
+                              f"allowed in the path")
         if self.keep < 1:
             raise DeployError(f"--keep {self.keep}: must keep at least 1 bundle")
         if self.streams < 1:
@@ -150,9 +158,13 @@ def rollback(target: Target, options: DeployOptions = DeployOptions(), to: str |
     Returns the agent's answer: {"current": id, "previous": id}.
 
     Raises:
+        DeployError: `to` is not a bundle id (lowercase hex digits), checked before connecting.
         RemoteCommandError: nothing to roll back to (no bundles under remote_dir, or no previous bundle),
             unknown id, or the bundle failed its sha256 check.
     """
+    if to is not None and not BUNDLE_ID.fullmatch(to):
+        raise DeployError(f"--to {to!r}: a bundle id is lowercase hex digits ({ID_HEX_DIGITS}, as --status lists "
+                          f"them)")
     with Connection(target) as conn:
         store = DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python))
         return store.rollback(to, timeout=target.command_timeout + 8e9 / HASH_BYTES_PER_S)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import paramiko
 
-from .errors import HostKeyChangedError, HostKeyUnknownError
+from .errors import HostKeyChangedError, HostKeyError, HostKeyUnknownError
 
 USER_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
 SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
@@ -48,12 +48,15 @@ class KnownHosts:
         self.is_default = path is None
         self.keys = paramiko.HostKeys()
         sources = [self.path] if path is not None else [SYSTEM_KNOWN_HOSTS, self.path]
+        if path is not None and self.path.exists() and not self.path.is_file():
+            raise HostKeyError(f"known_hosts {self.path} is not a file (a folder?); expected a known_hosts file, "
+                               f"which need not exist yet")
         for source in sources:
             if source.is_file():
                 try:
                     self.keys.load(str(source))
-                except (OSError, paramiko.SSHException) as exc:
-                    raise HostKeyUnknownError(f"cannot read known_hosts file {source}: {exc}") from None
+                except (OSError, paramiko.SSHException, ValueError) as exc:  # ValueError: not UTF-8 text
+                    raise HostKeyError(f"cannot read known_hosts file {source}: {exc}") from None
 
     def stored(self, name: str) -> dict:
         """{key type: PKey} stored for `name` (a `host_entry_name`), empty when none."""

@@ -11,11 +11,13 @@ Inventory file (`--hosts FILE`):
       - orin-01.local                         # [user@]host[:port]
       - {host: 10.0.0.12, port: 2222, name: line-3}
 
-Host fields: host (required), name (table label), user, port, identity, known_hosts, remote_dir.
+Host fields: host (required), name (table label), user, port, identity, known_hosts, remote_dir; all strings but
+the port (1 to 65535). A device (host, port, remote_dir) may appear once.
 """
 
 from __future__ import annotations
 
+import reprlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +28,8 @@ from .errors import DeployError
 
 HOST_FIELDS = {"host", "name", "user", "port", "identity", "known_hosts", "remote_dir"}
 TOP_LEVEL = {"defaults", "hosts"}
+STRING_FIELDS = ("host", "name", "user", "identity", "known_hosts", "remote_dir")
+MAX_INVENTORY_BYTES = 1 << 20  # thousands of hosts fit in far less
 
 
 @dataclass(frozen=True)
@@ -52,20 +56,24 @@ def load_inventory(path, base: Target) -> list:
     """Read a YAML inventory; each host's Target starts from `base` (the command-line flags).
 
     Raises:
-        DeployError: unreadable YAML, unknown keys (the allowed set is quoted), no hosts, duplicate names.
+        DeployError: unreadable YAML, unknown keys (the allowed set is quoted), a field of the wrong type, no hosts,
+            duplicate names, the same device and remote_dir twice.
     """
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        if Path(path).is_file() and Path(path).stat().st_size > MAX_INVENTORY_BYTES:
+            raise DeployError(f"inventory {path}: {Path(path).stat().st_size:,} bytes; an inventory is at most "
+                              f"{MAX_INVENTORY_BYTES:,} bytes")
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8 text
         raise DeployError(f"inventory {path}: cannot read it ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("hosts"), list) or not data["hosts"]:
         raise DeployError(f"inventory {path}: expected a mapping with a non-empty 'hosts' list")
     _check_keys(path, "top level", data, TOP_LEVEL)
     defaults = data.get("defaults") or {}
     _check_keys(path, "defaults", defaults, HOST_FIELDS - {"host", "name"})
-    hosts, names = [], set()
+    hosts, names, places = [], set(), {}
     for index, entry in enumerate(data["hosts"]):
         fields = dict(defaults)
         if isinstance(entry, str):
@@ -75,20 +83,41 @@ def load_inventory(path, base: Target) -> list:
             if "host" not in entry:
                 raise DeployError(f"inventory {path}: hosts[{index}] has no 'host'")
             fields.update(entry)
-            fields["spec"] = str(entry["host"])
+            fields["spec"] = entry["host"]
         else:
-            raise DeployError(f"inventory {path}: hosts[{index}] is {entry!r}; expected a string or a mapping")
-        host = _host(base, fields)
+            raise DeployError(f"inventory {path}: hosts[{index}] is {reprlib.repr(entry)}; expected a string or a "
+                              f"mapping")
+        try:
+            _check_types(fields)
+            host = _host(base, fields)
+        except DeployError as exc:
+            raise DeployError(f"inventory {path}: hosts[{index}]: {exc}") from None
         if host.name in names:
             raise DeployError(f"inventory {path}: host name {host.name!r} appears twice")
+        place = (host.target.host, host.target.port, host.remote_dir)
+        if place in places:
+            raise DeployError(f"inventory {path}: hosts[{index}] ({host.name}) is the same device and remote_dir "
+                              f"as {places[place]}; each store may appear once")
         names.add(host.name)
+        places[place] = host.name
         hosts.append(host)
     return hosts
 
 
+def _check_types(fields: dict) -> None:
+    """Strings where strings belong, a whole number for the port (YAML would give lists, numbers, booleans)."""
+    for key in STRING_FIELDS:
+        value = fields.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise DeployError(f"{key} {reprlib.repr(value)}: expected a non-empty string")
+    port = fields.get("port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
+        raise DeployError(f"port {reprlib.repr(port)}: expected a whole number from 1 to 65535")
+
+
 def _check_keys(path, where: str, mapping, allowed: set) -> None:
     if not isinstance(mapping, dict):
-        raise DeployError(f"inventory {path}: {where} must be a mapping, got {mapping!r}")
+        raise DeployError(f"inventory {path}: {where} must be a mapping, got {reprlib.repr(mapping)}")
     unknown = sorted(set(mapping) - allowed)
     if unknown:
         raise DeployError(f"inventory {path}: unknown key(s) {unknown} in {where}; allowed: {sorted(allowed)}")
@@ -97,7 +126,7 @@ def _check_keys(path, where: str, mapping, allowed: set) -> None:
 def _host(base: Target, fields: dict) -> InventoryHost:
     changes = {k: fields[k] for k in ("user", "identity", "known_hosts") if fields.get(k) is not None}
     if fields.get("port") is not None:
-        changes["port"] = int(fields["port"])
+        changes["port"] = fields["port"]
     target = Target.parse(fields["spec"], **{**_fields(base), **changes})
     name = str(fields.get("name") or target.label)
     return InventoryHost(name, target, fields.get("remote_dir"))

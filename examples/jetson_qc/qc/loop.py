@@ -34,6 +34,10 @@ from .dataset import CLASSES
 log = logging.getLogger("jetson_qc")
 
 
+class FrameReadError(RuntimeError):
+    """A frame's image could not be read (a corrupt file); the loop reports it and goes on."""
+
+
 class StopFlag(threading.Event):
     """A stop event that remembers why it was set (e.g. "SIGTERM"), for the final stats event."""
 
@@ -258,6 +262,8 @@ def run_loop(source, classifier, events: EventLog, *, fps: float = 5.0, queue_si
                     break
                 continue
             try:
+                if frame.error is not None:
+                    raise FrameReadError(frame.error)
                 prediction = classifier.classify(frame.image)
             except Exception as exc:  # one bad frame must not stop the line: log it and go on
                 stats.errors += 1

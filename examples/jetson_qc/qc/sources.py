@@ -45,13 +45,16 @@ class Frame:
         name: where it came from (file name, "usb:0#17", "synthetic#17").
         truth: the true class name when the source knows it (synthetic frames), else None.
         captured: time.perf_counter() at capture, seconds (set by the loop).
+        error: why the image could not be read (a corrupt file of a folder source; `image` is then None); the
+            loop reports it as an error event and goes on with the next frame.
     """
 
     index: int
-    image: np.ndarray
+    image: np.ndarray | None
     name: str
     truth: str | None = None
     captured: float = 0.0
+    error: str | None = None
 
 
 def import_cv2(purpose: str):
@@ -126,7 +129,13 @@ class FolderSource:
         index = itertools.count()
         while True:
             for path in self.files:
-                yield Frame(next(index), self.read(path), path.name)
+                try:
+                    image = self.read(path)
+                except (OSError, ValueError, SourceError) as exc:  # one corrupt file must not end the folder
+                    yield Frame(next(index), None, path.name, error=f"cannot read {path}: {type(exc).__name__}: "
+                                                                    f"{exc}")
+                    continue
+                yield Frame(next(index), image, path.name)
             if not self.repeat:
                 return
 
@@ -174,9 +183,12 @@ def open_source(spec: str, seed: int = 0, repeat: bool = False):
     kind, _, rest = spec.partition(":")
     if kind == "synthetic":
         try:
-            return SyntheticSource(seed=int(rest) if rest else seed)
+            value = int(rest) if rest else seed
         except ValueError:
-            raise SourceError(f"synthetic seed {rest!r}; expected an integer, e.g. synthetic:7") from None
+            raise SourceError(f"synthetic seed {rest!r}; expected an integer >= 0, e.g. synthetic:7") from None
+        if value < 0:
+            raise SourceError(f"synthetic seed {value}; expected an integer >= 0, e.g. synthetic:7")
+        return SyntheticSource(seed=value)
     if not rest:
         raise SourceError(f"source {spec!r} needs a value after '{kind}:'; allowed: {SPEC_HELP}")
     if kind == "folder":
