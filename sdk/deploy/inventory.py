@@ -59,15 +59,20 @@ def load_inventory(path, base: Target) -> list:
         DeployError: unreadable YAML, unknown keys (the allowed set is quoted), a field of the wrong type, no hosts,
             duplicate names, the same device and remote_dir twice.
     """
-    import yaml
+    from ..errors import ProfileError
+    from ..profile import parse_yaml
 
     try:
         if Path(path).is_file() and Path(path).stat().st_size > MAX_INVENTORY_BYTES:
             raise DeployError(f"inventory {path}: {Path(path).stat().st_size:,} bytes; an inventory is at most "
                               f"{MAX_INVENTORY_BYTES:,} bytes")
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: not UTF-8 text
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8 text
         raise DeployError(f"inventory {path}: cannot read it ({exc})") from None
+    try:
+        data = parse_yaml(text, f"inventory {path}")  # the profiles' safe loader: duplicate keys are refused too
+    except ProfileError as exc:
+        raise DeployError(str(exc)) from None
     if not isinstance(data, dict) or not isinstance(data.get("hosts"), list) or not data["hosts"]:
         raise DeployError(f"inventory {path}: expected a mapping with a non-empty 'hosts' list")
     _check_keys(path, "top level", data, TOP_LEVEL)

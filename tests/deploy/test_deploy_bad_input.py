@@ -211,3 +211,10 @@ def test_remote_dir_that_is_a_file_is_named_and_left_alone(tmp_path, sshd, known
     code, line = run_cli(capsys, "--status", *common[:4], "--known-hosts", tmp_path, "--remote-dir", tmp_path / "d")
     assert code == 1 and line.endswith(f"known_hosts {tmp_path} is not a file (a folder?); expected a known_hosts "
                                        f"file, which need not exist yet"), line
+
+
+def test_inventory_with_a_duplicate_key_is_refused(tmp_path):
+    inventory = tmp_path / "lines.yaml"
+    inventory.write_text("hosts:\n  - host: root@127.0.0.1\n    port: 22\n    port: 2222\n")
+    with pytest.raises(DeployError, match=r"inventory .*lines\.yaml: duplicate key 'port' at line 4 \(first at line 3\)"):
+        load_inventory(inventory, Target(host="127.0.0.1"))
