@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from colibri_sdk.build.bundle import build_bundle
-from colibri_sdk.build.kernels import compile_catalog
-from colibri_sdk.build.nvrtc import nvrtc_version
+from colibri_sdk.bundle.writer import build_bundle
+from colibri_sdk.aot.kernels import compile_catalog
+from colibri_sdk.aot.nvrtc import nvrtc_version
 from colibri_sdk.demo import demo_header
 from colibri_sdk.profile import load_profile, packaged_names
 

@@ -58,7 +58,7 @@ print("python", platform.python_version())
 try:
     import cuda.bindings
     print("cuda-bindings", cuda.bindings.__version__)
-    from colibri_sdk.build.nvrtc import nvrtc_version
+    from colibri_sdk.aot.nvrtc import nvrtc_version
     print("nvrtc", nvrtc_version())
 except Exception as exc:
     print("cuda-bindings / NVRTC:", exc)
@@ -78,7 +78,7 @@ import copy, sys
 from pathlib import Path
 sys.path.insert(0, "tests/gpu")
 from gpu_support import build, retarget_toolkit
-from colibri_sdk.build.nvrtc import nvrtc_version
+from colibri_sdk.aot.nvrtc import nvrtc_version
 from colibri_sdk.profile import load_profile, packaged_dir
 major = nvrtc_version()[0]
 for path in sorted(packaged_dir().glob("*.yaml")):

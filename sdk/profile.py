@@ -206,7 +206,7 @@ def check_toolchain(data: dict, source: str) -> None:
         ProfileError: naming target.toolkit (with the pip package to install) or target.arch (with the archs the
             installed NVRTC supports).
     """
-    from .build import nvrtc
+    from .aot import nvrtc
 
     major, minor = nvrtc.nvrtc_version()
     toolkit = data["target"]["toolkit"]

@@ -22,8 +22,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..build.bundle import build_bundle
-    from ..bundle import format_resources
+    from ..bundle.writer import build_bundle
+    from .inspect import format_resources
     from ..profile import load_profile
 
     start = time.perf_counter()

@@ -6,6 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..bundle.reader import HEADER_FIELDS, Bundle, bundle_summary
+from ..driver_version import format_driver_version
+from ..errors import BundleError, FormatError
+from ..format import Header
+
 
 def register(sub) -> None:
     p = sub.add_parser("inspect", help="show a .colibri file's header and layout, or a bundle's manifest")
@@ -17,8 +22,6 @@ def register(sub) -> None:
 def run(args) -> int:
     path = Path(args.path)
     if path.is_dir():
-        from ..bundle import inspect_bundle
-
         return inspect_bundle(path, as_json=args.json)
     from ..format import ColibriFile
 
@@ -35,3 +38,55 @@ def run(args) -> int:
         shape = "" if row["shape"] is None else "x".join(map(str, row["shape"]))
         print(f"  {row['block']:<10} {row['offset']:>14,} {row['bytes']:>14,}  {shape}")
     return 0
+
+
+def inspect_bundle(path: Path, as_json: bool = False) -> int:
+    """Print a bundle's manifest summary (schema checked; checksums are `colibri-sdk verify`'s job). Returns 0.
+
+    Raises:
+        BundleError: not a bundle, or the manifest does not follow the schema.
+    """
+    bundle = Bundle.open(path, verify=False)
+    info = bundle_summary(bundle)
+    if as_json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return 0
+    m = bundle.manifest
+    print(f"{bundle.path}  (bundle schema {m['schema_version']}, colibri-sdk {m['sdk_version']})")
+    rows = [
+        ("profile", info["profile"]),
+        ("arch", f"{m['arch']} (compute capability {m['compute_capability'][0]}.{m['compute_capability'][1]})"),
+        ("dtype", m["dtype"]),
+        ("shape", f"batch {m['shape']['batch']} x tokens {m['shape']['tokens']}"),
+        ("aggregation", m["aggregation"]),
+        ("nvrtc", m["nvrtc_version"]),
+        ("min driver", f"CUDA {format_driver_version(m['min_driver'])} ({m['min_driver']})"),
+        ("launches", info["launches"]),
+    ]
+    for key, value in rows:
+        print(f"  {key:<14} {value}")
+    try:
+        header = Header(**{k: v for k, v in m["weights"]["header"].items() if k in HEADER_FIELDS}).to_dict()
+    except FormatError as exc:
+        raise BundleError(f"{bundle.path}/manifest.json: weights.header: {exc}") from exc
+    described = ", ".join(f"{k} {v}" for k, v in header.items() if k not in ("magic", "version"))
+    print(f"  weights        {m['weights']['file']}: {described}")
+    print(format_resources(m["kernels"]))
+    print(f"  {'file':<36} {'bytes':>14}  sha256")
+    for entry in m["files"]:
+        print(f"  {entry['path']:<36} {entry['size']:>14,}  {entry['sha256'][:16]}")
+    return 0
+
+
+def format_resources(kernels: list[dict]) -> str:
+    """The ptxas resource table: one row per entry point (registers, static shared memory, stack, spills)."""
+    head = f"  {'kernel':<12} {'symbol':<24} {'regs':>5} {'smem B':>8} {'stack B':>8} {'spill st':>9} {'spill ld':>9}"
+    lines = [head]
+    for k in kernels:
+        for symbol in sorted(k["resources"]):
+            r = k["resources"][symbol]
+            lines.append(
+                f"  {k['name']:<12} {symbol:<24} {r['registers']:>5} {r['shared_bytes']:>8} {r['stack_bytes']:>8} "
+                f"{r['spill_store_bytes']:>9} {r['spill_load_bytes']:>9}"
+            )
+    return "\n".join(lines)

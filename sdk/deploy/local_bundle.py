@@ -1,7 +1,7 @@
 """The bundle on the deploying machine, as the deploy needs it: its files with sizes and sha256 from the
 manifest, and an id derived from the manifest's own sha256.
 
-The manifest's `files` list (path, sha256, size; see the bundle contract in sdk/bundle.py) is trusted for the
+The manifest's `files` list (path, sha256, size; see the bundle contract in sdk/bundle/reader.py) is trusted for the
 plan; the device hashes every byte it receives, and a mismatch is traced back here with `rehash()` to tell a
 corrupt local bundle from a corrupt transfer.
 """

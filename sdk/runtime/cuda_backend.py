@@ -28,7 +28,8 @@ import numpy as np
 from .. import catalog
 from ..errors import BackendError, InputError
 from ..format.constants import HEADER_SIZE
-from .driver import check, format_driver_version
+from ..driver_version import format_driver_version
+from .driver import check
 
 UPLOAD_CHUNK = 64 << 20  # bytes per weight upload step
 POISON_WORD = 0x7FC00000  # a float32 quiet NaN; as int32 a large positive value no kernel accepts as an index

@@ -16,6 +16,7 @@ import ctypes.util
 import functools
 import threading
 
+from ..driver_version import format_driver_version
 from ..errors import CudaError
 
 # Names the driver library has on Linux (desktop drivers and JetPack's /usr/lib/aarch64-linux-gnu/tegra).
@@ -100,11 +101,6 @@ def probe_driver() -> tuple[bool, str]:
     if not box:
         return False, f"the CUDA driver did not answer cuInit within {_PROBE_TIMEOUT_S:.0f} s"
     return box[0]
-
-
-def format_driver_version(version: int) -> str:
-    """cuDriverGetVersion's encoding (1000*major + 10*minor, e.g. 12020) as "12.2"."""
-    return f"{version // 1000}.{(version % 1000) // 10}"
 
 
 def error_name(code) -> str:

@@ -36,7 +36,7 @@ def stub_kernels(tmp_path_factory) -> Path:
 def built(tmp_path_factory, kernel_dir):
     """{profile name: BuildResult} for every shipped profile, built from scratch with the demo model; orin also
     as an archive. Read-only: tests that change files copy the bundle first."""
-    from colibri_sdk.build.bundle import build_bundle
+    from colibri_sdk.bundle.writer import build_bundle
 
     assert sorted(packaged_names()) == sorted(SHIPPED)
     root = tmp_path_factory.mktemp("bundles")

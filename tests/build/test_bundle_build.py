@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from colibri_sdk import catalog, cli
-from colibri_sdk.build.bundle import SELFTEST_SEED, build_bundle
-from colibri_sdk.build.cubin import cubin_sm
+from colibri_sdk.bundle.writer import SELFTEST_SEED, build_bundle
+from colibri_sdk.aot.cubin import cubin_sm
 from colibri_sdk.bundle import Bundle, canonical_json, file_sha256
 from colibri_sdk.demo import DEMO_SIZES
 from colibri_sdk.errors import BundleError, CompileError, FormatError

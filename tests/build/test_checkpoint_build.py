@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from colibri_sdk import cli
-from colibri_sdk.build.bundle import build_bundle
+from colibri_sdk.bundle.writer import build_bundle
 from colibri_sdk.bundle import Bundle
 from colibri_sdk.profile import Profile, load_profile
 

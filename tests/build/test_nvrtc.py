@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from colibri_sdk.build.cubin import EM_CUDA, check_cubin_arch, cubin_sm
-from colibri_sdk.build.nvrtc import compile_source, cuda_include_dir, nvrtc_version, parse_resources, supported_archs
+from colibri_sdk.aot.cubin import EM_CUDA, check_cubin_arch, cubin_sm
+from colibri_sdk.aot.nvrtc import compile_source, cuda_include_dir, nvrtc_version, parse_resources, supported_archs
 from colibri_sdk.errors import CompileError
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -50,7 +50,7 @@ def fake_driver(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory) -> Path:
     """A bundle built by the SDK's build (NVRTC) from a random float32 model with the Orin profile at 4 tokens."""
-    from colibri_sdk.build.bundle import build_bundle
+    from colibri_sdk.bundle.writer import build_bundle
     from colibri_sdk.profile import Profile, load_profile
 
     root = tmp_path_factory.mktemp("tiny")

@@ -48,7 +48,7 @@ def retarget_toolkit(data: dict, major: int) -> dict:
 def profile_for_this_gpu(base: str = "orin", **overrides) -> dict:
     """A profile dict for the GPU of this machine (its arch, the installed NVRTC major), with `overrides`:
     top-level keys replace, `kernels` entries are merged per kernel."""
-    from colibri_sdk.build.nvrtc import nvrtc_version
+    from colibri_sdk.aot.nvrtc import nvrtc_version
     from colibri_sdk.profile import load_profile
 
     data = copy.deepcopy(load_profile(base, toolchain=False).data)
@@ -65,7 +65,7 @@ def profile_for_this_gpu(base: str = "orin", **overrides) -> dict:
 
 def build(profile: dict, weights: Path | None, out: Path, *, retarget: bool = False) -> Path:
     """Build a bundle with the SDK's build API; returns its folder."""
-    from colibri_sdk.build.bundle import build_bundle
+    from colibri_sdk.bundle.writer import build_bundle
     from colibri_sdk.profile import Profile
 
     return build_bundle(Profile.from_dict(profile), out, weights, workers=4).path

@@ -22,7 +22,7 @@ PROFILES = sorted(p.stem for p in packaged_dir().glob("*.yaml"))
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_shipped_profile_runs(tmp_path, name):
-    from colibri_sdk.build.nvrtc import nvrtc_version
+    from colibri_sdk.aot.nvrtc import nvrtc_version
     from colibri_sdk.runtime.cuda_backend import CudaBackend
 
     data = copy.deepcopy(load_profile(name, toolchain=False).data)

@@ -6,7 +6,8 @@ import pytest
 
 from colibri_sdk.errors import BackendError, CudaError
 from colibri_sdk.runtime.cuda_backend import parse_version, select_image
-from colibri_sdk.runtime.driver import check, format_driver_version, probe_driver
+from colibri_sdk.driver_version import format_driver_version
+from colibri_sdk.runtime.driver import check, probe_driver
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import copy
 import pytest
 
 from colibri_sdk import catalog
-from colibri_sdk.build.cubin import cubin_sm
-from colibri_sdk.build.nvrtc import compile_source
+from colibri_sdk.aot.cubin import cubin_sm
+from colibri_sdk.aot.nvrtc import compile_source
 from colibri_sdk.errors import CompileError
 
 from kernel_support import make_header

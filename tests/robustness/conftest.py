@@ -12,7 +12,7 @@ from robustness_helpers import write_small_model
 @pytest.fixture(scope="session")
 def small_bundle_dir(tmp_path_factory) -> Path:
     """`build_bundle(orin, small model)`: read-only, tests that change files use `bundle`."""
-    from colibri_sdk.build.bundle import build_bundle
+    from colibri_sdk.bundle.writer import build_bundle
     from colibri_sdk.profile import load_profile
 
     root = tmp_path_factory.mktemp("robust_bundle")

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
-from colibri_sdk.build.bundle import build_bundle
+from colibri_sdk.bundle.writer import build_bundle
 from colibri_sdk.bundle import Bundle
 from colibri_sdk.errors import BundleError
 from colibri_sdk.profile import load_profile

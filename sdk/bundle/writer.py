@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__, catalog
-from ..bundle import (
+from .reader import (
     DIGEST_KEY,
     MANIFEST,
     SCHEMA_VERSION,
@@ -31,8 +31,8 @@ from ..errors import BundleError, CompileError, FormatError
 from ..format import ColibriFile, ColibriWriter, Header
 from ..format.constants import COMPOSITION_RESIDUAL, DTYPE_CODES
 from ..format.writer import tensor_order
-from .kernels import CompiledKernel, compile_catalog
-from .nvrtc import nvrtc_version
+from ..aot.kernels import CompiledKernel, compile_catalog
+from ..aot.nvrtc import nvrtc_version
 
 WEIGHTS_FILE = "model.colibri"
 SELFTEST_SEED = 20261130
@@ -254,7 +254,7 @@ def _check_replaceable(out: Path) -> None:
         raise BundleError(refuse)
     if not any(out.iterdir()):
         return
-    from ..bundle import Bundle
+    from .reader import Bundle
 
     try:
         manifest = Bundle.open(out, verify=False).manifest

@@ -26,9 +26,9 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from .errors import BundleError, FormatError
-from .format import Header
-from .profile import AGGREGATIONS, DTYPES, MAX_TOKENS
+from ..errors import BundleError, FormatError
+from ..format import Header
+from ..profile import AGGREGATIONS, DTYPES, MAX_TOKENS
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -57,7 +57,7 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
 OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list}
 # weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
 HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
-# kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.build.nvrtc), all integers.
+# kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.aot.nvrtc), all integers.
 RESOURCE_KEYS = ("registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes")
 _CHUNK = 1 << 20
 
@@ -236,7 +236,7 @@ class Bundle:
 
     def open_weights(self):
         """The weights as a `colibri_sdk.format.ColibriFile` (mmap, read-only)."""
-        from .format import ColibriFile
+        from ..format import ColibriFile
 
         weights = ColibriFile(self.weights_path)
         recorded = self.manifest["weights"]["header"]
@@ -407,57 +407,3 @@ def bundle_summary(bundle: Bundle) -> dict:
         "launches": len(m.get("launch") or []),
         "files": m["files"],
     }
-
-
-def inspect_bundle(path: str | os.PathLike, as_json: bool = False) -> int:
-    """Print a bundle's manifest summary (schema checked; checksums are `colibri-sdk verify`'s job). Returns 0.
-
-    Raises:
-        BundleError: not a bundle, or the manifest does not follow the schema.
-    """
-    bundle = Bundle.open(path, verify=False)
-    info = bundle_summary(bundle)
-    if as_json:
-        print(json.dumps(info, indent=2, sort_keys=True))
-        return 0
-    from .runtime.driver import format_driver_version
-
-    m = bundle.manifest
-    print(f"{bundle.path}  (bundle schema {m['schema_version']}, colibri-sdk {m['sdk_version']})")
-    rows = [
-        ("profile", info["profile"]),
-        ("arch", f"{m['arch']} (compute capability {m['compute_capability'][0]}.{m['compute_capability'][1]})"),
-        ("dtype", m["dtype"]),
-        ("shape", f"batch {m['shape']['batch']} x tokens {m['shape']['tokens']}"),
-        ("aggregation", m["aggregation"]),
-        ("nvrtc", m["nvrtc_version"]),
-        ("min driver", f"CUDA {format_driver_version(m['min_driver'])} ({m['min_driver']})"),
-        ("launches", info["launches"]),
-    ]
-    for key, value in rows:
-        print(f"  {key:<14} {value}")
-    try:
-        header = Header(**{k: v for k, v in m["weights"]["header"].items() if k in HEADER_FIELDS}).to_dict()
-    except FormatError as exc:
-        raise BundleError(f"{bundle.path}/manifest.json: weights.header: {exc}") from exc
-    described = ", ".join(f"{k} {v}" for k, v in header.items() if k not in ("magic", "version"))
-    print(f"  weights        {m['weights']['file']}: {described}")
-    print(format_resources(m["kernels"]))
-    print(f"  {'file':<36} {'bytes':>14}  sha256")
-    for entry in m["files"]:
-        print(f"  {entry['path']:<36} {entry['size']:>14,}  {entry['sha256'][:16]}")
-    return 0
-
-
-def format_resources(kernels: list[dict]) -> str:
-    """The ptxas resource table: one row per entry point (registers, static shared memory, stack, spills)."""
-    head = f"  {'kernel':<12} {'symbol':<24} {'regs':>5} {'smem B':>8} {'stack B':>8} {'spill st':>9} {'spill ld':>9}"
-    lines = [head]
-    for k in kernels:
-        for symbol in sorted(k["resources"]):
-            r = k["resources"][symbol]
-            lines.append(
-                f"  {k['name']:<12} {symbol:<24} {r['registers']:>5} {r['shared_bytes']:>8} {r['stack_bytes']:>8} "
-                f"{r['spill_store_bytes']:>9} {r['spill_load_bytes']:>9}"
-            )
-    return "\n".join(lines)
