@@ -83,13 +83,13 @@ def unpack_int4(packed: np.ndarray, cols: int) -> np.ndarray:
     out = np.empty((packed.shape[0], packed.shape[1] * 2), np.int8)
     out[:, 0::2] = (packed & 0x0F).astype(np.int8) - INT4_OFFSET
     out[:, 1::2] = (packed >> 4).astype(np.int8) - INT4_OFFSET
-    return out[:, :cols]
+    return np.ascontiguousarray(out[:, :cols])
 
 
-# 256 bytes → their two int4 codes as float32 (low nibble first): one gather turns packed rows into codes.
-_INT4_PAIRS = np.stack(
-    [(np.arange(256) & 0x0F) - INT4_OFFSET, (np.arange(256) >> 4) - INT4_OFFSET], axis=1
-).astype(np.float32)
+# Byte → its two int4 codes as two int8 in one little-endian uint16 (low nibble's code first): one vectorised
+# gather (np.take) turns packed rows into int8 codes, measured faster than nibble shifts or a float table.
+_BYTE = np.arange(256)
+_INT4_PAIRS = (((_BYTE & 0x0F) - INT4_OFFSET) & 0xFF | ((((_BYTE >> 4) - INT4_OFFSET) & 0xFF) << 8)).astype("<u2")
 
 
 def dequantize(t: QuantizedTensor, rows: np.ndarray | None = None) -> np.ndarray:
@@ -109,9 +109,8 @@ def dequantize(t: QuantizedTensor, rows: np.ndarray | None = None) -> np.ndarray
         zeros = None if zeros is None else zeros[rows]
     n, cols = codes.shape[0], t.cols
     if t.packed:
-        q = _INT4_PAIRS[codes].reshape(n, -1)  # (n, 2*ceil(cols/2)) float32, exact integers
-        if q.shape[1] != cols:
-            q = q[:, :cols]
+        pairs = np.take(_INT4_PAIRS, codes)  # (n, ceil(cols/2)) uint16
+        q = pairs.view(np.int8).reshape(n, -1)[:, :cols].astype(np.float32)  # exact integers
     else:
         q = codes.astype(np.float32)
     g = scales.shape[1]
