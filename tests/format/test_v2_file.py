@@ -268,7 +268,7 @@ def test_every_prefix_bit_flip_is_caught_or_harmless(tmp_path, rng):
                 opened += 1
         except FormatError:
             refused += 1
-    assert opened + refused == len(bits) and refused > 0.85 * len(bits)
+    assert opened + refused == len(bits) and refused > 0.75 * len(bits)
 
 
 def test_random_v2_prefixes_never_escape(tmp_path):
