@@ -36,7 +36,7 @@ from device import FAKE, Device, Results, compile_bench_kernels, fill_weights, s
 
 REAL = dict(hidden=4096, inter=14336, experts=8, top_k=2, tokens=(1, 4, 16, 64), layers=32, copy_bytes=1 << 30,
             read_bytes=4 << 30, floor_iters=5, kernel_iters=20, kernel_warm=3, iters=50, warm=5, layers_iters=20,
-            hf_tokens=(1, 4, 16, 64), hf_iters=20, hf_warm=3, case_s=90, workers=4, padded_shape=16)
+            hf_tokens=(1, 4, 16, 64), hf_iters=20, hf_warm=3, case_s=90, workers=6, padded_shape=16)
 FAKE_CONFIG = dict(hidden=64, inter=32, experts=4, top_k=2, tokens=(1,), layers=2, copy_bytes=1 << 20,
                    read_bytes=1 << 16, floor_iters=1, kernel_iters=1, kernel_warm=0, iters=1, warm=0, layers_iters=1,
                    hf_tokens=(1,), hf_iters=1, hf_warm=0, case_s=60, workers=2, padded_shape=4)
@@ -159,7 +159,7 @@ def floor_gbs(results: Results, out: Path, device: Device, kernels: dict) -> flo
 
 
 def measure_config(results, device, kernels, base, header, weights, tokens, label, data, default, gbs,
-                   valid=None) -> None:
+                   valid=None, variant=None) -> None:
     from layer import LayerRun, expert_bytes, router_bytes, selected_experts
 
     cfg = config()
@@ -170,7 +170,7 @@ def measure_config(results, device, kernels, base, header, weights, tokens, labe
         real = shape_tokens if valid is None else valid
         x[real:] = 0.0
         y = run.run(x, valid)
-        where = {"tokens": real, "shape_tokens": shape_tokens, "path": label}
+        where = {"tokens": real, "shape_tokens": shape_tokens, "path": label, "crossover": variant}
         per_kernel, gap_free = run.time_kernels(kernels, cfg["kernel_iters"], cfg["kernel_warm"])
         for index, (launch, stats) in enumerate(zip(run.plan, per_kernel)):
             results.write("kernel", **where, index=index, layer=launch.get("layer"), kernel=launch["kernel"],
@@ -201,7 +201,9 @@ def measure_config(results, device, kernels, base, header, weights, tokens, labe
         run.close()
 
 
-def phase_layer(results: Results, out: Path) -> None:
+def phase_layer(results: Results, out: Path, variant: str) -> None:
+    """The layer at every token count with the crossover parameter at `variant` ("max" or "min"): one process per
+    variant, so a kernel fault on one path (a CUDA context is lost with it) leaves the other path's numbers."""
     from layer import base_profile, io_buffers, mixtral_header, path_profiles, weights_bytes
 
     cfg = config()
@@ -217,24 +219,29 @@ def phase_layer(results: Results, out: Path) -> None:
                   hidden=header.hidden_size, intermediate=header.intermediate_size, experts=header.num_experts,
                   top_k=header.top_k, profile=base["name"], arch=base["target"]["arch"])
     for tokens in cfg["tokens"]:
-        for label, data, default in path_profiles(base, tokens, header):
+        entries = path_profiles(base, tokens, header, variant)
+        if not entries:
+            results.write("forward", "skip", tokens=tokens, variant=variant,
+                          reason=f"the crossover parameter at its {variant}imum gives the plan already measured")
+        for label, data, default in entries:
             if seconds_left() < 10:
                 results.write("forward", "skip", tokens=tokens, path=label, reason="not run: the phase's time is spent")
                 continue
             try:
-                measure_config(results, device, kernels, base, header, weights, tokens, label, data, default, gbs)
+                measure_config(results, device, kernels, base, header, weights, tokens, label, data, default, gbs,
+                               variant=variant)
             except Exception as exc:
                 results.fail("forward", exc, tokens=tokens, path=label)
     shape = {**base, "shape": {"batch": 1, "tokens": cfg["padded_shape"]}}
     if "valid_tokens" in io_buffers(shape, header):
-        for label, data, default in path_profiles(base, cfg["padded_shape"], header):
+        for label, data, default in path_profiles(base, cfg["padded_shape"], header, variant):
             if default:
                 try:
                     measure_config(results, device, kernels, base, header, weights, 1, label, data, default, gbs,
-                                   valid=1)
+                                   valid=1, variant=variant)
                 except Exception as exc:
                     results.fail("forward", exc, tokens=1, shape_tokens=cfg["padded_shape"], path=label)
-    else:
+    elif variant == "max":
         results.write("padded", "skip", reason="catalog.io_buffers names no valid_tokens buffer: padded tokens are "
                                               "computed as real ones, so a padded shape is not measured")
     device.close()
@@ -288,13 +295,16 @@ def phase_correctness(results: Results, out: Path) -> None:
     if FAKE:
         ids = [i for i in ids if i.split("tests/gpu/", 1)[-1] in FAKE_CASES]
     results.write("collected", cases=len(ids))
+    from colibri_sdk.runtime.driver import probe_driver
+
+    gpu, _ = probe_driver()  # on a GPU machine, a case skipped for lack of a GPU is a failure
     counts = run_cases(results, ids, args, cfg["case_s"], cfg["workers"], out / "correctness.log",
-                       require_gpu=not FAKE)
+                       require_gpu=gpu and not FAKE)
     results.write("summary", "ok" if counts["fail"] == 0 else "fail", **counts)
 
 
 def phase_transformers(results: Results, out: Path) -> None:
-    from hf_compare import build_block, load_weights, time_block
+    from hf_compare import build_block, forward, implementations, load_weights, time_block
     from layer import LayerRun, base_profile, mixtral_header, path_profiles, weights_bytes
 
     cfg = config()
@@ -320,37 +330,51 @@ def phase_transformers(results: Results, out: Path) -> None:
     size = weights_bytes({**base, "shape": {"batch": 1, "tokens": 1}}, header)
     weights = device.alloc(size, zero=False)
     fill_weights(device, kernels, weights, size, SEED)
-    block, implementation = build_block(header, torch_device)
-    layout = load_weights(block, device, weights, header, torch_device)
-    results.write("block", transformers=transformers.__version__, torch=torch.__version__, device=torch_device,
-                  layout=layout, experts_implementation=implementation)
+    ours = {}  # tokens -> (x, MoE(x) of colibri, graph stats, path)
     for tokens in cfg["hf_tokens"]:
         try:
             label, data, _ = next(p for p in path_profiles(base, tokens, header) if p[2])
             run = LayerRun(device, data, header, weights)
             x = rng_input(tokens, header.hidden_size, SEED + tokens)
             y = run.run(x)
-            graph = run.time_graph(cfg["iters"], cfg["warm"])
+            ours[tokens] = (x, y - x, run.time_graph(cfg["iters"], cfg["warm"]), label)
             run.close()
-            xt = torch.from_numpy(x).to(device=torch_device, dtype=torch.float16).reshape(1, tokens, -1)
-            with torch.no_grad():
-                from hf_compare import forward
-
-                theirs = forward(block, xt).float().reshape(tokens, -1).cpu().numpy()
-            ours = y - x
-            scale = float(np.abs(theirs).max())
-            err = float(np.abs(ours - theirs).max())
-            timing = time_block(block, xt, cfg["hf_iters"], cfg["hf_warm"], torch_device)
-            results.write("moe_block", tokens=tokens, path=label, transformers_median_us=timing["median_us"],
-                          transformers_timer=timing["timer"], colibri_graph_median_us=graph["median_us"],
-                          speedup=ratio(timing["median_us"], graph["median_us"]), max_abs_err=err,
-                          output_scale=scale, relative_err=round(err / scale, 6) if scale else None,
-                          match=bool(err <= 2e-2 * scale + 1e-3))
         except Exception as exc:
-            results.fail("moe_block", exc, tokens=tokens)
+            results.fail("colibri", exc, tokens=tokens)
+    for implementation in implementations(torch_device):
+        try:
+            block = build_block(header, torch_device, implementation)
+            layout = load_weights(block, device, weights, header, torch_device)
+            results.write("block", transformers=transformers.__version__, torch=torch.__version__, device=torch_device,
+                          layout=layout, experts_implementation=implementation)
+        except Exception as exc:
+            results.fail("block", exc, experts_implementation=implementation)
+            continue
+        for tokens, (x, moe, graph, label) in ours.items():
+            try:
+                xt = torch.from_numpy(x).to(device=torch_device, dtype=torch.float16).reshape(1, tokens, -1)
+                with torch.no_grad():
+                    theirs = forward(block, xt).float().reshape(tokens, -1).cpu().numpy()
+                scale = float(np.abs(theirs).max())
+                per_token = np.abs(moe - theirs).max(axis=1)
+                err = float(per_token.max())
+                off = int((per_token > 2e-2 * scale + 1e-3).sum())  # e.g. a router near-tie resolved otherwise
+                timing = time_block(block, xt, cfg["hf_iters"], cfg["hf_warm"], torch_device)
+                results.write("moe_block", tokens=tokens, path=label, experts_implementation=implementation,
+                              transformers_median_us=timing["median_us"], transformers_timer=timing["timer"],
+                              colibri_graph_median_us=graph["median_us"],
+                              speedup=ratio(timing["median_us"], graph["median_us"]), max_abs_err=err,
+                              output_scale=scale, relative_err=ratio(err, scale, 6),
+                              tokens_off=off, match=off == 0)
+            except Exception as exc:
+                results.fail("moe_block", exc, tokens=tokens, experts_implementation=implementation)
+        del block
+        if torch_device == "cuda":
+            torch.cuda.empty_cache()
     device.close()
 
 
+NEEDS_GPU = ("floor", "layer", "layers", "transformers")  # skipped with the probe's reason without a GPU
 PHASES = {"versions": phase_versions, "floor": phase_floor, "layer": phase_layer, "layers": phase_layers,
           "correctness": phase_correctness, "transformers": phase_transformers}
 
@@ -359,6 +383,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phase", choices=[*PHASES, "table"])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--crossover", choices=("max", "min"), default="max",
+                        help="layer: the GEMV/tiled crossover parameter at its maximum or minimum")
     parser.add_argument("--fake", action="store_true", help="tiny shapes for the fake driver (sets "
                                                             "COLIBRI_GPU_CHECK_FAKE=1 semantics)")
     args = parser.parse_args(argv)
@@ -373,7 +399,17 @@ def main(argv=None) -> int:
     results = Results(out, args.phase)
     t = time.monotonic()
     try:
-        PHASES[args.phase](results, out)
+        if args.phase in NEEDS_GPU:
+            from colibri_sdk.runtime.driver import probe_driver
+
+            ok, reason = probe_driver()
+            if not ok:
+                results.write("gpu", "skip", reason=f"no usable CUDA GPU: {reason}")
+                return 0
+        if args.phase == "layer":
+            phase_layer(results, out, args.crossover)
+        else:
+            PHASES[args.phase](results, out)
     except Exception as exc:
         results.fail("error", exc)
         import traceback

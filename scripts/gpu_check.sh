@@ -9,9 +9,10 @@
 # appended and flushed as soon as it exists), stdout.log and stderr.log (every phase's output, as it goes),
 # correctness.log (the output of each tests/gpu case) and table.txt (the table printed at the end).
 #
-# Phases, in order (limit in seconds): install 90, versions 30, floor 30, layer 150, layers 60, correctness 150,
-# transformers 90, table 20; a phase that would start with less than 15 s of the budget left is skipped, and a
-# limit is cut to what is left. A failing or timed-out phase is recorded and the next one runs.
+# Phases, in order (limit in seconds): install 90, versions 30, floor 30, layer-max 90, layer-min 90 (the layer with
+# the GEMV/tiled crossover parameter at its maximum, then at its minimum: one process per path), layers 60,
+# correctness 150, transformers 90, table 20. A phase that would start with less than 15 s of the budget left is
+# skipped, and a limit is cut to what is left. A failing or timed-out phase is recorded and the next one runs.
 # Install: the SDK of this checkout, offline. Already importable from here: used as it is. Else, where setuptools
 # >= 68 and wheel are in the image: `pip install --no-deps --no-build-isolation --no-index -e .`. Else (or with
 # COLIBRI_GPU_CHECK_INSTALL=pythonpath): a temporary folder on PYTHONPATH holding colibri_sdk/ as links to sdk/*
@@ -152,7 +153,8 @@ install_sdk
 bench=("$python" bench/gpu_bench.py)
 phase versions 30 "${bench[@]}" versions --out "$out" ${fake_flag[@]+"${fake_flag[@]}"}
 phase floor 30 "${bench[@]}" floor --out "$out" ${fake_flag[@]+"${fake_flag[@]}"}
-phase layer 150 "${bench[@]}" layer --out "$out" ${fake_flag[@]+"${fake_flag[@]}"}
+phase layer-max 90 "${bench[@]}" layer --crossover max --out "$out" ${fake_flag[@]+"${fake_flag[@]}"}
+phase layer-min 90 "${bench[@]}" layer --crossover min --out "$out" ${fake_flag[@]+"${fake_flag[@]}"}
 phase layers 60 "${bench[@]}" layers --out "$out" ${fake_flag[@]+"${fake_flag[@]}"}
 phase correctness 150 "${bench[@]}" correctness --out "$out" ${fake_flag[@]+"${fake_flag[@]}"}
 phase transformers 90 "${bench[@]}" transformers --out "$out" ${fake_flag[@]+"${fake_flag[@]}"}

@@ -131,7 +131,6 @@ class Device:
         self._host_ptrs: list = []
         self._modules: list = []
         self._events: list = []
-        self._elapsed = getattr(cu, "cuEventElapsedTime", None) or getattr(cu, "cuEventElapsedTime_v2")
 
     @property
     def arch(self) -> str:
@@ -191,6 +190,11 @@ class Device:
     def function(self, module, symbol: str):
         return self.check(self.cu.cuModuleGetFunction(module, symbol.encode()), f"cuModuleGetFunction({symbol})")
 
+    def allow_shared(self, function, nbytes: int) -> None:
+        """Let `function` take `nbytes` of dynamic shared memory (needed above 48 KiB)."""
+        attr = self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self.check(self.cu.cuFuncSetAttribute(function, attr, int(nbytes)), "cuFuncSetAttribute")
+
     def launch(self, function, grid, block, shared: int, params: np.ndarray) -> None:
         self.check(self.cu.cuLaunchKernel(function, *grid, *block, int(shared), self.stream, params.ctypes.data, 0),
                    "cuLaunchKernel")
@@ -205,7 +209,8 @@ class Device:
 
     def elapsed_ms(self, start, stop) -> float:
         self.check(self.cu.cuEventSynchronize(stop), "cuEventSynchronize")
-        return float(self.check(self._elapsed(start, stop), "cuEventElapsedTime"))
+        elapsed = getattr(self.cu, "cuEventElapsedTime", None) or self.cu.cuEventElapsedTime_v2
+        return float(self.check(elapsed(start, stop), "cuEventElapsedTime"))
 
     def sync(self) -> None:
         self.check(self.cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")

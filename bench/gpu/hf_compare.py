@@ -18,21 +18,30 @@ class LayoutError(RuntimeError):
     """The installed transformers keeps the Mixtral expert weights in a layout this comparison does not know."""
 
 
-def build_block(header, torch_device: str):
-    """A fp16 MixtralSparseMoeBlock for the header's sizes on `torch_device`; returns (block, implementation)."""
+def build_block(header, torch_device: str, implementation: str | None):
+    """A fp16 MixtralSparseMoeBlock for the header's sizes on `torch_device`, its experts computed by
+    `implementation` (transformers >= 5: "eager", "grouped_mm", ...; None: the version's default)."""
     import torch
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     config = MixtralConfig(hidden_size=header.hidden_size, intermediate_size=header.intermediate_size,
                            num_local_experts=header.num_experts, num_experts_per_tok=header.top_k)
-    implementation = "default"
-    if hasattr(config, "_experts_implementation"):
-        config._experts_implementation = "eager"
-        implementation = "eager"
+    if implementation is not None:
+        config._experts_implementation = implementation
     with torch.device(torch_device):
         block = MixtralSparseMoeBlock(config)
-    return block.to(dtype=torch.float16).eval(), implementation
+    return block.to(dtype=torch.float16).eval()
+
+
+def implementations(torch_device: str) -> list[str | None]:
+    """The expert implementations to time: eager (the loop over experts) and, on a GPU, grouped_mm, where this
+    transformers has the setting; else its only one (None)."""
+    from transformers import MixtralConfig
+
+    if not hasattr(MixtralConfig(), "_experts_implementation"):
+        return [None]
+    return ["eager"] if torch_device == "cpu" else ["eager", "grouped_mm"]
 
 
 def describe(block) -> str:

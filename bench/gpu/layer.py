@@ -95,6 +95,14 @@ def base_profile(arch: str) -> dict:
     return chosen
 
 
+def launch_plan(data: dict, header) -> list[dict]:
+    """`catalog.launch_plan` as a list of launches (also where it is given as {"launches": [...]})."""
+    from colibri_sdk import catalog
+
+    plan = catalog.launch_plan(data, header)
+    return list(plan["launches"] if isinstance(plan, dict) else plan)
+
+
 def path_label(plan: list[dict]) -> str:
     """"gemv" or "tiled" (or the kernel's catalogue name, for a path added later): the kernel of the first launch
     whose symbol names gate_up."""
@@ -104,29 +112,32 @@ def path_label(plan: list[dict]) -> str:
     return "+".join(sorted({launch["kernel"] for launch in plan}))
 
 
-def path_profiles(base: dict, tokens: int, header) -> list[tuple[str, dict, bool]]:
+def path_profiles(base: dict, tokens: int, header, variant: str | None = None) -> list[tuple[str, dict, bool]]:
     """[(path label, profile dict, is the profile's own setting)] for `tokens`: the crossover parameter at its
-    maximum and at its minimum (each path of the plan), one entry per distinct plan."""
-    from colibri_sdk import catalog
+    maximum ("max") and at its minimum ("min"), so each path of the plan runs, one entry per distinct plan.
 
+    variant: only that setting's entry ([] when it gives the same plan as "max", or when the catalogue has no
+    crossover parameter and variant is "min"); None: both.
+    """
     data = copy.deepcopy(base)
     data["shape"] = {"batch": 1, "tokens": tokens}
-    default_label = path_label(catalog.launch_plan(data, header))
+    default_label = path_label(launch_plan(data, header))
     found = crossover_param()
-    variants = [data]
+    variants = {"max": data}
     if found:
         kernel, param = found
-        variants = []
-        for value in (param.maximum, param.minimum):
+        variants = {}
+        for name, value in (("max", param.maximum), ("min", param.minimum)):
             v = copy.deepcopy(data)
             v["kernels"][kernel][param.name] = value
-            variants.append(v)
+            variants[name] = v
     out, seen = [], set()
-    for v in variants:
-        label = path_label(catalog.launch_plan(v, header))
+    for name, v in variants.items():
+        label = path_label(launch_plan(v, header))
         if label not in seen:
             seen.add(label)
-            out.append((label, v, label == default_label))
+            if variant in (None, name):
+                out.append((label, v, label == default_label))
     return out
 
 
@@ -175,7 +186,7 @@ class LayerRun:
         self.device, self.header, self.weights = device, header, weights
         profile = Profile.from_dict(data)
         self.data = profile.to_dict()
-        self.plan = catalog.launch_plan(self.data, header)
+        self.plan = launch_plan(self.data, header)
         self.path = path_label(self.plan)
         t = time.perf_counter()
         compiled = compile_catalog(profile, header, workers=4)
@@ -220,8 +231,10 @@ class LayerRun:
         if launch["symbol"] not in self.functions:
             raise PlanError(f"launch plan names {launch['symbol']!r}; compiled: {sorted(self.functions)}")
         params, keep = pointer_args(values)
-        return (self.functions[launch["symbol"]], tuple(launch["grid"]), tuple(launch["block"]),
-                int(launch.get("shared_bytes", 0)), params, keep)
+        function, shared = self.functions[launch["symbol"]], int(launch.get("shared_bytes", 0))
+        if shared > 48 << 10:
+            self.device.allow_shared(function, shared)
+        return function, tuple(launch["grid"]), tuple(launch["block"]), shared, params, keep
 
     # ---- one forward pass -----------------------------------------------------------------------------------
     def set_input(self, x: np.ndarray, valid: int | None = None) -> None:

@@ -75,8 +75,9 @@ def render(lines: list[dict]) -> str:
     hf = pick(lines, "transformers", "moe_block")
     if hf:
         out += ["", "transformers MixtralSparseMoeBlock vs colibri (graph), same weights"]
-        out += grid(["tokens", "transformers us", "colibri us", "speedup", "rel err", "match"],
-                    [[l["tokens"], fmt(l.get("transformers_median_us")), fmt(l.get("colibri_graph_median_us")),
+        out += grid(["tokens", "experts impl", "transformers us", "colibri us", "speedup", "rel err", "match"],
+                    [[l["tokens"], l.get("experts_implementation") or "default",
+                      fmt(l.get("transformers_median_us")), fmt(l.get("colibri_graph_median_us")),
                       fmt(l.get("speedup"), 2), l.get("relative_err"), l.get("match")] for l in hf])
     cases = pick(lines, "correctness", "case", status=None)
     if cases:

@@ -21,7 +21,7 @@ from conftest import ROOT
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")]
 
-PHASES = ["install", "versions", "floor", "layer", "layers", "correctness", "transformers"]
+PHASES = ["install", "versions", "floor", "layer-max", "layer-min", "layers", "correctness", "transformers"]
 FILES = {"results.jsonl", "stdout.log", "stderr.log", "correctness.log", "table.txt"}
 
 
