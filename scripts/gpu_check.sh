@@ -9,7 +9,7 @@
 # appended and flushed as soon as it exists), stdout.log and stderr.log (every phase's output, as it goes),
 # correctness.log (the output of each tests/gpu case) and table.txt (the table printed at the end).
 #
-# Phases, in order (limit in seconds): install 90, versions 30, floor 30, layer-max 90, layer-min 90 (the layer with
+# Phases, in order (limit in seconds): install 60 (pip), versions 30, floor 30, layer-max 90, layer-min 90 (the layer with
 # the GEMV/tiled crossover parameter at its maximum, then at its minimum: one process per path), layers 60,
 # correctness 150, transformers 90, table 20. A phase that would start with less than 15 s of the budget left is
 # skipped, and a limit is cut to what is left. A failing or timed-out phase is recorded and the next one runs.
@@ -124,7 +124,7 @@ install_sdk() {
     mode=installed
   elif [ "${COLIBRI_GPU_CHECK_INSTALL:-}" != pythonpath ] && "$python" -c \
       "import setuptools, wheel, sys; sys.exit(0 if int(setuptools.__version__.split('.')[0]) >= 68 else 1)" 2>/dev/null; then
-    if timeout 90 "$python" -m pip install -q --no-deps --no-build-isolation --no-index -e "$root" \
+    if timeout 60 "$python" -m pip install -q --no-deps --no-build-isolation --no-index -e "$root" \
         >>"$out/stdout.log" 2>>"$out/stderr.log" && from_here 2>>"$out/stderr.log"; then
       mode=pip
     else
@@ -137,13 +137,13 @@ install_sdk() {
     if pythonpath_shim && from_here 2>>"$out/stderr.log"; then
       mode=pythonpath
     else
-      record fail install $((SECONDS - t)) 90 1 "${why}the PYTHONPATH fallback cannot import colibri_sdk either"
+      record fail install $((SECONDS - t)) 60 1 "${why}the PYTHONPATH fallback cannot import colibri_sdk either"
       echo "[install] FAILED: ${why}no way to import colibri_sdk from $root"
       return 1
     fi
   fi
   export COLIBRI_GPU_CHECK_INSTALL="$mode"
-  record ok install $((SECONDS - t)) 90 0 "${why}colibri_sdk from $root ($mode)"
+  record ok install $((SECONDS - t)) 60 0 "${why}colibri_sdk from $root ($mode)"
   echo "[install] ok in $((SECONDS - t)) s: ${why}colibri_sdk from $root ($mode)"
 }
 echo "===== [install] $(date -u +%H:%M:%S)" | tee -a "$out/stdout.log"

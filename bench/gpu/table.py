@@ -88,9 +88,9 @@ def render(lines: list[dict]) -> str:
     phases = pick(lines, "check", "phase", status=None)
     if phases:
         out += ["", "Phases"]
-        out += grid(["phase", "status", "seconds", "limit s", "rc"],
-                    [[p.get("phase_name"), p["status"], p.get("seconds"), p.get("limit_s"), p.get("rc")]
-                     for p in phases])
+        out += grid(["phase", "status", "seconds", "limit s", "rc", "note"],
+                    [[p.get("phase_name"), p["status"], p.get("seconds"), p.get("limit_s"), p.get("rc"),
+                      p.get("reason", "")] for p in phases])
     problems = [l for l in lines if l.get("status") in ("fail", "skip") and l.get("name") not in ("case", "phase")]
     if problems:
         out += ["", "Failures and skips"]
