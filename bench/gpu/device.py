@@ -73,7 +73,7 @@ def _plain(value):
 
 
 def _short(value) -> bool:
-    return isinstance(value, (int, float, str)) and len(str(value)) <= 40
+    return isinstance(value, (int, float, str)) and len(str(value)) <= 100
 
 
 def seconds_left() -> float:

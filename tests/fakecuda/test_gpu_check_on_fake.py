@@ -14,9 +14,11 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import ROOT
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")]
