@@ -47,8 +47,8 @@ class Results:
         return line
 
     def fail(self, name: str, exc: BaseException, **values) -> dict:
-        return self.write(name, "fail", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500],
-                          **values)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return self.write(name, "fail", reason=f"{type(exc).__name__}: {first}"[:500], **values)
 
 
 def _finite(value):

@@ -217,7 +217,8 @@ class LayerRun:
             kind = arg.get("kind")
             if kind == "buffer":
                 if arg["name"] not in self.buffers:
-                    raise PlanError(f"launch {launch['symbol']} names buffer {arg['name']!r}; known: {sorted(self.buffers)}")
+                    raise PlanError(f"launch {launch['symbol']} names buffer {arg['name']!r}; "
+                                    f"known: {sorted(self.buffers)}")
                 values.append((np.uint64, self.buffers[arg["name"]]))
             elif kind == "weights":
                 values.append((np.uint64, self.weights + int(arg["offset"])))

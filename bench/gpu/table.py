@@ -46,7 +46,8 @@ def render(lines: list[dict]) -> str:
                       else ""))
     floor = {l["name"]: l for l in pick(lines, "floor")}
     if floor:
-        out.append("floor: " + ", ".join(f"{n} {fmt(l.get('gbs'))} GB/s ({l.get('counted')})" for n, l in floor.items()))
+        out.append("floor: " + ", ".join(f"{n} {fmt(l.get('gbs'))} GB/s ({l.get('counted')})"
+                                         for n, l in floor.items()))
     fwd = pick(lines, "layer", "forward")
     if fwd:
         out += ["", "One layer (forward pass; graph and eager by CUDA events; floor = selected experts' bytes / read "
