@@ -47,7 +47,8 @@ class Source:
         index: leading indices into it (one expert of a fused tensor), or None.
         transform: applied after reading: None, "T" (transpose), "even_cols_T" / "odd_cols_T" (gpt-oss interleaved
             gate / up columns, then transposed), "even_rows" / "odd_rows" (the same for a (2I, H) matrix), "even" /
-            "odd" (interleaved bias), "flat" ((1, H) → (H,)).
+            "odd" (interleaved bias), "even_cols" / "odd_cols" (interleaved (E, 2I) biases), "flat" ((1, H) → (H,)),
+            "first_rows" / "last_rows" (gate-first fused (2I, H)).
         quant: None (a float tensor), "mxfp4" (gpt-oss blocks + scales) or "pack_quantized" (compressed-tensors).
         aux: the companion tensor names of a quantized source (mxfp4: (scales,); pack_quantized: (scale,
             zero_point or "", shape or "")).
@@ -369,8 +370,7 @@ def _plan_gpt_oss(tensors, spec, fl, prefix, block, used, sources) -> str:
             sources[("gate_proj", fl, e)] = Source(block["experts.gate_up_proj"], (e,), "even_cols_T")
             sources[("up_proj", fl, e)] = Source(block["experts.gate_up_proj"], (e,), "odd_cols_T")
             sources[("down_proj", fl, e)] = Source(block["experts.down_proj"], (e,), "T")
-    for e in range(E):
-        sources[("gate_bias", fl, e)] = Source(block["experts.gate_up_proj_bias"], (e,), "even")
-        sources[("up_bias", fl, e)] = Source(block["experts.gate_up_proj_bias"], (e,), "odd")
-        sources[("down_bias", fl, e)] = Source(block["experts.down_proj_bias"], (e,))
+    sources[("gate_bias", fl, None)] = Source(block["experts.gate_up_proj_bias"], None, "even_cols")
+    sources[("up_bias", fl, None)] = Source(block["experts.gate_up_proj_bias"], None, "odd_cols")
+    sources[("down_bias", fl, None)] = Source(block["experts.down_proj_bias"])
     return style

@@ -62,6 +62,10 @@ def _transform(array: np.ndarray, transform: str | None) -> np.ndarray:
         return array[:, 0::2].T
     if transform == "odd_cols_T":
         return array[:, 1::2].T
+    if transform == "even_cols":
+        return array[:, 0::2]
+    if transform == "odd_cols":
+        return array[:, 1::2]
     if transform == "even":
         return array[0::2]
     if transform == "odd":
