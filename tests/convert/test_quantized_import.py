@@ -75,8 +75,8 @@ def test_requantizing_is_refused(tmp_path, capsys):
     save_pack_quantized(model, tmp_path / "ckpt", bits=4, group_size=32)
     assert convert_cli(tmp_path / "ckpt", tmp_path / "m.colibri", "--dtype", "int8") == 1
     assert (
-        "qwen3_moe: the checkpoint's experts are already int4 g32, fp32 scales; re-quantizing is refused; allowed: "
-        "--dtype auto (kept as int4 g32, fp32 scales), fp16 or fp32 (dequantized)"
+        "qwen3_moe: the checkpoint's experts are already int4 g32; re-quantizing is refused; allowed: "
+        "--dtype auto (kept as int4 g32), fp16 or fp32 (dequantized)"
     ) in capsys.readouterr().err
 
 
