@@ -221,3 +221,44 @@ def test_cli_error_exit_code(mixtral_copy, tmp_path, capsys):
     assert convert_cli(mixtral_copy, tmp_path / "m.colibri") == 1
     err = capsys.readouterr().err
     assert err.startswith("colibri-sdk convert: error: mixtral: config.json hidden_act = 'relu'")
+
+
+# ---- the v2 families ---------------------------------------------------------------------------------------------
+def test_missing_shared_expert_tensor(tmp_path):
+    from hf_models import make_family
+
+    make_family("qwen2_moe").save_pretrained(tmp_path / "q")
+    rewrite(tmp_path / "q", lambda t: t.pop("model.layers.2.mlp.shared_expert.up_proj.weight"))
+    refused(tmp_path / "q", tmp_path, r"^qwen2_moe: tensor 'model\.layers\.2\.mlp\.shared_expert\.up_proj\.weight' is missing \(config\.json declares a shared expert of size 40\)$")
+
+
+def test_router_in_a_layer_the_config_calls_dense(tmp_path):
+    from hf_models import make_family
+
+    make_family("qwen2_moe").save_pretrained(tmp_path / "q")
+    edit_config(tmp_path / "q", mlp_only_layers=[0, 1])
+    refused(tmp_path / "q", tmp_path, r"^qwen2_moe: layer 0 has a MoE router \(model\.layers\.0\.mlp\.gate\.weight\), but config\.json makes it a dense layer \(mlp_only_layers / decoder_sparse_step\)$")
+
+
+def test_deepseek_multi_token_prediction_layer_is_left_out(tmp_path):
+    """DeepSeek-V3 checkpoints carry num_nextn_predict_layers extra layers after the decoder: left out, by name."""
+    from hf_models import make_family
+
+    model = make_family("deepseek_v3")
+    model.save_pretrained(tmp_path / "d")
+    extra = {k.replace("model.layers.2.", "model.layers.3."): v for k, v in load_file(str(tmp_path / "d" / "model.safetensors")).items() if k.startswith("model.layers.2.")}
+    rewrite(tmp_path / "d", lambda t: t.update(extra))
+    edit_config(tmp_path / "d", num_nextn_predict_layers=0)
+    refused(tmp_path / "d", tmp_path, r"^deepseek_v3: tensors of layer 3 are in the checkpoint, but config\.json num_hidden_layers = 3$")
+    edit_config(tmp_path / "d", num_nextn_predict_layers=1)
+    report = convert(tmp_path / "d", tmp_path / "d.colibri", progress=False)
+    assert report.left_out == {0: "dense MLP layer", 3: "multi-token-prediction layer (num_nextn_predict_layers)"}
+    assert report.header.layer_map == (1, 2)
+
+
+def test_gpt_oss_missing_expert_bias(tmp_path):
+    from hf_models import make_family
+
+    make_family("gpt_oss").save_pretrained(tmp_path / "g")
+    rewrite(tmp_path / "g", lambda t: t.pop("model.layers.1.mlp.experts.down_proj_bias"))
+    refused(tmp_path / "g", tmp_path, r"^gpt_oss: tensor 'model\.layers\.1\.mlp\.experts\.down_proj_bias' is missing$")
