@@ -8,6 +8,7 @@ records or compares only those (bundle manifests) reads a v2 header unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
 from typing import NamedTuple
@@ -430,11 +431,15 @@ class HeaderV2(Header):
             offset += nbytes
         return out
 
+    @functools.cached_property
+    def _blocks_by_name(self) -> dict[str, Block]:
+        return {b.name: b for b in self.blocks()}
+
     def block(self, name: str) -> Block:
         """The Block named `name` (e.g. `up_proj.scales`)."""
-        for b in self.blocks():
-            if b.name == name:
-                return b
+        b = self._blocks_by_name.get(name)
+        if b is not None:
+            return b
         raise FormatError(f"no block {name!r} in this file; blocks: {tuple(b.name for b in self.blocks())}")
 
     def block_elements(self, kind: str) -> int:

@@ -83,13 +83,13 @@ def unpack_int4(packed: np.ndarray, cols: int) -> np.ndarray:
     out = np.empty((packed.shape[0], packed.shape[1] * 2), np.int8)
     out[:, 0::2] = (packed & 0x0F).astype(np.int8) - INT4_OFFSET
     out[:, 1::2] = (packed >> 4).astype(np.int8) - INT4_OFFSET
-    return out[:, :cols]
+    return np.ascontiguousarray(out[:, :cols])
 
 
-# 256 bytes → their two int4 codes as float32 (low nibble first): one gather turns packed rows into codes.
-_INT4_PAIRS = np.stack(
-    [(np.arange(256) & 0x0F) - INT4_OFFSET, (np.arange(256) >> 4) - INT4_OFFSET], axis=1
-).astype(np.float32)
+# Byte → its two int4 codes as two int8 in one little-endian uint16 (low nibble's code first): one vectorised
+# gather (np.take) turns packed rows into int8 codes, measured faster than nibble shifts or a float table.
+_BYTE = np.arange(256)
+_INT4_PAIRS = (((_BYTE & 0x0F) - INT4_OFFSET) & 0xFF | ((((_BYTE >> 4) - INT4_OFFSET) & 0xFF) << 8)).astype("<u2")
 
 
 def dequantize(t: QuantizedTensor, rows: np.ndarray | None = None) -> np.ndarray:
@@ -109,9 +109,8 @@ def dequantize(t: QuantizedTensor, rows: np.ndarray | None = None) -> np.ndarray
         zeros = None if zeros is None else zeros[rows]
     n, cols = codes.shape[0], t.cols
     if t.packed:
-        q = _INT4_PAIRS[codes].reshape(n, -1)  # (n, 2*ceil(cols/2)) float32, exact integers
-        if q.shape[1] != cols:
-            q = q[:, :cols]
+        pairs = np.take(_INT4_PAIRS, codes)  # (n, ceil(cols/2)) uint16
+        q = pairs.view(np.int8).reshape(n, -1)[:, :cols].astype(np.float32)  # exact integers
     else:
         q = codes.astype(np.float32)
     g = scales.shape[1]
@@ -160,10 +159,12 @@ def quantize_rtn(
 ) -> QuantizedTensor:
     """Symmetric round-to-nearest quantization of one matrix, group by group along its columns.
 
-    Per group: `amax = max |w|`, `scale = amax / qmax` (qmax 127 for int8, 7 for int4) rounded to `scale_dtype`,
-    `q = clip(rint(w / scale), -qmax, qmax)` with the stored scale (ties to even; q = 0 where the scale is 0). The
-    last group is partial when group_size does not divide cols (docs/format.md, "Groups"). Works on one tensor at a
-    time: memory is a few copies of `weight`, whatever the model's size.
+    Per group, with m the group's value of largest magnitude (the first on ties): int8 `scale = |m| / 127`; int4
+    `scale = m / -8` (llama.cpp Q4_0's choice: m itself maps to the code -8, so the whole -8..7 range is used and the
+    scale may be negative). The scale is rounded to `scale_dtype`, then `q = clip(rint(w / scale), lo, hi)` with the
+    stored scale (ties to even; q = 0 where the scale is 0). The last group is partial when group_size does not
+    divide cols (docs/format.md, "Groups"). Works on one tensor at a time: memory is a few copies of `weight`,
+    whatever the model's size.
 
     Args:
         weight: (rows, cols) finite floats; cols is the reduction dimension.
@@ -183,27 +184,29 @@ def quantize_rtn(
     w = w.astype(np.float32, copy=False)
     if not np.isfinite(w).all():
         raise FormatError(f"weight has {int((~np.isfinite(w)).sum())} non-finite values (NaN or Inf)")
-    qmax = QUANT_RANGE[quant][1]
+    lo, hi = QUANT_RANGE[quant]
     rows, cols = w.shape
     size = cols if group_size == 0 else group_size
     g = -(-cols // size)
     pad = g * size - cols
     padded = np.pad(w, ((0, 0), (0, pad))) if pad else w
     grouped = padded.reshape(rows, g, size)
-    amax = np.abs(grouped).max(axis=2)
-    scales = (amax / np.float32(qmax)).astype(np.float32)
+    where = np.abs(grouped).argmax(axis=2)
+    m = np.take_along_axis(grouped, where[:, :, None], axis=2)[:, :, 0]
+    amax = np.abs(m)
+    scales = (m / np.float32(lo) if quant == QUANT_INT4 else amax / np.float32(hi)).astype(np.float32)
     dtype = np.dtype(scale_dtype)
     if dtype == np.float16:
-        big = scales > 65504.0
+        big = np.abs(scales) > 65504.0
         if big.any():
             raise FormatError(
-                f"{int(big.sum())} group scales exceed float16 (max {float(scales.max()):g}, |w| up to "
+                f"{int(big.sum())} group scales exceed float16 (max {float(np.abs(scales).max()):g}, |w| up to "
                 f"{float(amax.max()):g}); allowed: scales <= 65504, or float32 scales (dtype float32)"
             )
     stored = scales.astype(dtype)
     s32 = stored.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.rint(grouped / s32[:, :, None])
-    q = np.where(s32[:, :, None] > 0, q, 0.0)
-    codes = np.clip(q, -qmax, qmax).astype(np.int8).reshape(rows, g * size)[:, :cols]
+    q = np.where(s32[:, :, None] != 0, q, 0.0)
+    codes = np.clip(q, lo, hi).astype(np.int8).reshape(rows, g * size)[:, :cols]
     return QuantizedTensor(np.ascontiguousarray(codes), stored, None, cols, group_size, quant)
