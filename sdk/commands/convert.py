@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def register(sub) -> None:
     p = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint folder to a .colibri file")
-    p.add_argument("checkpoint", metavar="HF_DIR", help="folder with config.json and *.safetensors (single or sharded)")
+    p.add_argument("checkpoint", metavar="HF_DIR", help="folder with config.json and *.safetensors (single or sharded), or a .gguf file")
     p.add_argument("-o", "--output", required=True, help="the .colibri file to write")
     p.add_argument(
         "--dtype",
