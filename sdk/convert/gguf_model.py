@@ -8,7 +8,10 @@ gate `ffn_gate_inp_shexp` (hidden,). Shapes here are NumPy order (GGUF lists the
 Routing per architecture, as llama.cpp builds it (`build_moe_ffn` calls in src/models/*.cpp): llama (Mixtral)
 and qwen3moe softmax → top-k → renormalise; qwen2moe and olmoe softmax → top-k, not renormalised;
 `{arch}.expert_weights_scale` (≠ 0, 1) scales the weights; `{arch}.expert_weights_norm` overrides the
-renormalisation when present.
+renormalisation when present. deepseek2 (DeepSeek-V2/V3 as llama.cpp runs them): `expert_gating_func` 1 softmax
+or 2 sigmoid (with the selection-only bias `blk.N.exp_probs_b.bias`), `expert_weights_norm`,
+`expert_weights_scale`, the first `leading_dense_block_count` layers dense, an ungated shared expert of
+`expert_shared_count × expert_feed_forward_length`; group-limited selection (`expert_group_count` > 1) is refused.
 
 Storage: F32, F16, BF16 tensors are floats; Q8_0 (blocks of 32: fp16 d, 32 int8 q; w = d·q) and Q4_0 (fp16 d, 16
 bytes: element j in the low nibble of byte j, element j+16 in its high nibble; w = d·(nibble − 8)) map onto
@@ -37,6 +40,7 @@ ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", True, False),
     "qwen2moe": ("qwen2_moe", False, True),
     "olmoe": ("olmoe", False, False),
+    "deepseek2": ("deepseek_v2", False, False),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = {"Q8_0": (QUANT_INT8, 8), "Q4_0": (QUANT_INT4, 4)}
@@ -103,11 +107,26 @@ class GGUFModel(Model):
             )
         family, renorm, shared = ARCHITECTURES[arch]
         gating = self._field(f"{arch}.expert_gating_func")
-        if gating not in (None, 1):
-            raise ConvertError(f"{arch}: GGUF {arch}.expert_gating_func = {gating!r}; allowed: 1 (softmax) or absent")
+        allowed = (None, 1, 2) if arch == "deepseek2" else (None, 1)
+        if gating not in allowed:
+            raise ConvertError(
+                f"{arch}: GGUF {arch}.expert_gating_func = {gating!r}; allowed: "
+                f"{'1 (softmax), 2 (sigmoid)' if arch == 'deepseek2' else '1 (softmax)'} or absent"
+            )
+        sigmoid = gating == 2
+        if sigmoid:
+            family = "deepseek_v3"
+        groups = self._field(f"{arch}.expert_group_count")
+        if groups not in (None, 0, 1):
+            raise ConvertError(
+                f"{family}: GGUF {arch}.expert_group_count = {groups!r}: group-limited routing is not imported from "
+                f"GGUF; convert the Hugging Face checkpoint (deepseek_v2 / deepseek_v3 keep n_group, topk_group)"
+            )
         norm = self._field(f"{arch}.expert_weights_norm")
         renorm = renorm if norm is None else bool(norm)
         scale = self._field(f"{arch}.expert_weights_scale")
+        if scale is not None and (isinstance(scale, (bool, str)) or not isinstance(scale, (int, float)) or scale < 0):
+            raise ConvertError(f"{family}: GGUF {arch}.expert_weights_scale = {scale!r}; allowed: a number >= 0")
         scale = 1.0 if scale in (None, 0, 0.0) else float(scale)
         L = self._size(f"{arch}.block_count", "layer count")
         E = self._size(f"{arch}.expert_count", "expert count")
@@ -120,9 +139,17 @@ class GGUFModel(Model):
         if shared and any(n.endswith("ffn_gate_shexp.weight") for n in self.tensors):
             size = self._size(f"{arch}.expert_shared_feed_forward_length", "shared expert size")
             shared_spec = SharedSpec(size, gated=True)
+        if arch == "deepseek2" and self._field(f"{arch}.expert_shared_count"):
+            shared_spec = SharedSpec(self._size(f"{arch}.expert_shared_count", "shared expert count") * inter, gated=False)
         moe = tuple(l for l in range(L) if f"blk.{l}.ffn_gate_inp.weight" in self.tensors)
         if not moe:
-            raise ConvertError(f"{arch}: no MoE router in {self.path.name} (no tensor blk.N.ffn_gate_inp.weight)")
+            raise ConvertError(f"{family}: no MoE router in {self.path.name} (no tensor blk.N.ffn_gate_inp.weight)")
+        lead = self._field(f"{arch}.leading_dense_block_count")
+        if arch == "deepseek2" and lead is not None and moe != tuple(range(lead, L)):
+            raise ConvertError(
+                f"{family}: GGUF {arch}.leading_dense_block_count = {lead!r}, but the routers are in layers {list(moe)}"
+            )
+        bias = sigmoid and any(n.endswith("exp_probs_b.bias") for n in self.tensors)
         keys = dict(num_layers=f"{arch}.block_count", num_experts=f"{arch}.expert_count",
                     top_k=f"{arch}.expert_used_count", hidden_size=f"{arch}.embedding_length",
                     intermediate_size=f"{arch}.expert_feed_forward_length")
@@ -130,7 +157,9 @@ class GGUFModel(Model):
         return ModelSpec(
             family=family, num_layers=L, moe_layers=moe, dense_layers=tuple(l for l in range(L) if l not in moe),
             num_experts=E, top_k=K, hidden_size=H, expert=ExpertSpec(inter),
-            router=RouterSpec(order=order, renormalize=renorm, scaling=scale), shared=shared_spec, keys=keys,
+            router=RouterSpec(scoring="sigmoid" if sigmoid else "softmax", order=order, renormalize=renorm,
+                              renorm_epsilon=1e-20 if sigmoid else 0.0, scaling=scale, correction_bias=bias),
+            shared=shared_spec, keys=keys,
         )
 
     # ---- tensors ----------------------------------------------------------------------------------------------
@@ -168,6 +197,9 @@ class GGUFModel(Model):
                 t = self._tensor(b + name + ".weight", shape)
                 for e in range(E):
                     sources[(kind, fl, e)] = Source(t.name, (e,), None, self._quant(t))
+            if s.router.correction_bias:
+                self._tensor(b + "exp_probs_b.bias", (E,))
+                sources[("correction_bias", fl, None)] = Source(b + "exp_probs_b.bias")
             if s.shared is not None:
                 Is = s.shared.intermediate_size
                 for kind, name, shape in (("shared_gate_proj", "ffn_gate_shexp", (Is, H)),
@@ -175,8 +207,9 @@ class GGUFModel(Model):
                                           ("shared_down_proj", "ffn_down_shexp", (H, Is))):
                     t = self._tensor(b + name + ".weight", shape)
                     sources[(kind, fl, 0)] = Source(t.name, None, None, self._quant(t))
-                self._tensor(b + "ffn_gate_inp_shexp.weight", (H,))
-                sources[("shared_expert_gate", fl, None)] = Source(b + "ffn_gate_inp_shexp.weight")
+                if s.shared.gated:
+                    self._tensor(b + "ffn_gate_inp_shexp.weight", (H,))
+                    sources[("shared_expert_gate", fl, None)] = Source(b + "ffn_gate_inp_shexp.weight")
         left_out = {l: "dense MLP layer" for l in s.dense_layers}
         return Layout(sources, "gguf", left_out)
 

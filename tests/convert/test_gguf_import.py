@@ -68,8 +68,34 @@ def test_gguf_refusals(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConvertError, match=r"GGUF general\.architecture = 'llama' is not a supported MoE; allowed: llama, qwen3moe, qwen2moe, olmoe"):
+    with pytest.raises(ConvertError, match=r"GGUF general\.architecture = 'llama' is not a supported MoE; allowed: llama, qwen3moe, qwen2moe, olmoe, deepseek2 \(llama with experts: Mixtral\)$"):
         convert(tmp_path / "d.gguf", tmp_path / "d.colibri", progress=False)
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\x00" * 20)
     with pytest.raises(ConvertError, match=r"bad\.gguf: not a readable GGUF file"):
         convert(tmp_path / "bad.gguf", tmp_path / "b.colibri", progress=False)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_gguf_deepseek2(tmp_path, family):
+    """llama.cpp's deepseek2: a leading dense layer, an ungated shared expert, softmax (V2) or sigmoid with the
+    selection-only exp_probs_b (V3) routing, weights scaled by expert_weights_scale; one group (llama.cpp's own
+    GGUF keys carry no n_group/topk_group here)."""
+    from hf_models import HIDDEN as H, family_output, make_family
+
+    groups = {} if family == "deepseek_v2" else dict(n_group=1, topk_group=1)
+    model = make_family(family, seed=3, moe_intermediate_size=64, **groups)
+    written = write_gguf(model, family, tmp_path / "d.gguf", "Q8_0")
+    out = tmp_path / "d.colibri"
+    assert convert_cli(tmp_path / "d.gguf", out) == 0
+    with ColibriFile(out) as f:
+        h = f.header
+        assert f.layer_map == (1, 2)
+        assert (h.routing, h.correction_bias, h.num_shared_experts) == ((1, 0, 1) if family == "deepseek_v2" else (2, 1, 1))
+        data, kind = written["blk.2.ffn_down_shexp.weight"]
+        assert np.array_equal(f.weight("shared_down_proj", 1, 0), gguf.quants.dequantize(data, kind))
+    load_dequantized(model, family, written)
+    engine = ReferenceEngine(out)
+    x = np.random.default_rng(2).standard_normal((2, 12, H)).astype(np.float32)
+    for file_layer, layer in enumerate((1, 2)):
+        expected = family_output(model, layer, x)
+        assert rel_err(engine.layer(file_layer, x.reshape(-1, H)).reshape(x.shape), expected) <= 1e-5
