@@ -1,6 +1,5 @@
 """`colibri-sdk convert HF_DIR -o model.colibri [--dtype fp16|fp32] [--clamp-fp16]`: a Hugging Face MoE
-checkpoint folder → a .colibri file (docs/convert.md). Also `--dtype auto|int8|int4 [--group-size N]` and a
-GGUF file in place of HF_DIR."""
+checkpoint folder → a .colibri file (docs/convert.md)."""
 
 from __future__ import annotations
 
