@@ -30,13 +30,12 @@ from ..format.constants import (
     GROUP_SIZES,
     QUANT_CODES,
     QUANT_FLOAT,
-    QUANT_INT4,
     QUANT_INT8,
     ROUTING_SIGMOID_TOPK,
     ROUTING_SOFTMAX_TOPK,
     ROUTING_TOPK_SOFTMAX,
 )
-from .checkpoint import INDEX_FILE, Checkpoint
+from .checkpoint import Checkpoint
 from .families import ModelSpec
 from .layout import Layout, Source
 from .source import Model, open_model
@@ -287,7 +286,7 @@ def _refuse_overwriting_source(model: Model, output: Path) -> None:
             )
 
 
-def _matrix(model: Model, header: Header, storage: Storage, source: Source, kind: str, stats: dict):
+def _matrix(model: Model, storage: Storage, source: Source, kind: str, stats: dict):
     """One expert matrix in the file's storage: a float array, or a QuantizedTensor."""
     if storage.quant == QUANT_FLOAT:
         return model.read_float(source)
@@ -345,7 +344,7 @@ def _stream(model: Model, header: Header, storage: Storage, output: Path, *, cla
             for kind, layer, index in pending:
                 source = model.layout.sources[(kind, layer, index)]
                 if (header.is_matrix(kind) if v2 else kind != "router"):
-                    array = _matrix(model, header, storage, source, kind, stats)
+                    array = _matrix(model, storage, source, kind, stats)
                 else:
                     array = model.read_float(source)
                 fp16_here = storage.quant == QUANT_FLOAT and storage.dtype == "fp16" and (not v2 or header.is_matrix(kind))

@@ -13,7 +13,6 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the quantized-checkpoint tests need torch (the `test` extra)")

@@ -11,8 +11,8 @@ from colibri_sdk.convert import convert
 from colibri_sdk.errors import ConvertError
 from colibri_sdk.format import ColibriFile
 from colibri_sdk.reference import ReferenceEngine
-from gguf_models import Q, gguf, load_dequantized, write_gguf
-from hf_models import LAYERS, block_output, convert_cli, make_model, rel_err
+from gguf_models import gguf, load_dequantized, write_gguf
+from hf_models import LAYERS, block_output, convert_cli, rel_err
 from quantized_models import QHIDDEN as HIDDEN
 from quantized_models import make_qmodel
 
