@@ -76,6 +76,7 @@ class GGUFModel(Model):
         except Exception as exc:  # gguf-py raises ValueError / struct.error / OSError on malformed files
             raise ConvertError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {str(exc)[:200]})") from exc
         self.quants = gguf.quants
+        self._file = None
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.spec = self._spec()
         self.layout = self._plan()
@@ -217,9 +218,22 @@ class GGUFModel(Model):
         return "gguf" if t.tensor_type.name in QUANT_TYPES else None
 
     def _data(self, source: Source) -> tuple[np.ndarray, object]:
+        """The bytes (or floats) of a tensor or of one expert, read with a positioned read at the tensor's offset
+        (not through gguf-py's memory map, whose touched pages would count towards the resident set)."""
         t = self.tensors[source.name]
-        data = t.data if source.index is None else t.data[source.index]
-        return np.array(data), t.tensor_type
+        view = t.data if source.index is None else t.data[source.index]  # shape and dtype only; no data touched
+        nbytes = view.size * view.dtype.itemsize
+        offset = t.data_offset + (0 if source.index is None else source.index[0] * nbytes)
+        out = np.empty(view.shape, view.dtype)
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb", buffering=0)
+            except OSError as exc:
+                raise ConvertError(f"cannot open {self.path}: {exc.strerror}") from exc
+        self._file.seek(offset)
+        if self._file.readinto(memoryview(out).cast("B")) != nbytes:
+            raise ConvertError(f"{self.path.name}: tensor {t.name!r} is cut short (file shorter than its header says)")
+        return out, t.tensor_type
 
     def read_float(self, source: Source) -> np.ndarray:
         data, qtype = self._data(source)
@@ -268,4 +282,6 @@ class GGUFModel(Model):
         return {self.path}
 
     def close(self) -> None:
-        self.reader = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
