@@ -142,8 +142,9 @@ class HeaderV2(Header):
             object.__setattr__(self, "num_model_layers", self.num_layers)
         if isinstance(self.layer_map, (tuple, list)) and len(self.layer_map) == 0 and isinstance(self.num_layers, int):
             object.__setattr__(self, "layer_map", tuple(range(self.num_layers)))
-        elif isinstance(self.layer_map, (list, np.ndarray)):
-            object.__setattr__(self, "layer_map", tuple(self.layer_map))
+        elif isinstance(self.layer_map, (tuple, list, np.ndarray)):
+            as_int = tuple(int(v) if isinstance(v, np.integer) else v for v in self.layer_map)
+            object.__setattr__(self, "layer_map", as_int)
         for name in HEADER_V2_FLOATS:
             value = getattr(self, name)
             if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool):

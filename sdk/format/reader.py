@@ -1,7 +1,7 @@
-"""Read a .colibri file through mmap: every tensor is a zero-copy, read-only NumPy view.
+"""Read a .colibri file (v1 or v2) through mmap: every tensor is a zero-copy, read-only NumPy view.
 
-Opening a file reads only its 64-byte header and its size; tensor bytes are paged in by the OS when touched, so
-opening time does not grow with the file.
+Opening a file reads only its 64-byte header (v2: also the layer map and the few padding bytes between blocks) and
+its size; tensor bytes are paged in by the OS when touched, so opening time does not grow with the file.
 """
 
 from __future__ import annotations
@@ -93,16 +93,18 @@ class ColibriFile:
 
     # ---- tensors ----------------------------------------------------------------------------------------------
     def tensor(self, kind: str, layer: int, expert: int | None = None) -> np.ndarray:
-        """Zero-copy view of one tensor.
+        """Zero-copy view of one stored tensor.
 
         Args:
-            kind: "gate_proj" | "up_proj" | "down_proj" | "router".
+            kind: v1: "gate_proj" | "up_proj" | "down_proj" | "router". v2: any block name of the file
+                (`header.blocks()`: also "gate_proj.scales", "shared_up_proj", "router_bias", ...).
             layer: 0..num_layers-1.
-            expert: 0..num_experts-1 for gate/up/down; None for the router.
+            expert: 0..count-1 for expert matrices and their scales/zeros (routed or shared); None otherwise.
 
         Returns:
-            Read-only array in the file dtype: gate/up (intermediate, hidden), down (hidden, intermediate),
-            router (hidden, num_experts).
+            Read-only array as stored: gate/up (intermediate, hidden), down (hidden, intermediate), router (hidden,
+            num_experts); v2 int8 codes (rows, cols) int8, int4 codes (rows, ceil(cols/2)) uint8, scales
+            (rows, groups) in the file dtype, vectors float32 (docs/format.md, v2 "Blocks").
         """
         h = self.header
         offset = h.tensor_offset(kind, layer, expert)

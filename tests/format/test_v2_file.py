@@ -321,3 +321,26 @@ def test_cpu_backend_runs_int4(tmp_path, rng):
     x = rng.standard_normal((1, 3, 6)).astype(np.float32)
     np.testing.assert_array_equal(backend.infer_padded(x), ReferenceEngine(path)(x))
     backend.close()
+
+
+def test_largest_v2_header_is_a_truncated_file_not_an_overflow(tmp_path):
+    """Every size at 65535 (65535 layers, each mapped; 65535 shared experts of 65535): the reader computes the
+    implied size with Python integers and refuses the short file quickly."""
+    import time
+
+    h = HeaderV2(num_layers=65535, num_experts=65535, top_k=65535, hidden_size=65535, intermediate_size=65535,
+                 dtype=0, quant=1, group_size=32, zero_points=1, num_shared_experts=65535,
+                 shared_intermediate_size=65535, expert_bias=1, router_bias=1, num_model_layers=65535)
+    path = tmp_path / "huge.colibri"
+    path.write_bytes(h.pack_prefix())
+    start = time.perf_counter()
+    with pytest.raises(FormatError, match=r"truncated: 131136 bytes, the header implies \d{21,} "):
+        ColibriFile(path)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_v2_header_without_its_layer_map(tmp_path):
+    path = tmp_path / "short.colibri"
+    path.write_bytes(HeaderV2(**TINY).pack())
+    with pytest.raises(FormatError, match=r"file is 64 bytes; a v2 file with 1 layers starts with 128 bytes"):
+        ColibriFile(path)
