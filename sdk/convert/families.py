@@ -304,7 +304,7 @@ def _deepseek(config: dict, family: str) -> ModelSpec:
     _refuse_foreign(config, family, read)
     _silu(config, family)
     sizes = _moe_sizes(config, family, ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",))
-    E, L = sizes["num_experts"], sizes["num_layers"]
+    L = sizes["num_layers"]
     quant = config.get("quantization_config")
     if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         raise ConvertError(
@@ -324,26 +324,7 @@ def _deepseek(config: dict, family: str) -> ModelSpec:
         raise ConvertError(
             f"{family}: config.json topk_method = {method!r}; allowed: {', '.join(repr(m) for m in methods)}"
         )
-    n_group, topk_group = 1, 1
-    if not v2 or method == "group_limited_greedy":
-        _, n_group = _size(config, ("n_group",), "group count (n_group)", family)
-        _, topk_group = _size(config, ("topk_group",), "selected group count (topk_group)", family)
-        if E % n_group or topk_group > n_group:
-            raise ConvertError(
-                f"{family}: config.json n_group = {n_group}, topk_group = {topk_group} with {E} experts; allowed: "
-                f"n_group dividing {E}, topk_group <= n_group"
-            )
-        per_group = E // n_group
-        if not v2 and per_group < 2:
-            raise ConvertError(
-                f"{family}: config.json n_group = {n_group} leaves {per_group} expert per group; the group score is "
-                f"the sum of a group's two best experts; allowed: n_group <= {E // 2}"
-            )
-        if sizes["top_k"] > topk_group * per_group:
-            raise ConvertError(
-                f"{family}: config.json num_experts_per_tok = {sizes['top_k']} exceeds the {topk_group * per_group} "
-                f"experts of the topk_group = {topk_group} selected groups; allowed: 1..{topk_group * per_group}"
-            )
+    n_group, topk_group = _groups(config, family, sizes) if not v2 or method == "group_limited_greedy" else (1, 1)
     norm = _flag(config, "norm_topk_prob", False if v2 else True, family)
     if v2 and norm:
         raise ConvertError(
@@ -370,6 +351,30 @@ def _deepseek(config: dict, family: str) -> ModelSpec:
     if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
         raise ConvertError(f"{family}: config.json num_nextn_predict_layers = {extra!r}; allowed: an integer >= 0")
     return _spec(family, sizes, range(min(first, L), L), router, shared=shared, extra_layers=extra)
+
+
+def _groups(config: dict, family: str, sizes: dict) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited DeepSeek router, checked against the expert count and top-k."""
+    E, v2 = sizes["num_experts"], family == "deepseek_v2"
+    _, n_group = _size(config, ("n_group",), "group count (n_group)", family)
+    _, topk_group = _size(config, ("topk_group",), "selected group count (topk_group)", family)
+    if E % n_group or topk_group > n_group:
+        raise ConvertError(
+            f"{family}: config.json n_group = {n_group}, topk_group = {topk_group} with {E} experts; allowed: "
+            f"n_group dividing {E}, topk_group <= n_group"
+        )
+    per_group = E // n_group
+    if not v2 and per_group < 2:
+        raise ConvertError(
+            f"{family}: config.json n_group = {n_group} leaves {per_group} expert per group; the group score is "
+            f"the sum of a group's two best experts; allowed: n_group <= {E // 2}"
+        )
+    if sizes["top_k"] > topk_group * per_group:
+        raise ConvertError(
+            f"{family}: config.json num_experts_per_tok = {sizes['top_k']} exceeds the {topk_group * per_group} "
+            f"experts of the topk_group = {topk_group} selected groups; allowed: 1..{topk_group * per_group}"
+        )
+    return n_group, topk_group
 
 
 def _gpt_oss(config: dict, family: str) -> ModelSpec:

@@ -104,7 +104,7 @@ def test_gpt_oss_clamp_is_reached(tmp_path):
     assert float(gate_up.abs().max()) > 7.0
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", list(EXPECTED))
 def test_bf16_sharded_checkpoint(tmp_path, family):
     """bf16 checkpoints in several shards convert exactly (bf16 → fp32 is lossless)."""
     model = make_family(family, seed=5).to(torch.bfloat16)

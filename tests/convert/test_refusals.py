@@ -262,3 +262,13 @@ def test_gpt_oss_missing_expert_bias(tmp_path):
     make_family("gpt_oss").save_pretrained(tmp_path / "g")
     rewrite(tmp_path / "g", lambda t: t.pop("model.layers.1.mlp.experts.down_proj_bias"))
     refused(tmp_path / "g", tmp_path, r"^gpt_oss: tensor 'model\.layers\.1\.mlp\.experts\.down_proj_bias' is missing$")
+
+
+def test_phimoe_checkpoint_is_refused(tmp_path):
+    """A PhiMoE checkpoint saved by transformers: SparseMixer routing is named as the reason."""
+    config = transformers.PhimoeConfig(
+        hidden_size=32, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=32, max_position_embeddings=64,
+    )
+    transformers.PhimoeForCausalLM(config).save_pretrained(tmp_path / "phimoe")
+    refused(tmp_path / "phimoe", tmp_path, r"^phimoe: routes with SparseMixer \(each selected expert's weight is a softmax over only the logits within a jitter threshold of it, the second choice taken after masking the first\), which no \.colibri router computes; not supported$")
