@@ -117,7 +117,10 @@ def _read_packed(checkpoint: Checkpoint, source: Source, scheme) -> Codes:
         raise ConvertError(f"tensor {source.name!r} has no {source.name.removesuffix('_packed')}_scale")
     packed = checkpoint.read_raw(source.name, source.index, allowed=("I32",))
     if shape_name:
-        rows, cols = (int(v) for v in checkpoint.read_raw(shape_name, allowed=("I64", "I32")).reshape(-1)[:2])
+        shape = checkpoint.read_raw(shape_name, allowed=("I64", "I32")).reshape(-1)
+        if shape.size != 2 or (shape < 1).any() or (shape > 1 << 20).any():
+            raise ConvertError(f"tensor {shape_name!r} = {shape.tolist()[:4]}; expected (rows, cols), each 1..{1 << 20}")
+        rows, cols = int(shape[0]), int(shape[1])
     else:
         rows, cols = packed.shape[0], packed.shape[1] * 32 // scheme.bits
     if packed.shape != (rows, -(-cols * scheme.bits // 32)):

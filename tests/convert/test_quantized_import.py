@@ -101,3 +101,24 @@ def test_unpacking_matches_the_library():
         q = rng.integers(-8, 8, (5, 33)).astype(np.int8)
         rows = compressed.int4_rows(pack_to_int32(torch.from_numpy(q), 4).numpy(), 33)
         assert np.array_equal(unpack_int4(rows, 33), q)
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("weight_shape", np.array([64], np.int64), r"weight_shape' = \[64\]; expected \(rows, cols\)"),
+    ("weight_shape", np.array([64, 96], np.int64), r"weight_packed' has shape \(64, 8\); expected \(64, 12\) for weight_shape \(64, 96\) at 4 bits"),
+    ("weight_scale", np.ones((64, 3), np.float32), r"weight_scale' has shape \(64, 3\); expected \(64, 2\)"),
+], ids=["shape-length", "shape-mismatch", "scale-shape"])
+def test_malformed_pack_quantized_tensors(tmp_path, name, value, match):
+    from safetensors.numpy import load_file, save_file
+
+    from colibri_sdk.convert import convert
+    from colibri_sdk.errors import ConvertError
+
+    save_pack_quantized(make_qmodel("qwen3", seed=1), tmp_path / "ckpt", bits=4, group_size=32)
+    path = tmp_path / "ckpt" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors[f"{EXPERT}.{name}"] = value
+    save_file(tensors, str(path))
+    with pytest.raises(ConvertError, match=match):
+        convert(tmp_path / "ckpt", tmp_path / "m.colibri", progress=False)
+    assert not (tmp_path / "m.colibri").exists()
