@@ -166,6 +166,13 @@ class GGUFModel(Model):
     # ---- tensors ----------------------------------------------------------------------------------------------
     def _tensor(self, name: str, shape: tuple[int, ...]):
         t = self.tensors.get(name)
+        if t is None and name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            merged = name.rsplit(".", 2)[0] + ".ffn_gate_up_exps.weight"
+            if merged in self.tensors:
+                raise ConvertError(
+                    f"{self.spec.family}: {self.path.name} stores gate and up fused ({merged!r}), which is not "
+                    f"imported; convert the Hugging Face checkpoint"
+                )
         if t is None:
             if name.endswith("_exps.weight") and any(f".{name.split('.')[2].removesuffix('_exps')}.0." in n for n in self.tensors):
                 raise ConvertError(

@@ -99,3 +99,20 @@ def test_gguf_deepseek2(tmp_path, family):
     for file_layer, layer in enumerate((1, 2)):
         expected = family_output(model, layer, x)
         assert rel_err(engine.layer(file_layer, x.reshape(-1, H)).reshape(x.shape), expected) <= 1e-5
+
+
+def test_gguf_one_tensor_per_expert_is_refused(tmp_path):
+    """Old llama.cpp files (one blk.N.ffn_gate.E.weight per expert) are refused with what would work."""
+    w = gguf.GGUFWriter(str(tmp_path / "old.gguf"), "llama")
+    for key, value in (("block_count", 1), ("embedding_length", 32), ("expert_count", 2), ("expert_used_count", 1),
+                       ("feed_forward_length", 32)):
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((2, 32), np.float32))
+    for e in range(2):
+        w.add_tensor(f"blk.0.ffn_gate.{e}.weight", np.zeros((32, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConvertError, match=r"^mixtral: old\.gguf stores one tensor per expert \(an old GGUF layout\); re-convert it with a current llama\.cpp convert_hf_to_gguf\.py"):
+        convert(tmp_path / "old.gguf", tmp_path / "old.colibri", progress=False)
