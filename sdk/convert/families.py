@@ -301,6 +301,11 @@ def _deepseek(config: dict, family: str) -> ModelSpec:
     v2 = family == "deepseek_v2"
     read = ("n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
             "scoring_func", "topk_method")
+    if config.get("mlp_bias"):
+        raise ConvertError(
+            f"{family}: config.json mlp_bias = {config['mlp_bias']!r}: biases on the shared and dense MLPs are not "
+            f"held by .colibri (only gpt_oss-style routed-expert biases are); allowed: false"
+        )
     _refuse_foreign(config, family, read)
     _silu(config, family)
     sizes = _moe_sizes(config, family, ("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",))
