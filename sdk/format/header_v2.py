@@ -17,7 +17,6 @@ import numpy as np
 
 from ..errors import FormatError
 from .constants import (
-    ACTIVATION_CLAMPED_SWIGLU,
     ACTIVATION_NAMES,
     BIAS_KINDS,
     BLOCK_ALIGN,
@@ -26,8 +25,6 @@ from .constants import (
     DTYPES,
     GROUP_SCORE_NAMES,
     GROUP_SCORE_NONE,
-    GROUP_SCORE_TOP2_SUM,
-    GROUP_SIZES,
     HEADER_SIZE,
     HEADER_V2_FIELDS,
     HEADER_V2_FLOATS,
@@ -49,6 +46,7 @@ from .constants import (
     ZEROS_SUFFIX,
 )
 from .header import Header
+from .rules_v2 import check_experts, check_layer_map, check_routing, check_storage
 
 F32 = np.dtype("<f4")
 I8 = np.dtype("i1")
@@ -168,101 +166,10 @@ class HeaderV2(Header):
             value = getattr(self, name)
             if not isinstance(value, float) or not math.isfinite(value):
                 raise FormatError(f"{name} = {value!r}; allowed: a finite float")
-        self._validate_storage()
-        self._validate_routing()
-        self._validate_experts()
-        self._validate_layer_map()
-
-    def _validate_storage(self) -> None:
-        if self.quant not in QUANT_NAMES:
-            raise FormatError(f"quant code {self.quant} (bytes 22-23); allowed: {QUANT_NAMES}")
-        allowed = GROUP_SIZES[self.quant]
-        if self.group_size not in allowed:
-            per_row = " (0 = one group per row)" if 0 in allowed and self.quant != QUANT_FLOAT else ""
-            raise FormatError(
-                f"group_size {self.group_size} for {QUANT_NAMES[self.quant]} weights; allowed: "
-                f"{', '.join(map(str, allowed))}{per_row}"
-            )
-        if self.zero_points and self.quant == QUANT_FLOAT:
-            raise FormatError("zero_points = 1 with float weights; allowed: zero points only for int8 or int4")
-
-    def _validate_routing(self) -> None:
-        if self.routing == ROUTING_TOPK_SOFTMAX and self.norm_topk:
-            raise FormatError(
-                "norm_topk = 1 with routing topk_softmax (already normalised over the k); allowed: 0, or routing "
-                "softmax_topk / sigmoid_topk"
-            )
-        if self.correction_bias and self.routing != ROUTING_SIGMOID_TOPK:
-            raise FormatError(
-                f"correction_bias = 1 with routing {ROUTING_V2_NAMES[self.routing]}; allowed only with sigmoid_topk"
-            )
-        e, n, k = self.num_experts, self.n_group, self.topk_group
-        if not 1 <= n <= e or e % n:
-            raise FormatError(f"n_group = {n}; allowed: a divisor of num_experts = {e}")
-        if not 1 <= k <= n:
-            raise FormatError(f"topk_group = {k}; allowed: 1..n_group = {n}")
-        if self.group_score not in GROUP_SCORE_NAMES:
-            raise FormatError(f"group_score code {self.group_score} (bytes 34-35); allowed: {GROUP_SCORE_NAMES}")
-        if n == 1:
-            if k != 1 or self.group_score != GROUP_SCORE_NONE:
-                raise FormatError(
-                    f"n_group = 1 with topk_group = {k}, group_score = {GROUP_SCORE_NAMES[self.group_score]}; "
-                    "allowed with one group: topk_group 1, group_score none"
-                )
-        else:
-            if self.routing == ROUTING_TOPK_SOFTMAX:
-                raise FormatError(
-                    f"n_group = {n} with routing topk_softmax; allowed: group-limited selection with softmax_topk "
-                    "or sigmoid_topk"
-                )
-            if self.group_score == GROUP_SCORE_NONE:
-                raise FormatError(f"group_score none with n_group = {n}; allowed: max (1) or top2_sum (2)")
-            if self.group_score == GROUP_SCORE_TOP2_SUM and e // n < 2:
-                raise FormatError(
-                    f"group_score top2_sum with {e // n} expert per group; allowed: at least 2 experts per group"
-                )
-            if self.top_k > k * (e // n):
-                raise FormatError(
-                    f"top_k = {self.top_k} exceeds the {k * (e // n)} experts of topk_group = {k} groups of "
-                    f"{e // n}; allowed: top_k <= topk_group * num_experts / n_group"
-                )
-        if not self.routed_scaling_factor > 0:
-            raise FormatError(f"routed_scaling_factor = {self.routed_scaling_factor!r}; allowed: a finite float > 0")
-
-    def _validate_experts(self) -> None:
-        s, i = self.num_shared_experts, self.shared_intermediate_size
-        if (s == 0) != (i == 0):
-            raise FormatError(
-                f"num_shared_experts = {s} with shared_intermediate_size = {i}; allowed: both 0, or both >= 1"
-            )
-        if self.shared_gate and s == 0:
-            raise FormatError("shared_gate = 1 without shared experts; allowed: 0, or num_shared_experts >= 1")
-        if self.activation not in ACTIVATION_NAMES:
-            raise FormatError(f"activation code {self.activation} (bytes 48-49); allowed: {ACTIVATION_NAMES}")
-        if self.activation == ACTIVATION_CLAMPED_SWIGLU:
-            for name in ("swiglu_limit", "swiglu_alpha"):
-                if not getattr(self, name) > 0:
-                    raise FormatError(f"{name} = {getattr(self, name)!r} with clamped_swiglu; allowed: a finite float > 0")
-        else:
-            for name in ("swiglu_limit", "swiglu_alpha"):
-                if getattr(self, name) != 0.0:
-                    raise FormatError(f"{name} = {getattr(self, name)!r} with activation swiglu; allowed: 0.0")
-
-    def _validate_layer_map(self) -> None:
-        m = self.num_model_layers
-        if m < self.num_layers:
-            raise FormatError(f"num_model_layers = {m}; allowed: num_layers ({self.num_layers})..{U16_MAX}")
-        lm = self.layer_map
-        if not isinstance(lm, tuple) or len(lm) != self.num_layers:
-            count = len(lm) if isinstance(lm, tuple) else lm
-            raise FormatError(f"layer_map has {count!r} entries; allowed: one per file layer ({self.num_layers})")
-        for index, value in enumerate(lm):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < m:
-                raise FormatError(f"layer_map[{index}] = {value!r}; allowed: 0..num_model_layers-1 ({m - 1})")
-            if index and value <= lm[index - 1]:
-                raise FormatError(
-                    f"layer_map[{index}] = {value} after {lm[index - 1]}; allowed: strictly increasing model layers"
-                )
+        check_storage(self)
+        check_routing(self)
+        check_experts(self)
+        check_layer_map(self)
 
     # ---- bytes ------------------------------------------------------------------------------------------------
     def pack(self) -> bytes:
