@@ -34,6 +34,9 @@ TOOLS = [tool for tool in ("cc", "g++") if shutil.which(tool) is None]
 if TOOLS:
     pytest.skip(f"the C runtime tests need {' and '.join(TOOLS)} (apt-get install build-essential)",
                 allow_module_level=True)
+if not Path("/usr/include/openssl/evp.h").exists() and not os.environ.get("COLIBRI_C_BUILD"):
+    pytest.skip("libcolibri needs OpenSSL's libcrypto headers (apt-get install libssl-dev; scripts/test.sh does it "
+                "as root)", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")
@@ -118,11 +121,13 @@ class CRun:
 def run_c(c_build, emu_libs, tmp_path):
     """run_c(args, kernels="tiled", asan=True, **fake_settings) -> CRun: colibri_test ARGS on the fake driver, built
     with AddressSanitizer + UBSan (asan=False: the plain build, for the long emulated runs: the sanitizers' fiber
-    support makes the emulated kernels several times slower; the library code they run is the same). `fake_settings` become COLIBRI_FAKE_CUDA_<NAME> variables (cc="7.5", driver=12000, integrated=1,
+    support makes the emulated kernels several times slower; the library code they run is the same; `program`: another
+    program of the build folder, e.g. "qc_loop"; `stdin`: bytes for its standard input). `fake_settings` become COLIBRI_FAKE_CUDA_<NAME> variables (cc="7.5", driver=12000, integrated=1,
     fail="cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY")."""
     count = [0]
 
-    def run(args: list[str], kernels: str = "tiled", timeout: float = 120, asan: bool = True, **settings) -> CRun:
+    def run(args: list[str], kernels: str = "tiled", timeout: float = 120, asan: bool = True, program: str = "",
+            stdin: bytes | None = None, **settings) -> CRun:
         count[0] += 1
         log = tmp_path / f"calls{count[0]}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
@@ -134,9 +139,11 @@ def run_c(c_build, emu_libs, tmp_path):
         env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
         for key, value in settings.items():
             env[f"COLIBRI_FAKE_CUDA_{key.upper()}"] = str(value)
-        cmd = [str(c_build / ("colibri_test" if asan else "colibri_test_plain")), *[str(a) for a in args]]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(tmp_path),
-                              check=False)
+        program = program or ("colibri_test" if asan else "colibri_test_plain")
+        cmd = [str(c_build / program), *[str(a) for a in args]]
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, cwd=str(tmp_path), check=False,
+                              input=stdin)
+        done.stdout, done.stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
         return CRun(done, log)
 
     return run

@@ -284,3 +284,32 @@ def test_i32_arguments_and_a_valid_tokens_buffer_are_honoured(run_c, bundles, tm
     nodes = [line for line in run.calls("cuStreamEndCapture")]
     assert nodes == [f"cuStreamEndCapture nodes={run.result['launches'] + 3}"], nodes  # lengths, input, output
     assert [line for line in run.calls("cuMemAlloc") if "bytes=8 " in line], "valid_tokens: batch 2 x int32"
+
+
+# ---- the example -------------------------------------------------------------------------------------------------
+def test_camera_loop_example_runs_paced_frames(run_c, bundles):
+    run = run_c([bundles["tiled"], "--frames", "3", "--fps", "50"], program="qc_loop")
+    assert run.rc == 0, run
+    frames = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [f["frame"] for f in frames] == [0, 1, 2] and all(f["latency_ms"] > 0 for f in frames), frames
+    assert "3 frames, latency p50" in run.stderr
+
+
+def test_camera_loop_reads_raw_frames_from_stdin(run_c, bundles):
+    import numpy as np
+
+    from colibri_sdk.bundle import Bundle
+
+    x, _, _, _ = Bundle.open(bundles["tiled"]).selftest()
+    frames = np.concatenate([x, x]).astype("<f4").tobytes()
+    run = run_c([bundles["tiled"], "--source", "stdin", "--frames", "5", "--fps", "100"], program="qc_loop",
+                stdin=frames)
+    assert run.rc == 0, run
+    scores = [json.loads(line)["score"] for line in run.stdout.splitlines()]
+    assert len(scores) == 2 and scores[0] == scores[1] > 0, scores  # the end of input ends the loop
+
+
+def test_camera_loop_refuses_a_bad_bundle_in_one_line(run_c, tmp_path):
+    run = run_c([tmp_path / "missing", "--frames", "1"], program="qc_loop")
+    assert run.rc == 1 and run.stderr.strip().count("\n") == 0, run
+    assert "is not a bundle folder" in run.stderr and "COLIBRI_ERR_BUNDLE" in run.stderr
