@@ -6,7 +6,8 @@
 #   bash scripts/c_runtime.sh test [DIR]    build, then run tests/c_runtime (pytest: every shipped profile end to
 #                                           end, every status code, tampered bundles) with the sanitizer build
 # Needs a C compiler, g++ (the fake driver), OpenSSL's libcrypto headers (libssl-dev) and, for `test`, the Python
-# environment of scripts/setup_env.sh (bundles are built by colibri-sdk). Uses cmake when present, else cc directly.
+# environment of scripts/setup_env.sh (bundles are built by colibri-sdk). Uses cmake when present (and COLIBRI_NO_CMAKE
+# is unset), else the one-line cc build of docs/c_runtime.md.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cmd="${1:-test}"
@@ -16,7 +17,7 @@ cc="${CC:-cc}"
 
 build_library() {  # build_library DIR SANITIZE(ON|OFF)
   local dir="$1" sanitize="$2"
-  if command -v cmake >/dev/null 2>&1; then
+  if command -v cmake >/dev/null 2>&1 && [ -z "${COLIBRI_NO_CMAKE:-}" ]; then
     cmake -S "$lib" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOLIBRI_SANITIZE="$sanitize" >/dev/null
     cmake --build "$dir" >/dev/null
   else  # the documented one-line build, shared and static
