@@ -4,7 +4,9 @@
 #                                           (tests/fakecuda), the C tests, the example and the bench program, into
 #                                           DIR (default build/c_runtime)
 #   bash scripts/c_runtime.sh test [DIR]    build, then run tests/c_runtime (pytest: every shipped profile end to
-#                                           end, every status code, tampered bundles) with the sanitizer build
+#                                           end, every status code, tampered bundles) with the sanitizer build, plus
+#                                           the shipped profiles' demo bundles as `colibri-sdk build` writes them
+#                                           (COLIBRI_C_FULL=1: minutes of kernel emulation; CI's pytest skips them)
 # Needs a C compiler, g++ (the fake driver), OpenSSL's libcrypto headers (libssl-dev) and, for `test`, the Python
 # environment of scripts/setup_env.sh (bundles are built by colibri-sdk). Uses cmake when present (and COLIBRI_NO_CMAKE
 # is unset), else the one-line cc build of docs/c_runtime.md.
@@ -57,7 +59,7 @@ case "$cmd" in
   test)
     build
     if [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"; else py=python3; fi
-    COLIBRI_C_BUILD="$out" "$py" -m pytest "$root/tests/c_runtime" -q -ra -p no:cacheprovider
+    COLIBRI_C_BUILD="$out" COLIBRI_C_FULL=1 "$py" -m pytest "$root/tests/c_runtime" -q -ra -p no:cacheprovider
     ;;
   *) echo "usage: bash scripts/c_runtime.sh build|test [DIR]" >&2; exit 2 ;;
 esac

@@ -6,6 +6,10 @@
  *   colibri_test errors BUNDLE                             every API status code from bad calls
  *   colibri_test init BUNDLE CODE [SUBSTRING]              colibri_init returns CODE (and its message holds SUBSTRING)
  *   colibri_test bind BUNDLE                               caller device pointers and a caller stream
+ *   colibri_test threads BUNDLE                            two threads, each with its own context, and two threads
+ *                                                          sharing one context (calls serialised by its mutex)
+ *   colibri_test fuzz BUNDLE N SEED                        N single-byte changes / truncations of manifest.json:
+ *                                                          each refused with COLIBRI_ERR_BUNDLE, never a crash
  *
  * Linked against the static library with -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc, so the host allocations of
  * libcolibri (and of this program) between two points are counted: "no allocation per call" is checked, not assumed.
@@ -14,6 +18,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -345,9 +350,120 @@ static int cmd_bind(const char *bundle) {
     return g_failures ? 1 : 0;
 }
 
+/* ---- threads ------------------------------------------------------------------------------------------------------ */
+typedef struct worker {
+    const char *bundle;
+    colibri_ctx *shared; /* NULL: open an own context */
+    const float *x, *expected;
+    size_t n;
+    int calls, bad, failed_calls;
+} worker;
+
+static void *work(void *arg) {
+    worker *w = arg;
+    colibri_ctx *ctx = w->shared ? w->shared : open_ctx(w->bundle, COLIBRI_FLAG_NO_VERIFY);
+    if (!ctx) {
+        w->failed_calls++;
+        return NULL;
+    }
+    colibri_io io;
+    colibri_io_info(ctx, &io);
+    float *y = malloc(io.output_bytes);
+    double rtol, atol;
+    tolerances(&io, &rtol, &atol);
+    for (int c = 0; c < w->calls; c++) {
+        /* on a shared context the three calls may interleave with the other thread's: the output is then the other
+           thread's input's, which is the same input here, so the values must still match */
+        if (colibri_set_input(ctx, w->x, NULL, io.batch) || colibri_infer(ctx) ||
+            colibri_get_output(ctx, y, io.output_bytes)) {
+            w->failed_calls++;
+            continue;
+        }
+        for (size_t i = 0; i < w->n; i++)
+            if (!(fabs((double)y[i] - w->expected[i]) <= atol + rtol * fabs(w->expected[i]))) w->bad++;
+    }
+    free(y);
+    if (!w->shared) colibri_free(ctx);
+    return NULL;
+}
+
+static int cmd_threads(const char *bundle) {
+    size_t nx = 0, ne = 0;
+    float *x = selftest(bundle, "input", &nx), *expected = selftest(bundle, "output", &ne);
+    if (!x || !expected) return 1;
+    for (int round = 0; round < 2; round++) {
+        colibri_ctx *shared = round ? open_ctx(bundle, COLIBRI_FLAG_NO_VERIFY) : NULL;
+        worker w[2];
+        pthread_t t[2];
+        for (int i = 0; i < 2; i++) {
+            w[i] = (worker){bundle, shared, x, expected, ne, 2, 0, 0};
+            pthread_create(&t[i], NULL, work, &w[i]);
+        }
+        for (int i = 0; i < 2; i++) {
+            pthread_join(t[i], NULL);
+            CHECK(w[i].failed_calls == 0 && w[i].bad == 0, "%s context, thread %d: %d failed calls, %d wrong values",
+                  round ? "shared" : "own", i, w[i].failed_calls, w[i].bad);
+        }
+        colibri_free(shared);
+    }
+    free(x);
+    free(expected);
+    printf("{\"passed\": %s}\n", g_failures ? "false" : "true");
+    return g_failures ? 1 : 0;
+}
+
+/* ---- fuzz: mutated manifests ------------------------------------------------------------------------------------ */
+static int cmd_fuzz(const char *bundle, int n, unsigned seed) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/manifest.json", bundle);
+    FILE *f = fopen(path, "rb");
+    if (!f) return 1;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *orig = malloc((size_t)size), *mut = malloc((size_t)size);
+    if (fread(orig, 1, (size_t)size, f) != (size_t)size) return 1;
+    fclose(f);
+    colibri_config cfg = COLIBRI_CONFIG_INIT;
+    cfg.bundle_dir = bundle;
+    cfg.flags = COLIBRI_FLAG_NO_VERIFY;
+    int refused = 0;
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1103515245u + 12345u;
+        long at = (long)((seed >> 8) % (unsigned long)size), len = size;
+        memcpy(mut, orig, (size_t)size);
+        if (i % 4 == 3) {
+            len = at; /* truncated */
+        } else {
+            unsigned char v;
+            do {
+                seed = seed * 1103515245u + 12345u;
+                v = (unsigned char)(seed >> 16);
+            } while (v == orig[at]);
+            mut[at] = v;
+        }
+        f = fopen(path, "wb");
+        fwrite(mut, 1, (size_t)len, f);
+        fclose(f);
+        colibri_ctx *ctx = NULL;
+        int rc = colibri_init(&cfg, &ctx);
+        CHECK(rc == COLIBRI_ERR_BUNDLE, "mutation %d (byte %ld%s) gave %s: %s", i, at, len < size ? ", truncated" : "",
+              colibri_status_name(rc), colibri_last_error(NULL));
+        refused += rc == COLIBRI_ERR_BUNDLE;
+        colibri_free(ctx);
+    }
+    f = fopen(path, "wb");
+    fwrite(orig, 1, (size_t)size, f);
+    fclose(f);
+    free(orig);
+    free(mut);
+    printf("{\"passed\": %s, \"refused\": %d, \"mutations\": %d}\n", g_failures ? "false" : "true", refused, n);
+    return g_failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: colibri_test run|errors|init|bind BUNDLE ...\n");
+        fprintf(stderr, "usage: colibri_test run|errors|init|bind|threads|fuzz BUNDLE ...\n");
         return 2;
     }
     const char *cmd = argv[1], *bundle = argv[2];
@@ -355,6 +471,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "errors")) return cmd_errors(bundle);
     if (!strcmp(cmd, "init") && argc >= 4) return cmd_init(bundle, atoi(argv[3]), argc >= 5 ? argv[4] : NULL);
     if (!strcmp(cmd, "bind")) return cmd_bind(bundle);
+    if (!strcmp(cmd, "threads")) return cmd_threads(bundle);
+    if (!strcmp(cmd, "fuzz") && argc >= 5) return cmd_fuzz(bundle, atoi(argv[3]), (unsigned)strtoul(argv[4], NULL, 10));
     fprintf(stderr, "unknown subcommand %s\n", cmd);
     return 2;
 }

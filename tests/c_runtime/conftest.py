@@ -126,14 +126,14 @@ def run_c(c_build, emu_libs, tmp_path):
     fail="cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY")."""
     count = [0]
 
-    def run(args: list[str], kernels: str = "tiled", timeout: float = 120, asan: bool = True, program: str = "",
+    def run(args: list[str], kernels: str | Path = "tiled", timeout: float = 120, asan: bool = True, program: str = "",
             stdin: bytes | None = None, **settings) -> CRun:
         count[0] += 1
         log = tmp_path / f"calls{count[0]}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(c_build), env.get("LD_LIBRARY_PATH")) if p)
         env["COLIBRI_FAKE_CUDA_LOG"] = str(log)
-        env["COLIBRI_FAKE_CUDA_KERNELS"] = str(emu_libs[kernels])
+        env["COLIBRI_FAKE_CUDA_KERNELS"] = str(emu_libs[kernels] if kernels in emu_libs else kernels)
         env["ASAN_OPTIONS"] = "detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=0"
         env["LSAN_OPTIONS"] = f"suppressions={HERE / 'lsan.supp'}:print_suppressions=0"
         env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"

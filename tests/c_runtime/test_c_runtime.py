@@ -49,6 +49,28 @@ def test_shipped_profile_end_to_end_against_the_reference(run_c, bundles, name):
     check_graph_run(run, len(manifest(bundles[name])["launch"]), 2)
 
 
+@pytest.mark.skipif(not os.environ.get("COLIBRI_C_FULL"),
+                    reason="one emulated forward pass of the demo model takes 30-70 s; `bash scripts/c_runtime.sh test` "
+                           "runs these (COLIBRI_C_FULL=1)")
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_profile_bundle_as_the_cli_builds_it(run_c, tmp_path, name):
+    """`colibri-sdk build --profile NAME` (the embedded demo model), unchanged, one call on the plain build."""
+    import subprocess
+    import sys
+
+    from emulator import build_library
+
+    bundle = tmp_path / name
+    subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", name, "-o", str(bundle)], check=True,
+                   capture_output=True)
+    m = manifest(bundle)
+    major, minor = m["compute_capability"]
+    run = run_c(["run", bundle, "calls=1"], kernels=build_library(m["kernels"][0]["defines"]), asan=False,
+                cc=f"{major}.{minor}", timeout=300)
+    assert run.rc == 0, run
+    check_graph_run(run, len(m["launch"]), 1)
+
+
 def test_end_to_end_under_address_sanitizer(run_c, bundles):
     """Batch 2 x 8, fp32, atomic aggregation, tiled kernels; AddressSanitizer + UBSan + LeakSanitizer."""
     run = run_c(["run", bundles["tiled"]])
@@ -75,6 +97,12 @@ def test_caller_device_pointers_and_stream(run_c, bundles):
     assert run.rc == 0 and run.result["passed"], run
     clean(run)
     assert run.calls("cuMemcpyDtoDAsync"), "the bound graph copies device to device"
+
+
+def test_threads_own_and_shared_contexts(run_c, bundles):
+    run = run_c(["threads", bundles["tiled"]])
+    assert run.rc == 0 and run.result["passed"], run
+    clean(run)
 
 
 # ---- status codes -----------------------------------------------------------------------------------------------
@@ -264,6 +292,14 @@ def test_hostile_manifest_is_refused(run_c, bundles, tmp_path, case):
     rewrite(bundle, change)
     run = run_c(["init", bundle, BUNDLE, message])
     assert run.rc == 0, run
+    clean(run)
+
+
+def test_mutated_manifests_are_refused_never_a_crash(run_c, bundles, tmp_path):
+    """200 single-byte changes and truncations of manifest.json, under AddressSanitizer: every one is refused."""
+    bundle = copy_bundle(bundles["tiled"], tmp_path / "b")
+    run = run_c(["fuzz", bundle, 200, 20261201])
+    assert run.rc == 0 and run.result == {"passed": True, "refused": 200, "mutations": 200}, run
     clean(run)
 
 
