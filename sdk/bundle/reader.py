@@ -54,7 +54,9 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "files": list,
     DIGEST_KEY: str,
 }
-OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list}
+# `buffers` (scratch buffer name → bytes) and `io_buffers` ({"input", "output"[, "valid_tokens"]} → buffer name) are
+# what the C runtime (sdk/libcolibri) allocates and copies through; the Python backend derives them from the catalogue.
+OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list, "buffers": dict, "io_buffers": dict}
 # weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
 HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
 # kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.aot.nvrtc), all integers.
@@ -377,6 +379,10 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
         for key, t in (("path", str), ("sha256", str), ("size", int)):
             _expect(entry.get(key), t, f"files[{i}].{key}", where)
         check_relative(entry["path"], f"{where}: files[{i}].path")
+    for name, size in manifest.get("buffers", {}).items():
+        _expect(size, int, f"buffers.{name}", where)
+    for key, name in manifest.get("io_buffers", {}).items():
+        _expect(name, str, f"io_buffers.{key}", where)
     paths = [e["path"] for e in manifest["files"]]
     if paths != sorted(set(paths)):
         raise BundleError(f"{where}: files must be sorted by path without duplicates")
