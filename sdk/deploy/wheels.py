@@ -116,7 +116,8 @@ def select_wheel(requirement: Requirement, files, device: Device) -> Path | None
             wheel_name, version, _, tags = parse_wheel_filename(Path(path).name)
         except InvalidWheelFilename:
             continue
-        if wheel_name != name or not requirement.specifier.contains(version, prereleases=None):
+        if wheel_name != name or not requirement.specifier.contains(
+                version, prereleases=bool(requirement.specifier.prereleases)):
             continue
         rank = min((ranks[t] for t in tags if t in ranks), default=None)
         if rank is None:
@@ -166,14 +167,20 @@ def resolve(requirement: str, files, device: Device, local: dict | None = None) 
         if path is None:
             path = select_wheel(req, files, device)
             if path is None:
-                missing.append(req)
+                missing.append(_without_marker(req))
                 continue
             chosen[name] = path
         elif not req.specifier.contains(parse_wheel_filename(path.name)[1], prereleases=True):
-            missing.append(req)
+            missing.append(_without_marker(req))
             continue
         for dep in wheel_requirements(path):
             if dep.marker is None or any(dep.marker.evaluate({**device.markers, "extra": e})
                                          for e in (sorted(req.extras) or [""])):
                 queue.append((dep, tuple(sorted(req.extras))))
     return chosen, missing
+
+
+def _without_marker(req: Requirement) -> Requirement:
+    """`req` as pip download takes it: name, extras and versions (the marker was evaluated for the device)."""
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    return Requirement(f"{req.name}{extras}{req.specifier}")

@@ -3,6 +3,7 @@ machine, so the tests look at the remote store directly on the local file system
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,3 +75,29 @@ def wire(monkeypatch):
 
     monkeypatch.setattr(paramiko.packet.Packetizer, "write_all", counting)
     return counter
+
+
+PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "orin.yaml"
+
+
+def build(profile: Path, out: Path) -> Path:
+    proc = subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", str(profile), "-o", str(out)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"colibri-sdk build failed:\n{proc.stderr[-3000:]}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def real_bundles(tmp_path_factory):
+    """(bundle, same bundle rebuilt with gate_up/down block_n 32 instead of 64)."""
+    root = tmp_path_factory.mktemp("real")
+    first = build(PROFILE, root / "orin")
+    import yaml
+
+    profile = yaml.safe_load(PROFILE.read_text())
+    profile["kernels"]["gate_up"]["block_n"] = 32
+    profile["kernels"]["down"]["block_n"] = 32
+    variant = root / "orin_bn32.yaml"
+    variant.write_text(yaml.safe_dump(profile))
+    return first, build(variant, root / "orin_bn32")

@@ -3,45 +3,19 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from deploy_bundles import remote_tree, reseal
 
 from colibri_sdk.deploy import DeployOptions, RemoteVerifyError, deploy
 
 pytestmark = pytest.mark.ssh
-
-PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "orin.yaml"
-
-
-def build(profile: Path, out: Path) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", str(profile), "-o", str(out)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"colibri-sdk build failed:\n{proc.stderr[-3000:]}")
-    return out
-
-
-@pytest.fixture(scope="session")
-def real_bundles(tmp_path_factory):
-    """(bundle, same bundle rebuilt with gate_up/down block_n 32 instead of 64)."""
-    root = tmp_path_factory.mktemp("real")
-    first = build(PROFILE, root / "orin")
-    profile = yaml.safe_load(PROFILE.read_text())
-    profile["kernels"]["gate_up"]["block_n"] = 32
-    profile["kernels"]["down"]["block_n"] = 32
-    variant = root / "orin_bn32.yaml"
-    variant.write_text(yaml.safe_dump(profile))
-    return first, build(variant, root / "orin_bn32")
 
 
 def files_of(bundle: Path) -> dict:

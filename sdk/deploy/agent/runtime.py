@@ -105,7 +105,7 @@ def op_install(root, venv, requirement, *items):
                 raise AgentError("the venv %s has no pip; put a pip wheel into --wheels" % venv)
             pip = [python, os.path.join(wheels, sorted(pip_wheels)[-1], "pip")]  # pip runs from its wheel
         run(pip + ["install", "--no-index", "--find-links", wheels, "--disable-pip-version-check", "--no-input",
-                   "--force-reinstall", "--no-cache-dir", requirement], "pip install %s" % requirement)
+                   "--force-reinstall", "--no-cache-dir", "--no-compile", requirement], "pip install %s" % requirement)
         version = run([python, "-m", "colibri_sdk", "--version"], "colibri-sdk in %s" % venv).strip()
         record = {"venv": venv, "python": python, "colibri": "%s -m colibri_sdk" % python, "version": version,
                   "requirement": requirement, "wheels": sorted(names), "installed": time.time()}
