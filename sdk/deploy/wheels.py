@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.requirements import Requirement
-from packaging.tags import Tag, compatible_tags, cpython_tags
+from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from .errors import DeployError

@@ -35,10 +35,12 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 
 def write_weights(path: Path, model_bytes: int, seed: int) -> Header:
-    """A .colibri with 1 layer and as many experts as make about `model_bytes` (3 fp16 blocks of 64 x 128 each)."""
+    """A .colibri with as many experts (3 fp16 blocks of 64 x 128 each), and above 65535 experts layers, as make
+    about `model_bytes`."""
     per_expert = 3 * HIDDEN * INTERMEDIATE * 2
-    experts = max(2, model_bytes // per_expert)
-    header = Header(num_layers=1, num_experts=experts, top_k=2, hidden_size=HIDDEN,
+    experts = min(65535, max(2, model_bytes // per_expert))
+    layers = max(1, model_bytes // (per_expert * experts))
+    header = Header(num_layers=layers, num_experts=experts, top_k=2, hidden_size=HIDDEN,
                     intermediate_size=INTERMEDIATE, dtype=DTYPE_CODES["fp16"])
     rng = np.random.default_rng(seed)
     shapes = {"gate_proj": (INTERMEDIATE, HIDDEN), "up_proj": (INTERMEDIATE, HIDDEN),

@@ -12,8 +12,6 @@ import stat
 import sys
 from pathlib import Path
 
-import json
-
 import pytest
 from deploy_bundles import remote_tree, reseal, write_bundle
 

@@ -231,6 +231,17 @@ def test_missing_remote_python_is_explained(bundle, target, device_dir):
         deploy(bundle, target, options)
 
 
+def test_a_crash_on_the_device_is_relayed_as_its_last_line_not_its_traceback(bundle, target, device_dir):
+    # A device Python that dies with a traceback before the store helper runs.
+    crashing = f"{sys.executable} -c 'import json; json.loads(\"{{broken\")'"
+    options = DeployOptions(remote_dir=str(device_dir), remote_python=crashing)
+    with pytest.raises(RemoteCommandError, match=r"remote plan in .* failed with exit status 1: "
+                                                 r"json.decoder.JSONDecodeError: Expecting property name enclosed in "
+                                                 r"double quotes: line 1 column 2 \(char 1\)$") as info:
+        deploy(bundle, target, options)
+    assert "Traceback" not in str(info.value)
+
+
 def test_unsafe_manifest_path_is_refused_here_and_on_the_device(tmp_path, target, device_dir):
     b = write_bundle(tmp_path / "b")
     manifest = json.loads((b / "manifest.json").read_text())

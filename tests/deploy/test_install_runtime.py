@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -132,12 +133,25 @@ def test_missing_wheels_are_named_with_the_pip_download_command(tmp_path, target
     with pytest.raises(RuntimeInstallError) as info:
         installer.install_runtime(target, options, empty)
     text = str(info.value)
-    assert f"no wheel for the device (x86_64, CPython {sys.version_info[0]}.{sys.version_info[1]}" in text
+    assert f"no wheel for the device ({platform.machine()}, CPython {sys.version_info[0]}.{sys.version_info[1]}" in text
     assert "of: numpy>=1.22, cuda-bindings<13,>=12 (looked in --wheels " in text
-    assert (f"Fetch them on a machine with an index: pip download --only-binary=:all: --platform=manylinux_2_"
+    assert ("Fetch them on a machine with an index: pip download --only-binary=:all: --platform=manylinux_2_"
             in text and f"-d {empty} 'numpy>=1.22' 'cuda-bindings<13,>=12' ; then run again with --wheels {empty}"
             in text)
     assert not (tmp_path / "device" / "venv").exists()
+
+
+@pytest.mark.ssh
+def test_cli_install_runtime_without_wheels_exits_1_with_one_line(tmp_path, sshd, known_hosts, prebuilt, capsys):
+    from colibri_sdk.cli import main
+
+    empty = tmp_path / "wheels"
+    empty.mkdir()
+    code = main(["deploy", "--host", f"{sshd.user}@127.0.0.1:{sshd.port}", "--identity", str(sshd.user_key),
+                 "--known-hosts", str(known_hosts), "--remote-dir", str(tmp_path / "device"), "--remote-python",
+                 sys.executable, "--install-runtime", "--wheels", str(empty), "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "no wheel for the device" in err[0] and "pip download" in err[0]
 
 
 @pytest.mark.ssh

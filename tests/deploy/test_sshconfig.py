@@ -86,6 +86,18 @@ def test_proxy_jump_goes_through_the_jump_host(ssh_config, known_hosts, sshd):
         Connection(far).open()
 
 
+def test_inventory_hosts_resolve_through_the_config(tmp_path, ssh_config, sshd):
+    from colibri_sdk.deploy import Target
+    from colibri_sdk.deploy.inventory import load_inventory
+
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text("hosts:\n  - orin-line1\n  - {host: orin-line1, port: 2201, name: other-port}\n")
+    hosts = load_inventory(inventory, Target(host="-"), config=load_config(ssh_config), port_given=False)
+    assert [(h.name, h.target.host, h.target.user, h.target.port) for h in hosts] == [
+        (f"{sshd.user}@127.0.0.1:{sshd.port}", "127.0.0.1", sshd.user, sshd.port),
+        ("other-port", "127.0.0.1", sshd.user, 2201)]
+
+
 def test_missing_config_given_explicitly_is_named(tmp_path):
     with pytest.raises(DeployError, match=f"--ssh-config {tmp_path / 'nope'}: no such file"):
         load_config(tmp_path / "nope")

@@ -1,7 +1,6 @@
 """The operation table: `main(argv)` runs `OP ROOT ARG...` and prints exactly one JSON object on stdout."""
 
 import errno
-import sys
 
 from .bundles import op_stage
 from .common import AgentError, emit, root_dir
