@@ -23,12 +23,12 @@ def register(sub) -> None:
         "deploy", help="push a bundle to devices over SSH (verified, atomic, incremental), roll back, show status",
         description="Push a bundle to devices over SSH. The device's active bundle (REMOTE_DIR/current) is "
                     "switched only after every file's sha256 was verified on the device.")
-    p.add_argument("bundle", nargs="?", help="the bundle folder (not needed with --rollback or --status)")
+    p.add_argument("bundle", nargs="?", help="the bundle folder (not needed with --rollback, --status or --install-runtime)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--host", metavar="[USER@]HOST[:PORT]", help="the device")
     where.add_argument("--hosts", metavar="FILE", help="YAML inventory of devices (see docs/deploy.md)")
     action = p.add_mutually_exclusive_group()
-    action.add_argument("--rollback", action="store_true", help="switch back to the previously active bundle")
+    action.add_argument("--rollback", action="store_true", help="step back one bundle in the device's history (each rollback goes one further back)")
     action.add_argument("--status", action="store_true", help="list the bundles on the device")
     p.add_argument("--to", metavar="ID", help="with --rollback: the bundle id to switch to (see --status)")
     action.add_argument("--install-runtime", action="store_true",
