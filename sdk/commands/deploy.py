@@ -135,8 +135,7 @@ def _deploy_all(args, hosts, options):
             host_options = with_remote_dir(options, host)
             lines = []
             if args.install_runtime:
-                from ..deploy.installer import install_runtime
-
+                install_runtime = _installer()
                 record = install_runtime(host.target, host_options, args.wheels, progress=bar)
                 lines.append(f"runtime {record['version']} installed in {record['venv']} "
                              f"({len(record['wheels'])} wheels)")
@@ -149,6 +148,20 @@ def _deploy_all(args, hosts, options):
     if len(results) == 1 and results[0].ok:
         print(f"{results[0].name}: {results[0].detail}")
     return results
+
+
+def _installer():
+    """deploy.installer.install_runtime, or a one-line error naming the extra when `packaging` is missing."""
+    from ..deploy import DeployError
+
+    try:
+        from ..deploy.installer import install_runtime
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "packaging":
+            raise
+        raise DeployError("--install-runtime needs the Python package 'packaging' (extra \"deploy\"): pip install "
+                          "\"colibri-sdk[deploy]\" (in a source checkout: pip install \".[deploy]\")") from None
+    return install_runtime
 
 
 def _summary(result) -> str:

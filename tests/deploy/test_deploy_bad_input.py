@@ -202,6 +202,16 @@ def test_malformed_manifest_is_refused_by_the_runtimes_loader(tmp_path, change):
     assert str(info.value) == loader_error(bundle)
 
 
+def test_symlinked_file_is_refused_before_connecting(tmp_path):
+    bundle = write_bundle(tmp_path / "b", model_bytes=100)
+    outside = tmp_path / "outside.ptx"
+    (bundle / "kernels" / "router.ptx").rename(outside)
+    (bundle / "kernels" / "router.ptx").symlink_to(outside)  # same bytes, read from outside the folder
+    with pytest.raises(BundleError, match="kernels/router.ptx") as info:
+        LocalBundle.open(bundle)
+    assert str(info.value) == loader_error(bundle)
+
+
 def test_deploy_options_refuse_an_empty_remote_dir():
     with pytest.raises(DeployError, match="--remote-dir '  ': expected a folder path on the device"):
         DeployOptions(remote_dir="  ")

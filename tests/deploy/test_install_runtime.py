@@ -175,3 +175,13 @@ def test_install_runtime_then_verify_uses_the_recorded_venv(tmp_path, target, pr
                                                            verify=True, verify_backend="cpu"))
     assert result.selftest.startswith("self-test passed on cpu")
     assert status(target, options).runtime["venv"] == str(venv)
+
+
+def test_missing_packaging_names_the_extra(tmp_path):
+    program = ("import sys; sys.modules['packaging'] = None; from colibri_sdk.cli import main; "
+               "sys.exit(main(['deploy', '--host', '127.0.0.1', '--install-runtime', '--connect-timeout', '1']))")
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("colibri-sdk deploy: error: --install-runtime needs the Python package 'packaging' "
+                                   "(extra \"deploy\"): pip install \"colibri-sdk[deploy]\" (in a source checkout: "
+                                   "pip install \".[deploy]\")")
