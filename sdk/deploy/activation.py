@@ -8,7 +8,8 @@ answered. Sequence (deployment.deploy, after `current` points at the new bundle)
    (`colibri-sdk verify --backend B REMOTE_DIR/current`, B as --verify-backend);
 3. on a failure in 1 or 2, `undo`: the bundle before it in the history is current again (or none, on a first
    deploy), the on-activate command is run once more so the service restarts on it, and HealthCheckError says
-   what failed and what is current now.
+   what failed and what is current now. A bundle that was already current before the deploy is not rolled back
+   (the failure is reported all the same).
 
 Both commands see COLIBRI_BUNDLE (REMOTE_DIR/current, absolute) and COLIBRI_BUNDLE_ID in their environment.
 """
@@ -40,8 +41,12 @@ def run_hook(conn: Connection, command: str, env: dict, timeout: float) -> HookR
 
 
 def activate_and_check(conn: Connection, store: DeviceStore, bundle_id: str, root: str, options,
-                       colibri: str) -> tuple:
+                       colibri: str, changed: bool = True) -> tuple:
     """Run --on-activate and the health check for the bundle just made current.
+
+    Args:
+        changed: False when the bundle was already current before this deploy: a failure is then reported but
+            nothing is rolled back (the deploy changed nothing to undo).
 
     Returns:
         (on_activate line, health line) for the result.
@@ -71,6 +76,9 @@ def activate_and_check(conn: Connection, store: DeviceStore, bundle_id: str, roo
                 failure = f"health check (the self-test of the active bundle) failed: {text}"
     if not failure:
         return ("on-activate ok" if options.on_activate else ""), health
+    if not changed:
+        raise HealthCheckError(f"{conn.target.label}: bundle {bundle_id} was already the active bundle, and "
+                               f"{failure}; nothing was rolled back (this deploy changed nothing)")
     answer = store.undo(bundle_id, timeout=conn.target.command_timeout + 8e9 / 50e6)
     back = answer.get("current")
     now = f"bundle {back} is current again" if back else "no bundle is current now (this was the first)"

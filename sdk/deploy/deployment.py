@@ -153,7 +153,7 @@ def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions()
         result.changed = result.previous != bundle.bundle_id
         if options.on_activate or options.health_cmd:
             result.on_activate, result.health = activate_and_check(conn, store, bundle.bundle_id, root, options,
-                                                                   colibri)
+                                                                   colibri, result.changed)
     result.seconds = time.monotonic() - start
     return result
 

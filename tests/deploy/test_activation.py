@@ -83,6 +83,16 @@ def test_failing_on_activate_restores_the_previous_bundle(tmp_path, target, devi
     assert trace.read_text().split() == [b_id, a.bundle_id]
 
 
+def test_failing_health_of_an_unchanged_bundle_is_reported_not_rolled_back(tmp_path, target, device_dir, trace):
+    a = deploy(write_bundle(tmp_path / "a"), target, base(device_dir))
+    b = deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, base(device_dir))
+    with pytest.raises(HealthCheckError, match=rf"bundle {b.bundle_id} was already the active bundle, and health "
+                                               rf"check 'false' failed \(exit status 1: \(no output\)\); nothing "
+                                               rf"was rolled back"):
+        deploy(tmp_path / "b", target, replace(base(device_dir), health_cmd="false"))
+    assert active(device_dir) == b.bundle_id and os.readlink(device_dir / "previous") == f"bundles/{a.bundle_id}"
+
+
 def test_failing_first_deploy_leaves_no_bundle_current(tmp_path, target, device_dir, trace):
     options = replace(base(device_dir), on_activate=restart(trace), health_cmd="false")
     with pytest.raises(HealthCheckError, match=r"rolled back: no bundle is current now \(this was the first\)$"):
