@@ -48,7 +48,8 @@ def resolve(spec: str, config=None, port: int | None = None, identity: str | Non
         fields: other Target fields (known_hosts, timeouts, accept_new_host_key).
 
     Raises:
-        DeployError: a malformed spec, a bad Port in the config, or ProxyJump hops nested too deep.
+        DeployError: a malformed spec, a bad Port in the config, a ProxyCommand (not supported: ProxyJump is), or
+            ProxyJump hops nested too deep.
     """
     parsed = Target.parse(spec, **fields)
     spec_port = parsed.port if _has_port(spec) else None
@@ -64,12 +65,14 @@ def resolve(spec: str, config=None, port: int | None = None, identity: str | Non
     identities = ()
     if identity is None:
         identities = tuple(os.path.expanduser(p) for p in entry.get("identityfile", []))
+    if entry.get("proxycommand") and entry["proxycommand"].lower() != "none":
+        raise DeployError(f"ssh config: Host {parsed.host} uses ProxyCommand, which deploy does not run; use "
+                          f"ProxyJump (a host to reach it through) instead")
     jump = None
     hops = [h.strip() for h in entry.get("proxyjump", "").split(",") if h.strip()]
     if hops and hops != ["none"]:
         if _depth >= MAX_JUMPS:
             raise DeployError(f"ssh config: ProxyJump for {parsed.host} nests more than {MAX_JUMPS} hops")
-        jump = None
         for hop in hops:  # each hop is reached through the one before it
             nxt = resolve(hop, config, _depth=_depth + 1, **fields)
             jump = nxt if jump is None else nxt.with_(proxy_jump=jump)

@@ -48,6 +48,9 @@ Host nothing-behind
 
 Host *.line
     Port 2222
+
+Host via-command
+    ProxyCommand ssh -W %h:%p gateway
 """)
     return path
 
@@ -64,6 +67,9 @@ def test_alias_resolves_hostname_user_port_and_identity(ssh_config, sshd):
     assert resolve("orin-line1", config, port=2300).port == 2300
     assert resolve("cam.line", config).port == 2222 and resolve("cam.line", config).host == "cam.line"
     assert resolve("elsewhere", config).port == 22
+    with pytest.raises(DeployError, match="Host via-command uses ProxyCommand, which deploy does not run; use "
+                                          "ProxyJump"):
+        resolve("via-command", config)
 
 
 def test_deploy_to_an_alias_from_the_config(tmp_path, ssh_config, known_hosts, device_dir, capsys):
