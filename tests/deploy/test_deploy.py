@@ -123,6 +123,15 @@ def test_rollback_steps_back_through_the_history(tmp_path, target, options, devi
         rollback(target, options, to=a.bundle_id)
 
 
+def test_a_switch_by_hand_on_the_device_counts_as_a_rollback(tmp_path, target, options, device_dir):
+    a, b, c = (deploy(write_bundle(tmp_path / n, kernel_seed=i), target, options) for i, n in enumerate("abc"))
+    # deploy/README.md's recipe without the deploying machine: current := previous
+    os.symlink(os.readlink(device_dir / "previous"), device_dir / ".current.tmp")
+    os.replace(device_dir / ".current.tmp", device_dir / "current")
+    assert status(target, options).history == (a.bundle_id, b.bundle_id)
+    assert rollback(target, options)["current"] == a.bundle_id
+
+
 def test_rollback_refuses_a_corrupt_bundle(tmp_path, target, options, device_dir):
     a = deploy(write_bundle(tmp_path / "a", kernel_seed=0), target, options)
     deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, options)

@@ -41,7 +41,8 @@ def set_pointer(root, name, bundle_id):
 
 def read_history(root):
     """Activated bundle ids, oldest first, ending with `current`; rebuilt from the pointers when the file is
-    missing or unreadable (a store written before the history existed)."""
+    missing or unreadable (a store written before the history existed). Entries whose folder was pruned are
+    dropped; a `current` switched by hand to an earlier entry cuts the history there."""
     current, previous = read_pointer(root, "current"), read_pointer(root, "previous")
     try:
         with open(os.path.join(root, "history"), "rb") as f:
@@ -49,7 +50,9 @@ def read_history(root):
     except (OSError, ValueError):
         history = [h for h in (previous,) if h]
     history = [h for h in history if os.path.isdir(os.path.join(root, "bundles", h))]
-    if current and (not history or history[-1] != current):
+    if current and current in history:  # `current` switched by hand to an earlier bundle: as a rollback would
+        history = history[:len(history) - history[::-1].index(current)]
+    elif current:
         history.append(current)
     return history
 
