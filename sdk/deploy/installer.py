@@ -20,6 +20,7 @@ a driver >= 580.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -50,8 +51,8 @@ def source_tree() -> Path | None:
 
 
 def build_sdk_wheel(out: Path) -> Path:
-    """`pip wheel --no-deps --no-build-isolation` of the source tree into `out` (no index needed: setuptools is
-    the build backend and is installed where the SDK runs).
+    """`pip wheel --no-deps` of the source tree into `out`: with `--no-build-isolation --no-index` when setuptools
+    (the build backend) is installed here, so no index is needed; else pip fetches it into an isolated build.
 
     Raises:
         RuntimeInstallError: no source tree, or the build failed (its last line quoted).
@@ -60,14 +61,17 @@ def build_sdk_wheel(out: Path) -> Path:
     if root is None:
         raise RuntimeInstallError(f"colibri-sdk runs from an installed wheel here, not a source tree: put its wheel "
                                   f"(colibri_sdk-{__version__}-py3-none-any.whl) into --wheels DIR")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+    offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline,
                            "--disable-pip-version-check", "-q", "-w", str(out), str(root)],
                           capture_output=True, text=True)
     built = sorted(out.glob("colibri_sdk-*.whl"))
     if proc.returncode != 0 or not built:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        hint = "" if offline else " (setuptools is not installed here: pip install setuptools, or give --wheels a " \
+                                  "colibri_sdk wheel)"
         raise RuntimeInstallError(f"building the colibri-sdk wheel from {root} failed (pip wheel exit status "
-                                  f"{proc.returncode}): {last}")
+                                  f"{proc.returncode}): {last}{hint}")
     return built[-1]
 
 

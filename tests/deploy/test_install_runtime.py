@@ -7,6 +7,7 @@ fetched for it by `pip download` (skipped, saying so, when no index can be reach
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -100,7 +101,12 @@ def test_dependency_closure_follows_extras_and_markers(tmp_path):
 @pytest.fixture(scope="session")
 def sdk_wheel(tmp_path_factory):
     """colibri-sdk built once with installer.build_sdk_wheel (pip wheel --no-deps of this tree)."""
-    return installer.build_sdk_wheel(tmp_path_factory.mktemp("sdk_wheel"))
+    try:
+        return installer.build_sdk_wheel(tmp_path_factory.mktemp("sdk_wheel"))
+    except RuntimeInstallError as exc:
+        if importlib.util.find_spec("setuptools"):
+            raise
+        pytest.skip(f"no setuptools here and no index to fetch it from, so no colibri-sdk wheel: {exc}")
 
 
 @pytest.fixture
