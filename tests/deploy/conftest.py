@@ -3,7 +3,6 @@ machine, so the tests look at the remote store directly on the local file system
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -81,11 +80,11 @@ PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "orin.yaml"
 
 
 def build(profile: Path, out: Path) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", str(profile), "-o", str(out)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"colibri-sdk build failed:\n{proc.stderr[-3000:]}")
-    return out
+    """A real bundle of the demo model for `profile` (NVRTC, no GPU), built with the library's build_bundle."""
+    from colibri_sdk.bundle.writer import build_bundle
+    from colibri_sdk.profile import load_profile
+
+    return build_bundle(load_profile(profile), out).path
 
 
 @pytest.fixture(scope="session")
