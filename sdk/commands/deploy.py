@@ -23,12 +23,14 @@ def register(sub) -> None:
         "deploy", help="push a bundle to devices over SSH (verified, atomic, incremental), roll back, show status",
         description="Push a bundle to devices over SSH. The device's active bundle (REMOTE_DIR/current) is "
                     "switched only after every file's sha256 was verified on the device.")
-    p.add_argument("bundle", nargs="?", help="the bundle folder (not needed with --rollback, --status or --install-runtime)")
+    p.add_argument("bundle", nargs="?",
+                   help="the bundle folder (not needed with --rollback, --status or --install-runtime)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--host", metavar="[USER@]HOST[:PORT]", help="the device")
     where.add_argument("--hosts", metavar="FILE", help="YAML inventory of devices (see docs/deploy.md)")
     action = p.add_mutually_exclusive_group()
-    action.add_argument("--rollback", action="store_true", help="step back one bundle in the device's history (each rollback goes one further back)")
+    action.add_argument("--rollback", action="store_true",
+                        help="step back one bundle in the device's history (each rollback goes one further back)")
     action.add_argument("--status", action="store_true", help="list the bundles on the device")
     p.add_argument("--to", metavar="ID", help="with --rollback: the bundle id to switch to (see --status)")
     action.add_argument("--install-runtime", action="store_true",
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.verify_backend and not (args.verify or args.on_activate or args.health_cmd):
         raise DeployError(f"--verify-backend {args.verify_backend} only goes with --verify, --on-activate or "
                           f"--health-cmd")
-    base = Target(host="-", port=22 if args.port is None else args.port, identity=args.identity, known_hosts=args.known_hosts,
+    base = Target(host="-", port=22 if args.port is None else args.port, identity=args.identity,
+                  known_hosts=args.known_hosts,
                   accept_new_host_key=args.accept_new_host_key, connect_timeout=args.connect_timeout,
                   command_timeout=args.timeout)
     remote_dir = DEFAULT_REMOTE_DIR if args.remote_dir is None else args.remote_dir

@@ -13,8 +13,8 @@
     │   ├── RemoteDiskFullError       ENOSPC / EDQUOT on the device
     │   ├── RemotePermissionError     EACCES / EPERM / EROFS on the device
     │   ├── RuntimeInstallError       --install-runtime: a wheel is missing here, or the install failed there
-    │   ├── RemoteVerifyError         `colibri-sdk verify` failed on the device (the pointer was not switched), or
-    │   │                             ran on another backend than asked (a CPU fallback for a GPU bundle)
+    │   ├── RemoteVerifyError         `colibri-sdk verify` failed on the device (the pointer was not switched),
+    │   │                             or ran on another backend than asked (a CPU fallback for a GPU bundle)
     │   └── HealthCheckError          after the switch, --on-activate or the health check failed; the previous
     │                                 bundle was made current again
     └── ChecksumMismatchError     a file's sha256 on the device differs from the manifest after upload

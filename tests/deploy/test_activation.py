@@ -31,7 +31,8 @@ def trace(tmp_path):
 
 def restart(trace, fail_for: str = "") -> str:
     """An --on-activate command: records the bundle it restarts on; exits 5 for bundle `fail_for`."""
-    script = f'echo "$COLIBRI_BUNDLE_ID" >> {shlex.quote(str(trace))}; test -f "$COLIBRI_BUNDLE/manifest.json" || exit 6'
+    script = (f'echo "$COLIBRI_BUNDLE_ID" >> {shlex.quote(str(trace))}; '
+              'test -f "$COLIBRI_BUNDLE/manifest.json" || exit 6')
     if fail_for:
         script += f'; if [ "$COLIBRI_BUNDLE_ID" = {fail_for} ]; then echo "unit failed to start" >&2; exit 5; fi'
     return script
