@@ -340,6 +340,10 @@ def build_bundle(
     except OSError as exc:
         raise BundleError(f"cannot create the folder {out.parent} for {out}: {exc.strerror}") from exc
     _check_replaceable(out)
+    if weights is not None:
+        from ..format.support import check_kernel_support
+
+        check_kernel_support(weights, profile.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         manifest, kernels = _write_contents(tmp, profile, weights, kernel_dir, workers)
