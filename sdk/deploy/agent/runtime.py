@@ -64,7 +64,11 @@ def op_probe(root):
 
 
 def run(argv, what, timeout=1800):
-    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    """Run `argv`; its output, or AgentError with its ERROR lines (pip's) or its last line."""
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AgentError("%s did not finish within %d s" % (what, timeout))
     if proc.returncode != 0:
         lines = [l for l in proc.stdout.decode("utf-8", "replace").splitlines() if l.strip()]
         errors = [l.strip() for l in lines if l.strip().startswith("ERROR")] or lines[-1:]
