@@ -1,10 +1,12 @@
-"""CPU backend benchmark: per-call latency of the demo model at tokens 1, 4, 16, 64, and load time and memory of a
+"""CPU backend benchmark: per-call latency of the demo model at tokens 1 to 1024, and load time and memory of a
 small vs a large bundle, measured side by side in one run.
 
 Latency: one bundle per fixed shape (batch 1 x tokens T, built with `colibri-sdk build` from profiles/orin.yaml with
-`shape.tokens` replaced), each timed at its own shape; next to it, the tokens-64 bundle fed T tokens (padded to 64
-internally). Both in a child process with the default BLAS threads and with OPENBLAS_NUM_THREADS=1 /
-OMP_NUM_THREADS=1 (tiny matrix products pay for thread wake-ups, most of all on a loaded machine).
+`shape.tokens` replaced), each timed at its own shape; next to it (T <= 64), the tokens-64 bundle fed T tokens
+(padded to 64 internally). Each in a child process: once with no thread variable set ("default": the backend
+chooses its BLAS threads itself, colibri_sdk.blas), and once per explicit BLAS thread count (OPENBLAS_NUM_THREADS
+= OMP_NUM_THREADS = 1 .. the CPU count, which the backend respects). "best" is the fastest of the explicit counts;
+the goal is default within 1.2x of best at every T.
 
 Load: the demo bundle (25 MB of weights) and a large one (one Mixtral-like layer of ~1 GB, hidden 4096, 8 experts,
 top-2), each loaded in a fresh child process: load time without and with checksums (`verify`), resident set after
@@ -34,7 +36,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIN = ROOT / "profiles" / "orin.yaml"
-TOKENS = (1, 4, 16, 64)
+TOKENS = (1, 4, 16, 64, 256, 1024)
+PADDED_TOKENS = 64
 RESULTS = ROOT / "bench" / "results" / "runtime_cpu_bench.txt"
 
 LATENCY_CHILD = """
@@ -47,7 +50,7 @@ def timed(rt, x):
     for _ in range(3):
         rt.infer(x)
     times = []
-    for _ in range(iters):
+    for _ in range(iters if x.shape[1] <= 64 else max(5, iters // 4)):
         start = time.perf_counter()
         rt.infer(x)
         times.append(time.perf_counter() - start)
@@ -61,7 +64,7 @@ with Runtime.load(padded_bundle, backend="cpu", verify=False) as padded:
         x = rng.standard_normal((1, int(tokens), padded.hidden_size)).astype(np.float32)
         with Runtime.load(path, backend="cpu", verify=False) as rt:
             own = timed(rt, x)
-        out[tokens] = {"own": own, "padded": timed(padded, x)}
+        out[tokens] = {"own": own, "padded": timed(padded, x) if int(tokens) <= padded.shape[1] else None}
 print(json.dumps(out))
 """
 
@@ -102,7 +105,8 @@ def build(out: Path, profile: Path, weights: Path | None = None) -> Path:
     """`colibri-sdk build` in this process, its printout swallowed."""
     from colibri_sdk.cli import main
 
-    args = ["build", "--profile", str(profile), "-o", str(out)] + (["--weights", str(weights)] if weights else [])
+    model = ["--weights", str(weights)] if weights else ["--demo"]
+    args = ["build", "--profile", str(profile), "-o", str(out), *model]
     with contextlib.redirect_stdout(io.StringIO()):
         code = main(args)
     if code != 0:
@@ -135,10 +139,13 @@ def write_large_model(path: Path, gb: float) -> int:
     return header.data_size
 
 
-def child(code: str, args: list[str], env: dict | None = None) -> dict:
+BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+
+
+def child(code: str, args: list[str], env: dict | None = None, replace_env: bool = False) -> dict:
+    environment = dict(env or {}) if replace_env else {**os.environ, **(env or {})}
     out = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
-        check=False,
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=environment, check=False,
     )
     if out.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{out.stderr}")
@@ -175,15 +182,35 @@ def main() -> int:
 
         say("")
         say(f"CPU backend latency, demo model (4 layers x 8 experts, top-2, hidden 256, intermediate 512, fp16), "
-            f"batch 1, {args.iters} calls, ms")
+            f"batch 1, {args.iters} calls ({max(5, args.iters // 4)} above 64 tokens), ms")
         say(f"  {'BLAS threads':<14} {'tokens':>6} {'p50':>9} {'p99':>9}   {'padded to 64: p50':>17} {'p99':>9}")
         paths = {str(t): str(p) for t, p in bundles.items()}
-        for label, env in (("default", {}), ("1", {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})):
-            result = child(LATENCY_CHILD, [json.dumps(paths), str(bundles[64]), str(args.iters)], env)
+        # Without a variable the rule of colibri_sdk.blas applies; with one, the backend keeps the variable's count.
+        env_none = {k: v for k, v in os.environ.items() if k not in BLAS_VARS}
+        configs = [("default", None)] + [(str(n), n) for n in range(1, (os.cpu_count() or 1) + 1)]
+        results = {}
+        for label, n in configs:
+            env = dict(env_none) if n is None else {**env_none, **{k: str(n) for k in BLAS_VARS[:2]}}
+            results[label] = result = child(LATENCY_CHILD, [json.dumps(paths), str(bundles[PADDED_TOKENS]),
+                                                           str(args.iters)], env, replace_env=True)
             for t in TOKENS:
                 own, pad = result[str(t)]["own"], result[str(t)]["padded"]
-                say(f"  {label:<14} {t:>6} {own['p50']:>9.2f} {own['p99']:>9.2f}   "
-                    f"{pad['p50']:>17.2f} {pad['p99']:>9.2f}")
+                padded = f"{pad['p50']:>17.2f} {pad['p99']:>9.2f}" if pad else f"{'':>17} {'':>9}"
+                say(f"  {label:<14} {t:>6} {own['p50']:>9.2f} {own['p99']:>9.2f}   {padded}")
+        from colibri_sdk.blas import SMALL_ROWS
+
+        say("")
+        say(f"  default (no variable; the backend uses 1 BLAS thread for calls of <= {SMALL_ROWS} token rows) "
+            f"vs best explicit count, p50 ms")
+        say(f"  {'tokens':>6} {'default':>9} {'best':>9} {'best at':>8} {'default/best':>13}")
+        worst = 0.0
+        for t in TOKENS:
+            default = results["default"][str(t)]["own"]["p50"]
+            label, best = min(((k, r[str(t)]["own"]["p50"]) for k, r in results.items() if k != "default"),
+                              key=lambda kv: kv[1])
+            worst = max(worst, default / best)
+            say(f"  {t:>6} {default:>9.2f} {best:>9.2f} {label + ' thr':>8} {default / best:>12.2f}x")
+        say(f"  worst default/best {worst:.2f}x (goal <= 1.2x)")
 
         large_weights = tmp / "large.colibri"
         large_bytes = write_large_model(large_weights, args.large_gb)

@@ -24,7 +24,7 @@ PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "orin.yaml"
 
 
 def build(profile: Path, out: Path) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", str(profile), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", str(profile), "--demo", "-o", str(out)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.fail(f"colibri-sdk build failed:\n{proc.stderr[-3000:]}")
