@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Iterator
 
-SMALL_ROWS = 256  # calls with at most this many token rows run with one BLAS thread
+SMALL_ROWS = 1024  # calls with at most this many token rows run with one BLAS thread
 ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 
 _lock = threading.Lock()

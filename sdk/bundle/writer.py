@@ -147,9 +147,11 @@ def prepare_weights(source: Path, dtype: str, target: Path, progress: Progress =
     code = DTYPE_CODES[dtype]
     if header.dtype == code:
         try:
-            return header, copy_with_sha256(source, target, progress)
+            digest = copy_with_sha256(source, target, progress)
         except OSError as exc:
             raise FormatError(f"cannot copy {source} into the bundle: {exc.strerror or exc}") from exc
+        with ColibriFile(target) as copied:  # what was copied, checked again (the source may have changed)
+            return copied.header, digest
     out = dataclasses.replace(header, dtype=code)
     log.debug("converting %s from %s to the profile's %s", source, PROFILE_DTYPE[header.dtype], dtype)
     total, done = header.data_size, 0
