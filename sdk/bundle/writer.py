@@ -495,17 +495,20 @@ def write_archive(folder: Path, archive: Path) -> Path:
 
 def _check_force(out: Path, archive: bool, force: bool) -> None:
     """Without `force`, refuse an existing bundle at `out` (an empty folder is used as it is) and an existing
-    `<out>.tar` when an archive is asked for.
+    `<out>.tar` when an archive is asked for; an archive path that is a folder, a symlink or a special file is
+    refused before anything is built, with `force` too.
 
     Raises:
-        BundleError: naming what exists and that force (`--force`) replaces it.
+        BundleError: naming what exists and that force (`--force`) replaces it (or why it is never replaced).
     """
+    tar = out.with_name(out.name + ".tar")
+    if archive and (tar.is_symlink() or (tar.exists() and not tar.is_file())):  # never replaced, --force or not
+        raise BundleError(f"cannot write the archive {tar}: it exists and is not a regular file")
     if force:
         return
     if out.is_dir() and not out.is_symlink() and any(out.iterdir()):
         raise BundleError(f"{out} exists (a bundle); refusing to replace it without --force (or choose another -o)")
-    tar = out.with_name(out.name + ".tar")
-    if archive and (tar.exists() or tar.is_symlink()):
+    if archive and tar.exists():
         raise BundleError(f"{tar} exists; refusing to replace the archive without --force (or choose another -o)")
 
 

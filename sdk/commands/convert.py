@@ -21,12 +21,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import os
+    from pathlib import Path
 
     from ..convert import convert
     from ..errors import ConvertError
 
-    if os.path.lexists(args.output) and not args.force:
+    # An existing file is replaced only with --force (a folder or a special file never is: convert() refuses it).
+    out = Path(args.output)
+    if (out.is_symlink() or out.is_file()) and not args.force:
         raise ConvertError(f"-o {args.output}: exists; refusing to replace it without --force (or choose another -o)")
     report = convert(
         args.checkpoint,
