@@ -3,10 +3,11 @@ small vs a large bundle, measured side by side in one run.
 
 Latency: one bundle per fixed shape (batch 1 x tokens T, built with `colibri-sdk build` from profiles/orin.yaml with
 `shape.tokens` replaced), each timed at its own shape; next to it (default threads, T <= 64), the tokens-64 bundle
-fed T tokens (padded to 64 internally). Each in a child process: once with no thread variable set ("default": the backend
-chooses its BLAS threads itself, colibri_sdk.blas), and once per explicit BLAS thread count (OPENBLAS_NUM_THREADS
-= OMP_NUM_THREADS = 1 .. the CPU count, which the backend respects). "best" is the fastest of the explicit counts;
-the goal is default within 1.2x of best at every T.
+fed T tokens (padded to 64 internally). Each in a child process: once with no thread variable set ("default": the
+backend chooses its BLAS threads itself, colibri_sdk.blas), and once per explicit BLAS thread count
+(OPENBLAS_NUM_THREADS = OMP_NUM_THREADS = 1 .. the CPU count, which the backend respects), in rounds of alternating
+order; each point keeps its fastest round. "best" is the fastest of the explicit counts; the goal is default within
+1.2x of best at every T. Also printed: the CPU time per call, which other load on the machine inflates less.
 
 Load: the demo bundle (25 MB of weights) and a large one (one Mixtral-like layer of ~1 GB, hidden 4096, 8 experts,
 top-2), each loaded in a fresh child process: load time without and with checksums (`verify`), resident set after
@@ -188,8 +189,8 @@ def main() -> int:
 
         say("")
         say(f"CPU backend latency, demo model (4 layers x 8 experts, top-2, hidden 256, intermediate 512, fp16), "
-            f"batch 1, ms; per point {args.iters} calls, or fewer (at least 3) once 3 s of calls are timed; the fastest "
-            f"of {args.rounds} rounds")
+            f"batch 1, ms; per point {args.iters} calls, or fewer (at least 3) once 3 s of calls are timed; the "
+            f"fastest of {args.rounds} rounds")
         say(f"  {'BLAS threads':<14} {'tokens':>6} {'p50':>9} {'p99':>9} {'CPU/call':>9} {'calls':>6}   "
             f"{'padded to 64: p50':>17} {'p99':>9}")
         paths = {str(t): str(p) for t, p in bundles.items()}
