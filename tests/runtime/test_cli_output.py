@@ -1,5 +1,5 @@
 """What `colibri-sdk run` and `verify` show on stderr: the CPU fallback notice (logged by the runtime, shown by the
-CLI; hidden by -q), and a progress bar while `verify` hashes, on a terminal only."""
+CLI; hidden by -q), and a progress bar while they hash the bundle's files, on a terminal only."""
 
 from __future__ import annotations
 
@@ -57,3 +57,11 @@ def test_verify_shows_a_hashing_bar_on_a_terminal_only(small_bundle, capsys):
     assert code == 0 and err == ""
     assert main(["verify", str(small_bundle), "--no-selftest"]) == 0  # stderr is not a terminal here
     assert capsys.readouterr().err == ""
+
+
+def test_run_shows_a_hashing_bar_on_a_terminal(small_bundle):
+    code, err = _on_a_terminal(["run", str(small_bundle), "--backend", "cpu", "--iters", "1"])
+    assert code == 0
+    assert "run: sha256: " in err and "%|" in err, err
+    code, err = _on_a_terminal(["run", str(small_bundle), "--backend", "cpu", "--iters", "1", "--no-verify"])
+    assert code == 0 and err == ""
