@@ -75,12 +75,14 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(canonical_json(body)).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 (hex) of a file, read in 1 MiB chunks."""
+def file_sha256(path: Path, progress=None) -> str:
+    """sha256 (hex) of a file, read in 1 MiB chunks; `progress(n)`, if given, is called with each chunk's size."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return digest.hexdigest()
 
 
@@ -153,8 +155,12 @@ class Bundle:
             bundle.verify(raw)
         return bundle
 
-    def verify(self, raw_manifest: bytes | None = None) -> None:
+    def verify(self, raw_manifest: bytes | None = None, progress=None) -> None:
         """Check the manifest's canonical form and digest, then every listed file's size and sha256.
+
+        Args:
+            progress: optional `progress(step, done_bytes, total_bytes)` (colibri_sdk.bundle.writer.Progress),
+                called with step "sha256" while the files are hashed.
 
         Raises:
             BundleError: naming the first file that differs, is missing, or is not listed.
@@ -173,6 +179,12 @@ class Bundle:
                 f"{self.manifest[DIGEST_KEY]}; the manifest was changed after the build"
             )
         listed = set()
+        total, done = sum(entry["size"] for entry in self.manifest["files"]), [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            progress("sha256", done[0], total)
+
         for entry in self.manifest["files"]:
             rel = entry["path"]
             listed.add(rel)
@@ -182,7 +194,7 @@ class Bundle:
             size = full.stat().st_size
             if size != entry["size"]:
                 raise BundleError(f"{rel}: {size} bytes; the manifest records {entry['size']}")
-            digest = file_sha256(full)
+            digest = file_sha256(full, advance if progress is not None else None)
             if digest != entry["sha256"]:
                 raise BundleError(f"{rel}: sha256 {digest} differs from the manifest's {entry['sha256']}")
         for full in sorted(self.path.rglob("*")):

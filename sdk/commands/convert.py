@@ -1,4 +1,4 @@
-"""`colibri-sdk convert HF_DIR -o model.colibri [--dtype fp16|fp32] [--clamp-fp16]`: a Hugging Face MoE
+"""`colibri-sdk convert HF_DIR|MODEL.gguf -o model.colibri [--force] [--dtype auto|fp16|fp32|int8|int4] [--group-size N] [--clamp-fp16]`: a MoE
 checkpoint folder → a .colibri file (docs/convert.md)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ def register(sub) -> None:
     p = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint folder to a .colibri file")
     p.add_argument("checkpoint", metavar="HF_DIR", help="folder with config.json and *.safetensors (single or sharded), or a .gguf file")
     p.add_argument("-o", "--output", required=True, help="the .colibri file to write")
+    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
     p.add_argument(
         "--dtype",
         choices=("auto", "fp16", "fp32", "int8", "int4"),
@@ -26,13 +27,19 @@ def register(sub) -> None:
         default="residual",
         help="how layers compose: x + moe(x) (default) or moe(x)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown on a terminal)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..convert import convert
+    from pathlib import Path
 
+    from ..convert import convert
+    from ..errors import ConvertError
+
+    # An existing file is replaced only with --force (a folder or a special file never is: convert() refuses it).
+    out = Path(args.output)
+    if (out.is_symlink() or out.is_file()) and not args.force:
+        raise ConvertError(f"-o {args.output}: exists; refusing to replace it without --force (or choose another -o)")
     report = convert(
         args.checkpoint,
         args.output,
@@ -40,7 +47,7 @@ def run(args) -> int:
         group_size=args.group_size,
         clamp_fp16=args.clamp_fp16,
         composition=args.composition,
-        progress=False if args.no_progress else None,
+        progress=False if args.quiet else None,  # None: a bar when stderr is a terminal
     )
     for line in summary(report):
         print(line)

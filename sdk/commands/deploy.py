@@ -72,7 +72,6 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds before a silent remote command is abandoned (default 120)")
     p.add_argument("--connect-timeout", type=float, default=10.0, metavar="S", help="connect timeout (default 10)")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

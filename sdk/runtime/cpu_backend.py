@@ -4,12 +4,17 @@ Loading maps `model.colibri` read-only and reads only its 64-byte header: no wei
 pass touches it, so load time does not grow with the weights' size. Each forward pass converts the experts it uses
 to float32 on the fly (fp32 accumulation, as on the GPU) and keeps no copy, so the process holds the weights at
 most once (in the page cache, shared with any other reader of the file).
+
+BLAS threads: each forward pass runs inside `colibri_sdk.blas.blas_threads(batch * tokens)`, so the per-expert
+matrix products of a decode-sized call use one BLAS thread (the rule and its measurement: colibri_sdk.blas,
+docs/runtime.md), with no environment variable needed; the rest of the process keeps its own setting.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..blas import blas_threads
 from ..errors import BackendError
 from ..reference import ReferenceEngine
 
@@ -51,7 +56,9 @@ class CpuBackend:
         if self._engine is None:
             raise BackendError("the CPU backend is closed; load the bundle again")
         # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
-        return self._engine.run(x.reshape(-1, self.hidden_size)).reshape(x.shape)
+        rows = x.reshape(-1, self.hidden_size)
+        with blas_threads(rows.shape[0]):
+            return self._engine.run(rows).reshape(x.shape)
 
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""

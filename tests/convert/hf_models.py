@@ -89,7 +89,7 @@ def save_fused(model, folder: Path) -> Path:
 
 def convert_cli(folder: Path, out: Path, *extra: str) -> int:
     """Run `colibri-sdk convert folder -o out ...` in-process; return the exit code."""
-    return cli.main(["convert", str(folder), "-o", str(out), "--no-progress", *extra])
+    return cli.main(["convert", str(folder), "-o", str(out), "--quiet", *extra])
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
