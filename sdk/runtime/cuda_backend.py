@@ -268,8 +268,12 @@ class CudaBackend:
             n = min(UPLOAD_CHUNK, size - offset)
             start = HEADER_SIZE + offset
             chunk = np.frombuffer(mapping, dtype=np.uint8, count=n, offset=start)
-            check(cu.cuMemcpyHtoD(cu.CUdeviceptr(dst + offset), chunk.ctypes.data, n), "cuMemcpyHtoD")
-            del chunk
+            try:
+                check(cu.cuMemcpyHtoD(cu.CUdeviceptr(dst + offset), chunk.ctypes.data, n), "cuMemcpyHtoD")
+            finally:
+                # Release the view even when the copy fails: an exported buffer would make mapping.close() raise
+                # BufferError and hide the CudaError.
+                del chunk
             end = (start + n) // page * page if offset + n < size else len(mapping)
             if end > dropped:
                 mapping.madvise(mmap.MADV_DONTNEED, dropped, end - dropped)
