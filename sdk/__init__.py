@@ -16,6 +16,7 @@ from .errors import (  # noqa: E402
     DeployError,
     FormatError,
     InputError,
+    NonFiniteOutputError,
     ProfileError,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "DeployError",
     "FormatError",
     "InputError",
+    "NonFiniteOutputError",
     "ProfileError",
 ]

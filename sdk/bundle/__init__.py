@@ -14,10 +14,13 @@ from .reader import (
     Bundle,
     bundle_summary,
     canonical_json,
+    check_inside,
     check_relative,
     check_schema,
     file_sha256,
     manifest_digest,
+    open_inside,
+    parse_manifest,
 )
 
 __all__ = [
@@ -30,8 +33,11 @@ __all__ = [
     "Bundle",
     "bundle_summary",
     "canonical_json",
+    "check_inside",
     "check_relative",
     "check_schema",
     "file_sha256",
     "manifest_digest",
+    "open_inside",
+    "parse_manifest",
 ]

@@ -13,6 +13,12 @@ for byte its own canonical form, the digest matches, every listed file has its s
 no file the manifest does not list. So a changed byte anywhere, in manifest.json too, is refused with the file's
 name. (This detects corruption and edits; it is not a signature: whoever can rewrite the files can recompute it.)
 
+Confinement (docs/build.md, "Reading rules"): a bundle is read only through what is inside its folder. manifest.json,
+every listed file and every folder on a listed path must be a regular file / folder, not a symbolic link, and is
+checked with lstat before anything is read; files are then opened component by component with O_NOFOLLOW below
+the bundle folder's own descriptor, so a link swapped in later is refused too. The bundle folder itself may be a
+link (a deploy's `current`).
+
 Device side: needs NumPy and the standard library only.
 """
 
@@ -21,13 +27,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import stat
+import unicodedata
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 
 from ..errors import BundleError, FormatError
 from ..format import Header
+from ..format.constants import HEADER_SIZE, KINDS as TENSOR_KINDS
 from ..profile import AGGREGATIONS, DTYPES, MAX_TOKENS
 
 SCHEMA_VERSION = 1
@@ -57,14 +67,28 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
 OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list}
 # weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
 HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
+# Every key of weights.header: the whole header, `version` included; it must equal the weights file's header.
+HEADER_KEYS = tuple(f.name for f in dataclasses.fields(Header))
 # kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.aot.nvrtc), all integers.
 RESOURCE_KEYS = ("registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes")
 _CHUNK = 1 << 20
+_HEX = frozenset("0123456789abcdef")
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO must not block the open; it is refused as not a regular file
 
 
 def canonical_json(data: dict) -> bytes:
-    """The one serialisation of a manifest: sorted keys, 2-space indent, ASCII, trailing newline."""
-    return (json.dumps(data, sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False) + "\n").encode("ascii")
+    """The one serialisation of a manifest: sorted keys, 2-space indent, ASCII, trailing newline.
+
+    Raises:
+        BundleError: `data` holds NaN or ±Infinity (JSON has no such numbers).
+    """
+    try:
+        text = json.dumps(data, sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False)
+    except ValueError as exc:
+        raise BundleError(f"a manifest cannot hold NaN or Infinity ({exc})") from None
+    return (text + "\n").encode("ascii")
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -82,14 +106,226 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _control_character(text: str) -> str | None:
+    """The first control, format, surrogate, private-use or unassigned character (Unicode category C*), or None."""
+    for ch in text:
+        if unicodedata.category(ch)[0] == "C":
+            return ch
+    return None
+
+
 def check_relative(path: str, what: str) -> PurePosixPath:
-    """A manifest path must be relative, POSIX, and stay inside the bundle."""
+    """A manifest path must be relative, POSIX, normalised, free of control characters, and stay inside the bundle.
+
+    Messages show the path with repr(): control characters appear escaped (`'a\\x00b'`).
+
+    Raises:
+        BundleError: naming `what`, the path and what is allowed.
+    """
     if not isinstance(path, str) or not path:
         raise BundleError(f"{what}: path {path!r}; allowed: a non-empty relative POSIX path")
+    bad = _control_character(path)
+    if bad is not None:
+        raise BundleError(
+            f"{what}: path {path!r} holds the control character {bad!r} (U+{ord(bad):04X}); allowed: printable "
+            "characters"
+        )
     pure = PurePosixPath(path)
     if pure.is_absolute() or ".." in pure.parts or "\\" in path or str(pure) != path:
         raise BundleError(f"{what}: path {path!r}; allowed: a normalised relative path inside the bundle")
     return pure
+
+
+def _refuse_constant(name: str):
+    raise BundleError(f"{name} in the manifest; allowed: finite JSON numbers only (strict JSON has no {name})")
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BundleError(f"the number {text[:40]} in the manifest is beyond float range; allowed: finite numbers")
+    return value
+
+
+def _pairs(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise BundleError(f"duplicate key {key!r} in the manifest; allowed: each key once per object")
+        out[key] = value
+    return out
+
+
+def parse_manifest(raw: bytes, where: str = MANIFEST) -> dict:
+    """manifest.json bytes → dict, strictly: UTF-8, a JSON object, no NaN / Infinity / -Infinity, no number beyond
+    float range, no duplicate key.
+
+    Raises:
+        BundleError: naming `where` and the fault.
+    """
+    try:
+        manifest = json.loads(
+            raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_parse_float, object_pairs_hook=_pairs
+        )
+    except BundleError as exc:
+        raise BundleError(f"{where}: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        detail = str(exc) if len(str(exc)) <= 200 else str(exc)[:197] + "..."
+        raise BundleError(f"{where}: not valid JSON ({detail}); the file was changed or truncated") from None
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{where}: top level is {type(manifest).__name__}; allowed: a JSON object")
+    return manifest
+
+
+# ---- confinement ----------------------------------------------------------------------------------------------------
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+_LINK_RULE = "a bundle is read only through regular files and folders inside it (nothing through a link)"
+
+
+def check_inside(root: Path, rel: str) -> Path:
+    """lstat every component of `rel` below `root`: each folder must be a real folder, the last a regular file, none
+    a symbolic link. Nothing is opened or read.
+
+    Returns:
+        root / rel.
+
+    Raises:
+        BundleError: naming the first component that is missing, a link, or of the wrong kind.
+    """
+    parts = PurePosixPath(rel).parts
+    current = root
+    for i, name in enumerate(parts):
+        current = current / name
+        shown = "/".join(parts[: i + 1])
+        try:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
+            raise BundleError(f"{shown}: listed in the manifest but missing") from None
+        except OSError as exc:
+            raise BundleError(f"{shown}: cannot examine: {exc.strerror}") from None
+        last = i == len(parts) - 1
+        if stat.S_ISLNK(mode):
+            raise BundleError(f"{shown}: a symbolic link; {_LINK_RULE}")
+        if not last and not stat.S_ISDIR(mode):
+            raise BundleError(f"{shown}: {_kind(mode)} on the path of {rel}; allowed: a folder inside the bundle")
+        if last and not stat.S_ISREG(mode):
+            raise BundleError(f"{rel}: {_kind(mode)}; allowed: a regular file inside the bundle")
+    return current
+
+
+def open_inside(root: Path, rel: str):
+    """Open `root/rel` for reading without following any link below `root` (each component opened with
+    O_NOFOLLOW relative to the previous one's descriptor), after `check_inside`.
+
+    Returns:
+        A binary file object (unbuffered reads through it see only that regular file).
+
+    Raises:
+        BundleError: as check_inside, or the file cannot be opened.
+    """
+    check_inside(root, rel)
+    parts = PurePosixPath(rel).parts
+    try:
+        dirfd = os.open(root, os.O_RDONLY | _O_DIRECTORY)
+    except OSError as exc:
+        raise BundleError(f"{root}: cannot open the bundle folder: {exc.strerror}") from None
+    try:
+        for name in parts[:-1]:
+            try:
+                fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW, dir_fd=dirfd)
+            except OSError as exc:
+                raise BundleError(f"{rel}: cannot open the folder {name!r} on its path: {exc.strerror}") from None
+            os.close(dirfd)
+            dirfd = fd
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK, dir_fd=dirfd)
+        except OSError as exc:
+            raise BundleError(f"{rel}: cannot open: {exc.strerror}") from None
+    finally:
+        os.close(dirfd)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise BundleError(f"{rel}: {_kind(mode)}; allowed: a regular file inside the bundle")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def _read_manifest(root: Path) -> bytes:
+    manifest_path = root / MANIFEST
+    try:
+        mode = os.lstat(manifest_path).st_mode
+    except FileNotFoundError:
+        raise BundleError(f"{manifest_path}: cannot read the manifest: No such file or directory") from None
+    except OSError as exc:
+        raise BundleError(f"{manifest_path}: cannot read the manifest: {exc.strerror}") from None
+    if stat.S_ISLNK(mode):
+        raise BundleError(f"{manifest_path}: a symbolic link; {_LINK_RULE}")
+    if not stat.S_ISREG(mode):
+        raise BundleError(f"{manifest_path}: not a regular file; the manifest must be a JSON file")
+    with open_inside(root, MANIFEST) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise BundleError(f"{manifest_path}: {size:,} bytes; allowed: at most {MAX_MANIFEST_BYTES:,}")
+        try:
+            return fh.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as exc:
+            raise BundleError(f"{manifest_path}: cannot read the manifest: {exc.strerror}") from None
+
+
+def _float_ranges(header: Header) -> list[tuple[int, int, np.dtype]]:
+    """(start, end, dtype) byte ranges of a .colibri file's float tensor blocks (format layout: Header)."""
+    ranges = []
+    for kind in TENSOR_KINDS:
+        start = header.block_offset(kind)
+        ranges.append((start, start + header.block_elements(kind) * header.itemsize, header.np_dtype))
+    return ranges
+
+
+def _first_nonfinite(chunk: bytes, chunk_start: int, ranges) -> int | None:
+    """File offset of the first NaN/Inf element of `chunk` (which starts at file offset chunk_start), or None."""
+    end = chunk_start + len(chunk)
+    for lo, hi, dtype in ranges:
+        a, b = max(lo, chunk_start), min(hi, end)
+        if a >= b:
+            continue
+        a += (-(a - lo)) % dtype.itemsize  # align to an element of this block
+        b -= (b - lo) % dtype.itemsize
+        if a >= b:
+            continue
+        values = np.frombuffer(chunk, dtype=dtype, count=(b - a) // dtype.itemsize, offset=a - chunk_start)
+        finite = np.isfinite(values)
+        if not finite.all():
+            return a + int(np.argmin(finite)) * dtype.itemsize
+    return None
+
+
+def _check_header_matches(recorded: dict, actual: dict, rel: str) -> None:
+    """The manifest's weights.header must equal the weights file's header (every field; `version` where recorded).
+
+    Raises:
+        BundleError: naming the first field that differs (in HEADER_KEYS order) and both values.
+    """
+    for key in HEADER_KEYS:
+        if key == "version" and key not in recorded:
+            continue
+        if recorded.get(key) != actual[key]:
+            raise BundleError(
+                f"{rel}: header {key} = {actual[key]}, but the manifest's weights.header.{key} = {recorded.get(key)}; "
+                "the weights do not belong to this manifest"
+            )
 
 
 class Bundle:
@@ -115,50 +351,42 @@ class Bundle:
     def open(cls, path: str | os.PathLike, verify: bool = True) -> "Bundle":
         """Open a bundle folder.
 
+        Always checked (nothing is read through a link): manifest.json is a regular file inside the folder, strict
+        JSON (no NaN/Infinity, no duplicate key), follows the schema; every path field is a normalised relative
+        path without control characters; kernel images, weights and self-test files are listed in `files`; and
+        every listed path is a regular file below real folders of the bundle (lstat, no symbolic link).
+
         Args:
             path: the bundle folder.
-            verify: also check every file's size and sha256, the manifest's digest and canonical form, and that
-                no unlisted file is present (reads every byte once). The schema is always checked.
+            verify: also check the manifest's canonical form and digest, every file's size and sha256, that no
+                unlisted file, link or special file is present, that the weights file's header equals the
+                manifest's `weights.header`, and that the weights hold no NaN/Inf (reads every byte once).
 
         Raises:
-            BundleError: no such folder, no or unreadable manifest.json, unknown schema_version, a missing or
-                mistyped key, or (verify=True) a file whose size or sha256 differs, naming the file.
+            BundleError: any violation, naming the file or key.
         """
         root = Path(path)
         if not root.is_dir():
             raise BundleError(f"{root} is not a bundle folder (no such directory)")
-        manifest_path = root / MANIFEST
-        if manifest_path.exists() and not manifest_path.is_file():
-            raise BundleError(f"{manifest_path}: not a regular file; the manifest must be a JSON file")
-        if manifest_path.is_file() and manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise BundleError(
-                f"{manifest_path}: {manifest_path.stat().st_size:,} bytes; allowed: at most {MAX_MANIFEST_BYTES:,}"
-            )
-        try:
-            raw = manifest_path.read_bytes()
-        except OSError as exc:
-            raise BundleError(f"{manifest_path}: cannot read the manifest: {exc.strerror}") from exc
-        try:
-            manifest = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            detail = str(exc) if len(str(exc)) <= 200 else str(exc)[:197] + "..."
-            raise BundleError(f"{manifest_path}: not valid JSON ({detail}); the file was changed or truncated") from exc
-        if not isinstance(manifest, dict):
-            raise BundleError(f"{manifest_path}: top level is {type(manifest).__name__}; allowed: a JSON object")
-        check_schema(manifest, str(manifest_path))
+        raw = _read_manifest(root)
+        where = str(root / MANIFEST)
+        manifest = parse_manifest(raw, where)
+        check_schema(manifest, where)
         bundle = cls(root, manifest)
+        for entry in manifest["files"]:
+            check_inside(root, entry["path"])
         if verify:
             bundle.verify(raw)
         return bundle
 
     def verify(self, raw_manifest: bytes | None = None) -> None:
-        """Check the manifest's canonical form and digest, then every listed file's size and sha256.
+        """Check the manifest's canonical form and digest, the folder's contents, then every listed file's size and
+        sha256; the weights' header against the manifest's and their values for NaN/Inf.
 
         Raises:
-            BundleError: naming the first file that differs, is missing, or is not listed.
+            BundleError: naming the first file that differs, is missing, is a link, is not listed, or holds NaN/Inf.
         """
-        manifest_path = self.path / MANIFEST
-        raw = manifest_path.read_bytes() if raw_manifest is None else raw_manifest
+        raw = _read_manifest(self.path) if raw_manifest is None else raw_manifest
         if raw != canonical_json(self.manifest):
             raise BundleError(
                 f"{MANIFEST}: not in canonical form (sorted keys, 2-space indent, trailing newline); "
@@ -170,25 +398,66 @@ class Bundle:
                 f"{MANIFEST}: content sha256 {expected} differs from the recorded {DIGEST_KEY} "
                 f"{self.manifest[DIGEST_KEY]}; the manifest was changed after the build"
             )
-        listed = set()
+        listed = {entry["path"] for entry in self.manifest["files"]}
+        self._check_contents(self.path, "", listed)
+        weights = self.manifest["weights"]["file"]
         for entry in self.manifest["files"]:
             rel = entry["path"]
-            listed.add(rel)
-            full = self.path / rel
-            if full.is_symlink() or not full.is_file():
-                raise BundleError(f"{rel}: listed in the manifest but missing (or not a regular file)")
-            size = full.stat().st_size
-            if size != entry["size"]:
-                raise BundleError(f"{rel}: {size} bytes; the manifest records {entry['size']}")
-            digest = file_sha256(full)
+            with open_inside(self.path, rel) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size != entry["size"]:
+                    raise BundleError(f"{rel}: {size} bytes; the manifest records {entry['size']}")
+                digest = self._hash(fh, rel, weights=rel == weights)
             if digest != entry["sha256"]:
                 raise BundleError(f"{rel}: sha256 {digest} differs from the manifest's {entry['sha256']}")
-        for full in sorted(self.path.rglob("*")):
-            if full.is_dir() and not full.is_symlink():
-                continue
-            rel = full.relative_to(self.path).as_posix()
-            if rel != MANIFEST and rel not in listed:
-                raise BundleError(f"{rel}: not listed in the manifest; a bundle holds only the files it lists")
+
+    def _check_contents(self, folder: Path, prefix: str, listed: set[str]) -> None:
+        """Walk the folder without following links: every entry is a real folder or a listed regular file."""
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            raise BundleError(f"{prefix or '.'}: cannot list the folder: {exc.strerror}") from None
+        for entry in entries:
+            rel = prefix + entry.name
+            shown = repr(rel) if _control_character(rel) is not None else rel
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                self._check_contents(Path(entry.path), rel + "/", listed)
+            elif stat.S_ISLNK(mode):
+                raise BundleError(f"{shown}: a symbolic link; {_LINK_RULE}")
+            elif not stat.S_ISREG(mode):
+                raise BundleError(f"{shown}: {_kind(mode)}; a bundle holds only regular files and folders")
+            elif rel != MANIFEST and rel not in listed:
+                raise BundleError(f"{shown}: not listed in the manifest; a bundle holds only the files it lists")
+
+    def _hash(self, fh, rel: str, weights: bool) -> str:
+        """sha256 of an open file; for the weights also the header against the manifest and a NaN/Inf scan."""
+        digest = hashlib.sha256()
+        ranges = None
+        if weights:
+            head = fh.read(HEADER_SIZE)
+            digest.update(head)
+            self._check_weights_header(head, rel)
+            ranges = _float_ranges(Header.unpack(head))
+        offset = fh.tell()
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+            if ranges is not None:
+                bad = _first_nonfinite(chunk, offset, ranges)
+                if bad is not None:
+                    raise BundleError(
+                        f"{rel}: a NaN or Inf weight at byte offset {bad}; allowed: finite weights (the file was "
+                        "damaged, or the checkpoint holds non-finite values)"
+                    )
+            offset += len(chunk)
+        return digest.hexdigest()
+
+    def _check_weights_header(self, head: bytes, rel: str) -> None:
+        try:
+            actual = dataclasses.asdict(Header.unpack(head))
+        except FormatError as exc:
+            raise BundleError(f"{rel}: {exc}") from None
+        _check_header_matches(self.manifest["weights"]["header"], actual, rel)
 
     # ---- accessors --------------------------------------------------------------------------------------------
     @property
@@ -232,23 +501,27 @@ class Bundle:
 
     @property
     def weights_path(self) -> Path:
-        return self.path / self.manifest["weights"]["file"]
+        """The weights file, after `check_inside` (a regular file, no link on its path).
+
+        Raises:
+            BundleError: it is missing, a link, or not a regular file.
+        """
+        return check_inside(self.path, self.manifest["weights"]["file"])
 
     def open_weights(self):
         """The weights as a `colibri_sdk.format.ColibriFile` (mmap, read-only)."""
         from ..format import ColibriFile
 
-        weights = ColibriFile(self.weights_path)
-        recorded = self.manifest["weights"]["header"]
-        actual = dataclasses.asdict(weights.header)
-        differ = sorted(k for k in HEADER_FIELDS if recorded[k] != actual[k])
-        if differ:
+        try:
+            weights = ColibriFile(self.weights_path)
+        except FormatError as exc:
+            raise BundleError(f"{self.manifest['weights']['file']}: {exc}") from None
+        try:
+            _check_header_matches(self.manifest["weights"]["header"], dataclasses.asdict(weights.header),
+                                  self.manifest["weights"]["file"])
+        except BundleError:
             weights.close()
-            key = differ[0]
-            raise BundleError(
-                f"{self.manifest['weights']['file']}: header {key} = {actual[key]}, but the manifest's "
-                f"weights.header.{key} = {recorded[key]}; the weights do not belong to this manifest"
-            )
+            raise
         return weights
 
     def kernel(self, name: str) -> dict:
@@ -284,11 +557,11 @@ class Bundle:
         entry = self.manifest["selftest"]
         arrays = []
         for key in ("input", "output"):
-            full = self.path / entry[key]
-            try:
-                array = np.load(full, allow_pickle=False)
-            except (OSError, ValueError, MemoryError) as exc:
-                raise BundleError(f"{entry[key]}: cannot load the self-test {key}: {exc}") from exc
+            with open_inside(self.path, entry[key]) as fh:
+                try:
+                    array = np.load(fh, allow_pickle=False)
+                except (OSError, ValueError, MemoryError, EOFError) as exc:
+                    raise BundleError(f"{entry[key]}: cannot load the self-test {key}: {exc}") from None
             if not isinstance(array, np.ndarray) or array.dtype != np.float32:
                 what = f"dtype {array.dtype}" if isinstance(array, np.ndarray) else f"a {type(array).__name__}"
                 raise BundleError(f"{entry[key]}: the self-test {key} is {what}; allowed: a float32 .npy array")
@@ -296,10 +569,11 @@ class Bundle:
         return arrays[0], arrays[1], float(entry["rtol"]), float(entry["atol"])
 
     def _read(self, rel: str) -> bytes:
-        try:
-            return (self.path / rel).read_bytes()
-        except OSError as exc:
-            raise BundleError(f"{rel}: cannot read: {exc.strerror}") from exc
+        with open_inside(self.path, rel) as fh:
+            try:
+                return fh.read()
+            except OSError as exc:
+                raise BundleError(f"{rel}: cannot read: {exc.strerror}") from None
 
     def __repr__(self) -> str:
         b, t = self.shape
@@ -355,8 +629,14 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
     _expect(manifest["weights"].get("file"), str, "weights.file", where)
     _expect(manifest["weights"].get("header"), dict, "weights.header", where)
     check_relative(manifest["weights"]["file"], f"{where}: weights.file")
+    header = manifest["weights"]["header"]
     for key in HEADER_FIELDS:
-        _expect(manifest["weights"]["header"].get(key), int, f"weights.header.{key}", where)
+        _expect(header.get(key), int, f"weights.header.{key}", where)
+    if "version" in header:  # bundles of this schema always record it; the weights file's header must match
+        _expect(header["version"], int, "weights.header.version", where)
+    unknown = sorted(set(header) - set(HEADER_KEYS))
+    if unknown:
+        raise BundleError(f"{where}: unknown keys {unknown} in weights.header; allowed: {list(HEADER_KEYS)}")
     for i, kernel in enumerate(manifest["kernels"]):
         _expect(kernel, dict, f"kernels[{i}]", where)
         for key, t in (("name", str), ("source", str), ("symbols", list), ("cubin", str), ("ptx", str),
@@ -364,12 +644,19 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
             _expect(kernel.get(key), t, f"kernels[{i}].{key}", where)
         for kind in KINDS:
             check_relative(kernel[kind], f"{where}: kernels[{i}].{kind}")
+        for j, symbol in enumerate(kernel["symbols"]):
+            _expect(symbol, str, f"kernels[{i}].symbols[{j}]", where)
+            if not symbol.isidentifier() or not symbol.isascii():
+                raise BundleError(f"{where}: kernels[{i}].symbols[{j}] = {symbol!r}; allowed: a C identifier")
         for symbol, resources in kernel["resources"].items():
             _expect(resources, dict, f"kernels[{i}].resources.{symbol}", where)
             for key in RESOURCE_KEYS:
                 _expect(resources.get(key), int, f"kernels[{i}].resources.{symbol}.{key}", where)
     for key, t in (("input", str), ("output", str), ("rtol", (int, float)), ("atol", (int, float))):
         _expect(manifest["selftest"].get(key), t, f"selftest.{key}", where)
+    for key in ("rtol", "atol"):
+        if manifest["selftest"][key] < 0:
+            raise BundleError(f"{where}: selftest.{key} = {manifest['selftest'][key]!r}; allowed: a number >= 0")
     for key in ("input", "output"):
         check_relative(manifest["selftest"][key], f"{where}: selftest.{key}")
     for i, entry in enumerate(manifest["files"]):
@@ -377,11 +664,24 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
         for key, t in (("path", str), ("sha256", str), ("size", int)):
             _expect(entry.get(key), t, f"files[{i}].{key}", where)
         check_relative(entry["path"], f"{where}: files[{i}].path")
+        if len(entry["sha256"]) != 64 or not set(entry["sha256"]) <= _HEX:
+            raise BundleError(f"{where}: files[{i}].sha256 = {entry['sha256'][:80]!r}; allowed: 64 lowercase hex digits")
+        if entry["size"] < 0:
+            raise BundleError(f"{where}: files[{i}].size = {entry['size']}; allowed: a byte count >= 0")
     paths = [e["path"] for e in manifest["files"]]
     if paths != sorted(set(paths)):
         raise BundleError(f"{where}: files must be sorted by path without duplicates")
     if MANIFEST in paths:
         raise BundleError(f"{where}: files lists {MANIFEST}; it covers every file except the manifest itself")
+    listed = set(paths)
+    referenced = [("weights.file", manifest["weights"]["file"])]
+    referenced += [(f"kernels[{i}].{kind}", k[kind]) for i, k in enumerate(manifest["kernels"]) for kind in KINDS]
+    referenced += [(f"selftest.{key}", manifest["selftest"][key]) for key in ("input", "output")]
+    for key, rel in referenced:
+        if rel not in listed:
+            raise BundleError(
+                f"{where}: {key} = {rel!r} is not in files; allowed: a file the manifest lists (with size and sha256)"
+            )
 
 
 # ---- inspect ------------------------------------------------------------------------------------------------------

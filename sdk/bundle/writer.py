@@ -87,6 +87,22 @@ def prepare_weights(source: Path, dtype: str, target: Path) -> Header:
     return out
 
 
+def check_top_k(weights: Path) -> None:
+    """Refuse weights whose top-k exceeds what the kernels are compiled for, before anything is copied or compiled.
+
+    Raises:
+        CompileError: top_k > catalog.MAX_TOP_K, naming both.
+        FormatError: the file is not a valid .colibri file.
+    """
+    with ColibriFile(weights) as f:
+        top_k = f.header.top_k
+    if top_k > catalog.MAX_TOP_K:
+        raise CompileError(
+            f"{weights}: top_k = {top_k}; allowed: 1..{catalog.MAX_TOP_K} (MAX_TOP_K, the most experts per token the "
+            "kernels are compiled for)"
+        )
+
+
 # ---- self-test ------------------------------------------------------------------------------------------------------
 def reference_with_margin(weights: ColibriFile, x: np.ndarray) -> tuple[np.ndarray, float]:
     """The reference engine's forward pass in float64, and the smallest gap between the k-th and (k+1)-th largest
@@ -327,7 +343,8 @@ def build_bundle(
         workers: parallel NVRTC compilations.
 
     Raises:
-        CompileError: NVRTC, the cubin's SM, spills, shared memory or the launch plan.
+        CompileError: top_k above catalog.MAX_TOP_K (before compiling), NVRTC, the cubin's SM, spills, shared
+            memory or the launch plan.
         FormatError: unreadable weights or fp16 overflow while converting.
         BundleError: `out` exists and is not a bundle (or holds files its manifest does not list), has no file
             name, or its parent folder cannot be created; the archive path is a folder or cannot be written.
@@ -340,6 +357,8 @@ def build_bundle(
     except OSError as exc:
         raise BundleError(f"cannot create the folder {out.parent} for {out}: {exc.strerror}") from exc
     _check_replaceable(out)
+    if weights is not None:
+        check_top_k(Path(weights))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         manifest, kernels = _write_contents(tmp, profile, weights, kernel_dir, workers)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..catalog import MAX_TOP_K
 from ..errors import ConvertError, FormatError
 from ..format import ColibriWriter, Header
 from ..format.constants import COMPOSITION_NAMES, DTYPE_CODES, FP16_MAX
@@ -79,7 +80,8 @@ def convert(
         A ConvertReport.
 
     Raises:
-        ConvertError: unsupported model or feature, missing/extra/mis-shaped tensor, source dtype, fp16 overflow
+        ConvertError: unsupported model or feature, top-k above catalog.MAX_TOP_K, missing/extra/mis-shaped
+            tensor, source dtype, fp16 overflow
             (naming the tensor and the count), non-finite weights, unwritable output.
     """
     if dtype not in DTYPES:
@@ -94,6 +96,11 @@ def convert(
         raise ConvertError(f"output folder {output.parent} does not exist")
     start = time.perf_counter()
     checkpoint, spec, layout = inspect_checkpoint(folder)
+    if spec.top_k > MAX_TOP_K:
+        raise ConvertError(
+            f"config.json {spec.keys['top_k']} = {spec.top_k}; allowed: 1..{MAX_TOP_K} (MAX_TOP_K, the most experts "
+            "per token the kernels are compiled for)"
+        )
     _refuse_overwriting_source(checkpoint, output)
     header = Header(
         num_layers=spec.num_layers,
