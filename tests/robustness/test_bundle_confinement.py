@@ -220,3 +220,21 @@ def test_nothing_else_changed_still_verifies(bundle):
     weights = next(e for e in manifest["files"] if e["path"] == "model.colibri")
     assert weights["sha256"] == file_sha256(bundle / "model.colibri")
     assert np.isfinite(Bundle.open(bundle).selftest()[1]).all()
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "<f2"])
+def test_the_weights_scan_finds_every_non_finite_pattern(dtype):
+    """The scan tests exponent bits; check it against np.isfinite on every special value, at a chunk offset."""
+    from colibri_sdk.bundle.reader import _first_nonfinite
+
+    dt = np.dtype(dtype)
+    finite = np.array([0.0, -0.0, 1.0, -2.5, np.finfo(dt).max, np.finfo(dt).tiny, np.finfo(dt).smallest_subnormal],
+                      dtype=dt)
+    for special in (np.nan, np.inf, -np.inf, -np.nan):
+        values = np.concatenate([finite, np.array([special], dtype=dt), finite])
+        raw = values.tobytes()
+        start = 1000  # the chunk's file offset; the float block begins 4 elements into it
+        lo = start + 4 * dt.itemsize
+        found = _first_nonfinite(raw, start, [(lo, start + len(raw), dt)])
+        assert found == start + int(np.argmin(np.isfinite(values))) * dt.itemsize
+    assert _first_nonfinite(finite.tobytes(), 0, [(0, finite.nbytes, dt)]) is None
