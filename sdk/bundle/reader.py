@@ -596,6 +596,24 @@ def _expect(value, t, key: str, where: str) -> None:
         raise BundleError(f"{where}: {key} = {value!r}; allowed: {_type_name(t)}")
 
 
+def _check_printable(value, key: str, where: str) -> None:
+    """No string (key or value) in `value` holds a control character: `inspect` prints them, messages quote them."""
+    if isinstance(value, str):
+        bad = _control_character(value)
+        if bad is not None:
+            raise BundleError(
+                f"{where}: {key} = {value[:80]!r} holds the control character {bad!r} (U+{ord(bad):04X}); allowed: "
+                "printable characters"
+            )
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_printable(k, f"{key} (a key)", where)
+            _check_printable(v, f"{key}.{k}", where)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_printable(v, f"{key}[{i}]", where)
+
+
 def check_schema(manifest: dict, where: str = MANIFEST) -> None:
     """Check keys and types of a manifest (not the files).
 
@@ -687,6 +705,9 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
             raise BundleError(
                 f"{where}: {key} = {rel!r} is not in files; allowed: a file the manifest lists (with size and sha256)"
             )
+    for key, value in manifest.items():
+        if key != "profile":  # the profile's free text (its description) may span lines
+            _check_printable(value, key, where)
 
 
 # ---- inspect ------------------------------------------------------------------------------------------------------

@@ -238,3 +238,15 @@ def test_the_weights_scan_finds_every_non_finite_pattern(dtype):
         found = _first_nonfinite(raw, start, [(lo, start + len(raw), dt)])
         assert found == start + int(np.argmin(np.isfinite(values))) * dt.itemsize
     assert _first_nonfinite(finite.tobytes(), 0, [(0, finite.nbytes, dt)]) is None
+
+
+@pytest.mark.parametrize(("edit", "key"), [(lambda m: m.update(arch="sm_87\x1b[2J"), "arch"),
+                                           (lambda m: m["kernels"][0].update(name="rout\x00ing"), r"kernels\[0\]\.name")])
+def test_control_characters_in_other_strings_are_refused(bundle, capsys, edit, key):
+    """`inspect` prints these: a raw ESC would drive the terminal."""
+    manifest = load_manifest(bundle)
+    edit(manifest)
+    save_manifest(bundle, manifest)
+    err = cli_error(capsys, "inspect", str(bundle))
+    assert re.search(rf"manifest\.json: {key} = '.*' holds the control character '\\x(1b|00)'", err), err
+    assert "\x1b" not in err and "\x00" not in err
