@@ -243,7 +243,7 @@ class CudaBackend:
         cu, stream = self._cu, self._res.stream
         size = self.header.data_size
         dst = self._alloc(size)
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # the path was checked by Bundle (no links)
         try:
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             try:
