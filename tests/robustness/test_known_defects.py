@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -217,3 +218,20 @@ def test_merge_key_of_a_scalar_is_one_line(tmp_path):
     assert "\n" not in str(info.value)
     assert re.search(r"board\.yaml:\d+:\d+: not valid YAML: while constructing a mapping; expected a mapping or list "
                      r"of mappings for merging, but found scalar$", str(info.value)), str(info.value)
+
+
+def test_a_self_test_with_non_finite_output_is_a_failed_result(two_layers, tmp_path):
+    """The self-test input scaled to 1e30 (and the manifest rehashed): the result is returned as failed, with
+    infinite errors, as for any other mismatch."""
+    import shutil
+
+    from robustness_helpers import load_manifest, save_manifest
+
+    bundle = Path(shutil.copytree(two_layers, tmp_path / "bundle"))
+    path = bundle / "selftest" / "input.npy"
+    np.save(path, np.load(path) * np.float32(1e30))
+    save_manifest(bundle, load_manifest(bundle), rehash=("selftest/input.npy",))
+    with Runtime.load(bundle, backend="cpu") as rt:
+        result = rt.self_test()
+    assert not result.passed and result.max_abs_err == float("inf")
+    assert str(result).startswith("self-test FAILED on cpu: max abs err inf")
