@@ -42,7 +42,9 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "files": list,
     DIGEST_KEY: str,
 }
-OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list}
+# `buffers` (scratch buffer name → bytes) and `io_buffers` ({"input", "output"[, "valid_tokens"]} → buffer name) are
+# what the C runtime (sdk/libcolibri) allocates and copies through; the Python backend derives them from the catalogue.
+OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list, "buffers": dict, "io_buffers": dict}
 # weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
 HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
 # Every key of weights.header: the whole header, `version` included; it must equal the weights file's header.
@@ -248,6 +250,10 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
             raise BundleError(f"{where}: files[{i}].sha256 = {entry['sha256'][:80]!r}; allowed: 64 lowercase hex digits")
         if entry["size"] < 0:
             raise BundleError(f"{where}: files[{i}].size = {entry['size']}; allowed: a byte count >= 0")
+    for name, size in manifest.get("buffers", {}).items():
+        _expect(size, int, f"buffers.{name}", where)
+    for key, name in manifest.get("io_buffers", {}).items():
+        _expect(name, str, f"io_buffers.{key}", where)
     paths = [e["path"] for e in manifest["files"]]
     if paths != sorted(set(paths)):
         raise BundleError(f"{where}: files must be sorted by path without duplicates")

@@ -56,12 +56,14 @@ from .paths import LINK_RULE, check_inside, kind_of, open_inside, read_manifest
 _CHUNK = 1 << 20
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 (hex) of a file, read in 1 MiB chunks."""
+def file_sha256(path: Path, progress=None) -> str:
+    """sha256 (hex) of a file, read in 1 MiB chunks; `progress(n)`, if given, is called with each chunk's size."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return digest.hexdigest()
 
 
@@ -164,9 +166,14 @@ class Bundle:
             bundle.verify(raw)
         return bundle
 
-    def verify(self, raw_manifest: bytes | None = None) -> None:
+    def verify(self, raw_manifest: bytes | None = None, progress=None) -> None:
         """Check the manifest's canonical form and digest, the folder's contents, then every listed file's size and
         sha256; the weights' header against the manifest's and their values for NaN/Inf.
+
+        Args:
+            raw_manifest: manifest.json's bytes as `open` read them (None: read them again, by the same rules).
+            progress: optional `progress(step, done_bytes, total_bytes)`, called with step "sha256" after each
+                chunk while the files are hashed.
 
         Raises:
             BundleError: naming the first file that differs, is missing, is a link, is not listed, or holds NaN/Inf.
@@ -186,13 +193,19 @@ class Bundle:
         listed = {entry["path"] for entry in self.manifest["files"]}
         self._check_contents(self.path, "", listed)
         weights = self.manifest["weights"]["file"]
+        total, done = sum(entry["size"] for entry in self.manifest["files"]), [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            progress("sha256", done[0], total)
+
         for entry in self.manifest["files"]:
             rel = entry["path"]
             with open_inside(self.path, rel) as fh:
                 size = os.fstat(fh.fileno()).st_size
                 if size != entry["size"]:
                     raise BundleError(f"{rel}: {size} bytes; the manifest records {entry['size']}")
-                digest = self._hash(fh, rel, weights=rel == weights)
+                digest = self._hash(fh, rel, rel == weights, advance if progress is not None else None)
             if digest != entry["sha256"]:
                 raise BundleError(f"{rel}: sha256 {digest} differs from the manifest's {entry['sha256']}")
 
@@ -215,18 +228,22 @@ class Bundle:
             elif rel != MANIFEST and rel not in listed:
                 raise BundleError(f"{shown}: not listed in the manifest; a bundle holds only the files it lists")
 
-    def _hash(self, fh, rel: str, weights: bool) -> str:
+    def _hash(self, fh, rel: str, weights: bool, progress=None) -> str:
         """sha256 of an open file; for the weights also the header against the manifest and a NaN/Inf scan."""
         digest = hashlib.sha256()
         ranges = None
         if weights:
             head = fh.read(HEADER_SIZE)
             digest.update(head)
+            if progress is not None:
+                progress(len(head))
             self._check_weights_header(head, rel)
             ranges = _float_ranges(Header.unpack(head))
         offset = fh.tell()
         for chunk in iter(lambda: fh.read(_CHUNK), b""):
             digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
             if ranges is not None:
                 bad = _first_nonfinite(chunk, offset, ranges)
                 if bad is not None:

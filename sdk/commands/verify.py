@@ -21,7 +21,7 @@ def run(args) -> int:
 
     bundle = Bundle.open(args.bundle, verify=True)
     files = bundle.manifest["files"]
-    print(f"{bundle.path}: schema {bundle.manifest['schema_version']}, {len(files)} files + manifest, checksums ok, weights finite")
+    print(f"{bundle.path}: schema {bundle.manifest['schema_version']}, {len(files)} files + manifest, checksums ok")
     if args.no_selftest:
         return 0
     try:

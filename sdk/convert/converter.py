@@ -96,11 +96,7 @@ def convert(
         raise ConvertError(f"output folder {output.parent} does not exist")
     start = time.perf_counter()
     checkpoint, spec, layout = inspect_checkpoint(folder)
-    if spec.top_k > MAX_TOP_K:
-        raise ConvertError(
-            f"config.json {spec.keys['top_k']} = {spec.top_k}; allowed: 1..{MAX_TOP_K} (MAX_TOP_K, the most experts "
-            "per token the kernels are compiled for)"
-        )
+    check_top_k(spec)
     _refuse_overwriting_source(checkpoint, output)
     header = Header(
         num_layers=spec.num_layers,
@@ -125,6 +121,21 @@ def convert(
         seconds=time.perf_counter() - start,
         clamped=clamped,
     )
+
+
+def check_top_k(spec: ModelSpec) -> None:
+    """Refuse a model routing more experts per token than the kernels are compiled for (catalog.MAX_TOP_K), before
+    anything is written.
+
+    Raises:
+        ConvertError: naming the config key, the value and the limit.
+    """
+    if spec.top_k > MAX_TOP_K:
+        key = spec.keys.get("top_k", "num_experts_per_tok") if isinstance(spec.keys, dict) else "num_experts_per_tok"
+        raise ConvertError(
+            f"config.json {key} = {spec.top_k}; allowed: 1..{MAX_TOP_K} (MAX_TOP_K, the most experts per token the "
+            "kernels are compiled for)"
+        )
 
 
 def _refuse_overwriting_source(checkpoint: Checkpoint, output: Path) -> None:

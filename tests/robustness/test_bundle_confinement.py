@@ -250,3 +250,11 @@ def test_control_characters_in_other_strings_are_refused(bundle, capsys, edit, k
     err = cli_error(capsys, "inspect", str(bundle))
     assert re.search(rf"manifest\.json: {key} = '.*' holds the control character '\\x(1b|00)'", err), err
     assert "\x1b" not in err and "\x00" not in err
+
+
+def test_verify_reports_hashing_progress_up_to_every_byte(bundle):
+    calls = []
+    Bundle.open(bundle, verify=False).verify(progress=lambda step, done, total: calls.append((step, done, total)))
+    total = sum(e["size"] for e in load_manifest(bundle)["files"])
+    assert calls and {c[0] for c in calls} == {"sha256"} and calls[-1][1:] == (total, total)
+    assert [c[1] for c in calls] == sorted(c[1] for c in calls)
