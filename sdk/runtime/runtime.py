@@ -247,14 +247,14 @@ class Runtime:
                 float32 inside an expert); it names the position and the first layer whose output is non-finite.
             BackendError: the runtime is closed.
         """
-        with self._lock:
+        # Overflow inside the forward pass is reported below as one NonFiniteOutputError, never as NumPy warnings.
+        with self._lock, np.errstate(over="ignore", invalid="ignore"):
             if not self._finalizer.alive:
                 raise BackendError("this Runtime is closed; load the bundle again")
             x3, lengths = self._check_input(x, input_lengths)
             batch, tokens, _ = x3.shape
             padded = self._pad(x3, lengths)
-            with np.errstate(over="ignore", invalid="ignore"):  # reported below as one error, never as warnings
-                y = self._backend.infer_padded(padded)
+            y = self._backend.infer_padded(padded)
             # infer_padded returns a new float32 array: an input of the fixed shape takes it as it is, a smaller
             # one copies its corner.
             out = np.ascontiguousarray(y[:batch, :tokens], dtype=np.float32)
