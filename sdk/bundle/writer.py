@@ -358,6 +358,9 @@ def build_bundle(
         raise BundleError(f"cannot create the folder {out.parent} for {out}: {exc.strerror}") from exc
     _check_replaceable(out)
     if weights is not None:
+        from ..format.support import check_kernel_support
+
+        check_kernel_support(weights, profile.name)
         check_top_k(Path(weights))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
