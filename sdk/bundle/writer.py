@@ -214,6 +214,8 @@ def make_manifest(
         "weights": {"file": WEIGHTS_FILE, "header": dataclasses.asdict(header)},
         "kernels": [_kernel_entry(k, profile.arch) for k in kernels],
         "launch": plan,
+        "buffers": catalog.device_buffers(pdict, header),
+        "io_buffers": catalog.io_buffers(header),
         "selftest": selftest,
         "files": files,
     }
