@@ -54,6 +54,10 @@ class Param:
 
 THREADS = Param("threads", 32, 1024, multiple_of=32, doc="threads per block")
 
+# The most experts per token (top-k) the kernels are compiled for (kernels/common.cuh: COLI_TOPK). `convert` and
+# `build` refuse a model above it, naming this limit, before anything is written or compiled.
+MAX_TOP_K = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:

@@ -243,7 +243,7 @@ class CudaBackend:
         cu, stream = self._cu, self._res.stream
         size = self.header.data_size
         dst = self._alloc(size)
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # the path was checked by Bundle (no links)
         try:
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             try:
@@ -268,8 +268,12 @@ class CudaBackend:
             n = min(UPLOAD_CHUNK, size - offset)
             start = HEADER_SIZE + offset
             chunk = np.frombuffer(mapping, dtype=np.uint8, count=n, offset=start)
-            check(cu.cuMemcpyHtoD(cu.CUdeviceptr(dst + offset), chunk.ctypes.data, n), "cuMemcpyHtoD")
-            del chunk
+            try:
+                check(cu.cuMemcpyHtoD(cu.CUdeviceptr(dst + offset), chunk.ctypes.data, n), "cuMemcpyHtoD")
+            finally:
+                # Release the view even when the copy fails: an exported buffer would make mapping.close() raise
+                # BufferError and hide the CudaError.
+                del chunk
             end = (start + n) // page * page if offset + n < size else len(mapping)
             if end > dropped:
                 mapping.madvise(mmap.MADV_DONTNEED, dropped, end - dropped)
