@@ -195,7 +195,7 @@ def test_yaml_errors_are_one_line_with_file_line_column(tmp_path, capsys, edit, 
     assert lines[10] == "  sm_count: 16" and lines[15] == "dtype: fp16"
     path = tmp_path / "board.yaml"
     path.write_text(ORIN.replace(*edit, 1))
-    err = cli_error(capsys, "build", "--profile", str(path), "-o", str(tmp_path / "out"))
+    err = cli_error(capsys, "build", "--profile", str(path), "--demo", "-o", str(tmp_path / "out"))
     assert err == f"colibri-sdk build: error: {path}:{where}: {message}"
 
 
