@@ -35,11 +35,11 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
     __shared__ int pairs[BM_];
 
     const int b = blockIdx.x;
-    const int e = block_experts[b];
+    const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
     const int n0 = blockIdx.y * BN_;
     const int tid = threadIdx.x;
-    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = sorted_pairs[b * BM_ + m];
+    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = __ldg(sorted_pairs + b * BM_ + m);
     const wt* d_e = down + (size_t)e * H_ * I_;
 
     float acc[ACC_];
@@ -51,11 +51,11 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
         for (int i = tid; i < BM_ * BK_; i += THREADS_) {
             const int m = i / BK_, kk = i % BK_, c = k0 + kk;
             const int p = pairs[m];
-            as[m][kk] = (p >= 0 && c < I_) ? act[(size_t)p * I_ + c] : 0.0f;
+            as[m][kk] = (p >= 0 && c < I_) ? __ldg(act + (size_t)p * I_ + c) : 0.0f;
         }
         for (int i = tid; i < BN_ * BK_; i += THREADS_) {
             const int n = i / BK_, kk = i % BK_, col = n0 + n, c = k0 + kk;
-            ds[n][kk] = (col < H_ && c < I_) ? wt_to_float(d_e[(size_t)col * I_ + c]) : 0.0f;
+            ds[n][kk] = (col < H_ && c < I_) ? wt_to_float(__ldg(d_e + (size_t)col * I_ + c)) : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -78,7 +78,7 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
             const int m = i / BN_, col = n0 + i % BN_;
             const int p = pairs[m];
             if (p >= 0 && col < H_) {
-                const float v = topk_weights[p] * acc[a];
+                const float v = __ldg(topk_weights + p) * acc[a];
 #if COLI_ATOMIC_AGG
                 atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
 #else
@@ -95,7 +95,7 @@ colibri_aggregate(const float* __restrict__ x, const float* __restrict__ pair_ou
     for (int h = threadIdx.x; h < H_; h += THREADS_) {
         float s = 0.0f;
 #pragma unroll
-        for (int j = 0; j < K_; ++j) s += pair_out[((size_t)t * K_ + j) * H_ + h];
-        x_next[(size_t)t * H_ + h] = COLI_RESIDUAL ? x[(size_t)t * H_ + h] + s : s;
+        for (int j = 0; j < K_; ++j) s += __ldg(pair_out + ((size_t)t * K_ + j) * H_ + h);
+        x_next[(size_t)t * H_ + h] = COLI_RESIDUAL ? __ldg(x + (size_t)t * H_ + h) + s : s;
     }
 }

@@ -34,11 +34,11 @@ colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const 
     __shared__ int pairs[BM_];
 
     const int b = blockIdx.x;
-    const int e = block_experts[b];
+    const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
     const int n0 = blockIdx.y * BN_;
     const int tid = threadIdx.x;
-    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = sorted_pairs[b * BM_ + m];
+    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = __ldg(sorted_pairs + b * BM_ + m);
     const wt* g_e = gate + (size_t)e * I_ * H_;
     const wt* u_e = up + (size_t)e * I_ * H_;
 
@@ -51,13 +51,13 @@ colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const 
         for (int i = tid; i < BM_ * BK_; i += THREADS_) {
             const int m = i / BK_, kk = i % BK_, h = k0 + kk;
             const int p = pairs[m];
-            xs[m][kk] = (p >= 0 && h < H_) ? x[(size_t)(p / K_) * H_ + h] : 0.0f;
+            xs[m][kk] = (p >= 0 && h < H_) ? __ldg(x + (size_t)(p / K_) * H_ + h) : 0.0f;
         }
         for (int i = tid; i < BN_ * BK_; i += THREADS_) {
             const int n = i / BK_, kk = i % BK_, col = n0 + n, h = k0 + kk;
             const bool inside = col < I_ && h < H_;
-            gs[n][kk] = inside ? wt_to_float(g_e[(size_t)col * H_ + h]) : 0.0f;
-            us[n][kk] = inside ? wt_to_float(u_e[(size_t)col * H_ + h]) : 0.0f;
+            gs[n][kk] = inside ? wt_to_float(__ldg(g_e + (size_t)col * H_ + h)) : 0.0f;
+            us[n][kk] = inside ? wt_to_float(__ldg(u_e + (size_t)col * H_ + h)) : 0.0f;
         }
         __syncthreads();
 #pragma unroll

@@ -41,13 +41,13 @@ colibri_routing(const float* __restrict__ x, const wt* __restrict__ router, int*
         const int g = threadIdx.x / E_;
         if (g < GROUPS_) {
             float acc = 0.0f;
-            for (int h = g; h < H_; h += GROUPS_) acc += xt[h] * wt_to_float(router[(size_t)h * E_ + e]);
+            for (int h = g; h < H_; h += GROUPS_) acc += __ldg(xt + h) * wt_to_float(__ldg(router + (size_t)h * E_ + e));
             part[g * E_ + e] = acc;
         }
     } else {
         for (int e = threadIdx.x; e < E_; e += RT_) {
             float acc = 0.0f;
-            for (int h = 0; h < H_; ++h) acc += xt[h] * wt_to_float(router[(size_t)h * E_ + e]);
+            for (int h = 0; h < H_; ++h) acc += __ldg(xt + h) * wt_to_float(__ldg(router + (size_t)h * E_ + e));
             part[e] = acc;
         }
     }
@@ -111,7 +111,7 @@ colibri_routing(const float* __restrict__ x, const wt* __restrict__ router, int*
 #if COLI_ATOMIC_AGG
     // 3. The layer output row the down kernels add into.
     float* out = x_next + (size_t)t * H_;
-    for (int h = threadIdx.x; h < H_; h += RT_) out[h] = COLI_RESIDUAL ? xt[h] : 0.0f;
+    for (int h = threadIdx.x; h < H_; h += RT_) out[h] = COLI_RESIDUAL ? __ldg(xt + h) : 0.0f;
 #endif
 }
 
@@ -124,7 +124,7 @@ colibri_align(const int* __restrict__ topk_ids, int* __restrict__ expert_counts,
 
     for (int e = tid; e < E_; e += RT_) counts[e] = 0;
     __syncthreads();
-    for (int p = tid; p < PAIRS_; p += RT_) atomicAdd(&counts[topk_ids[p]], 1);  // a count: order-free
+    for (int p = tid; p < PAIRS_; p += RT_) atomicAdd(&counts[__ldg(topk_ids + p)], 1);  // a count: order-free
     __syncthreads();
     if (tid == 0) {
         int offset = 0;
@@ -166,7 +166,7 @@ colibri_align(const int* __restrict__ topk_ids, int* __restrict__ expert_counts,
         int row = offsets[e];
 #pragma unroll 1
         for (int p = 0; p < PAIRS_; ++p) {
-            if (topk_ids[p] == e) sorted_pairs[row++] = p;
+            if (__ldg(topk_ids + p) == e) sorted_pairs[row++] = p;
         }
     }
 }

@@ -45,7 +45,7 @@ __device__ __forceinline__ void row_dot(const wt* __restrict__ row, int len, con
         scalar_from = nvec * VEC_;
     }
     for (int h = scalar_from + lane; h < len; h += 32) {
-        const float w = wt_to_float(row[h]);
+        const float w = wt_to_float(__ldg(row + h));
 #pragma unroll
         for (int j = 0; j < CHUNK_; ++j) acc[j] += w * __ldg(vec[j] + h);
     }
@@ -56,10 +56,10 @@ colibri_gate_up_gemv(const float* __restrict__ x, const wt* __restrict__ gate, c
                      const int* __restrict__ expert_counts, const int* __restrict__ expert_offsets,
                      const int* __restrict__ sorted_pairs, float* __restrict__ act) {
     const int e = blockIdx.y;
-    const int count = expert_counts[e];
+    const int count = __ldg(expert_counts + e);
     const int n = blockIdx.x * WARPS_ + threadIdx.x / 32;
     if (count == 0 || n >= I_) return;  // uniform per warp; no barriers in this kernel
-    const int first = expert_offsets[e];
+    const int first = __ldg(expert_offsets + e);
     const wt* g_row = gate + ((size_t)e * I_ + n) * H_;
     const wt* u_row = up + ((size_t)e * I_ + n) * H_;
 
@@ -69,7 +69,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const wt* __restrict__ gate, c
 #pragma unroll
         for (int j = 0; j < CHUNK_; ++j) {
             // Past the last pair, repeat pair c0: computed, never stored.
-            pair[j] = sorted_pairs[first + (c0 + j < count ? c0 + j : c0)];
+            pair[j] = __ldg(sorted_pairs + first + (c0 + j < count ? c0 + j : c0));
             vec[j] = x + (size_t)(pair[j] / K_) * H_;
         }
         float g[CHUNK_], u[CHUNK_];
@@ -90,10 +90,10 @@ colibri_down_gemv(const float* __restrict__ act, const wt* __restrict__ down, co
                   const int* __restrict__ expert_counts, const int* __restrict__ expert_offsets,
                   const int* __restrict__ sorted_pairs, float* __restrict__ pair_out, float* __restrict__ x_next) {
     const int e = blockIdx.y;
-    const int count = expert_counts[e];
+    const int count = __ldg(expert_counts + e);
     const int n = blockIdx.x * WARPS_ + threadIdx.x / 32;
     if (count == 0 || n >= H_) return;  // uniform per warp; no barriers in this kernel
-    const int first = expert_offsets[e];
+    const int first = __ldg(expert_offsets + e);
     const wt* d_row = down + ((size_t)e * H_ + n) * I_;
 
     for (int c0 = 0; c0 < count; c0 += CHUNK_) {
@@ -101,7 +101,7 @@ colibri_down_gemv(const float* __restrict__ act, const wt* __restrict__ down, co
         const float* vec[CHUNK_];
 #pragma unroll
         for (int j = 0; j < CHUNK_; ++j) {
-            pair[j] = sorted_pairs[first + (c0 + j < count ? c0 + j : c0)];
+            pair[j] = __ldg(sorted_pairs + first + (c0 + j < count ? c0 + j : c0));
             vec[j] = act + (size_t)pair[j] * I_;
         }
         float d[CHUNK_];
@@ -112,7 +112,7 @@ colibri_down_gemv(const float* __restrict__ act, const wt* __restrict__ down, co
         for (int j = 0; j < CHUNK_; ++j) {
             const float s = warp_sum(d[j]);
             if ((threadIdx.x & 31) == 0 && c0 + j < count) {
-                const float v = topk_weights[pair[j]] * s;
+                const float v = __ldg(topk_weights + pair[j]) * s;
 #if COLI_ATOMIC_AGG
                 atomicAdd(&x_next[(size_t)(pair[j] / K_) * H_ + n], v);
 #else

@@ -13,6 +13,9 @@
 //   - the schedule is chosen per launch (coli_emu_set_schedule): fibers in increasing order, decreasing order, or a
 //     fresh pseudo-random order every round; blocks likewise. Results of the ordered aggregation must not depend
 //     on it; a missing barrier usually does;
+//   - global loads through `__ldg` are recorded when the access model is on (coli_emu_access_enable): the k-th
+//     execution of one load site by each lane of a warp is one warp-level instruction; its 32-byte sectors and
+//     requested bytes are summed per address class (bench/kernel_access.py, docs/kernels.md "Access model");
 //   - strict rules, each an error of the launch rather than a hang: a __syncthreads must be reached by every
 //     thread of the block, a full-mask warp operation by all 32 lanes (a thread that exited before counts as
 //     missing), and a state where no fiber can move is a deadlock. A segmentation fault inside a kernel is
@@ -29,7 +32,10 @@
 #include <cmath>
 #include <sys/mman.h>
 #include <ucontext.h>
+#include <algorithm>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #define COLI_CPU_EMULATION 1
 
@@ -273,6 +279,77 @@ inline bool run_block() {
     return true;
 }
 
+// ---- access model: warp-level global loads → 32-byte sectors ---------------------------------------------------
+// Address classes: registered regions (coli_emu_access_region) carry a class 0..kClasses-2; any other address
+// (shared memory, the stack) falls in the last class.
+constexpr int kClasses = 4;
+struct AccessStats {
+    unsigned long long instructions, sectors, min_sectors, bytes;
+};
+struct InstrKey {
+    uintptr_t site;
+    uint32_t warp, occurrence;
+    bool operator==(const InstrKey& o) const { return site == o.site && warp == o.warp && occurrence == o.occurrence; }
+};
+struct InstrKeyHash {
+    size_t operator()(const InstrKey& k) const {
+        return std::hash<uintptr_t>()(k.site) ^ (size_t(k.warp) << 40) ^ (size_t(k.occurrence) * 0x9E3779B97F4A7C15ull);
+    }
+};
+struct AccessRegion {
+    uintptr_t lo, hi;
+    int cls;
+};
+struct Access {
+    bool on = false;
+    std::vector<AccessRegion> regions;
+    AccessStats stats[kClasses] = {};
+    // per (site, thread): executions so far in this block; per instruction: the lanes' (address, bytes)
+    std::unordered_map<uint64_t, uint32_t> seen;
+    std::unordered_map<InstrKey, std::vector<std::pair<uintptr_t, uint32_t>>, InstrKeyHash> pending;
+};
+inline Access acc_model;
+
+inline int access_class(uintptr_t a) {
+    for (const AccessRegion& r : acc_model.regions)
+        if (a >= r.lo && a < r.hi) return r.cls;
+    return kClasses - 1;
+}
+
+// The site is this call's return address: __ldg is inlined, so each load site in a kernel calls from its own place.
+__attribute__((noinline)) inline void record_load(const void* p, uint32_t bytes) {
+    const uintptr_t site = uintptr_t(__builtin_return_address(0));
+    const uint64_t who = (uint64_t(site) << 11) ^ uint64_t(g.current);
+    const uint32_t occurrence = acc_model.seen[who]++;
+    acc_model.pending[InstrKey{site, uint32_t(g.current / 32), occurrence}].emplace_back(uintptr_t(p), bytes);
+}
+
+// One warp-level instruction per pending entry: sectors touched, the distinct bytes its lanes asked for.
+inline void flush_accesses() {
+    std::vector<uintptr_t> sectors;
+    for (auto& [key, lanes] : acc_model.pending) {
+        std::sort(lanes.begin(), lanes.end());
+        sectors.clear();
+        unsigned long long bytes = 0;
+        uintptr_t covered = 0;  // bytes below this address are counted already
+        for (const auto& [a, n] : lanes) {
+            const uintptr_t lo = a > covered ? a : covered, hi = a + n;
+            if (hi > lo) bytes += hi - lo;
+            if (hi > covered) covered = hi;
+            for (uintptr_t s = a >> 5; s <= (a + n - 1) >> 5; ++s) sectors.push_back(s);
+        }
+        std::sort(sectors.begin(), sectors.end());
+        const size_t touched = size_t(std::unique(sectors.begin(), sectors.end()) - sectors.begin());
+        AccessStats& st = acc_model.stats[access_class(lanes.front().first)];
+        st.instructions += 1;
+        st.sectors += touched;
+        st.min_sectors += (bytes + 31) / 32;
+        st.bytes += bytes;
+    }
+    acc_model.pending.clear();
+    acc_model.seen.clear();
+}
+
 inline void on_fault(int, siginfo_t* info, void*) {
     g.fault_addr = info->si_addr;
     siglongjmp(g.fault_jump, 1);
@@ -329,6 +406,7 @@ inline int launch(const char* symbol, void (*thunk)(void**), const unsigned* gri
             const long long b = order[int(i)];
             blockIdx = {unsigned(b % grid[0]), unsigned(b / grid[0] % grid[1]), unsigned(b / grid[0] / grid[1])};
             if (!run_block()) rc = 1;
+            if (acc_model.on) flush_accesses();
         }
     }
     sigaction(SIGSEGV, &old_segv, nullptr);
@@ -400,8 +478,13 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p
 inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
 inline int atomicMax(int* p, int v) { const int old = *p; *p = old > v ? old : v; return old; }
 
+// A global load: recorded by the access model when it is on (always inlined, so that each load site of a kernel
+// calls record_load from its own address).
 template <class T>
-inline T __ldg(const T* p) { return *p; }
+__attribute__((always_inline)) inline T __ldg(const T* p) {
+    if (coli_emu::acc_model.on) coli_emu::record_load(p, sizeof(T));
+    return *p;
+}
 
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
