@@ -2,8 +2,11 @@
 //
 // Compile-time constants (sdk/catalog.py `compile_defines`, passed as -D by the build):
 //   COLI_HIDDEN, COLI_INTER        hidden and intermediate size (any value >= 1; tails are handled)
-//   COLI_EXPERTS, COLI_TOPK        experts per layer (<= 256) and experts per token (<= 8, <= COLI_EXPERTS)
+//   COLI_EXPERTS, COLI_TOPK        experts per layer (<= 256) and experts per token (<= COLI_MAX_TOP_K, <= experts)
+//   COLI_MAX_TOP_K                 the SDK's top-k limit (sdk/catalog.py MAX_TOP_K; the code below allows <= 32)
 //   COLI_MAX_TOKENS                batch * tokens of the fixed shape (padded tokens included)
+//   COLI_BATCH, COLI_SEQ_TOKENS    the fixed batch and tokens per sequence (COLI_MAX_TOKENS = their product)
+//   COLI_GEMV                      1: the launch plan takes the GEMV path (small_batch.cu), 0: the tiled path
 //   COLI_FP16                      1: weights stored as IEEE fp16, 0: fp32. Activations and accumulation: fp32
 //   COLI_ATOMIC_AGG                1: the down kernels atomicAdd into the layer output (order not fixed)
 //                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
@@ -15,7 +18,8 @@
 
 #if !defined(COLI_HIDDEN) || !defined(COLI_INTER) || !defined(COLI_EXPERTS) || !defined(COLI_TOPK) || \
     !defined(COLI_MAX_TOKENS) || !defined(COLI_FP16) || !defined(COLI_ATOMIC_AGG) || !defined(COLI_ROUTING) || \
-    !defined(COLI_RESIDUAL) || !defined(COLI_ROUTING_BLOCK_M)
+    !defined(COLI_RESIDUAL) || !defined(COLI_ROUTING_BLOCK_M) || !defined(COLI_MAX_TOP_K) || !defined(COLI_BATCH) || \
+    !defined(COLI_SEQ_TOKENS) || !defined(COLI_GEMV)
 #error "colibri kernels need the -D constants of sdk/catalog.py compile_defines"
 #endif
 
@@ -32,12 +36,36 @@
 
 static_assert(H_ >= 1 && I_ >= 1, "COLI_HIDDEN and COLI_INTER must be >= 1");
 static_assert(E_ >= 1 && E_ <= 256, "COLI_EXPERTS must be in 1..256");
-static_assert(K_ >= 1 && K_ <= 8 && K_ <= E_, "COLI_TOPK must be in 1..8 and <= COLI_EXPERTS");
+static_assert(COLI_MAX_TOP_K >= 1 && COLI_MAX_TOP_K <= 32, "COLI_MAX_TOP_K must be in 1..32 (one lane per slot)");
+static_assert(K_ >= 1 && K_ <= COLI_MAX_TOP_K && K_ <= E_, "COLI_TOPK must be in 1..COLI_MAX_TOP_K and <= COLI_EXPERTS");
 static_assert(T_ >= 1, "COLI_MAX_TOKENS must be >= 1");
+static_assert(COLI_BATCH * COLI_SEQ_TOKENS == T_, "COLI_MAX_TOKENS must be COLI_BATCH * COLI_SEQ_TOKENS");
 static_assert((long long)PADDED_ < 0x7fffffffLL, "tokens*top_k + experts*(block_m-1) must fit in int32");
 static_assert(BM_ >= 1 && (BM_ & (BM_ - 1)) == 0, "COLI_ROUTING_BLOCK_M must be a power of two");
 
 #define FULL_MASK 0xffffffffu
+
+// Padded tokens: the runtime's input copy writes valid_tokens[b] (int32, b < COLI_BATCH), the number of valid tokens
+// of sequence b (its first ones). Token t = b * COLI_SEQ_TOKENS + i is valid when i < valid_tokens[b]. A padded
+// token selects NO_EXPERT in every slot (weight 0): every kernel skips it, and its output row is its input
+// (residual composition) or zeros.
+#define NO_EXPERT E_
+__device__ __forceinline__ bool token_valid(const int* __restrict__ valid_tokens, int t) {
+    return t % COLI_SEQ_TOKENS < __ldg(valid_tokens + t / COLI_SEQ_TOKENS);
+}
+
+// Weight stream: read once per layer, so it bypasses L1 (activations staged there stay); 16 bytes per lane.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+#ifdef COLI_CPU_EMULATION
+    return __ldg(p);
+#else
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+#endif
+}
 
 #if COLI_FP16
 typedef unsigned short wt;  // IEEE binary16 bits

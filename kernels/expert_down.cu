@@ -10,6 +10,7 @@
 //
 // colibri_aggregate — grid (tokens), block (COLI_DOWN_THREADS); ordered aggregation only. For token t, column h:
 //       s = pair_out[t*k + 0, h] + pair_out[t*k + 1, h] + ... + pair_out[t*k + k-1, h]     (slots in order)
+//   slots holding NO_EXPERT (padded tokens, routing.cu) add nothing: their pair_out rows are never written.
 //       x_next[t, h] = x[t, h] + s (COLI_RESIDUAL) or s
 //   A fixed summation order: the output is bitwise identical from run to run.
 //
@@ -90,12 +91,17 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS_)
-colibri_aggregate(const float* __restrict__ x, const float* __restrict__ pair_out, float* __restrict__ x_next) {
+colibri_aggregate(const float* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ pair_out,
+                  float* __restrict__ x_next) {
+    __shared__ bool routed[K_];
     const int t = blockIdx.x;
+    if (threadIdx.x < K_) routed[threadIdx.x] = __ldg(topk_ids + t * K_ + threadIdx.x) < E_;
+    __syncthreads();
     for (int h = threadIdx.x; h < H_; h += THREADS_) {
         float s = 0.0f;
 #pragma unroll
-        for (int j = 0; j < K_; ++j) s += __ldg(pair_out + ((size_t)t * K_ + j) * H_ + h);
+        for (int j = 0; j < K_; ++j)
+            if (routed[j]) s += __ldg(pair_out + ((size_t)t * K_ + j) * H_ + h);
         x_next[(size_t)t * H_ + h] = COLI_RESIDUAL ? __ldg(x + (size_t)t * H_ + h) + s : s;
     }
 }

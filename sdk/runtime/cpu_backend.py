@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import BackendError
+from .padding import check_valid_tokens
 from ..reference import ReferenceEngine
 
 
@@ -35,23 +36,34 @@ class CpuBackend:
         self._engine = ReferenceEngine(self._file, compute_dtype=np.float32)
         self.hidden_size = self._file.header.hidden_size
 
-    def infer_padded(self, x: np.ndarray) -> np.ndarray:
+    def infer_padded(self, x: np.ndarray, valid_tokens=None) -> np.ndarray:
         """One forward pass at the fixed shape.
 
         Args:
             x: float32, C-contiguous, (batch, tokens, hidden) at the bundle's fixed batch and tokens. The caller
                 (Runtime) has validated it.
+            valid_tokens: (batch,) ints 0..tokens, the valid (first) tokens of each sequence; None: all.
 
         Returns:
-            float32 (batch, tokens, hidden), a new array.
+            float32 (batch, tokens, hidden), a new array. As on the GPU, only valid rows are computed; a padded row
+            is its input row (residual composition) or zeros.
 
         Raises:
             BackendError: the backend is closed.
+            InputError: valid_tokens of another shape or out of range.
         """
         if self._engine is None:
             raise BackendError("the CPU backend is closed; load the bundle again")
+        batch, tokens = self.shape
+        counts = check_valid_tokens(valid_tokens, batch, tokens)
         # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
-        return self._engine.run(x.reshape(-1, self.hidden_size)).reshape(x.shape)
+        if (counts == tokens).all():
+            return self._engine.run(x.reshape(-1, self.hidden_size)).reshape(x.shape)
+        mask = np.arange(tokens)[None, :] < counts[:, None]  # (batch, tokens)
+        out = x.copy() if self._file.header.composition == 1 else np.zeros_like(x)
+        if mask.any():
+            out[mask] = self._engine.run(np.ascontiguousarray(x[mask]))
+        return out
 
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""

@@ -27,6 +27,11 @@ CONFIGS = {
     "few-pairs": (dict(hidden=64, inter=33, experts=64, top_k=1, dtype="fp32"),
                   {"dtype": "fp32", "shape": {"batch": 1, "tokens": 3}, "kernels_routing": {"block_m": 1}}),
     "max-experts": (dict(hidden=4096, inter=14336, experts=256, top_k=8, dtype="fp16", routing=1), {}),
+    # top-k at the limit (MAX_TOP_K 16): GEMV path with 256 pairs, and the tiled path
+    "top-k-16-gemv": (dict(hidden=2048, inter=768, experts=128, top_k=16, dtype="fp16"),
+                      {"kernels_small_batch": {"max_pairs": 256}}),
+    "top-k-16-tiled": (dict(hidden=2048, inter=768, experts=128, top_k=16, dtype="fp16"),
+                       {"kernels_small_batch": {"max_pairs": 1}}),
 }
 
 
@@ -49,6 +54,7 @@ def profile_with(base: dict, overrides: dict) -> dict:
     p = copy.deepcopy(base)
     overrides = dict(overrides)
     p["kernels"]["routing"].update(overrides.pop("kernels_routing", {}))
+    p["kernels"]["small_batch"].update(overrides.pop("kernels_small_batch", {}))
     p.update(overrides)
     return p
 
@@ -56,7 +62,8 @@ def profile_with(base: dict, overrides: dict) -> dict:
 @pytest.mark.parametrize(
     "arch,config",
     [(a, "demo-fp16") for a in ARCHS] + [(a, "odd-fp32") for a in ARCHS]
-    + [("sm_87", "odd-fp16-atomic"), ("sm_90", "max-experts"), ("sm_80", "few-pairs"), ("sm_90", "few-pairs")],
+    + [("sm_87", "odd-fp16-atomic"), ("sm_90", "max-experts"), ("sm_80", "few-pairs"), ("sm_90", "few-pairs")]
+    + [(a, c) for a in ("sm_87", "sm_90") for c in ("top-k-16-gemv", "top-k-16-tiled")],
 )
 def test_compiles_without_spills(orin_profile, arch, config):
     header_kwargs, overrides = CONFIGS[config]
@@ -87,6 +94,13 @@ def test_too_many_accumulators_is_a_compile_error(orin_profile):
     source = (catalog.kernel_dir() / "expert_gate_up.cu").read_text()
     with pytest.raises(CompileError, match=r"block_m \* gate_up.block_n / gate_up.threads must be <= 32"):
         compile_source(source, "expert_gate_up.cu", "sm_87", defines, [catalog.kernel_dir()])
+
+
+def test_top_k_above_the_limit_is_a_compile_error(orin_profile):
+    defines = catalog.compile_defines(orin_profile, make_header(experts=64, top_k=catalog.MAX_TOP_K + 1))
+    source = (catalog.kernel_dir() / "routing.cu").read_text()
+    with pytest.raises(CompileError, match=r"COLI_TOPK must be in 1..COLI_MAX_TOP_K"):
+        compile_source(source, "routing.cu", "sm_87", defines, [catalog.kernel_dir()])
 
 
 def test_missing_defines_name_the_catalogue(orin_profile):

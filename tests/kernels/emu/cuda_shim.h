@@ -44,6 +44,7 @@
 #define __device__ static
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static __attribute__((section("coli_shared"), aligned(16)))
 // __restrict__ is a g++ extension already.
 
@@ -53,6 +54,7 @@ struct dim3 { unsigned int x, y, z; };
 struct __attribute__((aligned(16))) uint4 { unsigned int x, y, z, w; };
 struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
 struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
 
 // Set by the scheduler before every switch into a fiber.
 inline uint3 threadIdx, blockIdx;
@@ -465,6 +467,13 @@ inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
     return coli_emu::exchange(mask, v, [&](int lane) {
         const int src = lane + int(delta);
         return (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane;
+    });
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return coli_emu::exchange(mask, v, [&](int lane) {
+        const int src = lane - int(delta);
+        return src >= (lane & ~(width - 1)) ? src : lane;
     });
 }
 template <class T>
