@@ -114,3 +114,49 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
     return v;
 }
+
+// ---- tensor cores and asynchronous copies (sm_80+) -----------------------------------------------------------------
+// Building blocks of a tensor-core expert path; the CPU emulation implements them in plain C++ (cuda_shim.h).
+//
+// mma_m16n8k16: D = A·B + C for one warp (all 32 lanes), A 16x16 and B 16x8 fp16, C and D 16x8 fp32
+// (PTX `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`). Fragments, as in the PTX ISA ("Matrix fragments for
+// mma.m16n8k16 with floating point type"), lane = 4*g + c (g = lane / 4, c = lane % 4); each a/b word holds two fp16,
+// the lower column (A) or row (B) in the low half:
+//   a[0] = A[g][2c, 2c+1]      a[1] = A[g+8][2c, 2c+1]      a[2] = A[g][2c+8, 2c+9]      a[3] = A[g+8][2c+8, 2c+9]
+//   b[0] = B[2c, 2c+1][g]      b[1] = B[2c+8, 2c+9][g]
+//   c, d: [0] = X[g][2c]  [1] = X[g][2c+1]  [2] = X[g+8][2c]  [3] = X[g+8][2c+1]
+__device__ __forceinline__ void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+#ifdef COLI_CPU_EMULATION
+    coli_emu_mma_m16n8k16(d, a, b, c);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%10, %11, %12, %13};"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+                   "f"(c[3]));
+#endif
+}
+
+// cp_async16: copy 16 bytes global → shared without going through registers (PTX `cp.async.cg.shared.global`, L1
+// bypassed); both addresses 16-byte aligned. cp_async_commit closes a group of copies; cp_async_wait<N>() waits
+// until at most N groups are pending (then a __syncthreads makes the data visible to the block).
+__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
+#ifdef COLI_CPU_EMULATION
+    coli_emu_cp_async16(shared_dst, global_src);
+#else
+    unsigned dst;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(dst) : "l"(shared_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef COLI_CPU_EMULATION
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef COLI_CPU_EMULATION
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}

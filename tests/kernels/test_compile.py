@@ -117,3 +117,16 @@ def test_sources_open_with_a_description():
         assert "grid (" in head and "Limits" in head, f"{spec.source}: header comment lacks grid mapping or limits"
         for symbol in spec.symbols:
             assert symbol in head, f"{spec.source}: {symbol} not described in the header comment"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_core_wrappers_compile(orin_profile, arch):
+    """common.cuh's mma_m16n8k16 and cp_async16 (used by tests/kernels/mma_tile.cu) are valid PTX for every arch."""
+    from pathlib import Path
+
+    source = (Path(__file__).parent / "mma_tile.cu").read_text()
+    defines = catalog.compile_defines(orin_profile, make_header())
+    out = compile_source(source, "mma_tile.cu", arch, defines, [catalog.kernel_dir()])
+    assert b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in out.ptx and b"cp.async.cg.shared.global" in out.ptx
+    r = out.resources["mma_tile"]
+    assert r["spill_store_bytes"] == 0 and r["stack_bytes"] == 0, r

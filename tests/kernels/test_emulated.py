@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -426,3 +427,28 @@ def test_access_model_counts_warp_loads_in_sectors(orin_profile, tmp_path_factor
     stats = lib.access_read()
     assert stats[0].tolist() == expected
     assert stats[1:].sum() == 0
+
+
+# ---- tensor-core building blocks (common.cuh mma_m16n8k16, cp_async16) ----------------------------------------------
+def test_mma_fragments_and_cp_async_follow_the_documented_layout(orin_profile, tmp_path_factory):
+    """tests/kernels/mma_tile.cu builds the fragments as common.cuh documents them (the PTX ISA layout) from tiles
+    copied with cp_async16; D = A·B + C equals NumPy's product on fp16 values (exact products, fp32 sums)."""
+    folder = tmp_path_factory.mktemp("mma")
+    (folder / "common.cuh").write_text((catalog.kernel_dir() / "common.cuh").read_text())
+    (folder / "mma_tile.cu").write_text((Path(__file__).parent / "mma_tile.cu").read_text())
+    defines = catalog.compile_defines(make_profile(orin_profile), Header(1, 8, 2, 40, 24, dtype=1))
+    lib = EmulationLibrary(build_library(defines, folder, [("mma_tile.cu", ("mma_tile",))]))
+    rng = np.random.default_rng(30)
+    a = rng.standard_normal((16, 16)).astype(np.float16)
+    b = rng.standard_normal((16, 8)).astype(np.float16)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    regions = [Region(n) for n in (512, 256, 512, 512)]
+    regions[0].view(np.float16)[:] = a.reshape(-1)
+    regions[1].view(np.float16)[:] = b.T.reshape(-1)  # column-major B: B[k][n] at n*16 + k
+    regions[2].view(np.float32)[:] = c.reshape(-1)
+    pointers = np.array([r.address for r in regions], dtype=np.uint64)
+    params = np.array([pointers.ctypes.data + 8 * i for i in range(4)], dtype=np.uint64)
+    lib.launch(lib.function("mma_tile"), (1, 1, 1), (32, 1, 1), params.ctypes.data)
+    d = regions[3].view(np.float32).reshape(16, 8)
+    want = a.astype(np.float64) @ b.astype(np.float64) + c
+    np.testing.assert_allclose(d, want, rtol=1e-6, atol=1e-5)

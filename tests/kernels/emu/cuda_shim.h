@@ -505,3 +505,50 @@ inline float __half_bits_to_float(unsigned short h) { return coli_emu::half_bits
         const unsigned* grid, const unsigned* block, void** params) {                                          \
         return coli_emu::launch(#symbol, coli_emu::thunk<symbol>, grid, block, params);                        \
     }
+
+// ---- tensor cores and asynchronous copies (common.cuh mma_m16n8k16, cp_async16) ----------------------------------
+// mma: every lane deposits its fragments, the warp meets, each lane computes its four D entries from the whole A
+// and B (fp16 → float exactly, products summed in k order 0..15 in float, then + C: the GPU's internal order and
+// precision are not specified, so results may differ in the last bits), the warp meets again before the slots are
+// reused.
+namespace coli_emu {
+inline uint32_t mma_a[kWarps][32][4], mma_b[kWarps][32][2];
+
+inline float mma_half(uint32_t word, int high) { return half_bits_to_float(uint16_t(high ? word >> 16 : word & 0xffffu)); }
+
+inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+    const int warp = g.current / 32, lane = g.current % 32;
+    for (int i = 0; i < 4; ++i) mma_a[warp][lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) mma_b[warp][lane][i] = b[i];
+    warp_barrier(0xffffffffu);
+    // A[row][col] and B[k][col] from the fragments of the lanes that hold them.
+    auto A = [&](int row, int col) {
+        const int gg = row % 8, cc = (col % 8) / 2, reg = (row >= 8) + 2 * (col >= 8);
+        return mma_half(mma_a[warp][4 * gg + cc][reg], col & 1);
+    };
+    auto B = [&](int k, int col) {
+        const int cc = (k % 8) / 2, reg = k >= 8;
+        return mma_half(mma_b[warp][4 * col + cc][reg], k & 1);
+    };
+    const int gg = lane / 4, cc = lane % 4;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = gg + 8 * (i / 2), col = 2 * cc + (i % 2);
+        float s = 0.0f;
+        for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
+        out[i] = s + c[i];
+    }
+    warp_barrier(0xffffffffu);
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+}  // namespace coli_emu
+
+inline void coli_emu_mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+    coli_emu::mma_m16n8k16(d, a, b, c);
+}
+// The copy happens at once (a load the access model records, a 16-byte shared store); commit and wait do nothing.
+__attribute__((always_inline)) inline void coli_emu_cp_async16(void* dst, const void* src) {
+    const uint4 v = __ldg(static_cast<const uint4*>(src));
+    std::memcpy(dst, &v, 16);
+}
