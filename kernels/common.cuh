@@ -7,6 +7,7 @@
 //   COLI_MAX_TOKENS                batch * tokens of the fixed shape (padded tokens included)
 //   COLI_BATCH, COLI_SEQ_TOKENS    the fixed batch and tokens per sequence (COLI_MAX_TOKENS = their product)
 //   COLI_GEMV                      1: the launch plan takes the GEMV path (small_batch.cu), 0: the tiled path
+//   COLI_TC                        1: the tiled path runs on tensor cores (colibri_gate_up_tc, colibri_down_tc)
 //   COLI_FP16                      1: weights stored as IEEE fp16, 0: fp32. Activations and accumulation: fp32
 //   COLI_ATOMIC_AGG                1: the down kernels atomicAdd into the layer output (order not fixed)
 //                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
@@ -19,7 +20,7 @@
 #if !defined(COLI_HIDDEN) || !defined(COLI_INTER) || !defined(COLI_EXPERTS) || !defined(COLI_TOPK) || \
     !defined(COLI_MAX_TOKENS) || !defined(COLI_FP16) || !defined(COLI_ATOMIC_AGG) || !defined(COLI_ROUTING) || \
     !defined(COLI_RESIDUAL) || !defined(COLI_ROUTING_BLOCK_M) || !defined(COLI_MAX_TOP_K) || !defined(COLI_BATCH) || \
-    !defined(COLI_SEQ_TOKENS) || !defined(COLI_GEMV)
+    !defined(COLI_SEQ_TOKENS) || !defined(COLI_GEMV) || !defined(COLI_TC)
 #error "colibri kernels need the -D constants of sdk/catalog.py compile_defines"
 #endif
 
@@ -159,4 +160,80 @@ __device__ __forceinline__ void cp_async_wait() {
 #ifndef COLI_CPU_EMULATION
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
+}
+
+// ---- tensor-core tile of the tiled path (COLI_TC) ------------------------------------------------------------------
+// float → fp16 bits, round to nearest even (PTX cvt.rn.f16.f32).
+__device__ __forceinline__ unsigned short float_to_half_bits(float f) {
+#ifdef COLI_CPU_EMULATION
+    return __float_to_half_bits(f);
+#else
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
+}
+
+#define TC_THREADS_ 128  // 4 warps
+#define TC_BN_ 32        // output columns per block: 8 per warp (one n8 tile)
+#define TC_BK_ 64        // reduction elements per shared-memory stage
+#define TC_PITCH_ (TC_BK_ + 8)  // halves per shared row: 16-byte rows, rows spread over banks
+
+// Two fp16 from shared memory as one mma operand word (the lower index in the low half).
+__device__ __forceinline__ unsigned half_pair(const unsigned short* p) {
+    return *reinterpret_cast<const unsigned*>(p);
+}
+
+// acc[m] += A · W_m^T over the whole reduction dimension, for one tile of 16 rows and TC_BN_ columns per block.
+//   A row r (r < 16): src[rows[r] * klen .. + klen) in fp32 (rows[r] < 0: a zero row), split into hi + lo fp16
+//   (hi = fp16(a), lo = fp16(a - hi): the two products carry about 22 bits of a, so the result is close to fp32);
+//   W_m: NMAT fp16 matrices (n_total, klen) row-major, columns n0 .. n0 + TC_BN_ - 1 of the output, copied to shared
+//   memory with cp_async16 (klen a multiple of 8, rows 16-byte aligned).
+// Warp w owns output columns n0 + 8w .. n0 + 8w + 7; acc[m][i] is D[g + 8*(i/2)][2c + i%2] of its 16x8 tile
+// (common.cuh mma_m16n8k16). Every thread of the block calls it (it has barriers).
+template <int NMAT>
+__device__ __forceinline__ void tc_tile(const float* __restrict__ src, const int* rows, const wt* const w[NMAT],
+                                        int n_total, int n0, int klen, float acc[NMAT][4],
+                                        unsigned short (*a_hi)[TC_PITCH_], unsigned short (*a_lo)[TC_PITCH_],
+                                        unsigned short (*ws)[TC_BN_][TC_PITCH_]) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, g = lane / 4, c = lane % 4;
+    for (int k0 = 0; k0 < klen; k0 += TC_BK_) {
+        __syncthreads();  // the previous stage fully used
+        for (int i = tid; i < TC_BN_ * (TC_BK_ / 8); i += TC_THREADS_) {
+            const int r = i / (TC_BK_ / 8), v = (i % (TC_BK_ / 8)) * 8, col = n0 + r, k = k0 + v;
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m) {
+                if (col < n_total && k < klen) {
+                    cp_async16(&ws[m][r][v], w[m] + (size_t)col * klen + k);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) ws[m][r][v + q] = 0;
+                }
+            }
+        }
+        cp_async_commit();
+        for (int i = tid; i < 16 * TC_BK_; i += TC_THREADS_) {
+            const int r = i / TC_BK_, kk = i % TC_BK_, k = k0 + kk;
+            const float a = (rows[r] >= 0 && k < klen) ? __ldg(src + (size_t)rows[r] * klen + k) : 0.0f;
+            const unsigned short hi = float_to_half_bits(a);
+            a_hi[r][kk] = hi;
+            a_lo[r][kk] = float_to_half_bits(a - wt_to_float(hi));
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int kb = 0; kb < TC_BK_; kb += 16) {
+            const unsigned hi[4] = {half_pair(&a_hi[g][kb + 2 * c]), half_pair(&a_hi[g + 8][kb + 2 * c]),
+                                    half_pair(&a_hi[g][kb + 2 * c + 8]), half_pair(&a_hi[g + 8][kb + 2 * c + 8])};
+            const unsigned lo[4] = {half_pair(&a_lo[g][kb + 2 * c]), half_pair(&a_lo[g + 8][kb + 2 * c]),
+                                    half_pair(&a_lo[g][kb + 2 * c + 8]), half_pair(&a_lo[g + 8][kb + 2 * c + 8])};
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m) {
+                const unsigned b[2] = {half_pair(&ws[m][warp * 8 + g][kb + 2 * c]),
+                                       half_pair(&ws[m][warp * 8 + g][kb + 2 * c + 8])};
+                mma_m16n8k16(acc[m], hi, b, acc[m]);
+                mma_m16n8k16(acc[m], lo, b, acc[m]);
+            }
+        }
+    }
 }

@@ -14,6 +14,9 @@
 //       x_next[t, h] = x[t, h] + s (COLI_RESIDUAL) or s
 //   A fixed summation order: the output is bitwise identical from run to run.
 //
+// colibri_down_tc — grid (blocks, ceil(hidden / 32)), block (128): colibri_down on tensor cores when COLI_TC, tiled
+//   like colibri_gate_up_tc (expert_gate_up.cu) with the act rows split into hi + lo fp16.
+//
 // Limits: routing.block_m * BLOCK_N / THREADS <= 32, (block_m + BLOCK_N) * (BLOCK_K+1) * 4 bytes <= 48 KiB.
 // Any hidden / intermediate size.
 #include "common.cuh"
@@ -103,5 +106,37 @@ colibri_aggregate(const float* __restrict__ x, const int* __restrict__ topk_ids,
         for (int j = 0; j < K_; ++j)
             if (routed[j]) s += __ldg(pair_out + ((size_t)t * K_ + j) * H_ + h);
         x_next[(size_t)t * H_ + h] = COLI_RESIDUAL ? __ldg(x + (size_t)t * H_ + h) + s : s;
+    }
+}
+
+// colibri_down_tc: colibri_down on tensor cores (common.cuh tc_tile), launched instead of it when COLI_TC.
+extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
+colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
+                const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
+                float* __restrict__ pair_out, float* __restrict__ x_next) {
+    __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
+    __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
+    __shared__ __align__(16) unsigned short ws[1][TC_BN_][TC_PITCH_];
+    __shared__ int pairs[16];
+    const int b = blockIdx.x;
+    const int e = __ldg(block_experts + b);
+    if (e < 0) return;  // the same for the whole block, before any barrier
+    const int n0 = blockIdx.y * TC_BN_;
+    if (threadIdx.x < 16) pairs[threadIdx.x] = __ldg(sorted_pairs + b * 16 + threadIdx.x);
+    const wt* w[1] = {down + (size_t)e * H_ * I_};
+    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    tc_tile<1>(act, pairs, w, H_, n0, I_, acc, a_hi, a_lo, ws);  // act rows are pair indices
+    const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int m = g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = pairs[m];
+        if (p >= 0 && col < H_) {
+            const float v = __ldg(topk_weights + p) * acc[0][i];
+#if COLI_ATOMIC_AGG
+            atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
+#else
+            pair_out[(size_t)p * H_ + col] = v;
+#endif
+        }
     }
 }

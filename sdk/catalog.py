@@ -90,7 +90,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
         "gate_up",
         "expert_gate_up.cu",
-        ("colibri_gate_up",),
+        ("colibri_gate_up", "colibri_gate_up_tc"),
         (
             THREADS,
             Param("block_n", 16, 256, power_of_two=True, doc="intermediate columns per tile"),
@@ -100,7 +100,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
         "down",
         "expert_down.cu",
-        ("colibri_down", "colibri_aggregate"),
+        ("colibri_down", "colibri_aggregate", "colibri_down_tc"),
         (
             THREADS,
             Param("block_n", 16, 256, power_of_two=True, doc="hidden columns per tile"),
@@ -135,6 +135,7 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         {"COLI_HIDDEN", "COLI_INTER", "COLI_EXPERTS", "COLI_TOPK", "COLI_MAX_TOP_K" (MAX_TOP_K),
          "COLI_MAX_TOKENS" (batch * tokens), "COLI_BATCH", "COLI_SEQ_TOKENS" (the fixed batch and tokens),
          "COLI_GEMV" (1 = the launch plan takes the GEMV path, `Sizes.small_batch`),
+         "COLI_TC" (1 = the tiled path runs on tensor cores, `Sizes.tensor_core`),
          "COLI_FP16" (1 = fp16 storage, fp32 accumulation; 0 = fp32), "COLI_ATOMIC_AGG" (1 = atomicAdd aggregation),
          "COLI_ROUTING" (format routing code), "COLI_RESIDUAL" (1 = residual composition)}
         plus "COLI_<KERNEL>_<PARAM>" for every `kernels.<kernel>.<param>` of the profile, upper-cased
@@ -151,6 +152,7 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         "COLI_BATCH": shape["batch"],
         "COLI_SEQ_TOKENS": shape["tokens"],
         "COLI_GEMV": 1 if sizes(profile, header).small_batch else 0,
+        "COLI_TC": 1 if sizes(profile, header).tensor_core else 0,
         "COLI_FP16": 1 if profile["dtype"] == "fp16" else 0,
         "COLI_ATOMIC_AGG": 1 if profile["aggregation"] == "atomic" else 0,
         "COLI_ROUTING": header.routing,
@@ -167,6 +169,7 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
 # outcome: one launch sequence serves every input, so it can be captured once into a CUDA Graph.
 
 FLOAT32_BYTES = 4
+TC_BLOCK_M, TC_THREADS, TC_BLOCK_N = 16, 128, 32  # the tensor-core tile (common.cuh tc_tile): rows, threads, columns
 INT32_BYTES = 4
 
 
@@ -181,6 +184,8 @@ class Sizes:
         padded: tokens * top_k + experts * (block_m - 1), the most rows the padded expert order can need.
         blocks: padded // block_m, the most tiles of block_m rows it can need.
         small_batch: True when pairs <= `kernels.small_batch.max_pairs`: the GEMV kernels replace the tiled ones.
+        tensor_core: tiled path with fp16 weights, block_m 16 and hidden and intermediate multiples of 8: the
+            tensor-core kernels (colibri_gate_up_tc, colibri_down_tc) replace colibri_gate_up and colibri_down.
     """
 
     tokens: int
@@ -189,6 +194,7 @@ class Sizes:
     padded: int
     blocks: int
     small_batch: bool
+    tensor_core: bool = False
 
 
 def sizes(profile: dict, header) -> Sizes:
@@ -197,6 +203,7 @@ def sizes(profile: dict, header) -> Sizes:
     pairs = tokens * header.top_k
     block_m = profile["kernels"]["routing"]["block_m"]
     padded = pairs + header.num_experts * (block_m - 1)
+    small = pairs <= profile["kernels"]["small_batch"]["max_pairs"]
     # sum_e ceil(c_e / block_m) <= (pairs + experts*(block_m-1)) / block_m, and the left side is an integer.
     return Sizes(
         tokens=tokens,
@@ -204,7 +211,9 @@ def sizes(profile: dict, header) -> Sizes:
         block_m=block_m,
         padded=padded,
         blocks=padded // block_m,
-        small_batch=pairs <= profile["kernels"]["small_batch"]["max_pairs"],
+        small_batch=small,
+        tensor_core=(not small and profile["dtype"] == "fp16" and block_m == TC_BLOCK_M
+                     and header.hidden_size % 8 == 0 and header.intermediate_size % 8 == 0),
     )
 
 
@@ -351,17 +360,17 @@ def launch_plan(profile: dict, header) -> list[dict]:
             )
         )
         tiles = [_buf("sorted_pairs"), _buf("block_experts")]
+        if s.tensor_core:
+            gate_up_launch = ("colibri_gate_up_tc", (s.blocks, _ceil_div(i, TC_BLOCK_N), 1), TC_THREADS)
+            down_launch = ("colibri_down_tc", (s.blocks, _ceil_div(h, TC_BLOCK_N), 1), TC_THREADS)
+        else:
+            gate_up_launch = ("colibri_gate_up", (s.blocks, _ceil_div(i, k["gate_up"]["block_n"]), 1),
+                              k["gate_up"]["threads"])
+            down_launch = ("colibri_down", (s.blocks, _ceil_div(h, k["down"]["block_n"]), 1), k["down"]["threads"])
+        plan.append(_launch(layer, "gate_up", *gate_up_launch, [x, gate, up, *tiles, _buf("act")]))
         plan.append(
-            _launch(
-                layer, "gate_up", "colibri_gate_up", (s.blocks, _ceil_div(i, k["gate_up"]["block_n"]), 1),
-                k["gate_up"]["threads"], [x, gate, up, *tiles, _buf("act")],
-            )
-        )
-        plan.append(
-            _launch(
-                layer, "down", "colibri_down", (s.blocks, _ceil_div(h, k["down"]["block_n"]), 1),
-                k["down"]["threads"], [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next],
-            )
+            _launch(layer, "down", *down_launch,
+                    [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next])
         )
         if ordered:
             plan.append(

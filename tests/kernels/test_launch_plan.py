@@ -40,6 +40,21 @@ def expected_parameter(arg: dict, layer: int) -> str:
     return name
 
 
+def test_tiled_path_takes_tensor_cores_where_it_can(orin_profile):
+    """fp16, block_m 16, hidden and intermediate multiples of 8: tensor-core kernels; else the scalar tiles."""
+    profile = copy.deepcopy(orin_profile)
+    profile["shape"] = {"batch": 1, "tokens": 64}
+    symbols = lambda header: [l["symbol"] for l in catalog.launch_plan(profile, header)][2:4]  # noqa: E731
+    assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4)) == ["colibri_gate_up_tc", "colibri_down_tc"]
+    assert symbols(make_header(hidden=100, inter=512, experts=8, top_k=4)) == ["colibri_gate_up", "colibri_down"]
+    profile["kernels"]["routing"]["block_m"] = 32
+    assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4)) == ["colibri_gate_up", "colibri_down"]
+    profile["kernels"]["routing"]["block_m"] = 16
+    profile["dtype"] = "fp32"
+    assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4, dtype="fp32")) == [
+        "colibri_gate_up", "colibri_down"]
+
+
 CASES = [
     ({}, dict(layers=4)),  # the demo sizes at the Orin shape: GEMV path (32 pairs <= max_pairs 128)
     ({"shape": {"batch": 2, "tokens": 64}}, dict(layers=3, experts=64, top_k=4, hidden=100, inter=75)),  # tiled
@@ -72,7 +87,8 @@ def test_plan_binds_every_parameter(orin_profile, overrides, header_kwargs):
                 expert = None if arg["tensor"] == "router" else 0
                 assert arg["offset"] == header.tensor_offset(arg["tensor"], arg["layer"], expert) - HEADER_SIZE
                 assert arg["layer"] == layer
-        assert launch["block"][0] == profile["kernels"][launch["kernel"]]["threads"]
+        tc = symbol.endswith("_tc")  # the tensor-core tile has a fixed block
+        assert launch["block"][0] == (catalog.TC_THREADS if tc else profile["kernels"][launch["kernel"]]["threads"])
         assert launch["block"][1:] == [1, 1] and launch["shared_bytes"] == 0
     assert plan[-1]["args"][-1] == {"kind": "buffer", "name": catalog.io_buffers(header)["output"]}
 
@@ -100,6 +116,10 @@ def test_grids_cover_the_outputs(orin_profile, overrides, header_kwargs):
             assert gx == padded // block_m and (gy - 1) * k["gate_up"]["block_n"] < i <= gy * k["gate_up"]["block_n"]
         elif s == "colibri_down":
             assert gx == padded // block_m and (gy - 1) * k["down"]["block_n"] < h <= gy * k["down"]["block_n"]
+        elif s in ("colibri_gate_up_tc", "colibri_down_tc"):
+            n = i if s == "colibri_gate_up_tc" else h
+            assert block_m == catalog.TC_BLOCK_M and gx == padded // block_m
+            assert (gy - 1) * catalog.TC_BLOCK_N < n <= gy * catalog.TC_BLOCK_N
         elif s == "colibri_gate_up_gemv":  # one row per warp; a slot per expert that valid pairs can select
             warps = k["small_batch"]["threads"] // 32
             assert gy == min(e, pairs) and (gx - 1) * warps < i <= gx * warps

@@ -498,6 +498,23 @@ __attribute__((always_inline)) inline T __ldg(const T* p) {
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __half_bits_to_float(unsigned short h) { return coli_emu::half_bits_to_float(h); }
+// float32 → IEEE binary16 bits, round to nearest even (as cvt.rn.f16.f32): overflow to inf, NaN kept quiet.
+inline unsigned short __float_to_half_bits(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, absx = x & 0x7fffffffu;
+    if (absx > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((absx >> 13) & 0x3ffu));  // NaN
+    if (absx >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+    if (absx < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+        const float a = std::fabs(f) * 16777216.0f;  // units of 2^-24; exact (a power of two scale)
+        return uint16_t(sign | uint32_t(std::nearbyint(a)));  // the default rounding mode: nearest even
+    }
+    const uint32_t mant = absx & 0x7fffffu, exp = (absx >> 23) - 112u;  // rebias 127 → 15
+    uint32_t h = (exp << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // carries into the exponent correctly
+    return uint16_t(sign | h);
+}
 
 // Exported entry point of one kernel: int coli_emu_launch_<symbol>(grid[3], block[3], params).
 #define COLI_EMU_EXPORT(symbol)                                                                                 \
