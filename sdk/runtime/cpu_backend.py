@@ -17,6 +17,7 @@ import numpy as np
 from ..blas import blas_threads
 from ..errors import BackendError
 from ..reference import ReferenceEngine
+from .padding import check_valid_tokens
 
 
 class CpuBackend:
@@ -40,25 +41,38 @@ class CpuBackend:
         self._engine = ReferenceEngine(self._file, compute_dtype=np.float32)
         self.hidden_size = self._file.header.hidden_size
 
-    def infer_padded(self, x: np.ndarray) -> np.ndarray:
+    def infer_padded(self, x: np.ndarray, valid_tokens=None) -> np.ndarray:
         """One forward pass at the fixed shape.
 
         Args:
             x: float32, C-contiguous, (batch, tokens, hidden) at the bundle's fixed batch and tokens. The caller
                 (Runtime) has validated it.
+            valid_tokens: (batch,) ints 0..tokens, the valid (first) tokens of each sequence; None: all.
 
         Returns:
-            float32 (batch, tokens, hidden), a new array.
+            float32 (batch, tokens, hidden), a new array. As on the GPU, only valid rows are computed; a padded row
+            is its input row (residual composition) or zeros.
 
         Raises:
             BackendError: the backend is closed.
+            InputError: valid_tokens of another shape or out of range.
         """
         if self._engine is None:
             raise BackendError("the CPU backend is closed; load the bundle again")
+        batch, tokens = self.shape
+        counts = check_valid_tokens(valid_tokens, batch, tokens)
         # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
-        rows = x.reshape(-1, self.hidden_size)
-        with blas_threads(rows.shape[0]):
-            return self._engine.run(rows).reshape(x.shape)
+        if (counts == tokens).all():
+            rows = x.reshape(-1, self.hidden_size)
+            with blas_threads(rows.shape[0]):
+                return self._engine.run(rows).reshape(x.shape)
+        mask = np.arange(tokens)[None, :] < counts[:, None]  # (batch, tokens)
+        out = x.copy() if self._file.header.composition == 1 else np.zeros_like(x)
+        if mask.any():
+            rows = np.ascontiguousarray(x[mask])
+            with blas_threads(rows.shape[0]):
+                out[mask] = self._engine.run(rows)
+        return out
 
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""

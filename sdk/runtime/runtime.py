@@ -259,7 +259,9 @@ class Runtime:
             x3, lengths = self._check_input(x, input_lengths)
             batch, tokens, _ = x3.shape
             padded = self._pad(x3, lengths)
-            y = self._backend.infer_padded(padded)
+            counts = np.zeros(self.shape[0], dtype=np.int32)
+            counts[:batch] = tokens if lengths is None else lengths
+            y = self._backend.infer_padded(padded, valid_tokens=counts)
             # infer_padded returns a new float32 array: an input of the fixed shape takes it as it is, a smaller
             # one copies its corner.
             out = np.ascontiguousarray(y[:batch, :tokens], dtype=np.float32)
