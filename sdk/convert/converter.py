@@ -320,6 +320,12 @@ def _matrix(model: Model, storage: Storage, source: Source, kind: str, stats: di
 
 
 def _check_scales(scales: np.ndarray, dtype, source: Source, model: Model) -> None:
+    bad = ~np.isfinite(scales)
+    if bad.any():
+        raise ConvertError(
+            f"{model.spec.family}: scales of {source.label!r} hold {int(bad.sum())} non-finite values (NaN or Inf); "
+            f"allowed: finite scales"
+        )
     with np.errstate(over="ignore"):
         if not np.array_equal(scales.astype(dtype).astype(np.float32), scales):
             raise ConvertError(
