@@ -163,7 +163,7 @@ class GGUFModel(Model):
                     intermediate_size=f"{arch}.expert_feed_forward_length")
         order = "softmax_topk"
         return ModelSpec(
-            family=family, num_layers=L, moe_layers=moe, dense_layers=tuple(l for l in range(L) if l not in moe),
+            family=family, num_layers=L, moe_layers=moe, dense_layers=tuple(sorted(set(range(L)) - set(moe))),
             num_experts=E, top_k=K, hidden_size=H, expert=ExpertSpec(inter),
             router=RouterSpec(scoring="sigmoid" if sigmoid else "softmax", order=order, renormalize=renorm,
                               renorm_epsilon=1e-20 if sigmoid else 0.0, scaling=scale, correction_bias=bias),
