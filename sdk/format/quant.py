@@ -193,8 +193,9 @@ def quantize_rtn(
 
     Per group, with m the group's value of largest magnitude (the first on ties): int8 `scale = |m| / 127`; int4
     `scale = m / -8` (llama.cpp Q4_0's choice: m itself maps to the code -8, so the whole -8..7 range is used and the
-    scale may be negative). The scale is rounded to `scale_dtype`, then `q = clip(rint(w / scale), lo, hi)` with the
-    stored scale (ties to even; q = 0 where the scale is 0). The last group is partial when group_size does not
+    scale may be negative). The scale is rounded to `scale_dtype` (to nearest; where that shrinks it enough to clamp
+    m by more than half a step — float16 subnormals, underflow to 0 — the next value away from zero), then
+    `q = clip(rint(w / scale), lo, hi)` with the stored scale (ties to even; q = 0 where the scale is 0). The last group is partial when group_size does not
     divide cols (docs/format.md, "Groups"). Works on one tensor at a time: memory is a few copies of `weight`,
     whatever the model's size.
 
@@ -249,6 +250,16 @@ def quantize_rtn(
             )
     stored = scales.astype(dtype)
     s32 = stored.astype(np.float32)
+    # Rounding can shrink a scale by more than the 1/254 (int8) or 1/16 (int4) that rint absorbs only below
+    # float16's normal range (|scale| < 6.1e-5) or when it underflows to 0; the group's largest value would then
+    # clamp by more than half a step. Those scales take the next value away from zero instead.
+    bound = -lo if quant == QUANT_INT4 else hi
+    short = amax.astype(np.float64) > (bound + 0.5) * np.abs(s32.astype(np.float64))
+    if short.any():
+        away = np.where(scales[short] < 0, -np.inf, np.inf).astype(dtype)
+        stored = stored.copy()
+        stored[short] = np.nextafter(stored[short], away)
+        s32 = stored.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.rint(grouped / s32[:, :, None])
     q = np.where(s32[:, :, None] != 0, q, 0.0)

@@ -219,3 +219,14 @@ def test_scales_that_dequantize_to_inf_are_refused(tmp_path, zero_points, limit)
                                           rf"{limit}"), ColibriWriter(tmp_path / "m.colibri", h) as w:
         w.write("gate_proj", 0, 0, QuantizedTensor(codes, scales, zeros, 32, 32, 2))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("quant", "low", "top"), [(1, -1e-5, 1e-5), (2, -1e-7, 2e-7), (1, -1e-9, 1e-9)],
+                         ids=["int8-subnormal", "int4-underflow-negative-scale", "int8-underflow"])
+def test_groups_below_float16s_normal_range_keep_the_half_step_bound(quant, low, top):
+    """A group whose float16 scale is subnormal (or underflows) must not clamp its largest values: with the scale
+    rounded to nearest, 1e-5 came back as 7.6e-6 (int8) — a 24 % error on the group's largest weight."""
+    w = np.linspace(low, top, 32, dtype=np.float32)[None]
+    t = quantize_rtn(w, quant, 32)
+    step = np.abs(t.scales.astype(np.float32))[0, 0]
+    assert np.abs(t.dequantize() - w).max() <= step / 2
