@@ -271,18 +271,21 @@ class ColibriWriter:
             raise FormatError(f"{label}: scales of dtype {scales.dtype}; allowed: a floating-point dtype")
         if not np.isfinite(scales).all():
             raise FormatError(f"{label}: {int((~np.isfinite(scales)).sum())} non-finite scales")
-        # |q - zero| reaches 128 / 8 (int8 / int4) without zero points, 255 / 15 with them: a scale above
-        # float32 max / that bound dequantizes to Inf (docs/format.md, "Dequantization").
+        # |q - zero| reaches 128 / 8 (int8 / int4) without zero points, 255 / 15 with them: only a scale above
+        # float32 max / that bound can dequantize to Inf (docs/format.md, "Dequantization"); then look at the values.
         lo, hi = QUANT_RANGE[h.quant]
         span = hi - lo if h.zero_points else -lo
         limit = float(np.finfo(np.float32).max) / span
-        big = np.abs(scales.astype(np.float64)) > limit
-        if big.any():
-            raise FormatError(
-                f"{label}: {int(big.sum())} scales beyond ±{limit:.4g} (max |scale| "
-                f"{float(np.abs(scales.astype(np.float64)).max()):.4g}) dequantize to Inf in float32; allowed: "
-                f"|scale| <= float32 max / {span}"
-            )
+        if (np.abs(scales.astype(np.float64)) > limit).any():
+            with np.errstate(over="ignore", invalid="ignore"):
+                values = dataclasses.replace(t, scales=scales.astype(np.float32)).dequantize()
+            bad = int(np.count_nonzero(~np.isfinite(values)))
+            if bad:
+                raise FormatError(
+                    f"{label}: {bad} weights dequantize to Inf in float32 (max |scale| "
+                    f"{float(np.abs(scales.astype(np.float64)).max()):.4g}); allowed: |scale · (q − zero)| <= "
+                    f"float32 max"
+                )
         target = h.np_dtype
         with np.errstate(over="ignore"):
             stored = scales.astype(target)

@@ -208,17 +208,33 @@ def test_dequantize_checks_shapes_and_rows():
         dequantize(QuantizedTensor(t.codes.view(np.uint8), t.scales, None, 70, 32, 2, packed=True))
 
 
-@pytest.mark.parametrize(("zero_points", "limit"), [(0, "float32 max / 8"), (1, "float32 max / 15")])
-def test_scales_that_dequantize_to_inf_are_refused(tmp_path, zero_points, limit):
+@pytest.mark.parametrize("zero_points", [0, 1])
+def test_scales_that_dequantize_to_inf_are_refused(tmp_path, zero_points):
     h = HeaderV2(num_layers=1, num_experts=1, top_k=1, hidden_size=32, intermediate_size=1, dtype=0, quant=2,
                  group_size=32, zero_points=zero_points)
     scales = np.array([[3e38]], np.float32)
-    codes = np.full((1, 32), -8, np.int8)
+    codes = np.zeros((1, 32), np.int8)
+    codes[0, :3] = -8
     zeros = np.full((1, 1), 7, np.int8) if zero_points else None
-    with pytest.raises(FormatError, match=rf"1 scales beyond .* dequantize to Inf in float32; allowed: \|scale\| <= "
-                                          rf"{limit}"), ColibriWriter(tmp_path / "m.colibri", h) as w:
+    with pytest.raises(FormatError, match=r"(3|32) weights dequantize to Inf in float32 \(max \|scale\| 3e\+38\); "
+                                          r"allowed: \|scale · \(q − zero\)\| <= float32 max"), \
+            ColibriWriter(tmp_path / "m.colibri", h) as w:
         w.write("gate_proj", 0, 0, QuantizedTensor(codes, scales, zeros, 32, 32, 2))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_large_scale_with_small_codes_is_kept(tmp_path):
+    """2^126 (an MXFP4 scale byte of 254) times codes up to ±1 is finite: it must be written, not refused."""
+    h = HeaderV2(num_layers=1, num_experts=1, top_k=1, hidden_size=32, intermediate_size=1, dtype=0, quant=1,
+                 group_size=32)
+    scale = np.float32(2.0**126)
+    codes = np.tile(np.array([-1, 0, 1, 1], np.int8), 8)[None]
+    with ColibriWriter(tmp_path / "m.colibri", h) as w:
+        w.write("gate_proj", 0, 0, QuantizedTensor(codes, np.array([[scale]]), None, 32, 32, 1))
+        for kind, layer, index in w.pending():
+            w.write(kind, layer, index, np.ones(h.shape(kind), np.float32) * 1e-3)
+    with ColibriFile(tmp_path / "m.colibri") as f:
+        assert f.weight("gate_proj", 0, 0)[0, :4].tolist() == [-(2.0**126), 0.0, 2.0**126, 2.0**126]
 
 
 @pytest.mark.parametrize(("quant", "low", "top"), [(1, -1e-5, 1e-5), (2, -1e-7, 2e-7), (1, -1e-9, 1e-9)],
