@@ -186,7 +186,10 @@ class ReferenceEngine:
     def __init__(self, model: ColibriFile | str | os.PathLike, compute_dtype=np.float32):
         self.file = model if isinstance(model, ColibriFile) else ColibriFile(model)
         self.header: Header = self.file.header
-        self.compute_dtype = np.dtype(compute_dtype)
+        try:
+            self.compute_dtype = np.dtype(compute_dtype)
+        except TypeError:
+            raise InputError(f"compute_dtype {compute_dtype!r}; allowed: float32, float64") from None
         if self.compute_dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise InputError(f"compute_dtype {self.compute_dtype}; allowed: float32, float64")
         self.v2 = isinstance(self.header, HeaderV2)

@@ -246,3 +246,10 @@ def test_groups_below_float16s_normal_range_keep_the_half_step_bound(quant, low,
     t = quantize_rtn(w, quant, 32)
     step = np.abs(t.scales.astype(np.float32))[0, 0]
     assert np.abs(t.dequantize() - w).max() <= step / 2
+
+
+def test_an_unknown_compute_dtype_is_an_input_error(tmp_path):
+    path = tmp_path / "m.colibri"
+    write_v2(path, FLOAT)
+    with pytest.raises(InputError, match=r"compute_dtype 'nonsense'; allowed: float32, float64"):
+        ReferenceEngine(path, compute_dtype="nonsense")
