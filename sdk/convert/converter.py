@@ -271,19 +271,23 @@ def convert(
 
 def _refuse_overwriting_source(model: Model, output: Path) -> None:
     """Refuse an output path that is one of the source's own files (its weights, index or config.json): the
-    rename at the end of the conversion would replace it."""
-    if not output.exists():
-        return
-    for source in sorted(model.files()):
-        try:
-            same = source.exists() and os.path.samefile(source, output)
-        except OSError:
-            same = False
-        if same:
-            raise ConvertError(
-                f"output {output} is the checkpoint's own {source.name}; refusing to overwrite the source "
-                f"(choose another -o)"
-            )
+    rename at the end of the conversion would replace it; nor one whose temporary `<output>.partial` is one of them
+    (the writer truncates it before reading a single tensor)."""
+    partial = output.with_name(output.name + ".partial")
+    for target in (output, partial):
+        if not target.exists():
+            continue
+        for source in sorted(model.files()):
+            try:
+                same = source.exists() and os.path.samefile(source, target)
+            except OSError:
+                same = False
+            if same:
+                what = "" if target == output else f"'s temporary file {target.name}"
+                raise ConvertError(
+                    f"output {output}{what} is the checkpoint's own {source.name}; refusing to overwrite the source "
+                    f"(choose another -o)"
+                )
 
 
 def _matrix(model: Model, storage: Storage, source: Source, kind: str, stats: dict):

@@ -200,3 +200,12 @@ def test_mutated_gguf_files_give_a_typed_error_or_a_finite_model(tmp_path):
         assert np.isfinite(y).all()
         outcomes["finite"] += 1
     assert outcomes["refused"] > 0 and outcomes["finite"] > 0, outcomes
+
+
+def test_a_source_named_like_the_outputs_temporary_file_is_not_truncated(tmp_path):
+    source = write_gguf(tmp_path / "m.colibri.partial")
+    before = source.read_bytes()
+    with pytest.raises(ConvertError, match=r"output .*/m\.colibri's temporary file m\.colibri\.partial is the "
+                                           r"checkpoint's own m\.colibri\.partial; refusing to overwrite the source"):
+        convert(source, tmp_path / "m.colibri")
+    assert source.read_bytes() == before
