@@ -209,3 +209,13 @@ def test_a_source_named_like_the_outputs_temporary_file_is_not_truncated(tmp_pat
                                            r"checkpoint's own m\.colibri\.partial; refusing to overwrite the source"):
         convert(source, tmp_path / "m.colibri")
     assert source.read_bytes() == before
+
+
+def test_layers_under_two_roots_are_refused_by_name(tmp_path):
+    """A renamed tensor ('modeL.layers.0...') put a second root beside 'model.layers.N': it was a KeyError."""
+    def rename(tensors):
+        tensors["modeL.layers.0.block_sparse_moe.gate.weight"] = tensors.pop(P + "gate.weight")
+    folder = write_pack_quantized(tmp_path / "ckpt", edit=rename)
+    with pytest.raises(ConvertError, match=r"^mixtral: the checkpoint has decoder layers under 2 roots \('modeL\.layers\.N', "
+                                           r"'model\.layers\.N'\); expected one"):
+        convert(folder, tmp_path / "m.colibri")
