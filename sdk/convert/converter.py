@@ -314,7 +314,9 @@ def _matrix(model: Model, storage: Storage, source: Source, kind: str, stats: di
     try:
         t = quantize_rtn(weight, storage.quant, storage.group_size, scale_dtype)
     except FormatError as exc:
-        raise ConvertError(f"{source.label}: {exc}") from exc
+        # convert writes fp16 scales and has no flag for float32 ones: say what the command line can do.
+        hint = " (convert with --dtype fp32, which keeps these weights as floats)" if "exceed float16" in str(exc) else ""
+        raise ConvertError(f"{source.label}: {exc}{hint}") from exc
     stats["quantized"] += 1
     amax = float(np.abs(weight).max()) if weight.size else 0.0
     if amax > 0:

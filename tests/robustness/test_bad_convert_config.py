@@ -37,3 +37,16 @@ def test_a_long_mlp_only_layers_list_is_read_in_linear_time(alarm):
     spec = model_spec(config)
     assert spec.moe_layers[:3] == (1, 3, 5) and len(spec.moe_layers) == 32767
     assert len(spec.dense_layers) == 32768
+
+
+def test_int4_of_weights_beyond_float16_scales_says_what_the_command_line_can_do(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from robustness_helpers import PREFIX
+
+    folder = write_checkpoint(tmp_path / "ckpt")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[PREFIX + "experts.0.w1.weight"][0, 0] = 1e30
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ConvertError, match=r"experts\.0\.w1\.weight: 1 group scales exceed float16 .*\(convert with "
+                                           r"--dtype fp32, which keeps these weights as floats\)$"):
+        convert(folder, tmp_path / "m.colibri", dtype="int4", group_size=32)
