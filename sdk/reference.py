@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from .errors import InputError
+from .errors import FormatError, InputError
 from .format import ColibriFile, Header, HeaderV2
 from .format.constants import (
     ACTIVATION_CLAMPED_SWIGLU,
@@ -150,6 +150,19 @@ def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float, alpha: float)
     return gate * sigmoid(gate * gate.dtype.type(alpha)) * (up + 1)
 
 
+def _check_overflow(values: np.ndarray, layer: int, what: str) -> None:
+    """InputError if `values` (tokens, hidden), computed from finite input and weights, overflowed."""
+    if np.isfinite(values).all():
+        return
+    bad = int(np.count_nonzero((~np.isfinite(values)).any(axis=-1)))
+    dtype = values.dtype.name
+    raise InputError(
+        f"layer {layer}: {what} overflows {dtype} on {bad} token{'s' if bad != 1 else ''} (finite input and weights, "
+        f"non-finite result); allowed: inputs whose products with the weights stay within {dtype} (scale the input "
+        f"down, or use compute_dtype float64)"
+    )
+
+
 class ReferenceEngine:
     """Runs a .colibri model with NumPy.
 
@@ -163,16 +176,41 @@ class ReferenceEngine:
         y = engine(x)            # x (batch, tokens, hidden) or (tokens, hidden) → same shape, float32
 
     Raises:
-        InputError: wrong rank, hidden size or dtype, or non-finite input.
+        InputError: wrong rank, hidden size or dtype, or non-finite input; a layer whose output overflows the
+            compute dtype (finite input and weights, but too large for float32).
+        FormatError: a tensor of the file that holds NaN or Inf (a router, a float expert matrix, the scales of a
+            quantized one, a bias, the shared gate), found when a forward pass first uses it (the writer never
+            writes one, so the file was corrupted or written by something else).
     """
 
     def __init__(self, model: ColibriFile | str | os.PathLike, compute_dtype=np.float32):
         self.file = model if isinstance(model, ColibriFile) else ColibriFile(model)
         self.header: Header = self.file.header
-        self.compute_dtype = np.dtype(compute_dtype)
+        try:
+            self.compute_dtype = np.dtype(compute_dtype)
+        except TypeError:
+            raise InputError(f"compute_dtype {compute_dtype!r}; allowed: float32, float64") from None
         if self.compute_dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise InputError(f"compute_dtype {self.compute_dtype}; allowed: float32, float64")
         self.v2 = isinstance(self.header, HeaderV2)
+        self._finite: set[tuple] = set()  # (kind, layer, index) whose stored values were checked finite
+
+    def _checked(self, values: np.ndarray, kind: str, layer: int, index: int | None = None) -> np.ndarray:
+        """`values` (read from the file) unchanged; FormatError if they hold NaN or Inf. Each tensor is checked
+        once, on first use."""
+        key = (kind, layer, index)
+        if key in self._finite:
+            return values
+        if not np.isfinite(values).all():
+            bad = int(np.count_nonzero(~np.isfinite(values)))
+            where = f"layer {layer}" + ("" if index is None else f", expert {index}")
+            how = " once dequantized" if self.v2 and self.header.quantized and self.header.is_matrix(kind) else ""
+            raise FormatError(
+                f"{self.file.path}: {kind} ({where}) holds {bad} non-finite value{'s' if bad != 1 else ''} (NaN or "
+                f"Inf){how}; allowed: finite values (the file is corrupted)"
+            )
+        self._finite.add(key)
+        return values
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.forward(x)
@@ -214,26 +252,35 @@ class ReferenceEngine:
         residual = self.header.composition == COMPOSITION_RESIDUAL
         for layer in range(self.header.num_layers):
             y = self.layer(layer, h)
-            h = h + y if residual else y
+            if residual:
+                with np.errstate(over="ignore"):
+                    h = h + y
+                _check_overflow(h, layer, "the residual sum")
+            else:
+                h = y
         return h
 
     def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Router logits → (indices, weights), each (tokens, top_k). x: (tokens, hidden) in the compute dtype."""
         dt = self.compute_dtype
-        router = self.file.router(layer).astype(dt, copy=False)
+        router = self._checked(self.file.router(layer), "router", layer).astype(dt, copy=False)
         logits = x @ router
         if not self.v2:
             return topk_route(logits, self.header.top_k, self.header.routing)
         h = self.header
         if h.router_bias:
-            logits = logits + self.file.vector("router_bias", layer).astype(dt)
-        correction = self.file.vector("correction_bias", layer) if h.correction_bias else None
+            logits = logits + self._vector("router_bias", layer).astype(dt)
+        correction = self._vector("correction_bias", layer) if h.correction_bias else None
         return route_v2(logits, h, correction)
 
     def _matrix(self, kind: str, layer: int, expert: int) -> np.ndarray:
         """One expert matrix in the compute dtype: exact dequantization of int8/int4, widening of fp16."""
-        w = self.file.weight(kind, layer, expert)
+        w = self._checked(self.file.weight(kind, layer, expert), kind, layer, expert)
         return w.astype(self.compute_dtype, copy=False)
+
+    def _vector(self, kind: str, layer: int) -> np.ndarray:
+        """A per-layer float32 tensor of a v2 file (biases, shared gate), checked finite."""
+        return self._checked(self.file.vector(kind, layer), kind, layer)
 
     def expert(self, layer: int, expert: int, x: np.ndarray) -> np.ndarray:
         """One routed expert on x (tokens, hidden) → (tokens, hidden), with its biases and activation."""
@@ -242,15 +289,15 @@ class ReferenceEngine:
         up = x @ self._matrix("up_proj", layer, expert).T
         v2 = self.v2
         if v2 and self.header.expert_bias:
-            gate = gate + self.file.vector("gate_bias", layer)[expert].astype(dt)
-            up = up + self.file.vector("up_bias", layer)[expert].astype(dt)
+            gate = gate + self._vector("gate_bias", layer)[expert].astype(dt)
+            up = up + self._vector("up_bias", layer)[expert].astype(dt)
         if v2 and self.header.activation == ACTIVATION_CLAMPED_SWIGLU:
             hidden = clamped_swiglu(gate, up, self.header.swiglu_limit, self.header.swiglu_alpha)
         else:
             hidden = silu(gate) * up
         y = hidden @ self._matrix("down_proj", layer, expert).T
         if v2 and self.header.expert_bias:
-            y = y + self.file.vector("down_bias", layer)[expert].astype(dt)
+            y = y + self._vector("down_bias", layer)[expert].astype(dt)
         return y
 
     def shared(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -264,21 +311,23 @@ class ReferenceEngine:
             up = x @ self._matrix("shared_up_proj", layer, s).T
             out += (silu(gate) * up) @ self._matrix("shared_down_proj", layer, s).T
         if h.shared_gate:
-            g = x @ self.file.vector("shared_expert_gate", layer).astype(self.compute_dtype)
+            g = x @ self._vector("shared_expert_gate", layer).astype(self.compute_dtype)
             out *= sigmoid(g)[:, None]
         return out
 
     def layer(self, layer: int, x: np.ndarray) -> np.ndarray:
         """One MoE layer on x (tokens, hidden) in the compute dtype → (tokens, hidden)."""
-        indices, weights = self.route(layer, x)
-        out = np.zeros_like(x)
-        for expert in np.unique(indices):
-            tokens, slots = np.nonzero(indices == expert)
-            y = self.expert(layer, int(expert), x[tokens])
-            # Each (token, expert) pair occurs once, so this scatter has no duplicate indices.
-            out[tokens] += weights[tokens, slots][:, None] * y
-        if self.v2 and self.header.num_shared_experts:
-            out += self.shared(layer, x)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is raised below, with its layer
+            indices, weights = self.route(layer, x)
+            out = np.zeros_like(x)
+            for expert in np.unique(indices):
+                tokens, slots = np.nonzero(indices == expert)
+                y = self.expert(layer, int(expert), x[tokens])
+                # Each (token, expert) pair occurs once, so this scatter has no duplicate indices.
+                out[tokens] += weights[tokens, slots][:, None] * y
+            if self.v2 and self.header.num_shared_experts:
+                out += self.shared(layer, x)
+        _check_overflow(out, layer, "the output")
         return out
 
     def close(self) -> None:

@@ -86,7 +86,7 @@ def scheme(config: dict, family: str) -> PackScheme | None:
             )
         w = group.get("weights") or {}
         bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
-        if kind != "int" or bits not in BITS:
+        if kind != "int" or isinstance(bits, bool) or bits not in BITS:
             raise _refuse(family, f"config_groups.{name}.weights type {kind!r} num_bits {bits!r}",
                           "allowed: type 'int' with num_bits 4 or 8")
         if strategy not in STRATEGIES:
@@ -98,9 +98,13 @@ def scheme(config: dict, family: str) -> PackScheme | None:
         if w.get("dynamic"):
             raise _refuse(family, f"config_groups.{name}.weights.dynamic = true", "allowed: false")
         size = 0 if strategy == "channel" else w.get("group_size")
-        if not isinstance(size, int) or size < 0:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise _refuse(family, f"config_groups.{name}.weights.group_size = {size!r}", "allowed: a positive integer")
-        schemes.add(PackScheme(bits, bool(w.get("symmetric", True)), size))
+        symmetric = w.get("symmetric", True)
+        if not isinstance(symmetric, bool):  # bool("false") is True: a string must not flip the zero points
+            raise _refuse(family, f"config_groups.{name}.weights.symmetric = {symmetric!r}",
+                          "allowed: true or false (JSON booleans)")
+        schemes.add(PackScheme(int(bits), symmetric, size))
     if len(schemes) > 1:
         raise _refuse(family, f"mixes weight schemes {sorted(map(str, schemes))}",
                       "allowed: one scheme for every quantized Linear")

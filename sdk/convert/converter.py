@@ -289,19 +289,23 @@ def check_top_k(spec: ModelSpec) -> None:
 
 def _refuse_overwriting_source(model: Model, output: Path) -> None:
     """Refuse an output path that is one of the source's own files (its weights, index or config.json): the
-    rename at the end of the conversion would replace it."""
-    if not output.exists():
-        return
-    for source in sorted(model.files()):
-        try:
-            same = source.exists() and os.path.samefile(source, output)
-        except OSError:
-            same = False
-        if same:
-            raise ConvertError(
-                f"output {output} is the checkpoint's own {source.name}; refusing to overwrite the source "
-                f"(choose another -o)"
-            )
+    rename at the end of the conversion would replace it; nor one whose temporary `<output>.partial` is one of them
+    (the writer truncates it before reading a single tensor)."""
+    partial = output.with_name(output.name + ".partial")
+    for target in (output, partial):
+        if not target.exists():
+            continue
+        for source in sorted(model.files()):
+            try:
+                same = source.exists() and os.path.samefile(source, target)
+            except OSError:
+                same = False
+            if same:
+                what = "" if target == output else f"'s temporary file {target.name}"
+                raise ConvertError(
+                    f"output {output}{what} is the checkpoint's own {source.name}; refusing to overwrite the source "
+                    f"(choose another -o)"
+                )
 
 
 def _matrix(model: Model, storage: Storage, source: Source, kind: str, stats: dict):
@@ -328,7 +332,9 @@ def _matrix(model: Model, storage: Storage, source: Source, kind: str, stats: di
     try:
         t = quantize_rtn(weight, storage.quant, storage.group_size, scale_dtype)
     except FormatError as exc:
-        raise ConvertError(f"{source.label}: {exc}") from exc
+        # convert writes fp16 scales and has no flag for float32 ones: say what the command line can do.
+        hint = " (convert with --dtype fp32, which keeps these weights as floats)" if "exceed float16" in str(exc) else ""
+        raise ConvertError(f"{source.label}: {exc}{hint}") from exc
     stats["quantized"] += 1
     amax = float(np.abs(weight).max()) if weight.size else 0.0
     if amax > 0:
@@ -338,6 +344,12 @@ def _matrix(model: Model, storage: Storage, source: Source, kind: str, stats: di
 
 
 def _check_scales(scales: np.ndarray, dtype, source: Source, model: Model) -> None:
+    bad = ~np.isfinite(scales)
+    if bad.any():
+        raise ConvertError(
+            f"{model.spec.family}: scales of {source.label!r} hold {int(bad.sum())} non-finite values (NaN or Inf); "
+            f"allowed: finite scales"
+        )
     with np.errstate(over="ignore"):
         if not np.array_equal(scales.astype(dtype).astype(np.float32), scales):
             raise ConvertError(

@@ -237,9 +237,10 @@ def _spec(family, sizes, moe_layers, router, *, shared=None, expert=None, extra_
     if not moe_layers:
         raise ConvertError(f"{family}: config.json leaves no MoE layer among its {L} layers; nothing to convert")
     expert = expert or ExpertSpec(sizes["inter"])
+    moe = set(moe_layers)  # built once: up to 65535 layers
     return ModelSpec(
         family=family, num_layers=L, moe_layers=tuple(moe_layers),
-        dense_layers=tuple(l for l in range(L) if l not in set(moe_layers)), num_experts=sizes["num_experts"],
+        dense_layers=tuple(l for l in range(L) if l not in moe), num_experts=sizes["num_experts"],
         top_k=sizes["top_k"], hidden_size=sizes["hidden_size"], expert=expert, router=router, shared=shared,
         keys=sizes["keys"], extra_layers=extra_layers, notes=tuple(notes),
     )
@@ -288,7 +289,8 @@ def _olmoe_qwen(config: dict, family: str) -> ModelSpec:
         only = config.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in only):
             raise ConvertError(f"{family}: config.json mlp_only_layers = {only!r}; allowed: a list of layer indices")
-        layers = [l for l in layers if l not in only and (l + 1) % step == 0]
+        dense = set(only)
+        layers = [l for l in layers if l not in dense and (l + 1) % step == 0]
     shared = None
     if family == "qwen2_moe":
         key, size = _size(config, ("shared_expert_intermediate_size",), "shared expert size", family)

@@ -86,8 +86,13 @@ class GGUFModel(Model):
         field = self.reader.fields.get(key)
         if field is None:
             return default
-        value = field.contents()
-        return value
+        try:
+            return field.contents()
+        except (ValueError, IndexError) as exc:  # e.g. a string value that is not UTF-8 (UnicodeDecodeError)
+            raise ConvertError(
+                f"{self.path.name}: GGUF metadata {key} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); "
+                f"allowed: a value of its GGUF type (strings UTF-8)"
+            ) from None
 
     def _size(self, key: str, what: str, fallback: str | None = None) -> int:
         value = self._field(key)
@@ -124,7 +129,9 @@ class GGUFModel(Model):
                 f"GGUF; convert the Hugging Face checkpoint (deepseek_v2 / deepseek_v3 keep n_group, topk_group)"
             )
         norm = self._field(f"{arch}.expert_weights_norm")
-        renorm = renorm if norm is None else bool(norm)
+        if norm is not None and not isinstance(norm, bool):  # bool("false") is True: only a GGUF BOOL is read
+            raise ConvertError(f"{family}: GGUF {arch}.expert_weights_norm = {norm!r}; allowed: true or false (BOOL)")
+        renorm = renorm if norm is None else norm
         scale = self._field(f"{arch}.expert_weights_scale")
         if scale is not None and (isinstance(scale, (bool, str)) or not isinstance(scale, (int, float)) or scale < 0):
             raise ConvertError(f"{family}: GGUF {arch}.expert_weights_scale = {scale!r}; allowed: a number >= 0")
@@ -156,7 +163,7 @@ class GGUFModel(Model):
                     intermediate_size=f"{arch}.expert_feed_forward_length")
         order = "softmax_topk"
         return ModelSpec(
-            family=family, num_layers=L, moe_layers=moe, dense_layers=tuple(l for l in range(L) if l not in moe),
+            family=family, num_layers=L, moe_layers=moe, dense_layers=tuple(sorted(set(range(L)) - set(moe))),
             num_experts=E, top_k=K, hidden_size=H, expert=ExpertSpec(inter),
             router=RouterSpec(scoring="sigmoid" if sigmoid else "softmax", order=order, renormalize=renorm,
                               renorm_epsilon=1e-20 if sigmoid else 0.0, scaling=scale, correction_bias=bias),

@@ -159,6 +159,13 @@ def plan(tensors: dict, spec: ModelSpec) -> Layout:
     """
     root, layers = _find_layers(tensors)
     f = spec.family
+    roots = sorted({m["root"] for m in map(LAYER_RE.match, tensors) if m})
+    if len(roots) > 1:
+        shown = ", ".join(repr(r + "layers.N") for r in roots[:3]) + (", ..." if len(roots) > 3 else "")
+        raise ConvertError(
+            f"{f}: the checkpoint has decoder layers under {len(roots)} roots ({shown}); expected one, as "
+            f"save_pretrained writes (e.g. 'model.layers.N')"
+        )
     if not any(_router_of(t) for t in layers.values()):
         raise ConvertError(f"{f}: no MoE router found (no tensor named like 'model.layers.0.mlp.gate.weight')")
     left_out: dict[int, str] = {}

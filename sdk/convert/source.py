@@ -74,13 +74,19 @@ class HFModel(Model):
         self.spec = model_spec(self.checkpoint.config)
         self.scheme = compressed.scheme(self.checkpoint.config, self.spec.family)
         self.layout = plan(self.checkpoint.tensors, self.spec)
-        if self.scheme is None:
-            for source in self.layout.sources.values():
-                if source.quant == "pack_quantized":
-                    raise ConvertError(
-                        f"{self.spec.family}: tensor {source.name!r} is pack-quantized, but config.json has no "
-                        f"compressed-tensors quantization_config"
-                    )
+        for source in self.layout.sources.values():
+            if source.quant != "pack_quantized":
+                continue
+            if self.scheme is None:
+                raise ConvertError(
+                    f"{self.spec.family}: tensor {source.name!r} is pack-quantized, but config.json has no "
+                    f"compressed-tensors quantization_config"
+                )
+            if not source.aux[0]:
+                raise ConvertError(
+                    f"{self.spec.family}: tensor {source.name!r} has no "
+                    f"{source.name.removesuffix('_packed')}_scale; a pack-quantized Linear needs its weight_scale"
+                )
 
     def read_float(self, source: Source) -> np.ndarray:
         return tensors.read_float(self.checkpoint, source, self.scheme)

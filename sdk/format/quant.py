@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from ..errors import FormatError
-from .constants import INT4_OFFSET, QUANT_INT4, QUANT_INT8, QUANT_NAMES, QUANT_RANGE
+from .constants import GROUP_SIZES, INT4_OFFSET, QUANT_INT4, QUANT_INT8, QUANT_NAMES, QUANT_RANGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +102,21 @@ def dequantize(t: QuantizedTensor, rows: np.ndarray | None = None) -> np.ndarray
 
     Returns:
         float32 (len(rows) or rows, cols), a new array.
+
+    Raises:
+        FormatError: codes, scales or zero points whose shapes do not fit `cols` and `group_size`, or `rows` that
+            are not integer row indices of the matrix.
     """
     codes, scales, zeros = t.codes, t.scales, t.zeros
+    _check_shapes(t)
     if rows is not None:
+        rows = np.asarray(rows)
+        n = codes.shape[0]
+        if rows.dtype.kind not in "iu" or rows.ndim != 1 or (rows.size and not (0 <= rows.min() and rows.max() < n)):
+            raise FormatError(
+                f"rows {rows.tolist() if rows.size <= 8 else rows.shape} (dtype {rows.dtype}); allowed: a 1-D integer "
+                f"array of row indices in 0..{n - 1}"
+            )
         codes, scales = codes[rows], scales[rows]
         zeros = None if zeros is None else zeros[rows]
     n, cols = codes.shape[0], t.cols
@@ -130,6 +142,26 @@ def dequantize(t: QuantizedTensor, rows: np.ndarray | None = None) -> np.ndarray
         q -= z[:, index]
     q *= s[:, index]
     return q
+
+
+def _check_shapes(t: QuantizedTensor) -> None:
+    """FormatError unless codes (rows, cols) — packed int4: (rows, ceil(cols/2)) — and scales / zeros
+    (rows, groups) agree with t.cols and t.group_size."""
+    codes, scales = np.shape(t.codes), np.shape(t.scales)
+    cols, size = t.cols, t.group_size
+    if isinstance(cols, bool) or not isinstance(cols, (int, np.integer)) or cols < 1:
+        raise FormatError(f"quantized tensor cols = {cols!r}; allowed: an integer >= 1")
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+        raise FormatError(f"quantized tensor group_size = {size!r}; allowed: 0 (per row) or a group size >= 1")
+    width = -(-cols // 2) if t.packed else cols
+    if len(codes) != 2 or codes[1] != width:
+        raise FormatError(f"quantized tensor codes of shape {codes}; allowed: (rows, {width}) for {cols} columns"
+                          + (" (packed int4)" if t.packed else ""))
+    want = (codes[0], 1 if size == 0 else -(-cols // size))
+    if scales != want:
+        raise FormatError(f"quantized tensor scales of shape {scales}; allowed: {want} (rows, groups)")
+    if t.zeros is not None and np.shape(t.zeros) != want:
+        raise FormatError(f"quantized tensor zero points of shape {np.shape(t.zeros)}; allowed: {want} (rows, groups)")
 
 
 def check_codes(t: QuantizedTensor, label: str) -> None:
@@ -161,8 +193,9 @@ def quantize_rtn(
 
     Per group, with m the group's value of largest magnitude (the first on ties): int8 `scale = |m| / 127`; int4
     `scale = m / -8` (llama.cpp Q4_0's choice: m itself maps to the code -8, so the whole -8..7 range is used and the
-    scale may be negative). The scale is rounded to `scale_dtype`, then `q = clip(rint(w / scale), lo, hi)` with the
-    stored scale (ties to even; q = 0 where the scale is 0). The last group is partial when group_size does not
+    scale may be negative). The scale is rounded to `scale_dtype` (to nearest; where that shrinks it enough to clamp
+    m by more than half a step — float16 subnormals, underflow to 0 — the next value away from zero), then
+    `q = clip(rint(w / scale), lo, hi)` with the stored scale (ties to even; q = 0 where the scale is 0). The last group is partial when group_size does not
     divide cols (docs/format.md, "Groups"). Works on one tensor at a time: memory is a few copies of `weight`,
     whatever the model's size.
 
@@ -176,11 +209,24 @@ def quantize_rtn(
         A QuantizedTensor with unpacked int8 codes and scales of `scale_dtype`.
 
     Raises:
-        FormatError: non-finite weights, a bad shape, or a scale beyond float16's range (use float32 scales).
+        FormatError: a quant, group size or scale dtype outside the allowed sets, non-finite weights, a bad shape,
+            or a scale beyond float16's range (use float32 scales).
     """
+    if isinstance(quant, bool) or quant not in QUANT_RANGE:
+        raise FormatError(f"quant {quant!r}; allowed: {QUANT_INT8} (int8), {QUANT_INT4} (int4)")
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES[quant]:
+        raise FormatError(
+            f"group_size {group_size!r} for {QUANT_NAMES[quant]}; allowed: {', '.join(map(str, GROUP_SIZES[quant]))}"
+        )
+    try:
+        dtype = np.dtype(scale_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+        raise FormatError(f"scale dtype {scale_dtype!r}; allowed: float16, float32")
     w = np.asarray(weight)
-    if w.ndim != 2 or w.dtype.kind != "f":
-        raise FormatError(f"weight of shape {w.shape}, dtype {w.dtype}; allowed: a 2-D float array (rows, cols)")
+    if w.ndim != 2 or w.dtype.kind != "f" or 0 in w.shape:
+        raise FormatError(f"weight of shape {w.shape}, dtype {w.dtype}; allowed: a 2-D float array (rows, cols), rows and cols >= 1")
     w = w.astype(np.float32, copy=False)
     if not np.isfinite(w).all():
         raise FormatError(f"weight has {int((~np.isfinite(w)).sum())} non-finite values (NaN or Inf)")
@@ -195,7 +241,6 @@ def quantize_rtn(
     m = np.take_along_axis(grouped, where[:, :, None], axis=2)[:, :, 0]
     amax = np.abs(m)
     scales = (m / np.float32(lo) if quant == QUANT_INT4 else amax / np.float32(hi)).astype(np.float32)
-    dtype = np.dtype(scale_dtype)
     if dtype == np.float16:
         big = np.abs(scales) > 65504.0
         if big.any():
@@ -205,6 +250,16 @@ def quantize_rtn(
             )
     stored = scales.astype(dtype)
     s32 = stored.astype(np.float32)
+    # Rounding can shrink a scale by more than the 1/254 (int8) or 1/16 (int4) that rint absorbs only below
+    # float16's normal range (|scale| < 6.1e-5) or when it underflows to 0; the group's largest value would then
+    # clamp by more than half a step. Those scales take the next value away from zero instead.
+    bound = -lo if quant == QUANT_INT4 else hi
+    short = amax.astype(np.float64) > (bound + 0.5) * np.abs(s32.astype(np.float64))
+    if short.any():
+        away = np.where(scales[short] < 0, -np.inf, np.inf).astype(dtype)
+        stored = stored.copy()
+        stored[short] = np.nextafter(stored[short], away)
+        s32 = stored.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.rint(grouped / s32[:, :, None])
     q = np.where(s32[:, :, None] != 0, q, 0.0)

@@ -11,50 +11,113 @@ import dataclasses
 import os
 import stat
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from ..errors import FormatError
-from .constants import FP16_MAX, KINDS, QUANT_INT4, QUANT_NAMES, SCALES_SUFFIX, ZEROS_SUFFIX
+from .constants import FP16_MAX, KINDS, QUANT_INT4, QUANT_NAMES, QUANT_RANGE, SCALES_SUFFIX, ZEROS_SUFFIX
 from .header import Header
 from .header_v2 import HeaderV2
 from .quant import QuantizedTensor, check_codes, pack_int4, quantize_rtn
 
 
-def _refuse_non_regular(path: Path) -> None:
+def _refuse_non_regular(path: Path, *, symlink: bool = True) -> None:
     """The writer replaces `path` by renaming onto it: refuse anything but a regular file or a symlink there (a
-    folder, a device such as /dev/null, a FIFO, a socket), which the rename would destroy or fail on."""
+    folder, a device such as /dev/null, a FIFO, a socket), which the rename would destroy or fail on. With
+    `symlink=False` (the temporary `.partial` file, which is written into) a symlink is refused too: writing
+    through it would overwrite the file it points to."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
     except OSError as exc:
         raise FormatError(f"cannot write {path}: {exc.strerror}") from exc
+    if stat.S_ISLNK(mode) and not symlink:
+        raise FormatError(
+            f"cannot write {path}: it exists and is a symbolic link (to {os.readlink(path)}); the writer's temporary "
+            f"file is written in place and never through a link; allowed: remove {path.name}"
+        )
     if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
         kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
         raise FormatError(f"cannot write {path}: it exists and is {kind}; allowed: a new path or an existing file")
 
 
+def _check_free_space(path: Path, size: int, target: Path) -> None:
+    """FormatError (naming `target`) if the file system of `path` has fewer than `size` bytes free (checked before writing, so a
+    file too large for the disk is refused at once instead of failing part-way)."""
+    try:
+        info = os.statvfs(path)
+    except (AttributeError, OSError):  # no statvfs on this platform: the writes themselves will fail
+        return
+    free = info.f_bavail * info.f_frsize
+    if size > free:
+        raise FormatError(
+            f"cannot write {target}: its header implies "
+            f"{size} bytes ({size / 1e9:.3g} GB); the file system has {free} bytes ({free / 1e9:.3g} GB) free"
+        )
+
+
+def _segments(header: Header) -> list[tuple[str, int | None]]:
+    """(kind, tensors per layer, or None for one per-layer tensor without an index) of each kind in file order."""
+    if isinstance(header, HeaderV2):
+        return [(k, header.count(k) if header.is_matrix(k) else None) for k in header.kinds]
+    return [(k, None if k == "router" else header.num_experts) for k in KINDS]
+
+
+class TensorOrder(Sequence):
+    """The (kind, layer, expert) of every tensor of a file in order, computed on demand: a header's sizes can
+    imply billions of tensors (65535 layers × 65535 experts), which must not be listed in memory to be refused.
+    Supports len(), iteration, an integer index and `order[start:]`."""
+
+    def __init__(self, header: Header, start: int = 0):
+        self._segments = [(kind, count, header.num_layers * (count or 1)) for kind, count in _segments(header)]
+        self._total = sum(n for _, _, n in self._segments)
+        self._start = min(max(start, 0), self._total)
+
+    def __len__(self) -> int:
+        return self._total - self._start
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            if item.step not in (None, 1) or item.stop is not None:
+                return list(self)[item]
+            start = item.start or 0
+            return self._at(self._start + (start if start >= 0 else len(self) + start))
+        if not isinstance(item, int):
+            raise TypeError(f"TensorOrder index {item!r}; allowed: an int or a slice")
+        if item < 0:
+            item += len(self)
+        if not 0 <= item < len(self):
+            raise IndexError(item)
+        position = self._start + item
+        for kind, count, n in self._segments:
+            if position < n:
+                return (kind, position, None) if count is None else (kind, position // count, position % count)
+            position -= n
+        raise IndexError(item)  # unreachable: position < total
+
+    def __iter__(self):
+        skip = self._start
+        for kind, count, n in self._segments:
+            if skip >= n:
+                skip -= n
+                continue
+            for position in range(skip, n):
+                yield (kind, position, None) if count is None else (kind, position // count, position % count)
+            skip = 0
+
+    def _at(self, start: int) -> "TensorOrder":
+        other = object.__new__(TensorOrder)
+        other._segments, other._total = self._segments, self._total
+        other._start = min(max(start, 0), self._total)
+        return other
+
+
 def tensor_order(header: Header) -> Iterator[tuple[str, int, int | None]]:
     """(kind, layer, expert) of every tensor in file order (docs/format.md, "Data"; v2: the logical tensors in
     block order, a quantized matrix's scales and zero points written with it)."""
-    if isinstance(header, HeaderV2):
-        for kind in header.kinds:
-            for layer in range(header.num_layers):
-                if header.is_matrix(kind):
-                    for index in range(header.count(kind)):
-                        yield kind, layer, index
-                else:
-                    yield kind, layer, None
-        return
-    for kind in KINDS:
-        for layer in range(header.num_layers):
-            if kind == "router":
-                yield kind, layer, None
-            else:
-                for expert in range(header.num_experts):
-                    yield kind, layer, expert
+    return iter(TensorOrder(header))
 
 
 class ColibriWriter:
@@ -79,29 +142,41 @@ class ColibriWriter:
         self.path = Path(path)
         self.header = header
         self.clamp_fp16 = clamp_fp16
-        self._order = list(tensor_order(header))
+        self._order = TensorOrder(header)
         self._next = 0
         if not self.path.name or self.path.name in (".", ".."):
             raise FormatError(f"cannot write {self.path}: not a file path")
         self._file = None
         _refuse_non_regular(self.path)
         self._partial = self.path.with_name(self.path.name + ".partial")
-        _refuse_non_regular(self._partial)
+        _refuse_non_regular(self._partial, symlink=False)
         try:
-            self._file = open(self._partial, "wb")
+            # O_NOFOLLOW: a symlink placed at the temporary name after the check must not redirect the write.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+            self._file = os.fdopen(os.open(self._partial, flags, 0o666), "wb")
         except OSError as exc:
             raise FormatError(f"cannot write {self._partial}: {exc.strerror}") from exc
         self._v2 = isinstance(header, HeaderV2)
-        if self._v2:
-            # Every offset is known from the header: size the file once (zero-filled, so the padding between
-            # blocks is zero) and write each tensor, its scales and zero points at their own offsets.
-            self._file.write(header.pack_prefix())
-            self._file.truncate(header.file_size)
-        else:
-            self._file.write(header.pack())
+        try:
+            _check_free_space(self._partial, header.file_size, self.path)
+            if self._v2:
+                # Every offset is known from the header: size the file once (zero-filled, so the padding between
+                # blocks is zero) and write each tensor, its scales and zero points at their own offsets.
+                self._file.write(header.pack_prefix())
+                self._file.truncate(header.file_size)
+            else:
+                self._file.write(header.pack())
+        except (OSError, OverflowError, FormatError) as exc:
+            self.abort()
+            if isinstance(exc, FormatError):
+                raise
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise FormatError(
+                f"cannot write {self.path}: its header implies {header.file_size} bytes ({reason})"
+            ) from exc
 
-    def pending(self) -> list[tuple[str, int, int | None]]:
-        """The tensors still to write, in order."""
+    def pending(self) -> TensorOrder:
+        """The tensors still to write, in order: a sequence of (kind, layer, expert), computed on demand."""
         return self._order[self._next :]
 
     def write(self, kind: str, layer: int, expert: int | None, array: np.ndarray, *, name: str | None = None) -> None:
@@ -196,6 +271,21 @@ class ColibriWriter:
             raise FormatError(f"{label}: scales of dtype {scales.dtype}; allowed: a floating-point dtype")
         if not np.isfinite(scales).all():
             raise FormatError(f"{label}: {int((~np.isfinite(scales)).sum())} non-finite scales")
+        # |q - zero| reaches 128 / 8 (int8 / int4) without zero points, 255 / 15 with them: only a scale above
+        # float32 max / that bound can dequantize to Inf (docs/format.md, "Dequantization"); then look at the values.
+        lo, hi = QUANT_RANGE[h.quant]
+        span = hi - lo if h.zero_points else -lo
+        limit = float(np.finfo(np.float32).max) / span
+        if (np.abs(scales.astype(np.float64)) > limit).any():
+            with np.errstate(over="ignore", invalid="ignore"):
+                values = dataclasses.replace(t, scales=scales.astype(np.float32)).dequantize()
+            bad = int(np.count_nonzero(~np.isfinite(values)))
+            if bad:
+                raise FormatError(
+                    f"{label}: {bad} weights dequantize to Inf in float32 (max |scale| "
+                    f"{float(np.abs(scales.astype(np.float64)).max()):.4g}); allowed: |scale · (q − zero)| <= "
+                    f"float32 max"
+                )
         target = h.np_dtype
         with np.errstate(over="ignore"):
             stored = scales.astype(target)
