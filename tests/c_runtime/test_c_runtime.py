@@ -269,7 +269,7 @@ HOSTILE_MANIFESTS = {
     "unknown argument kind": (lambda m: m["launch"][0]["args"][0].update(kind="float"), "kind float; allowed"),
     "unknown buffer": (lambda m: m["launch"][1]["args"][0].update(name="nope"), "names buffer nope"),
     "weights offset outside": (lambda m: m["launch"][0]["args"][1].update(offset=1 << 40), "args[1].offset"),
-    "i32 out of range": (_add_i32_out_of_range, "args[5].value; allowed: an int32"),
+    "i32 out of range": (_add_i32_out_of_range, "].value; allowed: an int32"),
     "io buffer too small": (lambda m: m["buffers"].update(x0=4), "io_buffers.input is buffer x0 of 4 bytes"),
     "unknown symbol": (lambda m: m["launch"][0].update(symbol="colibri_nope"), "names colibri_nope"),
 }
