@@ -169,6 +169,9 @@ class ReferenceEngine:
     Args:
         model: a ColibriFile, or a path to one (opened with mmap; nothing is read eagerly).
         compute_dtype: np.float32 (default, the runtime's CPU backend) or np.float64 (tests).
+        check_overflow: raise InputError when a layer's output overflows (default). The runtime passes False: it
+            checks the output of the whole call once and raises NonFiniteOutputError with the position and the
+            first non-finite layer (colibri_sdk.runtime.Runtime.infer).
 
     Usage::
 
@@ -177,13 +180,14 @@ class ReferenceEngine:
 
     Raises:
         InputError: wrong rank, hidden size or dtype, or non-finite input; a layer whose output overflows the
-            compute dtype (finite input and weights, but too large for float32).
+            compute dtype (finite input and weights, but too large for float32), unless check_overflow is False.
         FormatError: a tensor of the file that holds NaN or Inf (a router, a float expert matrix, the scales of a
             quantized one, a bias, the shared gate), found when a forward pass first uses it (the writer never
             writes one, so the file was corrupted or written by something else).
     """
 
-    def __init__(self, model: ColibriFile | str | os.PathLike, compute_dtype=np.float32):
+    def __init__(self, model: ColibriFile | str | os.PathLike, compute_dtype=np.float32, check_overflow: bool = True):
+        self.check_overflow = check_overflow
         self.file = model if isinstance(model, ColibriFile) else ColibriFile(model)
         self.header: Header = self.file.header
         try:
@@ -255,7 +259,8 @@ class ReferenceEngine:
             if residual:
                 with np.errstate(over="ignore"):
                     h = h + y
-                _check_overflow(h, layer, "the residual sum")
+                if self.check_overflow:
+                    _check_overflow(h, layer, "the residual sum")
             else:
                 h = y
         return h
@@ -327,7 +332,8 @@ class ReferenceEngine:
                 out[tokens] += weights[tokens, slots][:, None] * y
             if self.v2 and self.header.num_shared_experts:
                 out += self.shared(layer, x)
-        _check_overflow(out, layer, "the output")
+        if self.check_overflow:
+            _check_overflow(out, layer, "the output")
         return out
 
     def close(self) -> None:

@@ -122,7 +122,7 @@ def device_wheels(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wheels")
     from importlib.metadata import version
 
-    pins = [f"numpy=={version('numpy')}", "cuda-bindings>=12,<13"]
+    pins = [f"numpy=={version('numpy')}", f"threadpoolctl=={version('threadpoolctl')}", "cuda-bindings>=12,<13"]
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(folder),
                            "--disable-pip-version-check", *pins], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
@@ -140,10 +140,14 @@ def test_missing_wheels_are_named_with_the_pip_download_command(tmp_path, target
         installer.install_runtime(target, options, empty)
     text = str(info.value)
     assert f"no wheel for the device ({platform.machine()}, CPython {sys.version_info[0]}.{sys.version_info[1]}" in text
-    assert "of: numpy>=1.22, cuda-bindings<13,>=12 (looked in --wheels " in text
-    assert ("Fetch them on a machine with an index: pip download --only-binary=:all: --platform=manylinux_2_"
-            in text and f"-d {empty} 'numpy>=1.22' 'cuda-bindings<13,>=12' ; then run again with --wheels {empty}"
-            in text)
+    # every device requirement of the package (pyproject: dependencies + the jetson extra), in the message and in
+    # the pip download command that fetches it
+    wanted = ("numpy>=1.22", "threadpoolctl>=3.1", "cuda-bindings<13,>=12")
+    named = text.split(" of: ", 1)[1].split(" (looked in --wheels ", 1)[0]
+    assert sorted(named.split(", ")) == sorted(wanted), text
+    assert "Fetch them on a machine with an index: pip download --only-binary=:all: --platform=manylinux_2_" in text
+    command = text.split(f"-d {empty} ", 1)[1].split(f" ; then run again with --wheels {empty}", 1)[0]
+    assert sorted(command.split(" ")) == sorted(f"'{w}'" for w in wanted), text
     assert not (tmp_path / "device" / "venv").exists()
 
 

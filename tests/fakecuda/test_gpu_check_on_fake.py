@@ -74,16 +74,21 @@ def test_a_failed_measurement_is_recorded_and_the_phase_goes_on(check_run):
 
 def test_layer_on_every_path_with_per_kernel_times(check_run):
     _, _, lines = check_run
-    forward = [l for l in lines if l["phase"] == "layer" and l["name"] == "forward"]
+    every = [l for l in lines if l["phase"] == "layer" and l["name"] == "forward"]
+    forward = [l for l in every if l["tokens"] == l["shape_tokens"]]
     assert {l["path"] for l in forward} == {"gemv", "tiled"}, forward
     assert sum(l["default_path"] for l in forward) == 1
+    # the plan has a valid_tokens buffer, so one valid token in a padded shape is measured too, on the default path
+    padded = [l for l in every if l["tokens"] != l["shape_tokens"]]
+    assert len(padded) == 1 and padded[0]["tokens"] == 1 and padded[0]["shape_tokens"] > 1, padded
+    assert padded[0]["default_path"] and padded[0]["status"] == "ok", padded
     for f in forward:
         assert f["status"] == "ok" and f["output_finite"] is True, f
         assert f["graph_median_us"] > 0 and f["eager_median_us"] > 0 and f["selected_bytes"] > 0
         # the experts chosen by the host routing are those the routing kernel wrote
         assert f["selected_experts"] == f["device_selected_experts"], f
         kernels = [l for l in lines if l["phase"] == "layer" and l["name"] == "kernel" and l["path"] == f["path"]
-                   and l["tokens"] == f["tokens"]]
+                   and l["tokens"] == f["tokens"] and l["shape_tokens"] == f["shape_tokens"]]
         assert [k["index"] for k in kernels] == list(range(f["launches"]))
         assert all(k["median_us"] > 0 for k in kernels)
     stack = [l for l in lines if l["phase"] == "layers" and l["name"] == "forward"]
