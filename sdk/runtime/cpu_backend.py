@@ -12,6 +12,9 @@ import numpy as np
 
 from ..errors import BackendError
 from ..reference import ReferenceEngine
+from ..format.constants import COMPOSITION_RESIDUAL
+from .scratch_engine import ScratchEngine
+from .scratch_engine import supports as scratch_supports
 
 
 class CpuBackend:
@@ -34,6 +37,9 @@ class CpuBackend:
         self._file = bundle.open_weights()
         self._engine = ReferenceEngine(self._file, compute_dtype=np.float32)
         self.hidden_size = self._file.header.hidden_size
+        self.num_layers = self._file.header.num_layers
+        rows = int(np.prod(self.shape))
+        self._scratch = ScratchEngine(self._file, rows) if scratch_supports(self._file.header) else None
 
     def infer_padded(self, x: np.ndarray) -> np.ndarray:
         """One forward pass at the fixed shape.
@@ -53,9 +59,35 @@ class CpuBackend:
         # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
         return self._engine.run(x.reshape(-1, self.hidden_size)).reshape(x.shape)
 
+    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+        """Layers start..stop-1 (composed as the model composes them) into the caller's buffer.
+
+        Args:
+            x: float32, C-contiguous, (batch, tokens, hidden) at the fixed shape (validated by Runtime).
+            out: float32, C-contiguous, x's shape; overwritten. With preallocated scratch (`scratch_engine`) this
+                allocates no activation- or weight-sized array; other formats run the reference engine.
+            start, stop: 0 <= start < stop <= num_layers (validated by Runtime).
+
+        Raises:
+            BackendError: the backend is closed.
+        """
+        if self._engine is None:
+            raise BackendError("the CPU backend is closed; load the bundle again")
+        flat_x, flat_out = x.reshape(-1, self.hidden_size), out.reshape(-1, self.hidden_size)
+        if self._scratch is not None:
+            self._scratch.run_into(flat_x, flat_out, start, stop)
+            return
+        residual = self._file.header.composition == COMPOSITION_RESIDUAL
+        h = flat_x
+        for layer in range(start, stop):
+            y = self._engine.layer(layer, h)
+            h = h + y if residual else y
+        np.copyto(flat_out, h)
+
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
             self._file = None
+            self._scratch = None

@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 
 from ..errors import BackendError, BundleError, InputError
+from .stats import RuntimeStats, StatsRecorder
 
 BACKENDS = ("auto", "cuda", "cpu")
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -186,7 +187,11 @@ class Runtime:
         self.notice = notice
         self.load_seconds = 0.0
         self._lock = threading.Lock()
+        self.num_layers: int = int(header["num_layers"])
         self._staging = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
+        self._result = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
+        self._finite = np.zeros(self.shape + (self.hidden_size,), dtype=bool)
+        self._stats = StatsRecorder(self.shape)
         self._written = (0, 0)  # the (batch, tokens) corner of _staging the last call wrote
         self._finalizer = weakref.finalize(self, backend.close)
 
@@ -224,40 +229,136 @@ class Runtime:
         return runtime
 
     # ---- running --------------------------------------------------------------------------------------------
-    def infer(self, x: np.ndarray, input_lengths=None) -> np.ndarray:
+    def infer(self, x, input_lengths=None, out=None, stream=None):
         """Run the model on one input.
 
         Args:
             x: float32 or float16, C-contiguous, finite at the valid positions; (batch, tokens, hidden) with
                 1 <= batch <= the fixed batch and 1 <= tokens <= the fixed tokens, or (tokens, hidden) for one
-                sequence.
+                sequence. On the CUDA backend also a device array exposing `__cuda_array_interface__` (CuPy,
+                PyTorch; float32, C-contiguous), read on `stream` with no host round trip (docs/runtime-cuda.md).
             input_lengths: optional ints, shape (batch,) — or one int for a (tokens, hidden) input: each sequence's
                 length, 0..tokens. Positions at or past a sequence's length are ignored in the input (their
                 values may be anything) and are zero in the output.
+            out: optional float32 C-contiguous writable array of x's shape (a device array when x is one): the
+                output is written there and `out` is returned. On the CPU backend such a call allocates no
+                activation-sized memory (docs/runtime.md, "Bring your own memory").
+            stream: device I/O only — the caller's CUDA stream (an int handle, a CUstream, or an object with
+                `cuda_stream` / `ptr` / `handle`, as torch.cuda.Stream and cupy.cuda.Stream); the copies and
+                launches are enqueued on it and the call returns without synchronising. None: the legacy default
+                stream, synchronised before returning.
 
         Returns:
-            float32 array of x's shape, owned by the caller.
+            float32 array of x's shape: `out`, or a new array owned by the caller.
 
         Raises:
-            InputError: not a NumPy array; dtype other than float32/float16; wrong rank or hidden size; batch or
-                tokens above the fixed shape (or zero); non-contiguous; NaN/Inf at a valid position; lengths of
-                the wrong shape or type, negative, or above the input's tokens.
-            BackendError: the runtime is closed.
+            InputError: not a NumPy array (or device array on CUDA); dtype other than float32/float16; wrong rank or
+                hidden size; batch or tokens above the fixed shape (or zero); non-contiguous; NaN/Inf at a valid
+                position; lengths of the wrong shape or type, negative, or above the input's tokens; `out` of the
+                wrong type, dtype, shape or layout.
+            BackendError: the runtime is closed; a device array on the CPU backend.
         """
+        return self._call(x, input_lengths, out, 0, self.num_layers, stream)
+
+    def layer(self, index: int, x, input_lengths=None, out=None, stream=None):
+        """Run MoE layer `index` alone: x_{index+1} from x_index, composed as the model composes its layers
+        (sequential: the block's output; residual: x + the block's output — docs/format.md, "Semantics").
+
+        Args and returns as `infer`; index: 0..num_layers-1.
+
+        Raises:
+            InputError: as `infer`, or an index outside 0..num_layers-1.
+        """
+        index = self._check_layer_index(index, "layer", self.num_layers - 1)
+        return self._call(x, input_lengths, out, index, index + 1, stream)
+
+    def layers(self, start: int, stop: int, x, input_lengths=None, out=None, stream=None):
+        """Run layers start..stop-1 (Python range semantics, start < stop) on x; `layers(0, num_layers, x)` equals
+        `infer(x)`. Args and returns as `infer`.
+
+        Raises:
+            InputError: as `infer`, or start/stop outside 0 <= start < stop <= num_layers.
+        """
+        start = self._check_layer_index(start, "start", self.num_layers - 1)
+        stop = self._check_layer_index(stop, "stop", self.num_layers)
+        if stop <= start:
+            raise InputError(f"layer range {start}..{stop}; allowed: start < stop <= {self.num_layers}")
+        return self._call(x, input_lengths, out, start, stop, stream)
+
+    def _check_layer_index(self, value, name: str, top: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= top:
+            raise InputError(f"{name} {value!r}; allowed: an int 0..{top} (the model has {self.num_layers} layers)")
+        return int(value)
+
+    def stats(self) -> "RuntimeStats":
+        """Latency percentiles and counts of the calls so far (docs/runtime.md, "Stats")."""
+        with self._lock:
+            return self._stats.snapshot()
+
+    def _call(self, x, input_lengths, out, start: int, stop: int, stream):
+        if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__"):
+            return self._call_device(x, input_lengths, out, start, stop, stream)
+        if stream is not None:
+            raise InputError("stream is for device arrays (__cuda_array_interface__); a NumPy input takes none")
         with self._lock:
             if not self._finalizer.alive:
                 raise BackendError("this Runtime is closed; load the bundle again")
+            began = time.perf_counter()
             x3, lengths = self._check_input(x, input_lengths)
+            out3 = self._check_out(out, x) if out is not None else None
             batch, tokens, _ = x3.shape
             padded = self._pad(x3, lengths)
-            y = self._backend.infer_padded(padded)
-            # infer_padded returns a new float32 array: an input of the fixed shape takes it as it is, a smaller
-            # one copies its corner.
-            out = np.ascontiguousarray(y[:batch, :tokens], dtype=np.float32)
-        if lengths is not None:
-            for b, n in enumerate(lengths):
-                out[b, n:] = 0.0
-        return out.reshape(np.shape(x))
+            result = self._result
+            if hasattr(self._backend, "run_layers"):
+                self._backend.run_layers(padded, result, start, stop)
+            else:  # a backend of the one-call contract (whole model only)
+                np.copyto(result, self._backend.infer_padded(padded))
+            if out3 is None:
+                out3 = np.empty((batch, tokens, self.hidden_size), dtype=np.float32)
+            np.copyto(out3, result[:batch, :tokens])
+            if lengths is not None:
+                for b, n in enumerate(lengths):
+                    out3[b, n:] = 0.0
+            self._stats.record(time.perf_counter() - began, (batch, tokens), getattr(self._backend, "last_dropped", 0))
+        return out if out is not None else out3.reshape(np.shape(x))
+
+    def _check_out(self, out, x) -> np.ndarray:
+        """Validate a caller's output array; return it as (batch, tokens, hidden)."""
+        if not isinstance(out, np.ndarray):
+            raise InputError(f"out is a {type(out).__name__}; expected a numpy.ndarray of shape {x.shape}, float32")
+        if out.dtype != np.float32:
+            raise InputError(f"out dtype {out.dtype}; allowed: float32")
+        if out.shape != x.shape:
+            raise InputError(f"out shape {out.shape}; expected the input's shape {x.shape}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise InputError(f"out must be C-contiguous and writable (strides {out.strides}, writeable "
+                             f"{out.flags.writeable})")
+        return out if out.ndim == 3 else out[None]
+
+    def _call_device(self, x, input_lengths, out, start: int, stop: int, stream):
+        from .device_io import device_view, stream_handle
+
+        if input_lengths is not None:
+            raise InputError("input_lengths is for NumPy inputs; a device input is all valid positions")
+        if not hasattr(self._backend, "run_device"):
+            raise BackendError(
+                f"a device array (__cuda_array_interface__) needs the cuda backend; this runtime runs on "
+                f"{self.backend_name}: pass a NumPy array"
+            )
+        src = device_view(x, "input", self.shape, self.hidden_size)
+        if out is None:
+            raise InputError("a device input needs out= (a device array of the input's shape, float32)")
+        dst = device_view(out, "out", self.shape, self.hidden_size)
+        if dst.shape != src.shape:
+            raise InputError(f"out shape {dst.shape}; expected the input's shape {src.shape}")
+        handle = stream_handle(stream)
+        with self._lock:
+            if not self._finalizer.alive:
+                raise BackendError("this Runtime is closed; load the bundle again")
+            began = time.perf_counter()
+            self._backend.run_device(src.ptr, dst.ptr, src.batch, src.tokens, start, stop, handle)
+            self._stats.record(time.perf_counter() - began, (src.batch, src.tokens), 0)
+        return out
 
     def _check_input(self, x, input_lengths):
         """Validate x and input_lengths; return x as (batch, tokens, hidden) and lengths (batch,) or None."""
@@ -334,7 +435,8 @@ class Runtime:
             for b, n in enumerate(lengths):
                 staging[b, :n] = x3[b, :n]
         corner = staging[:batch, :tokens]
-        if not np.isfinite(corner).all():
+        finite = np.isfinite(corner, out=self._finite[:batch, :tokens])  # no allocation per call
+        if not finite.all():
             bad = np.argwhere(~np.isfinite(corner).all(axis=-1))
             b, t = (int(v) for v in bad[0])
             raise InputError(
