@@ -131,6 +131,7 @@ SCHEMA: dict = {
     "kernels": _kernel_schema(),
     "aggregation": _choice(AGGREGATIONS),
     "allow_spills": Leaf((bool,), allowed="true or false"),
+    "streams": _int(1, 64, "calls Runtime.submit keeps in flight (default 1)", required=False),
 }
 
 

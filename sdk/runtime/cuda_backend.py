@@ -394,6 +394,18 @@ class CudaBackend:
                 check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0),
                       "cuLaunchKernel")
 
+    def _write_valid_tokens(self, stream, batch: int, tokens: int) -> None:
+        """Where the launch plan has a `valid_tokens` buffer (`catalog.io_buffers`): rows below `batch` hold
+        `tokens` valid tokens, the others none — written on `stream` before a sub-range's or a device call's
+        launches, which do not run the whole-model input copy."""
+        name = self._io.get("valid_tokens")
+        if name not in self._buffers:
+            return
+        cu, fixed_batch = self._cu, self.shape[0]
+        ptr = self._buffers[name]
+        check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr), 0, fixed_batch, stream), "cuMemsetD32Async")
+        check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr), int(tokens), int(batch), stream), "cuMemsetD32Async")
+
     def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
         """Layers start..stop-1 on a host input at the fixed shape, into `out` (the Runtime's contract).
 
@@ -421,6 +433,7 @@ class CudaBackend:
                 src, dst = self._buffers[f"x{start % 2}"], self._buffers[f"x{stop % 2}"]
                 check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(src), self._in_ptr, self._io_bytes, res.stream),
                       "cuMemcpyHtoDAsync")
+                self._write_valid_tokens(res.stream, *self.shape)
                 self._enqueue_layers(start, stop, res.stream)
                 check(cu.cuMemcpyDtoHAsync(self._out_ptr, cu.CUdeviceptr(dst), self._io_bytes, res.stream),
                       "cuMemcpyDtoHAsync")
@@ -457,6 +470,7 @@ class CudaBackend:
             for b, n in spans:
                 check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(x_in + b * fixed_tokens * row),
                                            cu.CUdeviceptr(src + b * tokens * row), n, s), "cuMemcpyDtoDAsync")
+            self._write_valid_tokens(s, batch, tokens)
             self._enqueue_layers(start, stop, s)
             for b, n in spans:
                 check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(dst + b * tokens * row),

@@ -176,7 +176,7 @@ class Runtime:
     same calls one after another.
     """
 
-    def __init__(self, bundle, backend, notice: str | None = None):
+    def __init__(self, bundle, backend, notice: str | None = None, streams: int | None = None):
         self.bundle = bundle
         self._backend = backend
         self.backend_name: str = backend.name
@@ -192,11 +192,16 @@ class Runtime:
         self._result = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
         self._finite = np.zeros(self.shape + (self.hidden_size,), dtype=bool)
         self._stats = StatsRecorder(self.shape)
+        from .pipeline import check_depth
+
+        self.streams: int = check_depth(streams if streams is not None else bundle.manifest["profile"].get("streams", 1))
+        self._pipeline = None
         self._written = (0, 0)  # the (batch, tokens) corner of _staging the last call wrote
         self._finalizer = weakref.finalize(self, backend.close)
 
     @classmethod
-    def load(cls, bundle_dir: str | os.PathLike, backend: str = "auto", eager: bool = False, verify: bool = True):
+    def load(cls, bundle_dir: str | os.PathLike, backend: str = "auto", eager: bool = False, verify: bool = True,
+             streams: int | None = None):
         """Open a bundle and prepare a backend.
 
         Args:
@@ -207,6 +212,7 @@ class Runtime:
             verify: check every file's size and SHA-256 against the manifest first. This reads every byte of
                 the weights once; pass False for a fast start of a bundle already checked with
                 `colibri-sdk verify`.
+            streams: calls `submit` keeps in flight, 1..64; None: the profile's `streams` (default 1).
 
         Raises:
             BundleError: missing or tampered files, unknown schema.
@@ -221,7 +227,7 @@ class Runtime:
         if notice:
             print(notice, file=sys.stderr)
         try:
-            runtime = cls(bundle, engine, notice)
+            runtime = cls(bundle, engine, notice, streams)
         except BaseException:
             engine.close()
             raise
@@ -284,6 +290,36 @@ class Runtime:
         if stop <= start:
             raise InputError(f"layer range {start}..{stop}; allowed: start < stop <= {self.num_layers}")
         return self._call(x, input_lengths, out, start, stop, stream)
+
+    def submit(self, x, input_lengths=None, out=None, timeout: float | None = None):
+        """Queue one `infer` call; returns a concurrent.futures.Future of its result (docs/runtime.md, "Pipelined
+        calls").
+
+        x is validated and copied into one of `streams` slots before submit returns, so the caller may reuse it.
+        At most `streams` calls are queued or running: a further submit waits for the oldest to finish (or raises
+        TimeoutError after `timeout` seconds). Calls run in submission order; each result equals `infer(x)`.
+
+        Args:
+            x, input_lengths, out: as `infer` (NumPy arrays only). With `out`, the future's result is `out`, which
+                must not be read before the future is done.
+            timeout: seconds to wait for a free slot; None waits.
+
+        Returns:
+            concurrent.futures.Future resolving to the output (float32, x's shape) or to the call's error.
+
+        Raises:
+            InputError: as `infer`, raised by submit itself. BackendError: the runtime is closed.
+            TimeoutError: no slot became free within `timeout`.
+        """
+        from .pipeline import Pipeline
+
+        if not self._finalizer.alive:
+            raise BackendError("this Runtime is closed; load the bundle again")
+        if self._pipeline is None:
+            with self._lock:
+                if self._pipeline is None:
+                    self._pipeline = Pipeline(self, self.streams)
+        return self._pipeline.submit(x, input_lengths, out, timeout)
 
     def _check_layer_index(self, value, name: str, top: int) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= top:
@@ -463,7 +499,10 @@ class Runtime:
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the backend (device memory, graph, weight mapping). Safe to call more than once."""
+        """Release the backend (device memory, graph, weight mapping). Safe to call more than once. Calls queued by
+        `submit` run first."""
+        if self._pipeline is not None:
+            self._pipeline.close()
         with self._lock:
             self._finalizer()
 

@@ -32,8 +32,10 @@ class Dev:  # a device array as CuPy / PyTorch expose it
         self.__cuda_array_interface__ = {{"shape": shape, "typestr": "<f4", "data": (int(ptr), False),
                                           "strides": None, "version": 3}}
 x = np.random.default_rng(11).standard_normal((1, {tokens}, {hidden})).astype(np.float32)
-with Runtime.load({bundle!r}, backend="cuda") as rt:
+with Runtime.load({bundle!r}, backend="cuda", streams=2) as rt:
     whole = rt.infer(x)
+    futures = [rt.submit(x[:, :t]) for t in (4, 2, 4, 3)]
+    submitted = [f.result(timeout=60).tolist() for f in futures]
     out = np.full_like(x, np.nan)
     same = rt.infer(x, out=out) is out
     layer0 = rt.layer(0, x)
@@ -70,7 +72,7 @@ with Runtime.load({bundle!r}, backend="cuda") as rt:
     check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
 emit(whole=whole.tolist(), same=same, out=out.tolist(), layer0=layer0.tolist(), chained=chained.tolist(),
      ranged=ranged.tolist(), small=small.tolist(), dev_whole=dev_whole.tolist(), dev_small=dev_small.tolist(),
-     returned=returned, errors=errors, stats=stats)
+     returned=returned, errors=errors, stats=stats, submitted=submitted)
 """
 
 
@@ -90,7 +92,7 @@ def close(actual, expected):
     np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=1e-3, atol=1e-3 * scale)
 
 
-def test_layers_out_and_device_arrays_on_the_fake_driver(run_fake, tiny_bundle, reference_output):
+def test_layers_out_submit_and_device_arrays_on_the_fake_driver(run_fake, tiny_bundle, reference_output):
     x, expected = reference_output
     expected = expected.reshape(x.shape)
     run = run_fake(CODE.format(bundle=str(tiny_bundle), tokens=TOKENS, hidden=HIDDEN))
@@ -124,4 +126,6 @@ def test_layers_out_and_device_arrays_on_the_fake_driver(run_fake, tiny_bundle, 
         "InputError: layer 2; allowed: an int 0..1 (the model has 2 layers)",
         "InputError: out dtype float64; allowed: float32",
     ]
-    assert r["stats"]["calls"] == 9 and r["stats"]["shape"] == [1, TOKENS]
+    for t, got in zip((4, 2, 4, 3), r["submitted"]):
+        assert got == r["whole"] if t == 4 else np.allclose(got, np.asarray(r["whole"])[:, :t], rtol=1e-5, atol=1e-6)
+    assert r["stats"]["calls"] == 13 and r["stats"]["shape"] == [1, TOKENS]
