@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,3 +64,29 @@ def test_the_queue_is_bounded_and_errors_are_typed(small_bundle):
     with pytest.raises(InputError) as info:
         Runtime.load(small_bundle, backend="cpu", streams=0)
     assert str(info.value) == "streams 0; allowed: an int 1..64 (calls in flight)"
+
+
+def test_streams_from_the_profile(tmp_path, small_bundle):
+    import copy
+    import json
+    import shutil
+
+    from runtime_bundles import write_manifest
+
+    from colibri_sdk.errors import ProfileError
+    from colibri_sdk.profile import Profile, load_profile
+
+    data = copy.deepcopy(load_profile("orin", toolchain=False).data)
+    data["streams"] = 4
+    assert Profile.from_dict(data, "p.yaml", toolchain=False).data["streams"] == 4
+    data["streams"] = 0
+    with pytest.raises(ProfileError, match=r"p.yaml: streams = 0; allowed: an integer in 1..64"):
+        Profile.from_dict(data, "p.yaml", toolchain=False)
+    folder = Path(shutil.copytree(small_bundle, tmp_path / "b"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["profile"]["streams"] = 3
+    write_manifest(folder, manifest)
+    with Runtime.load(folder, backend="cpu") as rt:
+        assert rt.streams == 3
+    with Runtime.load(folder, backend="cpu", streams=2) as rt:
+        assert rt.streams == 2
