@@ -131,6 +131,8 @@ SCHEMA: dict = {
     "kernels": _kernel_schema(),
     "aggregation": _choice(AGGREGATIONS),
     "allow_spills": Leaf((bool,), allowed="true or false"),
+    "top_k": _int(1, 256, "experts per token in place of the model's own k (docs/build.md, \"Top-k override\")",
+                  required=False),
     "streams": _int(1, 64, "calls Runtime.submit keeps in flight (default 1)", required=False),
 }
 

@@ -33,6 +33,7 @@ from ..format.constants import COMPOSITION_RESIDUAL, DTYPE_CODES
 from ..format.writer import tensor_order
 from ..aot.kernels import CompiledKernel, compile_catalog
 from ..aot.nvrtc import nvrtc_version
+from .top_k import apply_top_k
 
 WEIGHTS_FILE = "model.colibri"
 SELFTEST_SEED = 20261130
@@ -174,9 +175,13 @@ def _kernel_entry(k: CompiledKernel, arch: str) -> dict:
 
 
 def make_manifest(
-    profile, header: Header, kernels: list[CompiledKernel], plan: list[dict], root: Path, selftest: dict
+    profile, header: Header, kernels: list[CompiledKernel], plan: list[dict], root: Path, selftest: dict,
+    model_top_k: int | None = None,
 ) -> dict:
-    """The manifest for the files already written under `root` (everything except manifest.json)."""
+    """The manifest for the files already written under `root` (everything except manifest.json).
+
+    `model_top_k`: the source model's own k, recorded as `weights.model_top_k` (differs from the header's top_k
+    under a top-k override, sdk/bundle/top_k.py)."""
     major, minor = nvrtc_version()
     pdict = profile.to_dict()
     files = []
@@ -195,7 +200,8 @@ def make_manifest(
         "shape": dict(pdict["shape"]),
         "aggregation": profile.aggregation,
         "profile": pdict,
-        "weights": {"file": WEIGHTS_FILE, "header": dataclasses.asdict(header)},
+        "weights": {"file": WEIGHTS_FILE, "header": dataclasses.asdict(header),
+                    "model_top_k": header.top_k if model_top_k is None else int(model_top_k)},
         "kernels": [_kernel_entry(k, profile.arch) for k in kernels],
         "launch": plan,
         "selftest": selftest,
@@ -220,6 +226,8 @@ def _write_contents(root: Path, profile, weights: Path | None, kernel_dir: Path 
             header = written.header
     else:
         header = prepare_weights(Path(weights), profile.dtype, target)
+    model_top_k = header.top_k
+    header = apply_top_k(target, header, profile.to_dict().get("top_k"), profile.source)
     kernels = compile_catalog(profile, header, kernel_dir, workers=workers)
     plan = catalog.launch_plan(profile.to_dict(), header)
     check_launch_plan(plan, kernels, profile)
@@ -234,7 +242,7 @@ def _write_contents(root: Path, profile, weights: Path | None, kernel_dir: Path 
     rtol, atol = SELFTEST_TOLERANCE[profile.dtype]
     selftest = {"input": "selftest/input.npy", "output": "selftest/output.npy", "rtol": rtol, "atol": atol,
                 "seed": seed}
-    manifest = make_manifest(profile, header, kernels, plan, root, selftest)
+    manifest = make_manifest(profile, header, kernels, plan, root, selftest, model_top_k)
     (root / MANIFEST).write_bytes(canonical_json(manifest))
     return manifest, kernels
 

@@ -16,6 +16,8 @@ def register(sub) -> None:
     p.add_argument("--weights", help="a .colibri file (default: the embedded demo model)")
     p.add_argument("-o", "--output", help="the bundle folder (default: bundles/<profile>)")
     p.add_argument("--archive", action="store_true", help="also write <output>.tar (reproducible)")
+    p.add_argument("--top-k", type=int, metavar="K",
+                   help="experts per token in place of the model's own k (recorded in the manifest; docs/build.md)")
     # --kernels DIR: compile the kernel sources of another folder (kernel development); not in --help.
     p.add_argument("--kernels", metavar="DIR", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -28,6 +30,10 @@ def run(args) -> int:
 
     start = time.perf_counter()
     profile = load_profile(args.profile)
+    if args.top_k is not None:
+        from ..profile import Profile
+
+        profile = Profile.from_dict({**profile.to_dict(), "top_k": args.top_k}, profile.source)
     out = Path(args.output) if args.output else Path("bundles") / profile.stem
     result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive)
     m = result.manifest
@@ -42,6 +48,8 @@ def run(args) -> int:
         f"({h['num_layers']} layers x {h['num_experts']} experts, top-{h['top_k']}, hidden {h['hidden_size']}, "
         f"intermediate {h['intermediate_size']})"
     )
+    if m["weights"].get("model_top_k", h["top_k"]) != h["top_k"]:
+        print(f"  top-k override: {h['top_k']} experts per token (the model's own k is {m['weights']['model_top_k']})")
     print(format_resources(m["kernels"]))
     total = sum(f["size"] for f in m["files"])
     print(f"  {len(m['files'])} files + manifest, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass")

@@ -63,6 +63,9 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
         ("min driver", f"CUDA {format_driver_version(m['min_driver'])} ({m['min_driver']})"),
         ("launches", info["launches"]),
     ]
+    model_k, k = m["weights"].get("model_top_k"), m["weights"]["header"].get("top_k")
+    if model_k is not None and model_k != k:
+        rows.append(("top-k", f"{k} (override; the model's own k is {model_k})"))
     for key, value in rows:
         print(f"  {key:<14} {value}")
     try:

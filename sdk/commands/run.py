@@ -105,6 +105,8 @@ def run(args) -> int:
         mode = {"cpu": "NumPy"}.get(rt.backend_name, "eager launches" if args.eager else "CUDA Graph replay")
         print(f"bundle   {rt.bundle.path}  ({rt.dtype}, batch {batch} x tokens {tokens}, hidden {rt.hidden_size})")
         print(f"backend  {rt.backend_name} ({mode})")
+        if rt.top_k != rt.model_top_k:
+            print(f"top-k    {rt.top_k} (build override; the model's own k is {rt.model_top_k})")
         print(f"load     {rt.load_seconds * 1e3:.1f} ms" + ("" if args.no_verify else " (with checksums)"))
         print(f"input    {source}  {x.dtype} {tuple(x.shape)}" + (f"  lengths {args.lengths}" if args.lengths else ""))
         stats = latency_ms(times)
@@ -138,6 +140,8 @@ def run_report(rt, args, source: str, x, first: float, times: list[float]) -> di
         "dtype": rt.dtype,
         "shape": {"batch": batch, "tokens": tokens},
         "hidden_size": rt.hidden_size,
+        "top_k": rt.top_k,
+        "model_top_k": rt.model_top_k,
         "backend": rt.backend_name,
         "eager": bool(args.eager),
         "load_ms": rt.load_seconds * 1e3,

@@ -169,6 +169,10 @@ class Runtime:
         shape: the fixed (batch, tokens) the bundle was built for.
         hidden_size: the model's hidden size.
         dtype: the bundle's weight dtype, "fp16" | "fp32".
+        num_layers: the model's MoE layers (`layer`, `layers`).
+        top_k, model_top_k: experts per token the bundle routes to, and the model's own k (they differ under a
+            build's top-k override, docs/build.md).
+        streams: calls `submit` keeps in flight.
         notice: None, or the one line printed when backend="auto" fell back to the CPU.
         load_seconds: wall time of `load`, in seconds.
 
@@ -188,6 +192,8 @@ class Runtime:
         self.load_seconds = 0.0
         self._lock = threading.Lock()
         self.num_layers: int = int(header["num_layers"])
+        self.top_k: int = int(header["top_k"])  # experts per token the bundle routes to
+        self.model_top_k: int = int(bundle.manifest["weights"].get("model_top_k", self.top_k))  # the model's own k
         self._staging = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
         self._result = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
         self._finite = np.zeros(self.shape + (self.hidden_size,), dtype=bool)
