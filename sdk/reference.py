@@ -73,8 +73,11 @@ class ReferenceEngine:
         InputError: wrong rank, hidden size or dtype, or non-finite input.
     """
 
-    def __init__(self, model: ColibriFile | str | os.PathLike, compute_dtype=np.float32):
+    def __init__(self, model: ColibriFile | str | os.PathLike, compute_dtype=np.float32, capacity=None):
         self.file = model if isinstance(model, ColibriFile) else ColibriFile(model)
+        # Expert capacity (colibri_sdk.capacity.Capacity, None = dropless): `valid` (tokens,) bool marks the rows
+        # that are real tokens; `dropped` counts the pairs dropped since the last `run`.
+        self.capacity, self.valid, self.dropped = capacity, None, 0
         self.header: Header = self.file.header
         self.compute_dtype = np.dtype(compute_dtype)
         if self.compute_dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
@@ -118,6 +121,7 @@ class ReferenceEngine:
             (tokens, hidden) in the compute dtype, a new array.
         """
         residual = self.header.composition == COMPOSITION_RESIDUAL
+        self.dropped = 0
         for layer in range(self.header.num_layers):
             y = self.layer(layer, h)
             h = h + y if residual else y
@@ -132,9 +136,14 @@ class ReferenceEngine:
     def layer(self, layer: int, x: np.ndarray) -> np.ndarray:
         """One MoE layer on x (tokens, hidden) in the compute dtype → (tokens, hidden)."""
         indices, weights = self.route(layer, x)
+        if self.capacity is not None:
+            from .capacity import apply_capacity
+
+            indices, dropped = apply_capacity(indices, weights, self.header.num_experts, self.capacity, self.valid)
+            self.dropped += dropped
         out = np.zeros_like(x)
         dt = self.compute_dtype
-        for expert in np.unique(indices):
+        for expert in np.unique(indices[indices >= 0]):
             tokens, slots = np.nonzero(indices == expert)
             xs = x[tokens]
             gate = self.file.tensor("gate_proj", layer, int(expert)).astype(dt, copy=False)

@@ -66,6 +66,9 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     model_k, k = m["weights"].get("model_top_k"), m["weights"]["header"].get("top_k")
     if model_k is not None and model_k != k:
         rows.append(("top-k", f"{k} (override; the model's own k is {model_k})"))
+    cap = m["profile"].get("capacity")
+    rows.append(("capacity", "dropless" if not cap else
+                 f"factor {cap['factor']:g}, {cap.get('mode', 'hard')}, policy {cap.get('policy', 'score')}"))
     for key, value in rows:
         print(f"  {key:<14} {value}")
     try:

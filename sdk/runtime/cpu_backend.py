@@ -14,6 +14,7 @@ from ..errors import BackendError
 from ..reference import ReferenceEngine
 from ..format.constants import COMPOSITION_RESIDUAL
 from .scratch_engine import ScratchEngine
+from ..capacity import Capacity
 from .scratch_engine import supports as scratch_supports
 
 
@@ -40,6 +41,9 @@ class CpuBackend:
         self.num_layers = self._file.header.num_layers
         rows = int(np.prod(self.shape))
         self._scratch = ScratchEngine(self._file, rows) if scratch_supports(self._file.header) else None
+        spec = bundle.manifest["profile"].get("capacity")
+        self.capacity = None if spec is None else Capacity.from_dict(spec, "manifest profile.capacity")
+        self.last_dropped = 0  # pairs dropped by expert capacity in the last call (Runtime.stats)
 
     def infer_padded(self, x: np.ndarray) -> np.ndarray:
         """One forward pass at the fixed shape.
@@ -59,7 +63,8 @@ class CpuBackend:
         # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
         return self._engine.run(x.reshape(-1, self.hidden_size)).reshape(x.shape)
 
-    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_rows=None,
+                   capacity: bool = True) -> None:
         """Layers start..stop-1 (composed as the model composes them) into the caller's buffer.
 
         Args:
@@ -67,6 +72,9 @@ class CpuBackend:
             out: float32, C-contiguous, x's shape; overwritten. With preallocated scratch (`scratch_engine`) this
                 allocates no activation- or weight-sized array; other formats run the reference engine.
             start, stop: 0 <= start < stop <= num_layers (validated by Runtime).
+            valid_rows: (batch * tokens,) bool, the rows that are real tokens (expert capacity counts only those);
+                None: all.
+            capacity: False runs dropless even where the bundle sets a capacity (the self-test).
 
         Raises:
             BackendError: the backend is closed.
@@ -74,15 +82,20 @@ class CpuBackend:
         if self._engine is None:
             raise BackendError("the CPU backend is closed; load the bundle again")
         flat_x, flat_out = x.reshape(-1, self.hidden_size), out.reshape(-1, self.hidden_size)
+        engine = self._scratch if self._scratch is not None else self._engine
+        engine.capacity = self.capacity if capacity else None
+        engine.valid = valid_rows
+        engine.dropped = 0
         if self._scratch is not None:
             self._scratch.run_into(flat_x, flat_out, start, stop)
-            return
-        residual = self._file.header.composition == COMPOSITION_RESIDUAL
-        h = flat_x
-        for layer in range(start, stop):
-            y = self._engine.layer(layer, h)
-            h = h + y if residual else y
-        np.copyto(flat_out, h)
+        else:
+            residual = self._file.header.composition == COMPOSITION_RESIDUAL
+            h = flat_x
+            for layer in range(start, stop):
+                y = self._engine.layer(layer, h)
+                h = h + y if residual else y
+            np.copyto(flat_out, h)
+        self.last_dropped = engine.dropped
 
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""

@@ -197,6 +197,11 @@ class CudaBackend:
         with bundle.open_weights() as weights:
             self.header = weights.header
         profile = manifest["profile"]
+        if profile.get("capacity") is not None:  # the kernels are dropless: never ignore a capacity silently
+            raise BackendError(
+                f"the bundle sets expert capacity {profile['capacity']}; the CUDA kernels are dropless: run it on "
+                f"the cpu backend, or build without capacity"
+            )
         self.shape = tuple(bundle.shape)
         self.hidden = self.header.hidden_size
         self._functions = self._load_functions(bundle)

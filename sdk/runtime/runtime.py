@@ -202,6 +202,10 @@ class Runtime:
 
         self.streams: int = check_depth(streams if streams is not None else bundle.manifest["profile"].get("streams", 1))
         self._pipeline = None
+        self._valid_mask = np.zeros(self.shape, dtype=bool)
+        self._dropless = False  # True while self_test runs: the stored reference output is dropless
+        spec = bundle.manifest["profile"].get("capacity")
+        self.capacity = None if spec is None else dict(spec)  # expert capacity the bundle sets (None: dropless)
         self._written = (0, 0)  # the (batch, tokens) corner of _staging the last call wrote
         self._finalizer = weakref.finalize(self, backend.close)
 
@@ -351,7 +355,10 @@ class Runtime:
             batch, tokens, _ = x3.shape
             padded = self._pad(x3, lengths)
             result = self._result
-            if hasattr(self._backend, "run_layers"):
+            if getattr(self._backend, "capacity", None) is not None:
+                self._backend.run_layers(padded, result, start, stop, valid_rows=self._valid_rows(x3, lengths),
+                                         capacity=not self._dropless)
+            elif hasattr(self._backend, "run_layers"):
                 self._backend.run_layers(padded, result, start, stop)
             else:  # a backend of the one-call contract (whole model only)
                 np.copyto(result, self._backend.infer_padded(padded))
@@ -363,6 +370,15 @@ class Runtime:
                     out3[b, n:] = 0.0
             self._stats.record(time.perf_counter() - began, (batch, tokens), getattr(self._backend, "last_dropped", 0))
         return out if out is not None else out3.reshape(np.shape(x))
+
+    def _valid_rows(self, x3, lengths) -> np.ndarray:
+        """(fixed batch * fixed tokens,) bool: the rows of the padded input that are real tokens."""
+        mask = self._valid_mask
+        mask[:] = False
+        batch, tokens, _ = x3.shape
+        for b in range(batch):
+            mask[b, : tokens if lengths is None else lengths[b]] = True
+        return mask.reshape(-1)
 
     def _check_out(self, out, x) -> np.ndarray:
         """Validate a caller's output array; return it as (batch, tokens, hidden)."""
@@ -500,7 +516,11 @@ class Runtime:
         fixed = self.shape + (self.hidden_size,)
         if x.shape != fixed:
             raise BundleError(f"self-test input shape {x.shape}; the bundle's fixed shape is {fixed}")
-        actual = self.infer(np.ascontiguousarray(x, dtype=np.float32))
+        self._dropless = True  # the stored reference output is dropless; expert capacity applies on top of it
+        try:
+            actual = self.infer(np.ascontiguousarray(x, dtype=np.float32))
+        finally:
+            self._dropless = False
         return compare(actual, np.asarray(expected, dtype=np.float32), rtol, atol, self.backend_name)
 
     # ---- lifetime -------------------------------------------------------------------------------------------

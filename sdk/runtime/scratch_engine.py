@@ -50,8 +50,11 @@ class ScratchEngine:
         rows: the most rows (batch · tokens) one call passes.
     """
 
-    def __init__(self, model, rows: int):
+    def __init__(self, model, rows: int, capacity=None):
         self.file = model
+        # Expert capacity (colibri_sdk.capacity), None = dropless: `valid` (rows,) bool marks real tokens, `dropped`
+        # counts the pairs dropped since the last run_into. A capacity call allocates its drop bookkeeping.
+        self.capacity, self.valid, self.dropped = capacity, None, 0
         h = self.header = model.header
         H, E, I, k = h.hidden_size, h.num_experts, h.intermediate_size, h.top_k
         f32 = np.float32
@@ -130,6 +133,14 @@ class ScratchEngine:
         """out[:] = the MoE block of `layer` on x (n, hidden) float32 (not composed with x)."""
         n = x.shape[0]
         self.route(layer, x)
+        if self.capacity is not None:
+            from ..capacity import apply_capacity
+
+            valid = None if self.valid is None else self.valid[:n]
+            kept, dropped = apply_capacity(self.ids[:n], self.weights[:n], self.header.num_experts, self.capacity,
+                                           valid)
+            self.ids[:n] = kept
+            self.dropped += dropped
         out.fill(0.0)
         ids, weights = self.ids[:n], self.weights[:n]
         mask = self.mask[:n]
@@ -165,6 +176,7 @@ class ScratchEngine:
         residual = self.header.composition == COMPOSITION_RESIDUAL
         n = x.shape[0]
         h = x
+        self.dropped = 0
         for i, layer in enumerate(range(start, stop)):
             nxt = self.h[i % 2][:n]
             self.layer_into(layer, h, nxt)
