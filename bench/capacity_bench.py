@@ -4,7 +4,8 @@ what transformers computes).
 
 The model: 4 layers, 8 experts, top-2, hidden 256, intermediate 512, residual composition, random weights whose
 router columns of experts 0 and 1 carry an extra 8/hidden per dimension; the inputs are N(0, 1) + 0.5, so these
-two experts' logits are about 4 (one logit standard deviation) higher and draw the share of layer-0 pairs printed. Every variant is built with
+two experts' logits are about 4 (one logit standard deviation) higher and draw the share of layer-0 pairs printed.
+Every variant is built with
 `colibri-sdk build --profile orin --weights W [--capacity-factor F --capacity-mode M]` (batch 1 x 16 tokens) and
 run with OPENBLAS_NUM_THREADS=1 on the same N(0, 1) inputs.
 

@@ -399,19 +399,21 @@ class CudaBackend:
                 check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0),
                       "cuLaunchKernel")
 
-    def _write_valid_tokens(self, stream, batch: int, tokens: int) -> None:
-        """Where the launch plan has a `valid_tokens` buffer (`catalog.io_buffers`): rows below `batch` hold
-        `tokens` valid tokens, the others none — written on `stream` before a sub-range's or a device call's
-        launches, which do not run the whole-model input copy."""
+    def _write_valid_tokens(self, stream, counts) -> None:
+        """Where the launch plan has a `valid_tokens` buffer (`catalog.io_buffers`): entry b = counts[b] (an int
+        for every sequence, or one per sequence; sequences past len(counts) get 0), written on `stream` before a
+        sub-range's or a device call's launches, which do not run the whole-model input copy."""
         name = self._io.get("valid_tokens")
         if name not in self._buffers:
             return
         cu, fixed_batch = self._cu, self.shape[0]
+        values = [int(counts)] * fixed_batch if np.ndim(counts) == 0 else [int(v) for v in counts]
+        values += [0] * (fixed_batch - len(values))
         ptr = self._buffers[name]
-        check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr), 0, fixed_batch, stream), "cuMemsetD32Async")
-        check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr), int(tokens), int(batch), stream), "cuMemsetD32Async")
+        for b, value in enumerate(values):
+            check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr + 4 * b), value, 1, stream), "cuMemsetD32Async")
 
-    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_tokens=None) -> None:
         """Layers start..stop-1 on a host input at the fixed shape, into `out` (the Runtime's contract).
 
         The whole model (0..num_layers) replays the CUDA Graph (or the eager launches); a sub-range enqueues that
@@ -419,6 +421,8 @@ class CudaBackend:
 
         Args:
             x, out: float32 C-contiguous (batch, tokens, hidden) at the fixed shape (validated by Runtime).
+            valid_tokens: (batch,) ints, each sequence's valid tokens, or None (all); used where the launch plan
+                has a `valid_tokens` buffer (padded tokens then select no expert).
 
         Raises:
             BackendError: closed. CudaError: a driver call failed.
@@ -429,6 +433,9 @@ class CudaBackend:
                 raise BackendError("this CUDA backend is closed; load the bundle again")
             check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
             self._in[:] = x.reshape(-1).view(np.uint8)
+            counts = self.shape[1] if valid_tokens is None else valid_tokens
+            if hasattr(self, "_valid"):  # the pinned valid-token counts the whole-model input copy sends
+                self._valid[:] = counts
             if start == 0 and stop == self.header.num_layers:
                 if self.eager:
                     self._enqueue()
@@ -438,7 +445,7 @@ class CudaBackend:
                 src, dst = self._buffers[f"x{start % 2}"], self._buffers[f"x{stop % 2}"]
                 check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(src), self._in_ptr, self._io_bytes, res.stream),
                       "cuMemcpyHtoDAsync")
-                self._write_valid_tokens(res.stream, *self.shape)
+                self._write_valid_tokens(res.stream, counts)
                 self._enqueue_layers(start, stop, res.stream)
                 check(cu.cuMemcpyDtoHAsync(self._out_ptr, cu.CUdeviceptr(dst), self._io_bytes, res.stream),
                       "cuMemcpyDtoHAsync")
@@ -475,7 +482,7 @@ class CudaBackend:
             for b, n in spans:
                 check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(x_in + b * fixed_tokens * row),
                                            cu.CUdeviceptr(src + b * tokens * row), n, s), "cuMemcpyDtoDAsync")
-            self._write_valid_tokens(s, batch, tokens)
+            self._write_valid_tokens(s, [tokens] * batch)
             self._enqueue_layers(start, stop, s)
             for b, n in spans:
                 check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(dst + b * tokens * row),

@@ -162,6 +162,10 @@ class Runtime:
         with Runtime.load("bundles/demo") as rt:
             y = rt.infer(x)                      # x (batch, tokens, hidden) or (tokens, hidden)
             y = rt.infer(x, input_lengths=[5])   # sequence 0 is 5 tokens long; the rest is padding
+            rt.infer(x, out=buf)                 # into the caller's float32 array (no allocation on the CPU)
+            h = rt.layer(l, h)                   # one MoE layer; rt.layers(start, stop, h) a range
+            future = rt.submit(x)                # pipelined: a concurrent.futures.Future, submission order
+            rt.stats().p99_ms                    # latency percentiles, shapes, dropped pairs
 
     Attributes:
         bundle: the open `colibri_sdk.bundle.Bundle`.
@@ -200,7 +204,8 @@ class Runtime:
         self._stats = StatsRecorder(self.shape)
         from .pipeline import check_depth
 
-        self.streams: int = check_depth(streams if streams is not None else bundle.manifest["profile"].get("streams", 1))
+        default_streams = bundle.manifest["profile"].get("streams", 1)
+        self.streams: int = check_depth(streams if streams is not None else default_streams)
         self._pipeline = None
         self._valid_mask = np.zeros(self.shape, dtype=bool)
         self._dropless = False  # True while self_test runs: the stored reference output is dropless
@@ -358,10 +363,14 @@ class Runtime:
             if getattr(self._backend, "capacity", None) is not None:
                 self._backend.run_layers(padded, result, start, stop, valid_rows=self._valid_rows(x3, lengths),
                                          capacity=not self._dropless)
+            elif self.backend_name == "cuda" and hasattr(self._backend, "run_layers"):
+                self._backend.run_layers(padded, result, start, stop, valid_tokens=self._valid_counts(x3, lengths))
             elif hasattr(self._backend, "run_layers"):
                 self._backend.run_layers(padded, result, start, stop)
-            else:  # a backend of the one-call contract (whole model only)
+            elif (start, stop) == (0, self.num_layers):  # a backend of the one-call contract (whole model only)
                 np.copyto(result, self._backend.infer_padded(padded))
+            else:
+                raise BackendError(f"backend {self.backend_name!r} runs the whole model only; layers {start}..{stop}")
             if out3 is None:
                 out3 = np.empty((batch, tokens, self.hidden_size), dtype=np.float32)
             np.copyto(out3, result[:batch, :tokens])
@@ -370,6 +379,13 @@ class Runtime:
                     out3[b, n:] = 0.0
             self._stats.record(time.perf_counter() - began, (batch, tokens), getattr(self._backend, "last_dropped", 0))
         return out if out is not None else out3.reshape(np.shape(x))
+
+    def _valid_counts(self, x3, lengths) -> list[int]:
+        """(fixed batch,) valid tokens per sequence of the padded input: the input's tokens (or its lengths), 0 for
+        the padding sequences."""
+        batch, tokens, _ = x3.shape
+        counts = [tokens] * batch if lengths is None else list(lengths)
+        return counts + [0] * (self.shape[0] - batch)
 
     def _valid_rows(self, x3, lengths) -> np.ndarray:
         """(fixed batch * fixed tokens,) bool: the rows of the padded input that are real tokens."""

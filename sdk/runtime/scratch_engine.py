@@ -17,8 +17,8 @@ once at load, sized for the bundle's fixed shape:
                one expert's matrices converted from fp16 by np.copyto (fp32 weights are used in place)
 
 What is still allocated per call: NumPy's index arrays of the rows routed to each expert (np.nonzero; O(tokens ·
-top_k) integers per layer), the (tokens, experts) temporaries of the softmax's broadcasting and small scalars. The tracemalloc test in tests/runtime bounds a warm call's
-traced peak well below one activation tensor.
+top_k) integers per layer), the (tokens, experts) temporaries of the softmax's broadcasting and small scalars.
+The tracemalloc test in tests/runtime bounds a warm call's traced peak well below one activation tensor.
 
 Top-k here is k rounds of argmax (the first maximum is the lower index, as the reference's stable sort) instead of
 a sort, and experts are visited in increasing index like the reference's `np.unique`, so each token's output sums
