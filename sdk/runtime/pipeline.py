@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import weakref
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class Pipeline:
 
     def __init__(self, runtime, depth: int):
         self.depth = check_depth(depth)
-        self._runtime = runtime
+        self._runtime = weakref.ref(runtime)  # the worker must not keep a forgotten Runtime alive
         size = int(np.prod(runtime.shape)) * runtime.hidden_size
         self._free: queue.Queue = queue.Queue()
         for _ in range(self.depth):
@@ -58,7 +59,9 @@ class Pipeline:
 
     def submit(self, x: np.ndarray, input_lengths=None, out=None, timeout: float | None = None):
         """Queue one call; see `Runtime.submit`."""
-        rt = self._runtime
+        rt = self._runtime()
+        if rt is None:
+            raise BackendError("this Runtime is closed; load the bundle again")
         x3, lengths = rt._check_input(x, input_lengths)
         if out is not None:
             rt._check_out(out, x)
@@ -78,16 +81,26 @@ class Pipeline:
 
     def _loop(self) -> None:
         while True:
-            item = self._work.get()
+            try:
+                item = self._work.get(timeout=1.0)
+            except queue.Empty:
+                if self._runtime() is None:  # the Runtime was collected without close()
+                    return
+                continue
             if item is None:
                 return
             slot, view, lengths, out, future = item
             try:
                 if future.set_running_or_notify_cancel():
+                    rt = self._runtime()
                     try:
-                        future.set_result(self._runtime.infer(view, input_lengths=lengths, out=out))
+                        if rt is None:
+                            raise BackendError("this Runtime is closed; load the bundle again")
+                        future.set_result(rt.infer(view, input_lengths=lengths, out=out))
                     except BaseException as exc:  # the future carries the error to the caller
                         future.set_exception(exc)
+                    finally:
+                        rt = None  # no strong reference while waiting for the next call
             finally:
                 self._free.put(slot)
 

@@ -90,3 +90,21 @@ def test_streams_from_the_profile(tmp_path, small_bundle):
         assert rt.streams == 3
     with Runtime.load(folder, backend="cpu", streams=2) as rt:
         assert rt.streams == 2
+
+
+def test_a_forgotten_runtime_is_collected_and_its_worker_ends(small_bundle):
+    import gc
+    import time
+    import weakref
+
+    rt = Runtime.load(small_bundle, backend="cpu")
+    assert rt.submit(np.zeros((1, 8, 64), np.float32)).result(timeout=60).shape == (1, 8, 64)
+    worker = rt._pipeline._thread
+    ref = weakref.ref(rt)
+    del rt
+    gc.collect()
+    assert ref() is None, "the pipeline's worker must not keep the Runtime alive"
+    deadline = time.monotonic() + 10
+    while worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not worker.is_alive()
