@@ -48,6 +48,10 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     """
     bundle = Bundle.open(path, verify=False)
     info = bundle_summary(bundle)
+    m = bundle.manifest
+    info["top_k"] = {"bundle": m["weights"]["header"].get("top_k"),
+                     "model": m["weights"].get("model_top_k", m["weights"]["header"].get("top_k"))}
+    info["capacity"] = m["profile"].get("capacity")  # None: dropless
     if as_json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0

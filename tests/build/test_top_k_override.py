@@ -36,6 +36,9 @@ def test_override_recorded_and_printed(top3, capsys):
     assert main(["run", str(top3), "--backend", "cpu", "--iters", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["top_k"], report["model_top_k"]) == (3, 2)
+    assert main(["inspect", str(top3), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["top_k"] == {"bundle": 3, "model": 2} and info["capacity"] is None
 
 
 def test_the_bundle_routes_to_k_experts(top3):
