@@ -2,9 +2,11 @@
 
     python bench/deploy_bench.py [--gib 1.0] [--repeat 2] [--sftp] | tee bench/results/deploy_bench.txt
 
-1. A synthetic bundle: model.colibri of --gib GiB random bytes, 8 kernels (cubin + PTX, ~250 KB), self-test.
+1. A synthetic bundle the runtime's loader accepts: model.colibri of --gib GiB random fp16 weights, 8 kernels
+   (cubin + PTX, ~250 KB), self-test vectors, a canonical manifest (tests/deploy/deploy_bundles.py).
 2. `scp -r` of the bundle folder (OpenSSH defaults) into a fresh folder, vs `colibri-sdk deploy` into a fresh
-   store (end to end: connect, plan, upload, sha256 of every byte on the device, stage, switch). Alternated,
+   store (end to end: the local check of the bundle, connect, plan, upload, sha256 of every byte on the device,
+   stage, switch). Alternated,
    --repeat times; the best time of each is compared. Ratio = scp time / deploy time (>= 0.8 is the goal).
 3. A kernel-only rebuild (same weights, other kernels) deployed on top: bytes sent / bundle bytes (<= 1 %).
 4. With --sftp: paramiko SFTP `put` of the same files, for reference.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "deploy"))
+from deploy_bundles import write_manifest, write_weights  # noqa: E402
 from sshd_server import SshServer, sshd_unavailable_reason  # noqa: E402
 
 KERNELS = ("routing", "gate_up", "down", "small_batch")
@@ -37,33 +40,26 @@ def write_bundle(folder: Path, model: Path, kernel_seed: int) -> Path:
     folder.mkdir(parents=True)
     os.link(model, folder / "model.colibri")
     contents = {}
+    kernels = []
     for name in KERNELS:
         contents[f"kernels/{name}.sm_87.cubin"] = hashlib.sha256(f"{name}{kernel_seed}".encode()).digest() * 800
         contents[f"kernels/{name}.ptx"] = f"// {name} {kernel_seed}\n".encode() * 1500
+        kernels.append({"name": name, "source": f"{name}.cu", "symbols": [name], "cubin": f"kernels/{name}.sm_87.cubin",
+                        "ptx": f"kernels/{name}.ptx", "defines": {}, "resources": {}})
     contents["selftest/input.npy"] = b"\x01" * 65536
     contents["selftest/output.npy"] = b"\x02" * 65536
     for rel, data in contents.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_bytes(data)
-    files = [{"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-             for rel, data in contents.items()]
-    files.append({"path": "model.colibri", "sha256": sha256_file(model), "size": model.stat().st_size})
-    manifest = {"schema_version": 1, "arch": "sm_87", "dtype": "fp16", "files": sorted(files, key=lambda f: f["path"])}
-    (folder / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")
+    header = json.loads((model.parent / "weights.header.json").read_text())
+    write_manifest(folder, {
+        "schema_version": 1, "sdk_version": "0.1.0", "arch": "sm_87", "compute_capability": [8, 7],
+        "nvrtc_version": "12.9", "min_driver": 12020, "dtype": "fp16", "shape": {"batch": 1, "tokens": 16},
+        "aggregation": "ordered", "profile": {"name": "deploy-bench"},
+        "weights": {"file": "model.colibri", "header": header}, "kernels": kernels,
+        "selftest": {"input": "selftest/input.npy", "output": "selftest/output.npy", "rtol": 0.01, "atol": 0.01},
+        "files": []})
     return folder
-
-
-_sha_cache: dict = {}
-
-
-def sha256_file(path: Path) -> str:
-    if path not in _sha_cache:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-        _sha_cache[path] = h.hexdigest()
-    return _sha_cache[path]
 
 
 def folder_bytes(folder: Path) -> int:
@@ -115,14 +111,10 @@ def main() -> int:
         known_hosts.write_text(server.known_hosts_line())
         target = Target("127.0.0.1", server.user, server.port, str(server.user_key), str(known_hosts),
                         command_timeout=300.0)
-        model = work / "weights.bin"
-        size = int(args.gib * (1 << 30))
-        with open(model, "wb") as f:
-            left = size
-            while left:
-                n = min(left, 64 << 20)
-                f.write(os.urandom(n))
-                left -= n
+        model = work / "weights.colibri"
+        header = write_weights(model, int(args.gib * (1 << 30)), seed=0)
+        (work / "weights.header.json").write_text(json.dumps({k: v for k, v in vars(header).items()
+                                                              if k != "version"}))
         a = write_bundle(work / "bundle_a", model, kernel_seed=0)
         b = write_bundle(work / "bundle_b", model, kernel_seed=1)
         total = folder_bytes(a)

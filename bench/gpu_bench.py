@@ -1,233 +1,423 @@
-"""GPU benchmark of the CUDA backend, everything measured side by side in one run.
+"""The GPU check's measurements, one phase per process (scripts/gpu_check.sh runs them in order; docs/gpu_check.md).
 
-Models: one MoE layer with Mixtral-8x7B dimensions (hidden 4096, intermediate 14336, 8 experts, top-2; synthetic
-fp16 weights) and the embedded demo model (4 layers). For tokens 1, 4, 16, 64 (batch 1, fp16, a bundle built for
-this GPU at each fixed shape):
-  - per-call latency of `infer_padded` (host copies in and out included), CUDA Graph replay vs eager launches;
-  - the memory-bandwidth floor: bytes of the experts the input selects (gate+up+down of each distinct expert of
-    each layer, plus the routers) ÷ the device-to-device copy bandwidth measured on this GPU in the same run
-    (cuMemcpyDtoD of 1 GiB, read + write bytes); reported as floor ÷ graph latency (1.0 = at the floor);
-  - transformers' MixtralSparseMoeBlock (fp16, on this GPU, the same weights; residual between layers as the
-    demo model), latency of its forward with torch.cuda.synchronize().
+    python bench/gpu_bench.py PHASE --out OUT [--fake]
 
-Usage: python bench/gpu_bench.py [--out DIR] [--iters N] [--skip-mixtral]
-Prints a table and writes DIR/gpu_bench.json (default bench/results/gpu/).
+Phases (each appends JSON lines to OUT/results.jsonl as soon as a value exists, see bench/gpu/device.py `Results`):
+  versions      the GPU (name, compute capability, SMs, memory, driver), cuda-bindings, NVRTC, torch, transformers
+  floor         device-to-device copy bandwidth and the read-only streaming kernel (bench/gpu/floor.py)
+  layer         one Mixtral-8x7B layer (hidden 4096, intermediate 14336, 8 experts, top-2, fp16; weights filled on
+                the device) at tokens 1, 4, 16, 64 on every path of the launch plan: per-kernel times, the forward
+                pass as a CUDA Graph and eager, and the fraction of the floor (bench/gpu/layer.py)
+  layers        32 such layers at tokens 1, graph vs eager
+  correctness   the tests/gpu cases, each in its own process with a time limit (bench/gpu/correctness.py)
+  transformers  MixtralSparseMoeBlock on the same GPU and weights, against the colibri layer (bench/gpu/hf_compare.py)
+  table         print OUT/results.jsonl as a table (and write OUT/table.txt)
+
+--fake: tiny shapes and few iterations, for the fake driver (tests/fakecuda), where the same code paths run on the
+CPU emulation of the kernels; nothing it prints is a GPU measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import platform
+import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 
-TOKENS = (1, 4, 16, 64)
+import numpy as np  # noqa: E402
 
+from device import FAKE, Device, Results, compile_bench_kernels, fill_weights, seconds_left  # noqa: E402
 
-def mixtral_layer(path: Path) -> Path:
-    """A 1-layer fp16 .colibri file with Mixtral-8x7B sizes and synthetic N(0, 1/fan_in) weights.
-
-    Fast to write (2.8 GB): one random block per tensor kind, each expert's tensor a rotation of it, written in the
-    file order of docs/format.md (header, then gate/up/down/router blocks, experts in order).
-    """
-    from colibri_sdk.format import Header
-    from colibri_sdk.format.constants import COMPOSITION_RESIDUAL, ROUTING_TOPK_SOFTMAX
-    from colibri_sdk.format.writer import tensor_order
-
-    h, i, e = 4096, 14336, 8
-    header = Header(1, e, 2, h, i, dtype=1, routing=ROUTING_TOPK_SOFTMAX, composition=COMPOSITION_RESIDUAL)
-    rng = np.random.default_rng(0)
-    base = {}
-    for kind in ("gate_proj", "up_proj", "down_proj", "router"):
-        rows, cols = header.shape(kind)
-        fan_in = cols if kind != "router" else rows
-        base[kind] = (rng.standard_normal(rows * cols, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float16)
-    with open(path, "wb") as f:
-        f.write(header.pack())
-        for kind, _, expert in tensor_order(header):
-            f.write(np.roll(base[kind], 7919 * (expert or 0)).tobytes())
-    assert path.stat().st_size == header.file_size
-    return path
+REAL = dict(hidden=4096, inter=14336, experts=8, top_k=2, tokens=(1, 4, 16, 64), layers=32, copy_bytes=1 << 30,
+            read_bytes=4 << 30, floor_iters=5, kernel_iters=20, kernel_warm=3, iters=50, warm=5, layers_iters=20,
+            hf_tokens=(1, 4, 16, 64), hf_iters=20, hf_warm=3, case_s=90, workers=6, padded_shape=16)
+FAKE_CONFIG = dict(hidden=64, inter=32, experts=4, top_k=2, tokens=(1,), layers=2, copy_bytes=1 << 20,
+                   read_bytes=1 << 16, floor_iters=1, kernel_iters=1, kernel_warm=0, iters=1, warm=0, layers_iters=1,
+                   hf_tokens=(1,), hf_iters=1, hf_warm=0, case_s=60, workers=2, padded_shape=4)
+# The tests/gpu cases run on the fake driver (fast on the CPU emulation; the PTX JIT cases skip there with the reason
+# when the fake driver is set older than NVRTC). On a GPU every collected case runs.
+FAKE_CASES = ("test_ptx_jit.py::test_shipped_profile_runs[a100]", "test_cuda_backend.py::test_bad_input_and_close")
+SEED = 20261201
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), 1 GiB, best of 5."""
-    from cuda.bindings import driver as cu
-
-    from colibri_sdk.runtime.driver import check
-
-    check(cu.cuInit(0), "cuInit")
-    device = check(cu.cuDeviceGet(0), "cuDeviceGet")
-    ctx = check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    stream = cu.CUstream(0)
-    n = 1 << 30
-    src, dst = check(cu.cuMemAlloc(n), "cuMemAlloc"), check(cu.cuMemAlloc(n), "cuMemAlloc")
-    start, stop = check(cu.cuEventCreate(0), "cuEventCreate"), check(cu.cuEventCreate(0), "cuEventCreate")
-    best = float("inf")
-    for _ in range(5):
-        check(cu.cuEventRecord(start, stream), "cuEventRecord")
-        check(cu.cuMemcpyDtoD(dst, src, n), "cuMemcpyDtoD")
-        check(cu.cuEventRecord(stop, stream), "cuEventRecord")
-        check(cu.cuEventSynchronize(stop), "cuEventSynchronize")
-        best = min(best, check(cu.cuEventElapsedTime(start, stop), "cuEventElapsedTime") / 1e3)
-    for p in (src, dst):
-        check(cu.cuMemFree(p), "cuMemFree")
-    for event in (start, stop):
-        check(cu.cuEventDestroy(event), "cuEventDestroy")
-    check(cu.cuDevicePrimaryCtxRelease(device), "cuDevicePrimaryCtxRelease")
-    return 2 * n / best
+def config() -> dict:
+    return FAKE_CONFIG if FAKE else REAL
 
 
-def selected_bytes(weights_path: Path, x: np.ndarray) -> int:
-    """Bytes of the experts x selects, layer by layer (routing by the float32 reference), plus the routers."""
-    from colibri_sdk.format.constants import COMPOSITION_RESIDUAL
-    from colibri_sdk.reference import ReferenceEngine
-
-    engine = ReferenceEngine(weights_path)
-    hd = engine.header
-    h = x.reshape(-1, hd.hidden_size).astype(np.float32)
-    per_expert = 3 * hd.hidden_size * hd.intermediate_size * hd.itemsize
-    total = 0
-    for layer in range(hd.num_layers):
-        ids, _ = engine.route(layer, h)
-        total += len(np.unique(ids)) * per_expert + hd.hidden_size * hd.num_experts * hd.itemsize
-        y = engine.layer(layer, h)
-        h = h + y if hd.composition == COMPOSITION_RESIDUAL else y
-    engine.close()
-    return total
+def rng_input(tokens: int, hidden: int, seed: int) -> np.ndarray:
+    """N(0, 1) float32 (tokens, hidden), rounded to fp16 values (so the fp16 transformers block sees the same)."""
+    return np.random.default_rng(seed).standard_normal((tokens, hidden)).astype(np.float16).astype(np.float32)
 
 
-def time_calls(fn, iters: int) -> float:
-    """Median seconds per call after 5 warm-up calls."""
-    for _ in range(5):
-        fn()
-    samples = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+def ratio(a, b, digits: int = 3):
+    """round(a / b, digits), or None when either is missing or b is not positive."""
+    return round(a / b, digits) if a is not None and b else None
 
 
-def transformers_latency(weights_path: Path, x: np.ndarray, iters: int) -> float | None:
-    """Median latency of the transformers Mixtral MoE blocks on the same weights (None without torch+CUDA)."""
+def last_value(out: Path, phase: str, name: str, key: str):
+    """`key` of the last ok line (phase, name) in OUT/results.jsonl, or None."""
+    value = None
+    path = out / "results.jsonl"
+    if path.exists():
+        for text in path.read_text().splitlines():
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if line.get("phase") == phase and line.get("name") == name and line.get("status") == "ok":
+                value = line.get(key, value)
+    return value
+
+
+# ---- phases ---------------------------------------------------------------------------------------------------
+def phase_versions(results: Results, out: Path) -> None:
+    soft = {"python": platform.python_version(), "platform": platform.platform(), "fake_driver": FAKE,
+            "install": os.environ.get("COLIBRI_GPU_CHECK_INSTALL", "?")}
+    from importlib import metadata
+
+    for name, dist in (("numpy", "numpy"), ("cuda_bindings", "cuda-bindings"), ("torch", "torch"),
+                       ("transformers", "transformers"), ("cupy", "cupy-cuda13x"), ("cupy_cuda12", "cupy-cuda12x"),
+                       ("setuptools", "setuptools"), ("pytest", "pytest")):
+        try:
+            soft[name] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            soft[name] = None  # not installed
     try:
-        import torch
-        from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    from colibri_sdk.format import ColibriFile
-    from colibri_sdk.format.constants import COMPOSITION_RESIDUAL
+        from colibri_sdk.aot.nvrtc import nvrtc_version, supported_archs
 
-    f = ColibriFile(weights_path)
-    hd = f.header
-    config = MixtralConfig(hidden_size=hd.hidden_size, intermediate_size=hd.intermediate_size,
-                           num_local_experts=hd.num_experts, num_experts_per_tok=hd.top_k)
-    config._experts_implementation = "eager"
-    blocks = []
-    with torch.no_grad():
-        for layer in range(hd.num_layers):
-            block = MixtralSparseMoeBlock(config).to(device="cuda", dtype=torch.float16)
-            gate = torch.from_numpy(np.asarray(f.experts("gate_proj", layer), dtype=np.float16))
-            up = torch.from_numpy(np.asarray(f.experts("up_proj", layer), dtype=np.float16))
-            block.experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
-            block.experts.down_proj.copy_(torch.from_numpy(np.asarray(f.experts("down_proj", layer), dtype=np.float16)))
-            block.gate.weight.copy_(torch.from_numpy(np.asarray(f.router(layer), dtype=np.float16).T.copy()))
-            blocks.append(block)
-    f.close()
-    xt = torch.from_numpy(x).to(device="cuda", dtype=torch.float16)
-    residual = hd.composition == COMPOSITION_RESIDUAL
+        soft["nvrtc"] = "%d.%d" % nvrtc_version()
+        soft["nvrtc_archs"] = supported_archs()
+    except Exception as exc:
+        soft["nvrtc"] = f"unavailable ({type(exc).__name__}: {exc})"
+    try:
+        import colibri_sdk
 
-    def forward():
-        with torch.no_grad():
-            h = xt
-            for block in blocks:
-                out = block(h)
-                out = out[0] if isinstance(out, tuple) else out
-                h = h + out if residual else out
-            torch.cuda.synchronize()
+        soft["colibri_sdk"] = str(Path(colibri_sdk.__file__).resolve().parent)
+    except Exception as exc:
+        soft["colibri_sdk"] = f"unavailable ({exc})"
+    if not FAKE and soft["torch"]:
+        try:
+            import torch
 
-    result = time_calls(forward, iters)
-    blocks.clear()  # free the blocks' device memory before emptying the cache
-    torch.cuda.empty_cache()
-    return result
-
-
-def bench_model(label: str, weights: Path, work: Path, bandwidth: float, iters: int) -> list[dict]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
-    from gpu_support import build, profile_for_this_gpu
-
-    from colibri_sdk.bundle import Bundle
-    from colibri_sdk.runtime.cuda_backend import CudaBackend
-
-    rows = []
-    for tokens in TOKENS:
-        profile = profile_for_this_gpu(dtype="fp16", shape={"batch": 1, "tokens": tokens})
-        bundle = Bundle.open(build(profile, weights, work / f"{label}-t{tokens}"), verify=False)
-        hidden = bundle.manifest["weights"]["header"]["hidden_size"]
-        x = np.random.default_rng(tokens).standard_normal((1, tokens, hidden)).astype(np.float32)
-        with CudaBackend(bundle) as graph:
-            t_graph = time_calls(lambda: graph.infer_padded(x), iters)
-        with CudaBackend(bundle, eager=True) as eager:
-            t_eager = time_calls(lambda: eager.infer_padded(x), iters)
-        t_hf = transformers_latency(bundle.weights_path, x, max(10, iters // 4))
-        floor = selected_bytes(bundle.weights_path, x) / bandwidth
-        rows.append({"model": label, "tokens": tokens, "graph_ms": t_graph * 1e3, "eager_ms": t_eager * 1e3,
-                     "transformers_ms": None if t_hf is None else t_hf * 1e3, "floor_ms": floor * 1e3,
-                     "floor_fraction": floor / t_graph})
-        print(f"  {label} tokens {tokens}: graph {t_graph * 1e3:.3f} ms", flush=True)
-    return rows
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results/gpu")
-    parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--skip-mixtral", action="store_true")
-    args = parser.parse_args(argv)
-    from colibri_sdk.demo import write_demo_model
+            soft["torch_cuda"] = torch.version.cuda
+        except Exception as exc:
+            soft["torch_cuda"] = f"unavailable ({type(exc).__name__})"
+    results.write("software", **soft)
+    from colibri_sdk.driver_version import format_driver_version
     from colibri_sdk.runtime.driver import probe_driver
 
     ok, reason = probe_driver()
     if not ok:
-        print(f"gpu_bench: no usable CUDA GPU: {reason}")
-        return 1
+        results.write("gpu", "fail", reason=f"no usable CUDA GPU: {reason}")
+        return
+    device = Device()
+    free, total = device.mem_info()
+    smi = ""
+    if not FAKE:
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=15).stdout.strip()
+        except Exception as exc:
+            smi = f"unavailable ({type(exc).__name__})"
+    results.write("gpu", gpu=device.name, arch=device.arch, sm_count=device.sm_count,
+                  driver=format_driver_version(device.driver_version), driver_version=device.driver_version,
+                  memory_total_bytes=total, memory_free_bytes=free, nvidia_smi=smi)
+    device.close()
+
+
+def phase_floor(results: Results, out: Path) -> None:
+    from floor import copy_bandwidth, read_bandwidth
+
+    cfg = config()
+    device = Device()
+    try:
+        results.write("copy_dtod", **copy_bandwidth(device, cfg["copy_bytes"], cfg["floor_iters"]))
+    except Exception as exc:
+        results.fail("copy_dtod", exc)
+    kernels = compile_bench_kernels(device)
+    results.write("read_stream", **read_bandwidth(device, kernels, cfg["read_bytes"], cfg["floor_iters"]))
+    device.close()
+
+
+def floor_gbs(results: Results, out: Path, device: Device, kernels: dict) -> float:
+    """The read-stream bandwidth of the floor phase, or measured here (smaller) when that phase gave none."""
+    from floor import read_bandwidth
+
+    gbs = last_value(out, "floor", "read_stream", "gbs")
+    if gbs:
+        return float(gbs)
+    cfg = config()
+    measured = read_bandwidth(device, kernels, min(cfg["read_bytes"], 1 << 30), 3)
+    results.write("read_stream", **measured, note="measured in this phase: the floor phase reported none")
+    return float(measured["gbs"])
+
+
+def measure_config(results, device, kernels, base, header, weights, tokens, label, data, default, gbs,
+                   valid=None, variant=None) -> None:
+    from layer import LayerRun, expert_bytes, router_bytes, selected_experts
+
+    cfg = config()
+    run = LayerRun(device, data, header, weights)
+    try:
+        shape_tokens = run.tokens
+        x = rng_input(shape_tokens, header.hidden_size, SEED + shape_tokens)
+        real = shape_tokens if valid is None else valid
+        x[real:] = 0.0
+        y = run.run(x, valid)
+        where = {"tokens": real, "shape_tokens": shape_tokens, "path": label, "crossover": variant}
+        per_kernel, gap_free = run.time_kernels(kernels, cfg["kernel_iters"], cfg["kernel_warm"])
+        for index, (launch, stats) in enumerate(zip(run.plan, per_kernel)):
+            results.write("kernel", **where, index=index, layer=launch.get("layer"), kernel=launch["kernel"],
+                          symbol=launch["symbol"], grid=launch["grid"], block=launch["block"],
+                          shared_bytes=launch.get("shared_bytes", 0), **stats)
+        graph = run.time_graph(cfg["iters"], cfg["warm"])
+        eager = run.time_eager(cfg["iters"], cfg["warm"])
+        experts = selected_experts(device, weights, header, x[:real])
+        device_ids = None
+        if "topk_ids" in run.buffers:
+            ids = device.to_host(run.buffers["topk_ids"], run.buffer_sizes["topk_ids"]).view(np.int32)
+            ids = ids[: real * header.top_k]
+            device_ids = sorted(int(v) for v in np.unique(ids) if 0 <= v < header.num_experts)
+        nbytes = len(experts) * expert_bytes(header) + router_bytes(header)
+        floor_us = nbytes / (gbs * 1e9) * 1e6 if gbs > 0 else None
+        kernel_sum = sum(s["median_us"] for s in per_kernel)
+        results.write("forward", **where, default_path=default, kernels=sorted({l["kernel"] for l in run.plan}),
+                      launches=len(run.plan), graph_median_us=graph["median_us"], graph_min_us=graph["min_us"],
+                      graph_wall_us=graph["wall_median_us"], eager_median_us=eager["median_us"],
+                      eager_wall_us=eager["wall_median_us"],
+                      eager_over_graph=ratio(eager["median_us"], graph["median_us"]),
+                      kernel_sum_us=round(kernel_sum, 3), gap_free=gap_free, selected_experts=experts,
+                      device_selected_experts=device_ids, selected_bytes=nbytes, floor_gbs=round(gbs, 1),
+                      floor_us=ratio(floor_us, 1), floor_fraction=ratio(floor_us, graph["median_us"], 4),
+                      floor_fraction_kernels=ratio(floor_us, kernel_sum, 4),
+                      output_finite=bool(np.isfinite(y).all()), compile_s=round(run.compile_s, 2))
+    finally:
+        run.close()
+
+
+def phase_layer(results: Results, out: Path, variant: str) -> None:
+    """The layer at every token count with the crossover parameter at `variant` ("max" or "min"): one process per
+    variant, so a kernel fault on one path (a CUDA context is lost with it) leaves the other path's numbers."""
+    from layer import base_profile, io_buffers, mixtral_header, path_profiles, weights_bytes
+
+    cfg = config()
+    device = Device()
+    kernels = compile_bench_kernels(device)
+    gbs = floor_gbs(results, out, device, kernels)
+    header = mixtral_header(1, cfg["hidden"], cfg["inter"], cfg["experts"], cfg["top_k"])
+    base = base_profile(device.arch)
+    size = weights_bytes({**base, "shape": {"batch": 1, "tokens": 1}}, header)
+    weights = device.alloc(size, zero=False)
+    fill_ms = fill_weights(device, kernels, weights, size, SEED)
+    results.write("weights", bytes=size, fill_ms=round(fill_ms, 3), fill_gbs=ratio(size / 1e9, fill_ms * 1e-3, 1),
+                  hidden=header.hidden_size, intermediate=header.intermediate_size, experts=header.num_experts,
+                  top_k=header.top_k, profile=base["name"], arch=base["target"]["arch"])
+    for tokens in cfg["tokens"]:
+        entries = path_profiles(base, tokens, header, variant)
+        if not entries:
+            results.write("forward", "skip", tokens=tokens, variant=variant,
+                          reason=f"the crossover parameter at its {variant}imum gives the plan already measured")
+        for label, data, default in entries:
+            if seconds_left() < 10:
+                results.write("forward", "skip", tokens=tokens, path=label, reason="not run: the phase's time is spent")
+                continue
+            try:
+                measure_config(results, device, kernels, base, header, weights, tokens, label, data, default, gbs,
+                               variant=variant)
+            except Exception as exc:
+                results.fail("forward", exc, tokens=tokens, path=label)
+    shape = {**base, "shape": {"batch": 1, "tokens": cfg["padded_shape"]}}
+    if "valid_tokens" in io_buffers(shape, header):
+        for label, data, default in path_profiles(base, cfg["padded_shape"], header, variant):
+            if default:
+                try:
+                    measure_config(results, device, kernels, base, header, weights, 1, label, data, default, gbs,
+                                   valid=1, variant=variant)
+                except Exception as exc:
+                    results.fail("forward", exc, tokens=1, shape_tokens=cfg["padded_shape"], path=label)
+    elif variant == "max":
+        results.write("padded", "skip", reason="catalog.io_buffers names no valid_tokens buffer: padded tokens are "
+                                              "computed as real ones, so a padded shape is not measured")
+    device.close()
+
+
+def phase_layers(results: Results, out: Path) -> None:
+    from layer import (LayerRun, base_profile, expert_bytes, mixtral_header, path_profiles, router_bytes,
+                       weights_bytes)
+
+    cfg = config()
+    device = Device()
+    kernels = compile_bench_kernels(device)
+    gbs = floor_gbs(results, out, device, kernels)
+    layers = cfg["layers"]
+    one = mixtral_header(1, cfg["hidden"], cfg["inter"], cfg["experts"], cfg["top_k"])
+    base = base_profile(device.arch)
+    free, _ = device.mem_info()
+    per_layer = weights_bytes({**base, "shape": {"batch": 1, "tokens": 1}}, one)
+    fit = max(1, int((free - (4 << 30 if not FAKE else 0)) // per_layer))
+    if fit < layers:
+        results.write("memory", "skip", reason=f"{layers} layers need {layers * per_layer} bytes, {free} free: "
+                                               f"measuring {fit} layers", layers=fit)
+        layers = fit
+    header = mixtral_header(layers, cfg["hidden"], cfg["inter"], cfg["experts"], cfg["top_k"])
+    label, data, _ = next(p for p in path_profiles(base, 1, header) if p[2])
+    size = weights_bytes(data, header)
+    weights = device.alloc(size, zero=False)
+    fill_ms = fill_weights(device, kernels, weights, size, SEED + 1)
+    run = LayerRun(device, data, header, weights)
+    run.run(rng_input(1, header.hidden_size, SEED))
+    graph = run.time_graph(cfg["layers_iters"], cfg["warm"])
+    eager = run.time_eager(cfg["layers_iters"], cfg["warm"])
+    # at one token every layer reads exactly top_k distinct experts and its router
+    nbytes = layers * (header.top_k * expert_bytes(header) + router_bytes(header))
+    floor_us = nbytes / (gbs * 1e9) * 1e6 if gbs > 0 else None
+    results.write("forward", layers=layers, tokens=1, path=label, launches=len(run.plan), weights_bytes=size,
+                  fill_ms=round(fill_ms, 3), graph_median_us=graph["median_us"], graph_wall_us=graph["wall_median_us"],
+                  eager_median_us=eager["median_us"], eager_wall_us=eager["wall_median_us"],
+                  eager_over_graph=ratio(eager["median_us"], graph["median_us"]), selected_bytes=nbytes,
+                  floor_us=ratio(floor_us, 1), floor_fraction=ratio(floor_us, graph["median_us"], 4))
+    run.close()
+    device.close()
+
+
+def phase_correctness(results: Results, out: Path) -> None:
+    from correctness import collect, run_cases
+
+    cfg = config()
+    args = ["-p", "fake_gpu_plugin"] if FAKE else []
+    ids = collect(args, timeout=60)
+    if FAKE:
+        ids = [i for i in ids if i.split("tests/gpu/", 1)[-1] in FAKE_CASES]
+    results.write("collected", cases=len(ids))
+    from colibri_sdk.runtime.driver import probe_driver
+
+    gpu, _ = probe_driver()  # on a GPU machine, a case skipped for lack of a GPU is a failure
+    counts = run_cases(results, ids, args, cfg["case_s"], cfg["workers"], out / "correctness.log",
+                       require_gpu=gpu and not FAKE)
+    results.write("summary", "ok" if counts["fail"] == 0 else "fail", **counts)
+
+
+def phase_transformers(results: Results, out: Path) -> None:
+    from hf_compare import build_block, forward, implementations, load_weights, time_block
+    from layer import LayerRun, base_profile, mixtral_header, path_profiles, weights_bytes
+
+    cfg = config()
+    try:
+        import torch
+        import transformers
+    except Exception as exc:
+        results.write("import", "skip", reason=f"torch / transformers not importable: {type(exc).__name__}: {exc}")
+        return
+    if torch.cuda.is_available():
+        torch_device = "cuda"
+    elif FAKE:
+        torch_device = "cpu"  # the fake driver's "device memory" is host memory: the comparison runs on the CPU
+    else:
+        results.write("import", "skip", reason="torch sees no CUDA device (torch.cuda.is_available() is False)")
+        return
+    device = Device()
+    if torch_device == "cuda":
+        torch.cuda.init()
+    kernels = compile_bench_kernels(device)
+    header = mixtral_header(1, cfg["hidden"], cfg["inter"], cfg["experts"], cfg["top_k"])
+    base = base_profile(device.arch)
+    size = weights_bytes({**base, "shape": {"batch": 1, "tokens": 1}}, header)
+    weights = device.alloc(size, zero=False)
+    fill_weights(device, kernels, weights, size, SEED)
+    ours = {}  # tokens -> (x, MoE(x) of colibri, graph stats, path)
+    for tokens in cfg["hf_tokens"]:
+        try:
+            label, data, _ = next(p for p in path_profiles(base, tokens, header) if p[2])
+            run = LayerRun(device, data, header, weights)
+            x = rng_input(tokens, header.hidden_size, SEED + tokens)
+            y = run.run(x)
+            ours[tokens] = (x, y - x, run.time_graph(cfg["iters"], cfg["warm"]), label)
+            run.close()
+        except Exception as exc:
+            results.fail("colibri", exc, tokens=tokens)
+    for implementation in implementations(torch_device):
+        try:
+            block = build_block(header, torch_device, implementation)
+            layout = load_weights(block, device, weights, header, torch_device)
+            results.write("block", transformers=transformers.__version__, torch=torch.__version__, device=torch_device,
+                          layout=layout, experts_implementation=implementation)
+        except Exception as exc:
+            results.fail("block", exc, experts_implementation=implementation)
+            continue
+        for tokens, (x, moe, graph, label) in ours.items():
+            try:
+                xt = torch.from_numpy(x).to(device=torch_device, dtype=torch.float16).reshape(1, tokens, -1)
+                with torch.no_grad():
+                    theirs = forward(block, xt).float().reshape(tokens, -1).cpu().numpy()
+                scale = float(np.abs(theirs).max())
+                per_token = np.abs(moe - theirs).max(axis=1)
+                err = float(per_token.max())
+                off = int((per_token > 2e-2 * scale + 1e-3).sum())  # e.g. a router near-tie resolved otherwise
+                timing = time_block(block, xt, cfg["hf_iters"], cfg["hf_warm"], torch_device)
+                results.write("moe_block", tokens=tokens, path=label, experts_implementation=implementation,
+                              transformers_median_us=timing["median_us"], transformers_timer=timing["timer"],
+                              colibri_graph_median_us=graph["median_us"],
+                              speedup=ratio(timing["median_us"], graph["median_us"]), max_abs_err=err,
+                              output_scale=scale, relative_err=ratio(err, scale, 6),
+                              tokens_off=off, match=off == 0)
+            except Exception as exc:
+                results.fail("moe_block", exc, tokens=tokens, experts_implementation=implementation)
+        del block
+        if torch_device == "cuda":
+            torch.cuda.empty_cache()
+    device.close()
+
+
+NEEDS_GPU = ("floor", "layer", "layers", "transformers")  # skipped with the probe's reason without a GPU
+PHASES = {"versions": phase_versions, "floor": phase_floor, "layer": phase_layer, "layers": phase_layers,
+          "correctness": phase_correctness, "transformers": phase_transformers}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", choices=[*PHASES, "table"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--crossover", choices=("max", "min"), default="max",
+                        help="layer: the GEMV/tiled crossover parameter at its maximum or minimum")
+    parser.add_argument("--fake", action="store_true", help="tiny shapes for the fake driver (sets "
+                                                            "COLIBRI_GPU_CHECK_FAKE=1 semantics)")
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bandwidth = copy_bandwidth()
-    print(f"device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write)")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="colibri-gpu-bench-") as tmp:
-        work = Path(tmp)
-        rows += bench_model("demo", write_demo_model(work / "demo.colibri", dtype="fp16"), work, bandwidth, args.iters)
-        if not args.skip_mixtral:
-            weights = mixtral_layer(work / "mixtral-layer.colibri")
-            rows += bench_model("mixtral-layer", weights, work, bandwidth, max(20, args.iters // 4))
-    header = f"{'model':<14} {'tokens':>6} {'graph ms':>9} {'eager ms':>9} {'eager/graph':>11} {'HF ms':>8} " \
-             f"{'HF/graph':>8} {'floor ms':>9} {'floor/graph':>11}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        hf = r["transformers_ms"]
-        hf_ms = "-" if hf is None else f"{hf:.3f}"
-        hf_ratio = "-" if hf is None else f"{hf / r['graph_ms']:.2f}"
-        lines.append(
-            f"{r['model']:<14} {r['tokens']:>6} {r['graph_ms']:>9.3f} {r['eager_ms']:>9.3f} "
-            f"{r['eager_ms'] / r['graph_ms']:>11.2f} {hf_ms:>8} {hf_ratio:>8} {r['floor_ms']:>9.3f} "
-            f"{r['floor_fraction']:>11.2f}"
-        )
-    table = "\n".join(lines)
-    print(table)
-    (out / "gpu_bench.json").write_text(json.dumps({"copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}, indent=2) + "\n")
-    (out / "gpu_bench.txt").write_text(table + "\n")
+    if args.phase == "table":
+        from table import print_table
+
+        return print_table(out)
+    if args.fake and not FAKE:
+        parser.error("--fake needs COLIBRI_GPU_CHECK_FAKE=1 in the environment (scripts/gpu_check.sh --fake sets it)")
+    results = Results(out, args.phase)
+    t = time.monotonic()
+    try:
+        if args.phase in NEEDS_GPU:
+            from colibri_sdk.runtime.driver import probe_driver
+
+            ok, reason = probe_driver()
+            if not ok:
+                results.write("gpu", "skip", reason=f"no usable CUDA GPU: {reason}")
+                return 0
+        if args.phase == "layer":
+            phase_layer(results, out, args.crossover)
+        else:
+            PHASES[args.phase](results, out)
+    except Exception as exc:
+        results.fail("error", exc)
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    finally:
+        print(f"[{args.phase}] {time.monotonic() - t:.1f} s", flush=True)
     return 0
 
 

@@ -33,7 +33,7 @@ RESULTS = ROOT / "bench" / "results" / "top_k_bench.txt"
 def build(out: Path, k: int | None) -> Path:
     from colibri_sdk.cli import main
 
-    args = ["build", "--profile", "orin", "-o", str(out)] + ([] if k is None else ["--top-k", str(k)])
+    args = ["build", "--profile", "orin", "--demo", "-o", str(out)] + ([] if k is None else ["--top-k", str(k)])
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(args) == 0, f"build {args} failed"
     return out

@@ -7,10 +7,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 source scripts/setup_env.sh build
 out="${1:-bundles/orin-demo}"
-# Small matrix products on the CPU backend run fastest with one BLAS thread (docs/runtime.md).
-export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# No BLAS thread variable is needed: the CPU backend chooses its BLAS threads itself (docs/runtime.md).
 set -x
-colibri-sdk build --profile profiles/orin.yaml -o "$out"
+colibri-sdk build --profile profiles/orin.yaml --demo -o "$out" --force
 colibri-sdk inspect "$out"
 colibri-sdk verify "$out"
 colibri-sdk run "$out" --iters 50

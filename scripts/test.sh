@@ -14,5 +14,10 @@ if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
     echo "note: sshd is not installed and this is not root: deploy tests will be skipped (apt-get install openssh-server)"
   fi
 fi
+# libcolibri (tests/c_runtime) needs OpenSSL's libcrypto headers; cmake is optional (scripts/c_runtime.sh falls back to cc)
+if [ ! -f /usr/include/openssl/evp.h ] && [ "$(id -u)" = 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq libssl-dev >/dev/null
+fi
 source scripts/setup_env.sh all
 python -m pytest -q -ra "$@"

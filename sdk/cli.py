@@ -2,12 +2,21 @@
 parses its arguments, calls the library, prints, and returns an exit code.
 
 Exit codes: 0 success, 1 a ColibriError (message printed to stderr), 2 bad usage (argparse).
+
+Every subcommand takes `-q/--quiet` and `-v/--verbose` (added here, so they are spelled the same everywhere and
+reach each command as `args.quiet` / `args.verbose`). The library never prints: its notices go through `logging`
+(loggers under "colibri_sdk") and this module shows them on stderr as `colibri-sdk: MESSAGE`:
+
+    default    notices (INFO) and warnings; progress bars on stderr when stderr is a terminal
+    -q         warnings and errors only; no progress bars
+    -v         also debug lines (DEBUG), e.g. the time of each build step
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from . import __version__
@@ -27,6 +36,48 @@ EXTRAS = {
 }
 
 
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    """-q/--quiet and -v/--verbose (mutually exclusive). An option a subcommand already defines is left as it is."""
+    group = parser.add_mutually_exclusive_group()
+    for flags, help_text in (
+        (("-q", "--quiet"), "no progress bars and no notices (warnings and errors are still shown)"),
+        (("-v", "--verbose"), "also show debug lines"),
+    ):
+        try:
+            group.add_argument(*flags, action="store_true", help=help_text)
+        except argparse.ArgumentError:
+            pass
+
+
+class _NoticeFormatter(logging.Formatter):
+    """`colibri-sdk: MESSAGE` for notices, `colibri-sdk: warning: MESSAGE` (error, debug) for the other levels."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.levelno != logging.INFO:
+            text = f"{record.levelname.lower()}: {text}"
+        return f"colibri-sdk: {text}"
+
+
+def configure_logging(quiet: bool = False, verbose: bool = False) -> logging.Handler:
+    """Show the library's log records on stderr (level: WARNING with quiet, DEBUG with verbose, else INFO).
+
+    Returns:
+        The handler added to the "colibri_sdk" logger (replacing one an earlier call added); the caller removes it.
+    """
+    logger = logging.getLogger("colibri_sdk")
+    for old in [h for h in logger.handlers if getattr(h, "_colibri_cli", False)]:
+        logger.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._colibri_cli = True
+    handler.setFormatter(_NoticeFormatter())
+    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
+    handler.setLevel(level)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    return handler
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="colibri-sdk",
@@ -36,12 +87,25 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"colibri_sdk.commands.{name}").register(sub)
+    for subparser in sub.choices.values():
+        add_common_options(subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    logger = logging.getLogger("colibri_sdk")
+    level = logger.level
+    handler = configure_logging(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", False))
+    try:
+        return _run(args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except ColibriError as exc:

@@ -11,6 +11,11 @@ Per layer and token x (hidden,) — docs/format.md, "Semantics":
 
 `gate(x) = W_gate @ x` with W_gate (intermediate, hidden), as transformers' `nn.Linear` (no bias).
 The computation is vectorised by expert: the tokens routed to one expert are gathered and multiplied together.
+
+v2 files (docs/format.md, "Semantics v2") add: sigmoid scores, a router bias, a selection-only correction bias,
+group-limited selection, renormalisation, routed_scaling_factor; expert biases and the clamped SwiGLU of gpt-oss;
+shared experts (optionally sigmoid-gated); int8/int4 matrices, dequantized exactly (colibri_sdk.format.quant) for
+the selected experts only.
 """
 
 from __future__ import annotations
@@ -20,8 +25,15 @@ import os
 import numpy as np
 
 from .errors import InputError
-from .format import ColibriFile, Header
-from .format.constants import COMPOSITION_RESIDUAL, ROUTING_SOFTMAX_TOPK
+from .format import ColibriFile, Header, HeaderV2
+from .format.constants import (
+    ACTIVATION_CLAMPED_SWIGLU,
+    COMPOSITION_RESIDUAL,
+    GROUP_SCORE_MAX,
+    ROUTING_SIGMOID_TOPK,
+    ROUTING_SOFTMAX_TOPK,
+    ROUTING_TOPK_SOFTMAX,
+)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -57,6 +69,87 @@ def topk_route(logits: np.ndarray, top_k: int, routing: int) -> tuple[np.ndarray
     return indices, weights
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)); exp overflow for very negative x gives the exact 0 limit."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis (max-shifted)."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def select_topk(
+    scores: np.ndarray, top_k: int, n_group: int = 1, topk_group: int = 1, group_score: int = 0
+) -> np.ndarray:
+    """The top_k experts per token, optionally limited to the best topk_group of n_group expert groups.
+
+    Args:
+        scores: (tokens, num_experts) selection scores.
+        top_k: experts per token.
+        n_group, topk_group: groups of num_experts / n_group consecutive experts; 1, 1 = no limit.
+        group_score: 1 = a group's score is its largest score (DeepSeek-V2 `group_limited_greedy`); 2 = the sum of
+            its two largest (DeepSeek-V3 `noaux_tc`).
+
+    Returns:
+        (tokens, top_k) int64 indices, larger score first, ties towards the lower expert (and group) index; the
+        experts of the groups not kept are excluded (transformers masks them, at -inf in DeepSeek-V3).
+    """
+    if n_group > 1:
+        tokens, experts = scores.shape
+        grouped = scores.reshape(tokens, n_group, experts // n_group)
+        if group_score == GROUP_SCORE_MAX:
+            gscore = grouped.max(axis=-1)
+        else:
+            top2 = -np.sort(-grouped, axis=-1)[:, :, :2]
+            gscore = top2[:, :, 0] + top2[:, :, 1]
+        keep = np.argsort(-gscore, axis=-1, kind="stable")[:, :topk_group]
+        mask = np.zeros((tokens, n_group), bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        scores = np.where(np.repeat(mask, experts // n_group, axis=1), scores, -np.inf)
+    # A stable sort of -score keeps equal scores in index order: ties go to the lower expert index.
+    return np.argsort(-scores, axis=-1, kind="stable")[:, :top_k]
+
+
+def route_v2(
+    logits: np.ndarray, header: HeaderV2, correction_bias: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Routing of a v2 file (docs/format.md, "Semantics v2").
+
+    Args:
+        logits: (tokens, num_experts) router logits z = x @ R (+ router bias), float32 or float64.
+        header: the file's HeaderV2 (routing, norm_topk, n_group, topk_group, group_score, routed_scaling_factor).
+        correction_bias: (num_experts,) added to the sigmoid scores for selection only (DeepSeek-V3
+            `e_score_correction_bias`), or None.
+
+    Returns:
+        indices (tokens, top_k) int64 and weights (tokens, top_k) in the logits' dtype.
+    """
+    if header.routing == ROUTING_TOPK_SOFTMAX:
+        indices = select_topk(logits, header.top_k)
+        weights = softmax(np.take_along_axis(logits, indices, axis=-1))
+    else:
+        scores = softmax(logits) if header.routing == ROUTING_SOFTMAX_TOPK else sigmoid(logits)
+        choice = scores if correction_bias is None else scores + correction_bias.astype(scores.dtype)
+        indices = select_topk(choice, header.top_k, header.n_group, header.topk_group, header.group_score)
+        weights = np.take_along_axis(scores, indices, axis=-1)
+        if header.norm_topk:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    if header.routed_scaling_factor != 1.0:
+        weights = weights * weights.dtype.type(header.routed_scaling_factor)
+    return indices, weights
+
+
+def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float, alpha: float) -> np.ndarray:
+    """gpt-oss's activation (transformers `GptOssExperts._apply_gate`): gate = min(gate, limit),
+    up = clip(up, -limit, limit), gate · sigmoid(alpha · gate) · (up + 1)."""
+    gate = np.minimum(gate, gate.dtype.type(limit))
+    up = np.clip(up, -up.dtype.type(limit), up.dtype.type(limit))
+    return gate * sigmoid(gate * gate.dtype.type(alpha)) * (up + 1)
+
+
 class ReferenceEngine:
     """Runs a .colibri model with NumPy.
 
@@ -82,6 +175,7 @@ class ReferenceEngine:
         self.compute_dtype = np.dtype(compute_dtype)
         if self.compute_dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
             raise InputError(f"compute_dtype {self.compute_dtype}; allowed: float32, float64")
+        self.v2 = isinstance(self.header, HeaderV2)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.forward(x)
@@ -129,9 +223,54 @@ class ReferenceEngine:
 
     def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Router logits → (indices, weights), each (tokens, top_k). x: (tokens, hidden) in the compute dtype."""
-        router = self.file.router(layer).astype(self.compute_dtype, copy=False)
+        dt = self.compute_dtype
+        router = self.file.router(layer).astype(dt, copy=False)
         logits = x @ router
-        return topk_route(logits, self.header.top_k, self.header.routing)
+        if not self.v2:
+            return topk_route(logits, self.header.top_k, self.header.routing)
+        h = self.header
+        if h.router_bias:
+            logits = logits + self.file.vector("router_bias", layer).astype(dt)
+        correction = self.file.vector("correction_bias", layer) if h.correction_bias else None
+        return route_v2(logits, h, correction)
+
+    def _matrix(self, kind: str, layer: int, expert: int) -> np.ndarray:
+        """One expert matrix in the compute dtype: exact dequantization of int8/int4, widening of fp16."""
+        w = self.file.weight(kind, layer, expert)
+        return w.astype(self.compute_dtype, copy=False)
+
+    def expert(self, layer: int, expert: int, x: np.ndarray) -> np.ndarray:
+        """One routed expert on x (tokens, hidden) → (tokens, hidden), with its biases and activation."""
+        dt = self.compute_dtype
+        gate = x @ self._matrix("gate_proj", layer, expert).T
+        up = x @ self._matrix("up_proj", layer, expert).T
+        v2 = self.v2
+        if v2 and self.header.expert_bias:
+            gate = gate + self.file.vector("gate_bias", layer)[expert].astype(dt)
+            up = up + self.file.vector("up_bias", layer)[expert].astype(dt)
+        if v2 and self.header.activation == ACTIVATION_CLAMPED_SWIGLU:
+            hidden = clamped_swiglu(gate, up, self.header.swiglu_limit, self.header.swiglu_alpha)
+        else:
+            hidden = silu(gate) * up
+        y = hidden @ self._matrix("down_proj", layer, expert).T
+        if v2 and self.header.expert_bias:
+            y = y + self.file.vector("down_bias", layer)[expert].astype(dt)
+        return y
+
+    def shared(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """The shared experts' output on x (tokens, hidden) (zeros when the file has none), gate applied."""
+        h = self.header
+        out = np.zeros_like(x)
+        if not self.v2 or not h.num_shared_experts:
+            return out
+        for s in range(h.num_shared_experts):
+            gate = x @ self._matrix("shared_gate_proj", layer, s).T
+            up = x @ self._matrix("shared_up_proj", layer, s).T
+            out += (silu(gate) * up) @ self._matrix("shared_down_proj", layer, s).T
+        if h.shared_gate:
+            g = x @ self.file.vector("shared_expert_gate", layer).astype(self.compute_dtype)
+            out *= sigmoid(g)[:, None]
+        return out
 
     def layer(self, layer: int, x: np.ndarray) -> np.ndarray:
         """One MoE layer on x (tokens, hidden) in the compute dtype → (tokens, hidden)."""
@@ -142,17 +281,13 @@ class ReferenceEngine:
             indices, dropped = apply_capacity(indices, weights, self.header.num_experts, self.capacity, self.valid)
             self.dropped += dropped
         out = np.zeros_like(x)
-        dt = self.compute_dtype
-        for expert in np.unique(indices[indices >= 0]):
+        for expert in np.unique(indices[indices >= 0]):  # a pair dropped by capacity has expert -1
             tokens, slots = np.nonzero(indices == expert)
-            xs = x[tokens]
-            gate = self.file.tensor("gate_proj", layer, int(expert)).astype(dt, copy=False)
-            up = self.file.tensor("up_proj", layer, int(expert)).astype(dt, copy=False)
-            down = self.file.tensor("down_proj", layer, int(expert)).astype(dt, copy=False)
-            hidden = silu(xs @ gate.T) * (xs @ up.T)
-            y = hidden @ down.T
+            y = self.expert(layer, int(expert), x[tokens])
             # Each (token, expert) pair occurs once, so this scatter has no duplicate indices.
             out[tokens] += weights[tokens, slots][:, None] * y
+        if self.v2 and self.header.num_shared_experts:
+            out += self.shared(layer, x)
         return out
 
     def close(self) -> None:

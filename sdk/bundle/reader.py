@@ -54,7 +54,9 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "files": list,
     DIGEST_KEY: str,
 }
-OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list}
+# `buffers` (scratch buffer name → bytes) and `io_buffers` ({"input", "output"[, "valid_tokens"]} → buffer name) are
+# what the C runtime (sdk/libcolibri) allocates and copies through; the Python backend derives them from the catalogue.
+OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list, "buffers": dict, "io_buffers": dict}
 # weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
 HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
 # kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.aot.nvrtc), all integers.
@@ -73,12 +75,14 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(canonical_json(body)).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 (hex) of a file, read in 1 MiB chunks."""
+def file_sha256(path: Path, progress=None) -> str:
+    """sha256 (hex) of a file, read in 1 MiB chunks; `progress(n)`, if given, is called with each chunk's size."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return digest.hexdigest()
 
 
@@ -151,8 +155,12 @@ class Bundle:
             bundle.verify(raw)
         return bundle
 
-    def verify(self, raw_manifest: bytes | None = None) -> None:
+    def verify(self, raw_manifest: bytes | None = None, progress=None) -> None:
         """Check the manifest's canonical form and digest, then every listed file's size and sha256.
+
+        Args:
+            progress: optional `progress(step, done_bytes, total_bytes)` (colibri_sdk.bundle.writer.Progress),
+                called with step "sha256" while the files are hashed.
 
         Raises:
             BundleError: naming the first file that differs, is missing, or is not listed.
@@ -171,6 +179,12 @@ class Bundle:
                 f"{self.manifest[DIGEST_KEY]}; the manifest was changed after the build"
             )
         listed = set()
+        total, done = sum(entry["size"] for entry in self.manifest["files"]), [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            progress("sha256", done[0], total)
+
         for entry in self.manifest["files"]:
             rel = entry["path"]
             listed.add(rel)
@@ -180,7 +194,7 @@ class Bundle:
             size = full.stat().st_size
             if size != entry["size"]:
                 raise BundleError(f"{rel}: {size} bytes; the manifest records {entry['size']}")
-            digest = file_sha256(full)
+            digest = file_sha256(full, advance if progress is not None else None)
             if digest != entry["sha256"]:
                 raise BundleError(f"{rel}: sha256 {digest} differs from the manifest's {entry['sha256']}")
         for full in sorted(self.path.rglob("*")):
@@ -377,6 +391,10 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
         for key, t in (("path", str), ("sha256", str), ("size", int)):
             _expect(entry.get(key), t, f"files[{i}].{key}", where)
         check_relative(entry["path"], f"{where}: files[{i}].path")
+    for name, size in manifest.get("buffers", {}).items():
+        _expect(size, int, f"buffers.{name}", where)
+    for key, name in manifest.get("io_buffers", {}).items():
+        _expect(name, str, f"io_buffers.{key}", where)
     paths = [e["path"] for e in manifest["files"]]
     if paths != sorted(set(paths)):
         raise BundleError(f"{where}: files must be sorted by path without duplicates")

@@ -4,16 +4,24 @@ into a temporary folder and renamed into place. The layout and manifest keys: `c
 Reproducible: the same profile, weights, kernel sources and NVRTC give a byte-identical bundle (no timestamps or
 machine paths, sorted keys and files, a seeded self-test input, the expected output computed in float64 and stored
 as float32, so BLAS summation order cannot change a stored bit in practice).
+
+Memory does not grow with the weights: the weights are copied (and hashed on the way) in CHUNK_BYTES pieces,
+converted to another dtype one tensor at a time, and the self-test reads them in row chunks of at most CHUNK_BYTES
+(as float64), each mapped only while it is read, so no more than one chunk of the file is resident at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
 import os
 import shutil
 import tarfile
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -34,6 +42,10 @@ from ..format.writer import tensor_order
 from ..aot.kernels import CompiledKernel, compile_catalog
 from ..aot.nvrtc import nvrtc_version
 from .top_k import apply_top_k
+from ..blas import blas_threads
+from ..reference import silu, topk_route
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.colibri"
 SELFTEST_SEED = 20261130
@@ -42,6 +54,12 @@ SELFTEST_MIN_MARGIN = 1e-3  # smallest gap between the k-th and (k+1)-th router 
 # Self-test tolerances per dtype: |actual - expected| <= atol + rtol * |expected|. The expected output is exact
 # (float64) on the stored weights; the GPU accumulates in fp32, and fp16 profiles may round activations to fp16.
 SELFTEST_TOLERANCE = {"fp32": (1e-4, 1e-4), "fp16": (1e-2, 1e-2)}
+PROFILE_DTYPE = {code: name for name, code in DTYPE_CODES.items()}  # header dtype code -> "fp16" | "fp32"
+CHUNK_BYTES = 8 << 20  # the most bytes of weights (copy) or of float64 weights (self-test) held at a time
+
+Progress = Callable[[str, int, int], None]
+"""`progress(step, done, total)`: `done` of `total` bytes of the build step `step` ("weights", "sha256",
+"self-test") are finished. Called repeatedly with `done` growing; a step starts again at 0 under a new name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,45 +71,152 @@ class BuildResult:
         manifest: its manifest.
         kernels: the compiled kernels (logs included), in catalogue order.
         archive: the .tar written next to the folder, or None.
+        source_dtype: the storage dtype of the weights given ("fp16" | "fp32"); it differs from the manifest's
+            dtype when the build converted them to the profile's dtype.
     """
 
     path: Path
     manifest: dict
     kernels: list[CompiledKernel]
     archive: Path | None = None
+    source_dtype: str = ""
+
+    @property
+    def converted(self) -> bool:
+        """The weights were converted to the profile's storage dtype (fp32 → fp16 rounds every value)."""
+        return bool(self.source_dtype) and self.source_dtype != self.manifest["dtype"]
+
+
+def _no_progress(step: str, done: int, total: int) -> None:
+    pass
 
 
 # ---- weights --------------------------------------------------------------------------------------------------------
-def prepare_weights(source: Path, dtype: str, target: Path) -> Header:
+def copy_with_sha256(source: Path, target: Path, progress: Progress = _no_progress, step: str = "weights") -> str:
+    """Copy `source` to `target` in CHUNK_BYTES pieces (one buffer, reused) and return the sha256 (hex) of what
+    was written, so the bundle's largest file is read once for both.
+
+    Raises:
+        OSError: reading or writing failed.
+    """
+    total = source.stat().st_size
+    digest = hashlib.sha256()
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    done = 0
+    progress(step, 0, total)
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        while True:
+            n = src.readinto(buffer)
+            if not n:
+                break
+            digest.update(view[:n])
+            dst.write(view[:n])
+            done += n
+            progress(step, done, total)
+    return digest.hexdigest()
+
+
+def sha256_with_progress(path: Path, progress: Progress = _no_progress, step: str = "sha256") -> str:
+    """sha256 (hex) of a file, read in CHUNK_BYTES pieces, reporting progress."""
+    total = path.stat().st_size
+    digest = hashlib.sha256()
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    done = 0
+    progress(step, 0, total)
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+            done += n
+            progress(step, done, total)
+    return digest.hexdigest()
+
+
+def prepare_weights(source: Path, dtype: str, target: Path, progress: Progress = _no_progress) -> tuple[Header, str]:
     """Put the weights into the bundle in the profile's dtype: copied when the dtype matches, else converted
-    tensor by tensor.
+    tensor by tensor (each source tensor mapped only while it is converted).
 
     Returns:
-        The header of the bundle's weights.
+        (the header of the bundle's weights, the sha256 of the copied file or "" when converted).
 
     Raises:
         FormatError: the source is not a valid .colibri file, or converting to fp16 overflows (|x| > 65504).
     """
     with ColibriFile(source) as src:
         header = src.header
-        code = DTYPE_CODES[dtype]
-        if header.dtype == code:
-            shutil.copyfile(source, target)
-            return header
-        out = dataclasses.replace(header, dtype=code)
+    code = DTYPE_CODES[dtype]
+    if header.dtype == code:
         try:
-            with ColibriWriter(target, out) as writer:
-                for kind, layer, expert in tensor_order(out):
+            digest = copy_with_sha256(source, target, progress)
+        except OSError as exc:
+            raise FormatError(f"cannot copy {source} into the bundle: {exc.strerror or exc}") from exc
+        with ColibriFile(target) as copied:  # what was copied, checked again (the source may have changed)
+            return copied.header, digest
+    out = dataclasses.replace(header, dtype=code)
+    log.debug("converting %s from %s to the profile's %s", source, PROFILE_DTYPE[header.dtype], dtype)
+    total, done = header.data_size, 0
+    progress("weights", 0, total)
+    try:
+        with ColibriWriter(target, out) as writer:
+            for kind, layer, expert in tensor_order(out):
+                # A fresh mapping per tensor: the source's pages leave the resident set when it is closed.
+                with ColibriFile(source) as src:
                     writer.write(kind, layer, expert, src.tensor(kind, layer, expert))
-        except FormatError as exc:
-            raise FormatError(f"{source} → {dtype} for the profile: {exc}; use a profile with dtype: fp32") from None
-    return out
+                rows, cols = header.shape(kind)
+                done += rows * cols * header.itemsize
+                progress("weights", done, total)
+    except FormatError as exc:
+        raise FormatError(f"{source} → {dtype} for the profile: {exc}; use a profile with dtype: fp32") from None
+    return out, ""
 
 
 # ---- self-test ------------------------------------------------------------------------------------------------------
-def reference_with_margin(weights: ColibriFile, x: np.ndarray) -> tuple[np.ndarray, float]:
-    """The reference engine's forward pass in float64, and the smallest gap between the k-th and (k+1)-th largest
-    router logit over all tokens and layers (inf when top_k == num_experts).
+class _RowChunks:
+    """Row chunks of a .colibri file's tensors as float64, each chunk read through a mapping opened and closed for
+    it alone, so at most one chunk of the file is resident at a time (the page cache keeps the rest for the OS)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with ColibriFile(path) as f:
+            self.header = f.header
+
+    def read(self, kind: str, layer: int, expert: int | None, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop-1 of one tensor, float64 (a copy)."""
+        with ColibriFile(self.path) as f:
+            view = f.tensor(kind, layer, expert)[start:stop]
+            rows = view.astype(np.float64)
+            del view
+        return rows
+
+    def chunks(self, kind: str) -> list[tuple[int, int]]:
+        """(start, stop) row ranges of a `kind` tensor, each at most CHUNK_BYTES as float64."""
+        rows, cols = self.header.shape(kind)
+        step = max(1, CHUNK_BYTES // (cols * 8))
+        return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _expert_forward(weights: _RowChunks, layer: int, expert: int, xs: np.ndarray) -> np.ndarray:
+    """One SwiGLU expert in float64 on xs (n, hidden): down(silu(gate(xs)) * up(xs)), as in colibri_sdk.reference,
+    with gate/up read in chunks of intermediate rows and down in chunks of hidden rows."""
+    h = weights.header
+    act = np.empty((xs.shape[0], h.intermediate_size), dtype=np.float64)
+    for start, stop in weights.chunks("gate_proj"):
+        gate = weights.read("gate_proj", layer, expert, start, stop)
+        up = weights.read("up_proj", layer, expert, start, stop)
+        act[:, start:stop] = silu(xs @ gate.T) * (xs @ up.T)
+    y = np.empty((xs.shape[0], h.hidden_size), dtype=np.float64)
+    for start, stop in weights.chunks("down_proj"):
+        y[:, start:stop] = act @ weights.read("down_proj", layer, expert, start, stop).T
+    return y
+
+
+def reference_with_margin(
+    weights: _RowChunks, x: np.ndarray, progress: Progress = _no_progress, step: str = "self-test"
+) -> tuple[np.ndarray, float]:
+    """The reference engine's forward pass (docs/format.md, "Semantics"; colibri_sdk.reference) in float64, read
+    in chunks, and the smallest gap between the k-th and (k+1)-th largest router logit over all tokens and layers
+    (inf when top_k == num_experts).
 
     Args:
         x: (batch, tokens, hidden) float32.
@@ -99,45 +224,66 @@ def reference_with_margin(weights: ColibriFile, x: np.ndarray) -> tuple[np.ndarr
     Returns:
         (output float64 of x's shape, margin).
     """
-    from ..reference import ReferenceEngine
-
     h = weights.header
-    engine = ReferenceEngine(weights, compute_dtype=np.float64)
-    state = engine.check_input(x)
+    state = x.reshape(-1, h.hidden_size).astype(np.float64)
+    expert_bytes = sum(int(np.prod(h.shape(k))) for k in ("gate_proj", "up_proj", "down_proj")) * h.itemsize
+    total, done = h.num_layers * h.num_experts * expert_bytes, 0
+    progress(step, 0, total)
     margin = np.inf
     for layer in range(h.num_layers):
+        logits = state @ weights.read("router", layer, None, 0, h.hidden_size)
         if h.top_k < h.num_experts:
-            logits = np.sort(state @ weights.router(layer).astype(np.float64), axis=-1)[:, ::-1]
-            margin = min(margin, float((logits[:, h.top_k - 1] - logits[:, h.top_k]).min()))
-        y = engine.layer(layer, state)
+            ordered = np.sort(logits, axis=-1)[:, ::-1]
+            margin = min(margin, float((ordered[:, h.top_k - 1] - ordered[:, h.top_k]).min()))
+        indices, routing = topk_route(logits, h.top_k, h.routing)
+        y = np.zeros_like(state)
+        for expert in range(h.num_experts):
+            tokens, slots = np.nonzero(indices == expert)
+            if tokens.size:
+                # Each (token, expert) pair occurs once, so this scatter has no duplicate indices.
+                y[tokens] += routing[tokens, slots][:, None] * _expert_forward(weights, layer, expert, state[tokens])
+            done += expert_bytes
+            progress(step, done, total)
         state = state + y if h.composition == COMPOSITION_RESIDUAL else y
     return state.reshape(x.shape), margin
 
 
-def selftest_vectors(weights_path: Path, batch: int, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+def selftest_vectors(
+    weights_path: Path, batch: int, tokens: int, progress: Progress = _no_progress
+) -> tuple[np.ndarray, np.ndarray, int]:
     """A seeded input and the reference engine's output for it.
 
     The input is N(0, 1) from NumPy's PCG64 with seed SELFTEST_SEED + attempt, for the first attempt whose router
     logits leave a gap of at least SELFTEST_MIN_MARGIN at the top-k boundary in every layer, so rounding
     differences between backends cannot flip an expert choice (else the attempt with the largest gap).
-    The output is computed in float64 and rounded to float32.
+    The output is computed in float64 and rounded to float32. Memory: CHUNK_BYTES of weights at a time.
 
     Returns:
         (input float32 (batch, tokens, hidden), output float32 (batch, tokens, hidden), seed used).
     """
-    with ColibriFile(weights_path) as weights:
-        hidden = weights.header.hidden_size
-        best = None
-        for attempt in range(SELFTEST_ATTEMPTS):
-            seed = SELFTEST_SEED + attempt
-            x = np.random.default_rng(seed).standard_normal((batch, tokens, hidden)).astype(np.float32)
-            y, margin = reference_with_margin(weights, x)
-            if best is None or margin > best[0]:
-                best = (margin, x, y, seed)
-            if margin >= SELFTEST_MIN_MARGIN:
-                break
+    weights = _RowChunks(Path(weights_path))
+    hidden = weights.header.hidden_size
+    with blas_threads(batch * tokens):
+        best = _search(weights, batch, tokens, hidden, progress)
     _, x, y, seed = best
     return x, y.astype(np.float32), seed
+
+
+def _search(weights: _RowChunks, batch: int, tokens: int, hidden: int, progress: Progress):
+    """(margin, input, output float64, seed) of the first self-test attempt with a margin, else the best."""
+    best = None
+    for attempt in range(SELFTEST_ATTEMPTS):
+        seed = SELFTEST_SEED + attempt
+        x = np.random.default_rng(seed).standard_normal((batch, tokens, hidden)).astype(np.float32)
+        step = "self-test" if attempt == 0 else f"self-test, input {attempt + 1}"
+        y, margin = reference_with_margin(weights, x, progress, step)
+        if best is None or margin > best[0]:
+            best = (margin, x, y, seed)
+        if margin >= SELFTEST_MIN_MARGIN:
+            break
+        log.debug("self-test input %d: router margin %.3g < %g; trying the next seed", attempt + 1, margin,
+                  SELFTEST_MIN_MARGIN)
+    return best
 
 
 # ---- manifest -------------------------------------------------------------------------------------------------------
@@ -175,19 +321,30 @@ def _kernel_entry(k: CompiledKernel, arch: str) -> dict:
 
 
 def make_manifest(
-    profile, header: Header, kernels: list[CompiledKernel], plan: list[dict], root: Path, selftest: dict,
+    profile,
+    header: Header,
+    kernels: list[CompiledKernel],
+    plan: list[dict],
+    root: Path,
+    selftest: dict,
+    digests: dict[str, str] | None = None,
     model_top_k: int | None = None,
 ) -> dict:
     """The manifest for the files already written under `root` (everything except manifest.json).
 
-    `model_top_k`: the source model's own k, recorded as `weights.model_top_k` (differs from the header's top_k
-    under a top-k override, sdk/bundle/top_k.py)."""
+    Args:
+        digests: sha256 already computed, by relative path (the weights, hashed while copied); the other files
+            are hashed here.
+        model_top_k: the source model's own k, recorded as `weights.model_top_k` (it differs from the header's
+            top_k under a top-k override, sdk/bundle/top_k.py).
+    """
     major, minor = nvrtc_version()
     pdict = profile.to_dict()
     files = []
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        files.append({"path": rel, "sha256": file_sha256(path), "size": path.stat().st_size})
+        digest = (digests or {}).get(rel) or file_sha256(path)
+        files.append({"path": rel, "sha256": digest, "size": path.stat().st_size})
     files.sort(key=lambda e: e["path"])
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -204,6 +361,8 @@ def make_manifest(
                     "model_top_k": header.top_k if model_top_k is None else int(model_top_k)},
         "kernels": [_kernel_entry(k, profile.arch) for k in kernels],
         "launch": plan,
+        "buffers": catalog.device_buffers(pdict, header),
+        "io_buffers": catalog.io_buffers(header),
         "selftest": selftest,
         "files": files,
     }
@@ -213,21 +372,49 @@ def make_manifest(
 
 
 # ---- the build ------------------------------------------------------------------------------------------------------
-def _write_contents(root: Path, profile, weights: Path | None, kernel_dir: Path | None, workers: int):
-    """Write every bundle file under `root` and return (manifest, compiled kernels)."""
+class _Steps:
+    """Times each build step for the debug log."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def done(self, what: str) -> None:
+        now = time.perf_counter()
+        log.debug("%s in %.2f s", what, now - self.start)
+        self.start = now
+
+
+def _write_contents(
+    root: Path, profile, weights: Path | None, kernel_dir: Path | None, workers: int, progress: Progress
+) -> tuple[dict, list[CompiledKernel], str]:
+    """Write every bundle file under `root` and return (manifest, compiled kernels, the weights' source dtype)."""
     (root / "kernels").mkdir()
     (root / "selftest").mkdir()
     target = root / WEIGHTS_FILE
+    steps = _Steps()
+    digests = {}
     if weights is None:
         from ..demo import write_demo_model
 
         write_demo_model(target, dtype=profile.dtype)
         with ColibriFile(target) as written:
             header = written.header
+        source_dtype = profile.dtype
+        steps.done("weights: demo model written")
     else:
-        header = prepare_weights(Path(weights), profile.dtype, target)
+        header, digests[WEIGHTS_FILE] = prepare_weights(Path(weights), profile.dtype, target, progress)
+        with ColibriFile(weights) as src:
+            source_dtype = PROFILE_DTYPE[src.header.dtype]
+        verb = "copied" if source_dtype == profile.dtype else f"converted {source_dtype} → {profile.dtype}"
+        steps.done(f"weights: {header.file_size:,} bytes {verb}")
+        if not digests[WEIGHTS_FILE]:
+            digests[WEIGHTS_FILE] = sha256_with_progress(target, progress)
+            steps.done("weights: sha256")
     model_top_k = header.top_k
-    header = apply_top_k(target, header, profile.to_dict().get("top_k"), profile.source)
+    overridden = apply_top_k(target, header, profile.to_dict().get("top_k"), profile.source)
+    if overridden is not header:  # the header bytes changed: the digest taken while copying is stale
+        header = overridden
+        digests[WEIGHTS_FILE] = sha256_with_progress(target, progress)
     kernels = compile_catalog(profile, header, kernel_dir, workers=workers)
     plan = catalog.launch_plan(profile.to_dict(), header)
     check_launch_plan(plan, kernels, profile)
@@ -235,16 +422,19 @@ def _write_contents(root: Path, profile, weights: Path | None, kernel_dir: Path 
         entry = _kernel_entry(k, profile.arch)
         (root / entry["cubin"]).write_bytes(k.output.cubin)
         (root / entry["ptx"]).write_bytes(k.output.ptx)
+    steps.done(f"kernels: {len(kernels)} compiled with NVRTC ({workers} workers)")
     batch, tokens = profile.shape
-    x, expected, seed = selftest_vectors(target, batch, tokens)
+    x, expected, seed = selftest_vectors(target, batch, tokens, progress)
     np.save(root / "selftest" / "input.npy", x, allow_pickle=False)
     np.save(root / "selftest" / "output.npy", expected, allow_pickle=False)
+    steps.done(f"self-test: reference output computed (seed {seed})")
     rtol, atol = SELFTEST_TOLERANCE[profile.dtype]
     selftest = {"input": "selftest/input.npy", "output": "selftest/output.npy", "rtol": rtol, "atol": atol,
                 "seed": seed}
-    manifest = make_manifest(profile, header, kernels, plan, root, selftest, model_top_k)
+    manifest = make_manifest(profile, header, kernels, plan, root, selftest, digests, model_top_k)
     (root / MANIFEST).write_bytes(canonical_json(manifest))
-    return manifest, kernels
+    steps.done("manifest: written")
+    return manifest, kernels, source_dtype
 
 
 def _check_replaceable(out: Path) -> None:
@@ -315,6 +505,25 @@ def write_archive(folder: Path, archive: Path) -> Path:
     return archive
 
 
+def _check_force(out: Path, archive: bool, force: bool) -> None:
+    """Without `force`, refuse an existing bundle at `out` (an empty folder is used as it is) and an existing
+    `<out>.tar` when an archive is asked for; an archive path that is a folder, a symlink or a special file is
+    refused before anything is built, with `force` too.
+
+    Raises:
+        BundleError: naming what exists and that force (`--force`) replaces it (or why it is never replaced).
+    """
+    tar = out.with_name(out.name + ".tar")
+    if archive and (tar.is_symlink() or (tar.exists() and not tar.is_file())):  # never replaced, --force or not
+        raise BundleError(f"cannot write the archive {tar}: it exists and is not a regular file")
+    if force:
+        return
+    if out.is_dir() and not out.is_symlink() and any(out.iterdir()):
+        raise BundleError(f"{out} exists (a bundle); refusing to replace it without --force (or choose another -o)")
+    if archive and tar.exists():
+        raise BundleError(f"{tar} exists; refusing to replace the archive without --force (or choose another -o)")
+
+
 def build_bundle(
     profile,
     out: str | os.PathLike,
@@ -323,22 +532,30 @@ def build_bundle(
     kernel_dir: str | os.PathLike | None = None,
     archive: bool = False,
     workers: int = 2,
+    force: bool = False,
+    progress: Progress | None = None,
 ) -> BuildResult:
     """Build a bundle for `profile` into the folder `out`.
 
     Args:
         profile: a validated `colibri_sdk.profile.Profile` (toolchain checked).
-        out: the bundle folder; replaced if it holds an earlier bundle.
-        weights: a .colibri file; None = the embedded demo model (`colibri_sdk.demo`).
+        out: the bundle folder: a new path or an empty folder; an earlier bundle there is replaced only with
+            `force` (a folder that is not a bundle never is).
+        weights: a .colibri file (converted to the profile's dtype when it is stored in another; see
+            `BuildResult.converted`); None = the embedded demo model (`colibri_sdk.demo`).
         kernel_dir: folder of the kernel sources; default the packaged kernels/.
-        archive: also write `<out>.tar` (reproducible).
+        archive: also write `<out>.tar` (reproducible); an existing one is replaced only with `force`.
         workers: parallel NVRTC compilations.
+        force: replace an earlier bundle at `out` (and its archive).
+        progress: called as `progress(step, done_bytes, total_bytes)` during the steps that read or write the
+            weights ("weights", "sha256", "self-test"); see `Progress`.
 
     Raises:
         CompileError: NVRTC, the cubin's SM, spills, shared memory or the launch plan.
         FormatError: unreadable weights or fp16 overflow while converting.
-        BundleError: `out` exists and is not a bundle (or holds files its manifest does not list), has no file
-            name, or its parent folder cannot be created; the archive path is a folder or cannot be written.
+        BundleError: `out` exists and is not a bundle (or holds files its manifest does not list), or is a bundle
+            and `force` is False; has no file name, or its parent folder cannot be created; the archive path is
+            a folder or cannot be written, or exists and `force` is False.
     """
     out = Path(out)
     if out.name in ("", ".", ".."):
@@ -348,13 +565,20 @@ def build_bundle(
     except OSError as exc:
         raise BundleError(f"cannot create the folder {out.parent} for {out}: {exc.strerror}") from exc
     _check_replaceable(out)
+    _check_force(out, archive, force)
+    if weights is not None:
+        from ..format.support import check_kernel_support
+
+        check_kernel_support(weights, profile.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        manifest, kernels = _write_contents(tmp, profile, weights, kernel_dir, workers)
+        manifest, kernels, source_dtype = _write_contents(
+            tmp, profile, weights, kernel_dir, workers, progress or _no_progress
+        )
         tmp.chmod(0o755)
         _place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tar = write_archive(out, out.with_name(out.name + ".tar")) if archive else None
-    return BuildResult(out, manifest, kernels, tar)
+    return BuildResult(out, manifest, kernels, tar, source_dtype)

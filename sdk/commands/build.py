@@ -1,5 +1,5 @@
-"""`colibri-sdk build --profile orin [--weights model.colibri] [-o OUT] [--archive]`: compile the kernels for a
-device profile with NVRTC (no GPU needed) and write a bundle (docs/build.md)."""
+"""`colibri-sdk build --profile orin (--weights model.colibri | --demo) [-o OUT] [--force] [--archive]`: compile the
+kernels for a device profile with NVRTC (no GPU needed) and write a bundle (docs/build.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ def register(sub) -> None:
     p.add_argument(
         "--profile", required=True, help="a shipped profile name (orin, a100, rtx4090, h200) or a path to a .yaml file"
     )
-    p.add_argument("--weights", help="a .colibri file (default: the embedded demo model)")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--weights", help="a .colibri file (colibri-sdk convert)")
+    model.add_argument("--demo", action="store_true", help="build the embedded demo model instead of --weights")
     p.add_argument("-o", "--output", help="the bundle folder (default: bundles/<profile>)")
+    p.add_argument("--force", action="store_true", help="replace an earlier bundle (and its .tar) at the output")
     p.add_argument("--archive", action="store_true", help="also write <output>.tar (reproducible)")
     p.add_argument("--capacity-factor", type=float, metavar="F",
                    help="expert capacity C = ceil(tokens*k*F/experts) per expert and call (docs/runtime.md; CPU "
@@ -31,8 +34,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..bundle.writer import build_bundle
-    from .inspect import format_resources
     from ..profile import load_profile
+    from .inspect import format_resources
+    from .progress import StepBars
 
     start = time.perf_counter()
     profile = load_profile(args.profile)
@@ -51,7 +55,9 @@ def run(args) -> int:
 
         profile = Profile.from_dict({**profile.to_dict(), **overrides}, profile.source)
     out = Path(args.output) if args.output else Path("bundles") / profile.stem
-    result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive)
+    with StepBars(quiet=args.quiet, desc_prefix="build: ") as bars:
+        result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive,
+                              force=args.force, progress=bars)
     m = result.manifest
     h = m["weights"]["header"]
     print(
@@ -64,6 +70,9 @@ def run(args) -> int:
         f"({h['num_layers']} layers x {h['num_experts']} experts, top-{h['top_k']}, hidden {h['hidden_size']}, "
         f"intermediate {h['intermediate_size']})"
     )
+    if result.converted:
+        print(f"  dtype: the weights are stored as {result.source_dtype}; converted to the profile's {m['dtype']}"
+              + (" (every value rounded to fp16)" if m["dtype"] == "fp16" else ""))
     if m["weights"].get("model_top_k", h["top_k"]) != h["top_k"]:
         print(f"  top-k override: {h['top_k']} experts per token (the model's own k is {m['weights']['model_top_k']})")
     if m["profile"].get("capacity"):

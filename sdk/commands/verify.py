@@ -17,8 +17,11 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..bundle import Bundle
     from ..errors import BundleError
+    from .progress import StepBars
 
-    bundle = Bundle.open(args.bundle, verify=True)
+    bundle = Bundle.open(args.bundle, verify=False)
+    with StepBars(quiet=args.quiet, desc_prefix="verify: ") as bars:
+        bundle.verify(progress=bars)
     files = bundle.manifest["files"]
     print(f"{bundle.path}: schema {bundle.manifest['schema_version']}, {len(files)} files + manifest, checksums ok")
     if args.no_selftest:

@@ -39,6 +39,8 @@ class TensorInfo:
 
 # safetensors dtype → little-endian storage dtype; BF16 is read as its 16-bit pattern.
 _STORAGE = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4")}
+# Integer dtypes that quantized checkpoints use (MXFP4 blocks/scales: U8; compressed-tensors packs: I32, I64).
+_RAW_STORAGE = {"U8": np.dtype("u1"), "I8": np.dtype("i1"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"), **_STORAGE}
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:
@@ -202,25 +204,44 @@ class Checkpoint:
             ConvertError: an unknown name, a dtype outside SOURCE_DTYPES (quantised or integer checkpoints), an
                 index that is out of range or not one contiguous run, or a shard shorter than its header says.
         """
-        info = self.tensors.get(name)
-        if info is None:
-            raise ConvertError(f"tensor {name!r} is not in the checkpoint")
+        info = self._info(name)
         if info.dtype not in SOURCE_DTYPES:
             raise ConvertError(f"tensor {name!r} has dtype {info.dtype}; allowed: {', '.join(SOURCE_DTYPES)}")
-        storage = _STORAGE[info.dtype]
-        try:
-            start, shape = _byte_range(info.shape, storage.itemsize, index)
-        except ValueError as exc:
-            raise ConvertError(f"tensor {name!r} of shape {info.shape}: {exc}") from None
-        raw = np.empty(shape, dtype=storage)
-        fh = self._handle(info.file)
-        fh.seek(info.offset + start)
-        if fh.readinto(memoryview(raw).cast("B")) != raw.nbytes:
-            raise ConvertError(f"{info.file.name}: tensor {name!r} is cut short (file shorter than its header says)")
+        raw = self._read(info, _STORAGE[info.dtype], index)
         if info.dtype == "BF16":
             # bfloat16 is the upper half of a float32: widen the bit pattern (exact).
             return (raw.astype(np.uint32) << 16).view(np.float32)
         return raw.astype(np.float32, copy=False)
+
+    def read_raw(self, name: str, index: tuple | int | None = None, allowed: tuple[str, ...] = ("U8",)) -> np.ndarray:
+        """Read a tensor (or a contiguous part, as `read`) in its stored dtype, e.g. uint8 MXFP4 blocks or int32
+        compressed-tensors packs; BF16 comes back as its uint16 bit pattern.
+
+        Raises:
+            ConvertError: as `read`, or a dtype outside `allowed`.
+        """
+        info = self._info(name)
+        if info.dtype not in allowed:
+            raise ConvertError(f"tensor {name!r} has dtype {info.dtype}; allowed: {', '.join(allowed)}")
+        return self._read(info, _RAW_STORAGE[info.dtype], index)
+
+    def _info(self, name: str) -> TensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise ConvertError(f"tensor {name!r} is not in the checkpoint")
+        return info
+
+    def _read(self, info: TensorInfo, storage: np.dtype, index) -> np.ndarray:
+        try:
+            start, shape = _byte_range(info.shape, storage.itemsize, index)
+        except ValueError as exc:
+            raise ConvertError(f"tensor {info.name!r} of shape {info.shape}: {exc}") from None
+        raw = np.empty(shape, dtype=storage)
+        fh = self._handle(info.file)
+        fh.seek(info.offset + start)
+        if fh.readinto(memoryview(raw).cast("B")) != raw.nbytes:
+            raise ConvertError(f"{info.file.name}: tensor {info.name!r} is cut short (file shorter than its header says)")
+        return raw
 
     def _handle(self, path: Path):
         if self._file is None or self._open_path != path:

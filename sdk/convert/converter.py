@@ -1,9 +1,12 @@
-"""Hugging Face MoE checkpoint → .colibri, streamed tensor by tensor.
+"""Hugging Face MoE checkpoint (or GGUF file) → .colibri, streamed tensor by tensor.
 
-The converter reads config.json (family, sizes, routing), plans where every .colibri tensor comes from
-(layout.py), then writes the file in format order through ColibriWriter, reading one source tensor (or one
-expert's slice of a fused tensor) at a time. Peak memory is a few copies of one tensor; it does not grow with the
-checkpoint.
+The converter reads the model description (families.py for config.json, gguf_model.py for GGUF metadata), plans
+where every .colibri tensor comes from (layout.py), chooses the file's storage, then writes the file in format
+order through ColibriWriter, reading one source tensor (or one expert of a fused tensor) at a time. Peak memory is
+a few copies of one tensor; it does not grow with the checkpoint.
+
+The file is v1 when the model needs nothing v1 cannot hold (float weights, every layer MoE, no shared expert, no
+bias, softmax routing without groups or scaling) and v2 otherwise (docs/format.md).
 """
 
 from __future__ import annotations
@@ -16,18 +19,42 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConvertError, FormatError
-from ..format import ColibriWriter, Header
-from ..format.constants import COMPOSITION_NAMES, DTYPE_CODES, FP16_MAX
-from ..profile import DTYPES
-from .checkpoint import INDEX_FILE, Checkpoint
-from .families import ModelSpec, model_spec
-from .layout import Layout, plan
+from ..format import ColibriWriter, Header, HeaderV2, QuantizedTensor, quantize_rtn
+from ..format.constants import (
+    ACTIVATION_CLAMPED_SWIGLU,
+    COMPOSITION_NAMES,
+    FP16_MAX,
+    GROUP_SCORE_MAX,
+    GROUP_SCORE_NONE,
+    GROUP_SCORE_TOP2_SUM,
+    GROUP_SIZES,
+    QUANT_CODES,
+    QUANT_FLOAT,
+    QUANT_INT8,
+    ROUTING_SIGMOID_TOPK,
+    ROUTING_SOFTMAX_TOPK,
+    ROUTING_TOPK_SOFTMAX,
+)
+from .checkpoint import Checkpoint
+from .families import ModelSpec
+from .layout import Layout, Source
+from .source import Model, open_model
+
+DTYPE_CHOICES = ("auto", "fp16", "fp32", "int8", "int4")
+GROUP_SIZE_CHOICES = (0, 32, 64, 128)
+DEFAULT_GROUP_SIZE = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvertReport:
-    """What a conversion did. bytes_written: size of the .colibri file; seconds: wall time;
-    clamped: values clamped to ±65504 (only with clamp_fp16)."""
+    """What a conversion did.
+
+    bytes_written: size of the .colibri file; seconds: wall time; clamped: values clamped to ±65504 (only with
+    clamp_fp16); storage: "fp16", "fp32", "int8 g128", ... ; imported: quantized tensors copied without
+    re-quantizing; quantized: tensors quantized by round-to-nearest; quant_error: kind → max |w − dequant(q(w))| /
+    max |w| over the tensors of that kind (round-to-nearest only); left_out: model layer → why it is not in the
+    file; notes: facts the file does not hold.
+    """
 
     path: Path
     header: Header
@@ -38,6 +65,12 @@ class ConvertReport:
     bytes_written: int
     seconds: float
     clamped: int
+    storage: str = "fp16"
+    imported: int = 0
+    quantized: int = 0
+    quant_error: dict = dataclasses.field(default_factory=dict)
+    left_out: dict = dataclasses.field(default_factory=dict)
+    notes: tuple = ()
 
     @property
     def mb_per_s(self) -> float:
@@ -45,32 +78,147 @@ class ConvertReport:
 
 
 def inspect_checkpoint(folder: str | os.PathLike) -> tuple[Checkpoint, ModelSpec, Layout]:
-    """Open a checkpoint and plan its conversion without reading any tensor data.
+    """Open a checkpoint folder (or GGUF file) and plan its conversion without reading any weights.
+
+    Returns:
+        (model, spec, layout): the opened source (a Checkpoint-like object), its ModelSpec and Layout.
 
     Raises:
-        ConvertError: see Checkpoint, model_spec and layout.plan.
+        ConvertError: see Checkpoint, model_spec, layout.plan and the GGUF reader.
     """
-    checkpoint = Checkpoint(folder)
-    spec = model_spec(checkpoint.config)
-    layout = plan(checkpoint.tensors, spec)
-    return checkpoint, spec, layout
+    model = open_model(folder)
+    return model, model.spec, model.layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """The file's expert-matrix storage: quant (format code), group_size, zero_points, dtype ("fp16"/"fp32": the
+    float weights, or the scales of int8/int4), import_codes (copy the source's codes instead of quantizing)."""
+
+    quant: int
+    group_size: int
+    zero_points: bool
+    dtype: str
+    import_codes: bool
+
+    @property
+    def name(self) -> str:
+        if self.quant == QUANT_FLOAT:
+            return self.dtype
+        group = "per-row" if self.group_size == 0 else f"g{self.group_size}"
+        scales = "" if self.dtype == "fp16" else ", fp32 scales"
+        zeros = ", zero points" if self.zero_points else ""
+        return f"{'int8' if self.quant == QUANT_INT8 else 'int4'} {group}{scales}{zeros}"
+
+
+def choose_storage(model: Model, dtype: str, group_size: int | None) -> Storage:
+    """The storage for `dtype` ("auto": the source's own — fp16 for float checkpoints, the source's int8/int4
+    layout for pre-quantized ones).
+
+    Raises:
+        ConvertError: a dtype or group size outside the allowed sets; a pre-quantized source asked for another
+            integer storage (no re-quantizing: say auto, or fp16/fp32 to dequantize).
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ConvertError(f"dtype {dtype!r}; allowed: {', '.join(DTYPE_CHOICES)}")
+    native = model.native_storage()  # None (float source) or (quant, group_size, zero_points, bits label)
+    if dtype in ("fp16", "fp32"):
+        if group_size is not None:
+            raise ConvertError(f"--group-size {group_size} with --dtype {dtype}; allowed only with int8 or int4")
+        return Storage(QUANT_FLOAT, 0, False, dtype, False)
+    if dtype == "auto" and native is None:
+        if group_size is not None:
+            raise ConvertError(f"--group-size {group_size} needs --dtype int8 or int4")
+        return Storage(QUANT_FLOAT, 0, False, "fp16", False)
+    if native is not None:
+        quant, size, zeros = native
+        if dtype != "auto" and QUANT_CODES[dtype] != quant or group_size not in (None, size):
+            have = Storage(quant, size, zeros, "fp16", True).name
+            raise ConvertError(
+                f"{model.spec.family}: the checkpoint's experts are already {have}; re-quantizing is refused; "
+                f"allowed: --dtype auto (kept as {have}), fp16 or fp32 (dequantized)"
+            )
+        scale_dtype = "fp16" if model.scales_fit_fp16() else "fp32"
+        return Storage(quant, size, zeros, scale_dtype, True)
+    quant = QUANT_CODES[dtype]
+    size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    if size not in GROUP_SIZES[quant]:
+        raise ConvertError(
+            f"--group-size {size} with --dtype {dtype}; allowed: {', '.join(map(str, GROUP_SIZES[quant]))}"
+            + (" (0 = one group per row)" if quant == QUANT_INT8 else "")
+        )
+    return Storage(quant, size, False, "fp16", False)
+
+
+def _needs_v2(spec: ModelSpec, storage: Storage) -> bool:
+    r = spec.router
+    v1_routing = r.scoring == "softmax" and r.n_group == 1 and r.scaling == 1.0 and not r.bias and not r.correction_bias
+    return bool(
+        storage.quant != QUANT_FLOAT or spec.dense_layers or spec.shared is not None or spec.expert.bias
+        or spec.expert.activation != "silu" or not v1_routing or spec.extra_layers
+    )
+
+
+def _routing(spec: ModelSpec) -> tuple[int, int]:
+    """(routing code, norm_topk) of the format for the model's router."""
+    r = spec.router
+    if r.scoring == "sigmoid":
+        return ROUTING_SIGMOID_TOPK, int(r.renormalize)
+    if r.order == "topk_softmax" or (r.renormalize and r.n_group == 1):
+        return ROUTING_TOPK_SOFTMAX, 0
+    return ROUTING_SOFTMAX_TOPK, int(r.renormalize)
+
+
+def build_header(spec: ModelSpec, storage: Storage, composition: int) -> Header:
+    """The .colibri header for a model and a storage (v1 when nothing needs v2)."""
+    routing, norm = _routing(spec)
+    dtype = 1 if storage.dtype == "fp16" else 0
+    common = dict(
+        num_layers=len(spec.moe_layers), num_experts=spec.num_experts, top_k=spec.top_k,
+        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, dtype=dtype, routing=routing,
+        composition=composition,
+    )
+    try:
+        if not _needs_v2(spec, storage):
+            return Header(**common)
+        r, e = spec.router, spec.expert
+        scores = {"max": GROUP_SCORE_MAX, "top2_sum": GROUP_SCORE_TOP2_SUM}
+        return HeaderV2(
+            **common, quant=storage.quant, group_size=storage.group_size, zero_points=int(storage.zero_points),
+            norm_topk=norm, n_group=r.n_group, topk_group=r.topk_group,
+            group_score=GROUP_SCORE_NONE if r.n_group == 1 else scores[r.group_score],
+            router_bias=int(r.bias), correction_bias=int(r.correction_bias),
+            num_shared_experts=0 if spec.shared is None else 1,
+            shared_intermediate_size=0 if spec.shared is None else spec.shared.intermediate_size,
+            shared_gate=int(spec.shared is not None and spec.shared.gated), expert_bias=int(e.bias),
+            activation=ACTIVATION_CLAMPED_SWIGLU if e.activation == "swiglu_clamped" else 0,
+            swiglu_limit=e.limit if e.activation == "swiglu_clamped" else 0.0,
+            swiglu_alpha=e.alpha if e.activation == "swiglu_clamped" else 0.0,
+            num_model_layers=spec.num_layers, layer_map=tuple(spec.moe_layers), routed_scaling_factor=r.scaling,
+        )
+    except FormatError as exc:
+        raise ConvertError(f"{spec.family}: {exc}") from exc
 
 
 def convert(
     folder: str | os.PathLike,
     output: str | os.PathLike,
     *,
-    dtype: str = "fp16",
+    dtype: str = "auto",
+    group_size: int | None = None,
     clamp_fp16: bool = False,
     composition: str = "residual",
     progress: bool | None = None,
 ) -> ConvertReport:
-    """Convert a Hugging Face MoE checkpoint folder to a .colibri file.
+    """Convert a Hugging Face MoE checkpoint folder (or a GGUF file) to a .colibri file.
 
     Args:
-        folder: checkpoint folder (config.json + safetensors, single or sharded).
+        folder: checkpoint folder (config.json + safetensors, single or sharded), or a `.gguf` file.
         output: the .colibri path to write (written as `<output>.partial`, renamed when complete).
-        dtype: "fp16" | "fp32", the storage dtype.
+        dtype: "auto" (default: fp16 for float checkpoints, the source's own int8/int4 layout for pre-quantized
+            ones, copied without re-quantizing), "fp16" | "fp32" (float storage; quantized sources dequantized,
+            exactly in fp32), "int8" | "int4" (round-to-nearest from float checkpoints, with `group_size`).
+        group_size: 0 (int8 only: per row), 32, 64, 128 (default 128) for int8/int4.
         clamp_fp16: clamp values beyond ±65504 instead of refusing them (fp16 only).
         composition: "residual" (x + moe(x), the decoder's residual stream; default) or "sequential".
         progress: show a tqdm bar (None: only on a terminal).
@@ -79,55 +227,54 @@ def convert(
         A ConvertReport.
 
     Raises:
-        ConvertError: unsupported model or feature, missing/extra/mis-shaped tensor, source dtype, fp16 overflow
-            (naming the tensor and the count), non-finite weights, unwritable output.
+        ConvertError: unsupported model or feature (naming the model type first, with what would work),
+            missing/extra/mis-shaped tensor, source dtype, fp16 overflow (naming the tensor and the count),
+            non-finite weights, unwritable output.
     """
-    if dtype not in DTYPES:
-        raise ConvertError(f"dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     modes = {name: code for code, name in COMPOSITION_NAMES.items()}
     if composition not in modes:
         raise ConvertError(f"composition {composition!r}; allowed: {', '.join(modes)}")
+    if dtype not in DTYPE_CHOICES:
+        raise ConvertError(f"dtype {dtype!r}; allowed: {', '.join(DTYPE_CHOICES)}")
     output = Path(output)
     if output.name in ("", ".", ".."):
         raise ConvertError(f"output {str(output)!r} is not a file path; allowed: a path ending in a file name")
     if not output.parent.is_dir():
         raise ConvertError(f"output folder {output.parent} does not exist")
     start = time.perf_counter()
-    checkpoint, spec, layout = inspect_checkpoint(folder)
-    _refuse_overwriting_source(checkpoint, output)
-    header = Header(
-        num_layers=spec.num_layers,
-        num_experts=spec.num_experts,
-        top_k=spec.top_k,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        dtype=DTYPE_CODES[dtype],
-        routing=spec.routing,
-        composition=modes[composition],
-    )
-    clamped = _stream(checkpoint, header, layout, output, clamp_fp16=clamp_fp16, progress=progress)
-    sources = {s.name for s in layout.sources.values()}
+    model = open_model(folder)
+    try:
+        _refuse_overwriting_source(model, output)
+        storage = choose_storage(model, dtype, group_size)
+        header = build_header(model.spec, storage, modes[composition])
+        stats = _stream(model, header, storage, output, clamp_fp16=clamp_fp16, progress=progress)
+    finally:
+        model.close()
     return ConvertReport(
         path=output,
         header=header,
-        family=spec.family,
-        layout=layout.style,
-        source_dtypes=tuple(sorted({checkpoint.tensors[n].dtype for n in sources})),
-        tensors=len(layout.sources),
+        family=model.spec.family,
+        layout=model.layout.style,
+        source_dtypes=model.source_dtypes(),
+        tensors=len(model.layout.sources),
         bytes_written=header.file_size,
         seconds=time.perf_counter() - start,
-        clamped=clamped,
+        clamped=stats["clamped"],
+        storage=storage.name,
+        imported=stats["imported"],
+        quantized=stats["quantized"],
+        quant_error=stats["error"],
+        left_out=model.layout.left_out,
+        notes=model.spec.notes,
     )
 
 
-def _refuse_overwriting_source(checkpoint: Checkpoint, output: Path) -> None:
-    """Refuse an output path that is one of the checkpoint's own files (its weights, index or config.json): the
+def _refuse_overwriting_source(model: Model, output: Path) -> None:
+    """Refuse an output path that is one of the source's own files (its weights, index or config.json): the
     rename at the end of the conversion would replace it."""
     if not output.exists():
         return
-    sources = {info.file for info in checkpoint.tensors.values()}
-    sources |= {checkpoint.folder / "config.json", checkpoint.folder / INDEX_FILE}
-    for source in sorted(sources):
+    for source in sorted(model.files()):
         try:
             same = source.exists() and os.path.samefile(source, output)
         except OSError:
@@ -139,32 +286,76 @@ def _refuse_overwriting_source(checkpoint: Checkpoint, output: Path) -> None:
             )
 
 
-def _stream(checkpoint: Checkpoint, header: Header, layout: Layout, output: Path, *, clamp_fp16: bool, progress) -> int:
-    """Write every tensor in format order; return the number of values clamped to ±65504."""
+def _matrix(model: Model, storage: Storage, source: Source, kind: str, stats: dict):
+    """One expert matrix in the file's storage: a float array, or a QuantizedTensor."""
+    if storage.quant == QUANT_FLOAT:
+        return model.read_float(source)
+    scale_dtype = np.float16 if storage.dtype == "fp16" else np.float32
+    if storage.import_codes and model.is_quantized(source):
+        codes = model.read_codes(source)
+        if codes.bits != (8 if storage.quant == QUANT_INT8 else 4) or codes.group_size != storage.group_size:
+            raise ConvertError(
+                f"{model.spec.family}: tensor {source.label!r} is {codes.bits}-bit with group size "
+                f"{codes.group_size}; the other expert matrices are {storage.name}; allowed: one scheme for every "
+                f"expert matrix, or --dtype fp16/fp32 (dequantized)"
+            )
+        _check_scales(codes.scales, scale_dtype, source, model)
+        stats["imported"] += 1
+        packed = codes.int4_rows is not None
+        return QuantizedTensor(
+            codes=codes.int4_rows if packed else codes.codes, scales=codes.scales.astype(scale_dtype),
+            zeros=codes.zeros, cols=codes.cols, group_size=codes.group_size, quant=storage.quant, packed=packed,
+        )
+    weight = model.read_float(source)
+    try:
+        t = quantize_rtn(weight, storage.quant, storage.group_size, scale_dtype)
+    except FormatError as exc:
+        raise ConvertError(f"{source.label}: {exc}") from exc
+    stats["quantized"] += 1
+    amax = float(np.abs(weight).max()) if weight.size else 0.0
+    if amax > 0:
+        err = float(np.abs(t.dequantize() - weight).max()) / amax
+        stats["error"][kind] = max(stats["error"].get(kind, 0.0), err)
+    return t
+
+
+def _check_scales(scales: np.ndarray, dtype, source: Source, model: Model) -> None:
+    with np.errstate(over="ignore"):
+        if not np.array_equal(scales.astype(dtype).astype(np.float32), scales):
+            raise ConvertError(
+                f"{model.spec.family}: scales of {source.label!r} are not exact in {np.dtype(dtype).name}"
+            )
+
+
+def _stream(model: Model, header: Header, storage: Storage, output: Path, *, clamp_fp16: bool, progress) -> dict:
+    """Write every tensor in format order; return counts (clamped, imported, quantized) and the RTN errors."""
     from tqdm import tqdm
 
-    fp16 = header.itemsize == 2
-    clamped = 0
+    stats = {"clamped": 0, "imported": 0, "quantized": 0, "error": {}}
+    v2 = isinstance(header, HeaderV2)
     try:
         writer = ColibriWriter(output, header, clamp_fp16=clamp_fp16)
     except FormatError as exc:
         raise ConvertError(str(exc)) from exc
-    bar = tqdm(total=header.data_size, unit="B", unit_scale=True, desc="convert", disable=None if progress is None else not progress)
+    pending = writer.pending()
+    bar = tqdm(total=len(pending), unit="tensor", desc="convert", disable=None if progress is None else not progress)
     try:
-        with writer, checkpoint:
-            for kind, layer, expert in writer.pending():
-                source = layout.sources[(kind, layer, expert)]
-                array = checkpoint.read(source.name, source.index)
-                if source.transpose:
-                    array = array.T
-                if fp16 and clamp_fp16:
-                    clamped += int(np.count_nonzero(np.abs(array) > FP16_MAX))
+        with writer:
+            for kind, layer, index in pending:
+                source = model.layout.sources[(kind, layer, index)]
+                if (header.is_matrix(kind) if v2 else kind != "router"):
+                    array = _matrix(model, storage, source, kind, stats)
+                else:
+                    array = model.read_float(source)
+                fp16_here = storage.quant == QUANT_FLOAT and storage.dtype == "fp16" and (not v2 or header.is_matrix(kind))
+                if clamp_fp16 and fp16_here:
+                    stats["clamped"] += int(np.count_nonzero(np.abs(array) > FP16_MAX))
                 try:
-                    writer.write(kind, layer, expert, array, name=source.label)
+                    writer.write(kind, layer, index, array, name=source.label)
                 except FormatError as exc:
-                    hint = " (convert with dtype fp32, or allow clamping: --clamp-fp16)" if "overflow" in str(exc) else ""
+                    hint = " (convert with --dtype fp32, or allow clamping: --clamp-fp16)" if "overflow float16" in str(exc) else ""
                     raise ConvertError(f"{exc}{hint}") from exc
-                bar.update(array.size * header.itemsize)
+                bar.update(1)
                 del array
     except OSError as exc:
         raise ConvertError(f"writing {output} failed: {exc.strerror or exc}") from exc
@@ -172,4 +363,4 @@ def _stream(checkpoint: Checkpoint, header: Header, layout: Layout, output: Path
         raise ConvertError(str(exc)) from exc
     finally:
         bar.close()
-    return clamped
+    return stats

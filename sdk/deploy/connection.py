@@ -17,6 +17,7 @@ from __future__ import annotations
 import getpass
 import logging
 import math
+import os
 import re
 import select
 import shlex
@@ -54,6 +55,10 @@ class Target:
         accept_new_host_key: store the key of a host not yet in known_hosts instead of refusing.
         connect_timeout: seconds for TCP connect, SSH banner and authentication each.
         command_timeout: seconds of silence after which a remote command is abandoned.
+        identities: IdentityFile entries of the SSH config, tried besides ssh-agent and ~/.ssh/id_* when
+            `identity` is None.
+        proxy_jump: the host to reach this one through (SSH config ProxyJump), or None.
+        alias: the SSH config Host alias this target was resolved from, or None.
     """
 
     host: str
@@ -64,6 +69,9 @@ class Target:
     accept_new_host_key: bool = False
     connect_timeout: float = 10.0
     command_timeout: float = 120.0
+    identities: tuple = ()
+    proxy_jump: "Target | None" = None
+    alias: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not HOST_PATTERN.fullmatch(self.host):
@@ -168,6 +176,7 @@ class Connection:
     def __init__(self, target: Target):
         self.target = target
         self.client = None
+        self.jump = None  # the Connection to the ProxyJump host, when there is one
 
     def __enter__(self) -> "Connection":
         return self.open()
@@ -191,42 +200,47 @@ class Connection:
         key_file = str(Path(t.identity).expanduser()) if t.identity else None
         if key_file:
             check_identity(t, key_file)
+        keys = [key_file] if key_file else [p for p in t.identities if Path(p).is_file()]
+        sock = self._jump_channel() if t.proxy_jump is not None else None
         try:
             client.connect(
-                t.host, port=t.port, username=t.login, key_filename=key_file,
-                look_for_keys=key_file is None, allow_agent=key_file is None,
+                t.host, port=t.port, username=t.login, key_filename=keys or None,
+                look_for_keys=key_file is None, allow_agent=key_file is None, sock=sock,
                 timeout=t.connect_timeout, banner_timeout=t.connect_timeout, auth_timeout=t.connect_timeout,
                 channel_timeout=t.connect_timeout, transport_factory=_transport_factory,
             )
         except paramiko.BadHostKeyException as exc:
-            client.close()
+            self._close_all(client)
             raise changed_key_error(known, host_entry_name(t.host, t.port), exc.key) from None
         except paramiko.PasswordRequiredException:
-            client.close()
+            self._close_all(client)
             raise AuthenticationError(f"{t.label}: key {key_file} is encrypted; load it into ssh-agent "
                                       f"(ssh-add) and leave out --identity") from None
         except paramiko.AuthenticationException as exc:
-            client.close()
-            tried = f"identity file {key_file}" if key_file else "ssh-agent and ~/.ssh/id_* keys"
-            raise AuthenticationError(f"{t.label}: authentication failed ({exc}); tried {tried}. "
-                                      f"Is the public key in the device's ~/.ssh/authorized_keys?") from None
+            self._close_all(client)
+            raise AuthenticationError(f"{t.label}: authentication failed ({exc}); tried {tried_keys(t, keys)}. "
+                                      f"Is the public key in the device's ~/.ssh/authorized_keys? Another key: "
+                                      f"-i KEY (--identity)") from None
         except (socket.timeout, TimeoutError):
-            client.close()
+            self._close_all(client)
             raise ConnectTimeoutError(f"{t.label}: connection timed out after {t.connect_timeout:g} s") from None
         except paramiko.ssh_exception.NoValidConnectionsError as exc:
-            client.close()
+            self._close_all(client)
             raise ConnectRefusedError(f"{t.label}: connection refused ({exc})") from None
         except ConnectionRefusedError:
-            client.close()
+            self._close_all(client)
             raise ConnectRefusedError(f"{t.label}: connection refused (nothing listens on port {t.port})") from None
         except socket.gaierror as exc:
-            client.close()
+            self._close_all(client)
             raise ConnectError(f"{t.label}: cannot resolve host {t.host!r} ({exc.strerror})") from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             transport = client.get_transport()
-            client.close()
+            self._close_all(client)
             if isinstance(exc, DeployError):
                 raise
+            if "No authentication methods available" in str(exc):
+                raise AuthenticationError(f"{t.label}: no key to offer: looked in {tried_keys(t, keys)} and found "
+                                          f"none usable; pass the private key with -i KEY (--identity)") from None
             if transport is not None and not transport.remote_version:
                 raise _no_banner_error(t, exc) from None
             raise ConnectError(f"{t.label}: SSH connection failed: {exc}") from None
@@ -237,6 +251,30 @@ class Connection:
         if self.client is not None:
             self.client.close()
             self.client = None
+        if self.jump is not None:
+            self.jump.close()
+            self.jump = None
+
+    def _close_all(self, client) -> None:
+        client.close()
+        if self.jump is not None:
+            self.jump.close()
+            self.jump = None
+
+    def _jump_channel(self):
+        """A direct-tcpip channel from the ProxyJump host to this target's host and port (what `ssh -J` opens)."""
+        import paramiko
+
+        t = self.target
+        self.jump = Connection(t.proxy_jump).open()
+        try:
+            return self.jump.client.get_transport().open_channel(
+                "direct-tcpip", (t.host, t.port), ("127.0.0.1", 0), timeout=t.connect_timeout)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.jump.close()
+            self.jump = None
+            raise ConnectError(f"{t.label}: the jump host {t.proxy_jump.label} cannot open a connection to "
+                               f"{t.host}:{t.port} ({exc})") from None
 
     def exec(self, argv):
         """Start `argv` on the device; returns the paramiko Channel (stdin writable, stdout/stderr readable)."""
@@ -258,6 +296,29 @@ class Connection:
         channel = self.exec(argv)
         channel.shutdown_write()
         return collect(channel, timeout or self.target.command_timeout, self.target.label, argv)
+
+    def run_shell(self, command: str, env: dict, timeout: float) -> CommandResult:
+        """Run the user's shell `command` with `sh -c` on the device, `env` set for it (through `env`, so the
+        server's AcceptEnv does not matter)."""
+        return self.run(["env", *(f"{k}={v}" for k, v in env.items()), "sh", "-c", command], timeout=timeout)
+
+
+DEFAULT_KEY_NAMES = ("id_rsa", "id_ecdsa", "id_ed25519", "id_dsa")
+
+
+def tried_keys(t: Target, keys) -> str:
+    """Where the keys offered came from, for an authentication error: the identity file, or ssh-agent, the SSH
+    config's IdentityFile entries and ~/.ssh/id_* (naming those that exist)."""
+    if t.identity:
+        return f"identity file {keys[0]}"
+    agent = os.environ.get("SSH_AUTH_SOCK")
+    parts = [f"ssh-agent ({agent})" if agent else "ssh-agent (not running: SSH_AUTH_SOCK is not set)"]
+    if t.identities:
+        parts.append("the ssh config's IdentityFile " + ", ".join(t.identities)
+                     + ("" if keys else " (none of them exists)"))
+    found = [f"~/.ssh/{n}" for n in DEFAULT_KEY_NAMES if Path(f"~/.ssh/{n}").expanduser().is_file()]
+    parts.append("~/.ssh/id_* (" + (", ".join(found) if found else "none there") + ")")
+    return "; ".join(parts)
 
 
 def check_identity(t: Target, key_file: str) -> None:

@@ -7,19 +7,26 @@
 3. stage     bundles/<id> built from hard links into the store; every file not hashed in step 2 is hashed
              now, so every file of the folder has been verified on the device (corrupt objects are re-sent)
 4. verify    with `verify=True`, `colibri-sdk verify --backend B bundles/<id>` runs on the device (the bundle's
-             self-test); its self-test line, which names the backend that ran it, is kept in the result
-5. switch    `current` → bundles/<id> by renaming a new symlink over it; old bundles beyond `keep` and
-             store objects no bundle links to are deleted
+             self-test, B = "cuda" unless verify_backend="cpu"); a pass on another backend than B fails; its
+             self-test line, which names the backend that ran it, is kept in the result
+5. switch    `current` → bundles/<id> by renaming a new symlink over it; the history gains <id>; bundles
+             beyond `keep` (besides current and previous) and store objects no bundle links to are deleted
+6. activate  with `on_activate` or `health_cmd`: the command, then the health check; on a failure the previous
+             bundle is current again (activation.py)
 
-Killing the deploy at any moment before step 5 leaves `current` and the bundle it names untouched.
+Before any of this the local bundle is opened with the runtime's own loader (`Bundle.open(verify=True)`): a
+bundle it refuses is never sent. Killing the deploy at any moment before step 5 leaves `current` and the bundle
+it names untouched.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 import time
 from dataclasses import dataclass, field
 
+from .activation import activate_and_check
 from .connection import Connection, Target
 from .errors import ChecksumMismatchError, DeployError, RemoteDiskFullError
 from .local_bundle import ID_HEX_DIGITS, LocalBundle
@@ -38,23 +45,30 @@ class DeployOptions:
 
     Attributes:
         remote_dir: store root on the device (`~` expands there).
-        keep: bundles kept on the device besides current and previous.
+        keep: bundles kept on the device besides current and previous (0: only those two).
         verify: run the bundle's self-test on the device before switching.
         remote_python: the device's Python (runs the store agent).
-        remote_colibri: the device's colibri-sdk command (runs `verify`).
-        verify_backend: `verify --backend` on the device: "auto" (CUDA, else the CPU), "cuda" or "cpu".
+        remote_colibri: the device's colibri-sdk command (runs `verify` and the default health check); None for
+            the venv `--install-runtime` recorded on the device, else "colibri-sdk".
+        verify_backend: the backend the self-test must run on: "cuda" (a bundle is built for a GPU; a fall back
+            to the CPU fails) or "cpu" (accept a check on the CPU).
         streams: upload channels used at once.
-        verify_timeout: seconds allowed for the remote self-test.
+        verify_timeout: seconds allowed for the remote self-test, the on-activate command and the health check.
+        on_activate: shell command run on the device after the switch (e.g. restart the service), or None.
+        health_cmd: shell command whose exit status 0 means healthy, run after on_activate; None for the
+            bundle's self-test on the device. The health check runs when either of the two is given.
     """
 
     remote_dir: str = DEFAULT_REMOTE_DIR
     keep: int = 3
     verify: bool = False
     remote_python: str = "python3"
-    remote_colibri: str = "colibri-sdk"
-    verify_backend: str = "auto"
+    remote_colibri: str | None = None
+    verify_backend: str = "cuda"
     streams: int = 2
     verify_timeout: float = 600.0
+    on_activate: str | None = None
+    health_cmd: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.remote_dir, str) or not self.remote_dir.strip():
@@ -63,21 +77,27 @@ class DeployOptions:
         if any(ord(c) < 32 or c == "\x7f" for c in self.remote_dir):
             raise DeployError(f"--remote-dir {self.remote_dir!r}: control characters (newline, tab, ...) are not "
                               f"allowed in the path")
-        if self.keep < 1:
-            raise DeployError(f"--keep {self.keep}: must keep at least 1 bundle")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 0:
+            raise DeployError(f"--keep {self.keep!r}: expected a whole number >= 0 (bundles kept besides current "
+                              f"and previous)")
         if self.streams < 1:
             raise DeployError(f"--streams {self.streams}: must be at least 1")
         if self.verify_backend not in VERIFY_BACKENDS:
             raise DeployError(f"--verify-backend {self.verify_backend!r}: must be one of {', '.join(VERIFY_BACKENDS)}")
+        for name in ("on_activate", "health_cmd"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise DeployError(f"--{name.replace('_', '-')} {value!r}: expected a shell command")
 
 
 @dataclass
 class DeployResult:
     """What one deploy did. Byte counts are payload bytes (file contents, manifest.json included) sent over SSH;
     `sent`, `resumed` and `retried` are bundle-relative paths (manifest.json among them when it was sent).
-    With --verify, `selftest` is the device's self-test line ("self-test passed on cpu: max abs err ..."),
+    With --verify, `selftest` is the device's self-test line ("self-test passed on cuda: max abs err ..."),
     `selftest_backend` the backend it names ("cuda", "cpu"; "" if none) and `verify_notes` the standard error
-    lines of `verify` (e.g. why it ran on the CPU)."""
+    lines of `verify` (e.g. why it ran on the CPU). `on_activate` and `health` say how those went ("" when not
+    run)."""
 
     host: str
     bundle_id: str
@@ -93,6 +113,17 @@ class DeployResult:
     selftest: str = ""
     selftest_backend: str = ""
     verify_notes: tuple = ()
+    on_activate: str = ""
+    health: str = ""
+
+
+def remote_colibri(options: DeployOptions, runtime: dict | None) -> str:
+    """The device's colibri-sdk command: --remote-colibri, else the recorded venv's, else "colibri-sdk"."""
+    if options.remote_colibri:
+        return options.remote_colibri
+    if runtime and isinstance(runtime.get("python"), str):
+        return shlex.join([runtime["python"], "-m", "colibri_sdk"])
+    return "colibri-sdk"
 
 
 def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions(), progress=None) -> DeployResult:
@@ -102,60 +133,71 @@ def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions()
         progress: called with byte counts as they are sent (e.g. a tqdm bar's `update`), or None.
 
     Raises:
-        BundleError: the local bundle is incomplete or its files do not match the manifest.
+        BundleError: the runtime's loader refuses the local bundle (checked before connecting).
         DeployError subclasses (errors.py): connection, host key, authentication, disk full, permission,
-            checksum mismatch, remote timeout, failed self-test. The active bundle is unchanged in every case.
+            checksum mismatch, remote timeout, failed self-test (the active bundle is unchanged in these cases);
+            HealthCheckError after the switch (the previous bundle is active again).
     """
     start = time.monotonic()
     bundle = LocalBundle.open(bundle_path)
-    objects = {}
-    for f in bundle.files:  # identical contents are one store object
-        objects.setdefault(f.sha256, f)
     result = DeployResult(target.label, bundle.bundle_id, total_bytes=bundle.total_bytes)
     with Connection(target) as conn:
         store = DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python))
-        plan = store.plan({sha: f.size for sha, f in objects.items()})
-        uploads = [Upload(f, plan.objects[sha].offset) for sha, f in objects.items()
-                   if plan.objects[sha].state != "stored"]
-        _check_space(target, plan, uploads)
-        if hasattr(progress, "add_total"):
-            progress.add_total(sum(u.file.size - u.offset for u in uploads))
-        uploader = Uploader(store.agent, options.streams, progress)
-        fresh = set()
-        keep_now = 0 if options.verify else options.keep  # without --verify, stage and switch in one call
-        for attempt in range(2):
-            report = uploader.upload(uploads)
-            _merge(result, report)
-            fresh |= {u.file.sha256 for u in uploads}
-            staged = store.stage(bundle.bundle_id, bundle.files, fresh, keep=keep_now,
-                                 timeout=target.command_timeout + bundle.total_bytes / HASH_BYTES_PER_S)
-            if not staged.corrupt:
-                break
-            if attempt == 1:
-                raise ChecksumMismatchError(
-                    f"{target.label}: store objects {', '.join(staged.corrupt)} failed their sha256 check on the "
-                    f"device twice; the active bundle was not changed")
-            # Stored objects that no longer match their sha256 (bit rot, tampering): deleted there, send again.
-            uploads = [Upload(objects[sha], 0) for sha in staged.corrupt]
-            result.retried += [objects[sha].path for sha in staged.corrupt]
-        result.remote_path = staged.path
-        switched = staged.answer
+        colibri, root, switched = _send_and_stage(store, bundle, target, options, progress, result)
         if options.verify:
-            report = run_verify(conn, options.remote_colibri, staged.path, options.verify_timeout,
-                                options.verify_backend)
+            report = run_verify(conn, colibri, result.remote_path, options.verify_timeout, options.verify_backend)
             result.selftest, result.selftest_backend, result.verify_notes = report.selftest, report.backend, \
                 report.notes
             switched = store.switch(bundle.bundle_id, options.keep)
         result.previous = switched.get("previous")
         result.changed = result.previous != bundle.bundle_id
+        if options.on_activate or options.health_cmd:
+            result.on_activate, result.health = activate_and_check(conn, store, bundle.bundle_id, root, options,
+                                                                   colibri, result.changed)
     result.seconds = time.monotonic() - start
     return result
 
 
-def rollback(target: Target, options: DeployOptions = DeployOptions(), to: str | None = None) -> dict:
-    """Switch `current` back to the previous bundle (or to bundle `to`) after re-hashing all its files.
+def _send_and_stage(store: DeviceStore, bundle: LocalBundle, target: Target, options: DeployOptions, progress,
+                    result: DeployResult) -> tuple:
+    """Steps 1-3 (and 5 at once without --verify). Returns (the device's colibri-sdk command, the store root, the
+    stage answer)."""
+    objects = {}
+    for f in bundle.files:  # identical contents are one store object
+        objects.setdefault(f.sha256, f)
+    plan = store.plan({sha: f.size for sha, f in objects.items()})
+    uploads = [Upload(f, plan.objects[sha].offset) for sha, f in objects.items()
+               if plan.objects[sha].state != "stored"]
+    _check_space(target, plan, uploads)
+    if hasattr(progress, "add_total"):
+        progress.add_total(sum(u.file.size - u.offset for u in uploads))
+    uploader = Uploader(store.agent, options.streams, progress)
+    fresh = set()
+    keep_now = -1 if options.verify else options.keep  # without --verify, stage and switch in one call
+    for attempt in range(2):
+        report = uploader.upload(uploads)
+        _merge(result, report)
+        fresh |= {u.file.sha256 for u in uploads}
+        staged = store.stage(bundle.bundle_id, bundle.files, fresh, keep=keep_now,
+                             timeout=target.command_timeout + bundle.total_bytes / HASH_BYTES_PER_S)
+        if not staged.corrupt:
+            break
+        if attempt == 1:
+            raise ChecksumMismatchError(
+                f"{target.label}: store objects {', '.join(staged.corrupt)} failed their sha256 check on the "
+                f"device twice; the active bundle was not changed")
+        # Stored objects that no longer match their sha256 (bit rot, tampering): deleted there, send again.
+        uploads = [Upload(objects[sha], 0) for sha in staged.corrupt]
+        result.retried += [objects[sha].path for sha in staged.corrupt]
+    result.remote_path = staged.path
+    return remote_colibri(options, plan.runtime), plan.root, staged.answer
 
-    Returns the agent's answer: {"current": id, "previous": id}.
+
+def rollback(target: Target, options: DeployOptions = DeployOptions(), to: str | None = None) -> dict:
+    """Step back one bundle in the device's history (or switch to bundle `to`) after re-hashing all its files.
+    Each rollback without `to` goes one further back: the current bundle leaves the history.
+
+    Returns the agent's answer: {"current": id, "previous": the id that was current, "history": [ids]}.
 
     Raises:
         DeployError: `to` is not a bundle id (lowercase hex digits), checked before connecting.

@@ -12,7 +12,11 @@
     │   ├── RemoteTimeoutError        a remote command ran past its timeout
     │   ├── RemoteDiskFullError       ENOSPC / EDQUOT on the device
     │   ├── RemotePermissionError     EACCES / EPERM / EROFS on the device
-    │   └── RemoteVerifyError         `colibri-sdk verify` failed on the device (the pointer was not switched)
+    │   ├── RuntimeInstallError       --install-runtime: a wheel is missing here, or the install failed there
+    │   ├── RemoteVerifyError         `colibri-sdk verify` failed on the device (the pointer was not switched),
+    │   │                             or ran on another backend than asked (a CPU fallback for a GPU bundle)
+    │   └── HealthCheckError          after the switch, --on-activate or the health check failed; the previous
+    │                                 bundle was made current again
     └── ChecksumMismatchError     a file's sha256 on the device differs from the manifest after upload
 """
 
@@ -34,6 +38,8 @@ __all__ = [
     "RemoteDiskFullError",
     "RemotePermissionError",
     "RemoteVerifyError",
+    "HealthCheckError",
+    "RuntimeInstallError",
     "ChecksumMismatchError",
 ]
 
@@ -94,6 +100,16 @@ class RemotePermissionError(RemoteCommandError):
 
 class RemoteVerifyError(RemoteCommandError):
     """The bundle's self-test failed on the device; the active bundle was left as it was."""
+
+
+class HealthCheckError(RemoteCommandError):
+    """After the switch, the --on-activate command or the health check failed; the previous bundle was made
+    current again (and --on-activate re-run for it)."""
+
+
+class RuntimeInstallError(RemoteCommandError):
+    """`--install-runtime` could not install the device runtime: wheels missing on this machine (each named, with
+    the `pip download` command that fetches them), or venv / pip failed on the device."""
 
 
 class ChecksumMismatchError(DeployError):

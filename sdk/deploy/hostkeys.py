@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
-import sys
 import threading
 from pathlib import Path
 
@@ -28,6 +28,7 @@ OPENSSH_KEY_NAMES = {"ssh-ed25519": "ED25519", "ssh-rsa": "RSA", "ssh-dss": "DSA
                      "ecdsa-sha2-nistp384": "ECDSA", "ecdsa-sha2-nistp521": "ECDSA"}
 
 _append_lock = threading.Lock()
+log = logging.getLogger(__name__)  # the OpenSSH-style notice of an added key (shown by the CLI)
 
 
 def host_entry_name(host: str, port: int) -> str:
@@ -65,7 +66,7 @@ class KnownHosts:
 
     def append(self, name: str, key: paramiko.PKey) -> None:
         """Add `name KEYTYPE BASE64` as one line at the end of the known_hosts file (created 0600 if missing),
-        and print OpenSSH's one-line notice on stderr."""
+        and log OpenSSH's one-line notice (INFO)."""
         with _append_lock:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -75,8 +76,7 @@ class KnownHosts:
                 f.write(f"{name} {key.get_name()} {key.get_base64()}\n")
             self.keys.add(name, key.get_name(), key)
         kind = OPENSSH_KEY_NAMES.get(key.get_name(), key.get_name())
-        print(f"Permanently added '{name}' ({kind}) to the list of known hosts ({self.path})", file=sys.stderr,
-              flush=True)
+        log.info("Permanently added '%s' (%s) to the list of known hosts (%s)", name, kind, self.path)
 
 
 class StrictHostKeyPolicy(paramiko.MissingHostKeyPolicy):

@@ -52,8 +52,12 @@ class HostResult:
     error: Exception | None = None
 
 
-def load_inventory(path, base: Target) -> list:
-    """Read a YAML inventory; each host's Target starts from `base` (the command-line flags).
+def load_inventory(path, base: Target, config=None, port_given: bool = True) -> list:
+    """Read a YAML inventory; each host's Target starts from `base` (the command-line flags), and what neither
+    gives comes from the SSH config `config` (sshconfig.load_config), as `ssh` would take it.
+
+    Args:
+        port_given: whether base.port came from the command line (else the config's Port may apply).
 
     Raises:
         DeployError: unreadable YAML, unknown keys (the allowed set is quoted), a field of the wrong type, no hosts,
@@ -94,7 +98,7 @@ def load_inventory(path, base: Target) -> list:
                               f"mapping")
         try:
             _check_types(fields)
-            host = _host(base, fields)
+            host = _host(base, fields, config, port_given)
         except DeployError as exc:
             raise DeployError(f"inventory {path}: hosts[{index}]: {exc}") from None
         if host.name in names:
@@ -128,11 +132,21 @@ def _check_keys(path, where: str, mapping, allowed: set) -> None:
         raise DeployError(f"inventory {path}: unknown key(s) {unknown} in {where}; allowed: {sorted(allowed)}")
 
 
-def _host(base: Target, fields: dict) -> InventoryHost:
+def _host(base: Target, fields: dict, config=None, port_given: bool = True) -> InventoryHost:
+    from .sshconfig import resolve
+
     changes = {k: fields[k] for k in ("user", "identity", "known_hosts") if fields.get(k) is not None}
     if fields.get("port") is not None:
         changes["port"] = fields["port"]
-    target = Target.parse(fields["spec"], **{**_fields(base), **changes})
+    merged = {**_fields(base), **changes}
+    if config is not None:
+        port = merged.pop("port") if (port_given or "port" in changes) else None
+        merged.pop("port", None)
+        user = merged.pop("user", None)
+        spec = fields["spec"] if user is None or "@" in fields["spec"] else f"{user}@{fields['spec']}"
+        target = resolve(spec, config, port=port, **merged)
+    else:
+        target = Target.parse(fields["spec"], **merged)
     name = str(fields.get("name") or target.label)
     return InventoryHost(name, target, fields.get("remote_dir"))
 

@@ -1,4 +1,4 @@
-"""Remote commands: the device-side agent (agent.py) run with the device's Python, and `colibri-sdk verify`.
+"""Remote commands: the device-side agent (the agent/ package) run with the device's Python, and `colibri-sdk verify`.
 
 Every command is an argv list turned into one shell line by `connection.command_line` (each argument
 `shlex.quote`d), so paths with spaces, quotes or `$` reach the device unchanged. Every command has a timeout.
@@ -8,9 +8,11 @@ here as a typed error (ENOSPC → RemoteDiskFullError, EACCES/EPERM/EROFS → Re
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shlex
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,10 +24,31 @@ DISK_FULL = {"ENOSPC", "EDQUOT"}
 PERMISSION = {"EACCES", "EPERM", "EROFS"}
 
 
+BOOTSTRAP = """import sys, types
+SOURCES = %r
+package = types.ModuleType("colibri_agent")
+package.__path__ = []
+sys.modules["colibri_agent"] = package
+for name, source in SOURCES:
+    module = types.ModuleType("colibri_agent." + name)
+    module.__package__ = "colibri_agent"
+    sys.modules[module.__name__] = module
+    exec(compile(source, "colibri_agent/" + name + ".py", "exec"), module.__dict__)
+sys.exit(sys.modules["colibri_agent.main"].main(sys.argv[1:]))
+"""
+
+
 @lru_cache(maxsize=1)
 def agent_source() -> str:
-    """The agent's Python source, sent as `python3 -c SOURCE`."""
-    return (Path(__file__).with_name("agent.py")).read_text(encoding="utf-8")
+    """The program sent as `python3 -c PROGRAM OP ROOT ARG...`: the agent package's modules (agent/, standard
+    library only), installed as the package `colibri_agent` in dependency order, then `main.main(argv)`. It
+    travels zlib-compressed (base64), about a third of its size, since every remote command carries it."""
+    from .agent.main import MODULES
+
+    folder = Path(__file__).with_name("agent")
+    sources = tuple((name, (folder / f"{name}.py").read_text(encoding="utf-8")) for name in MODULES)
+    packed = base64.b64encode(zlib.compress((BOOTSTRAP % (sources,)).encode("utf-8"), 9)).decode("ascii")
+    return f"import base64, zlib; exec(zlib.decompress(base64.b64decode({packed!r})))"
 
 
 class RemoteAgent:
@@ -85,7 +108,7 @@ class RemoteAgent:
         if result.exit_status != 0 or not isinstance(data, dict):
             raise RemoteCommandError(
                 f"{self.label}: remote {op} in {self.remote_dir!r} failed with exit status {result.exit_status}: "
-                f"{result.stderr_text.strip() or text or '(no output)'}", result.exit_status, result.stderr_text)
+                f"{device_error_line(result.stderr_text + chr(10) + text)}", result.exit_status, result.stderr_text)
         return data
 
 
@@ -103,7 +126,21 @@ def agent_error(label: str, remote_dir: str, op: str, error: dict, result: Comma
     return RemoteCommandError(text, result.exit_status, result.stderr_text)
 
 
-VERIFY_BACKENDS = ("auto", "cuda", "cpu")
+VERIFY_BACKENDS = ("cuda", "cpu")
+
+
+def device_error_line(output: str) -> str:
+    """The one line that says why a command failed on the device: `colibri-sdk ...: error: ...` when it printed
+    one, else the exception line that ends a Python traceback, else its last line; never the traceback."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if ": error: " in line:
+            return line
+    if any(line.startswith("Traceback (most recent call last)") for line in lines):
+        for line in reversed(lines):
+            if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", line):
+                return line
+    return lines[-1] if lines else "(no output)"
 
 
 @dataclass(frozen=True)
@@ -111,7 +148,7 @@ class VerifyReport:
     """What a passing `colibri-sdk verify` said on the device.
 
     Attributes:
-        selftest: its self-test line, e.g. "self-test passed on cpu: max abs err 0, ..." (the backend that ran
+        selftest: its self-test line, e.g. "self-test passed on cuda: max abs err 0, ..." (the backend that ran
             it is named there); "" when the command printed none.
         notes: its standard error lines (e.g. "colibri-sdk: running on the CPU backend: <why>"), at most 5.
     """
@@ -127,32 +164,47 @@ class VerifyReport:
 
 
 def run_verify(conn: Connection, colibri: str, bundle_path: str, timeout: float,
-               backend: str = "auto") -> VerifyReport:
-    """Run `COLIBRI verify --backend BACKEND BUNDLE_PATH` on the device (checksums, then the bundle's self-test).
+               backend: str = "cuda") -> VerifyReport:
+    """Run `colibri-sdk verify --backend BACKEND BUNDLE` on the device: checksums, schema, the self-test.
 
     Args:
-        colibri: the device's command, split like a shell would ("colibri-sdk", "python3 -m colibri_sdk").
-        backend: "auto" (CUDA when it works there, else the CPU), "cuda" (fail rather than fall back) or "cpu".
+        colibri: the device's colibri-sdk command, split like a shell would ("colibri-sdk",
+            "/home/u/colibri/venv/bin/python -m colibri_sdk").
+        backend: "cuda" (what a bundle for a GPU profile runs on; a fall back to the CPU fails the check) or
+            "cpu" (accept a check on the CPU).
 
     Raises:
-        RemoteVerifyError: non-zero exit; its stdout/stderr tail is quoted, and a command not found (exit 127,
-            or Python's "No module named colibri_sdk") is explained with --remote-colibri.
+        RemoteVerifyError: non-zero exit, relayed as the device's one error line (never its traceback); a
+            command not found (exit 127, or "No module named colibri_sdk") is explained with --remote-colibri and
+            --install-runtime; a pass on another backend than `backend`.
     """
     argv = [*shlex.split(colibri), "verify", "--backend", backend, bundle_path]
     result = conn.run(argv, timeout=timeout)
+    label = conn.target.label
     if result.exit_status != 0:
-        output = (result.stdout + result.stderr).decode("utf-8", "replace").strip()[-1500:]
+        output = (result.stdout + b"\n" + result.stderr).decode("utf-8", "replace")
         if result.exit_status == 127 or "No module named colibri_sdk" in output:
             raise RemoteVerifyError(
-                f"{conn.target.label}: {colibri!r} cannot run on the device (exit status {result.exit_status}): "
-                f"colibri-sdk is not on the PATH of a non-interactive SSH command there, or not installed. Pass the "
-                f"device's command with --remote-colibri, e.g. --remote-colibri '/opt/colibri/venv/bin/python -m "
-                f"colibri_sdk'; the active bundle was not changed:\n{output}", result.exit_status, result.stderr_text)
+                f"{label}: {colibri!r} cannot run on the device (exit status {result.exit_status}): colibri-sdk is "
+                f"not installed there, or not on the PATH of a non-interactive SSH command. Install it with "
+                f"--install-runtime, or pass the device's command with --remote-colibri, e.g. --remote-colibri "
+                f"'/opt/colibri/venv/bin/python -m colibri_sdk'; the active bundle was not changed",
+                result.exit_status, result.stderr_text)
         raise RemoteVerifyError(
-            f"{conn.target.label}: self-test of {bundle_path!r} failed (exit status {result.exit_status}); "
-            f"the active bundle was not changed:\n{output}", result.exit_status, result.stderr_text)
+            f"{label}: self-test of {bundle_path!r} on {backend} failed (exit status {result.exit_status}): "
+            f"{device_error_line(output)}; the active bundle was not changed", result.exit_status,
+            result.stderr_text)
     lines = result.stdout.decode("utf-8", "replace").splitlines()
     selftest = next((line.strip() for line in reversed(lines) if "self-test" in line), "")
-    selftest = selftest.removeprefix("self-test: ")  # `verify` prints "  self-test: self-test passed on ..."
+    if selftest.startswith("self-test: "):  # `verify` prints "  self-test: self-test passed on ..."
+        selftest = selftest[len("self-test: "):]
     notes = tuple(line.strip() for line in result.stderr_text.splitlines() if line.strip())[-5:]
-    return VerifyReport(selftest, notes)
+    report = VerifyReport(selftest, notes)
+    if report.backend != backend:
+        ran = f"ran on {report.backend}" if report.backend else "named no backend"
+        raise RemoteVerifyError(
+            f"{label}: the self-test of {bundle_path!r} {ran}, not on {backend}: the bundle was not checked on the "
+            f"backend it will run on" + (" (pass --verify-backend cpu to accept a check on the CPU)"
+                                         if backend == "cuda" else "")
+            + f"; the active bundle was not changed{': ' + notes[-1] if notes else ''}", 0, result.stderr_text)
+    return report

@@ -1,11 +1,12 @@
 """The content-addressed store on a device, seen from the deploying machine.
 
-The layout and the on-device logic are in agent.py (it runs there); this module gives typed answers:
+The layout and the on-device logic are in the agent/ package (it runs there); this module gives typed answers:
 
     REMOTE_DIR/store/<sha256>          verified file contents (read-only), `.partial` while uploading
     REMOTE_DIR/bundles/<id>/           bundle folders, hard links into the store
     REMOTE_DIR/current -> bundles/<id> the active bundle (switched by an atomic rename)
-    REMOTE_DIR/previous -> bundles/<id>
+    REMOTE_DIR/previous -> bundles/<id> the bundle before it in REMOTE_DIR/history (what `rollback` returns to)
+    REMOTE_DIR/runtime.json            the venv `--install-runtime` made (used by --verify and the health check)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Plan:
     root: str
     free_bytes: int
     objects: dict  # sha256 -> ObjectState
+    runtime: dict | None = None  # runtime.json: {"venv", "python", "colibri", "version", ...} or None
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class StoreStatus:
     store_bytes: int = 0
     partial: int = 0
     free_bytes: int = 0
+    history: tuple = ()  # activated bundle ids, oldest first, ending with current
+    runtime: dict | None = None
 
 
 class DeviceStore:
@@ -79,11 +83,12 @@ class DeviceStore:
         """`objects`: {sha256: size in bytes}."""
         answer = self.agent.call("plan", *(f"{sha}:{size}" for sha, size in objects.items()))
         states = {sha: ObjectState(v["state"], int(v["offset"])) for sha, v in answer["objects"].items()}
-        return Plan(answer["root"], int(answer["free"]), states)
+        return Plan(answer["root"], int(answer["free"]), states, answer.get("runtime"))
 
-    def stage(self, bundle_id: str, files, fresh, timeout: float, keep: int = 0) -> Staged:
+    def stage(self, bundle_id: str, files, fresh, timeout: float, keep: int = -1) -> Staged:
         """Build bundles/<bundle_id> from `files` (BundleFile list) and hash every file not in `fresh`; with
-        `keep` > 0 and nothing corrupt, also switch to it (as `switch`). The agent's full answer is `.answer`."""
+        `keep` >= 0 and nothing corrupt, also switch to it (as `switch`); `keep` -1 only stages. The agent's full
+        answer is `.answer`."""
         items = [f"{f.sha256}:{f.path}" for f in files]
         answer = self.agent.call("stage", bundle_id, ",".join(sorted(fresh)), keep, *items, timeout=timeout)
         return Staged(answer["path"], bool(answer["reused"]), tuple(answer["corrupt"]), answer)
@@ -93,8 +98,23 @@ class DeviceStore:
         return self.agent.call("switch", bundle_id, keep)
 
     def rollback(self, bundle_id: str | None, timeout: float) -> dict:
-        """Re-verify bundles/<bundle_id> (default: the previous one) and make it current."""
+        """Re-verify bundles/<bundle_id> (default: the one before current in the history, which current leaves)
+        and make it current. Returns {"current", "previous", "history"}."""
         return self.agent.call("rollback", *([bundle_id] if bundle_id else []), timeout=timeout)
+
+    def undo(self, bundle_id: str, timeout: float) -> dict:
+        """Take back the activation of `bundle_id` (still current): step back in the history, or leave no
+        bundle current when there is none before it. Returns {"current": id or None, "previous"}."""
+        return self.agent.call("undo", bundle_id, timeout=timeout)
+
+    def probe(self) -> dict:
+        """The device's machine, Python version, ABI, C library and PEP 508 markers (agent/runtime.py)."""
+        return self.agent.call("probe")
+
+    def install(self, venv: str, requirement: str, wheels, timeout: float) -> dict:
+        """Create/refresh the venv from the store objects `wheels` [(sha256, file name)] and record it."""
+        return self.agent.call("install", venv, requirement, *(f"{sha}:{name}" for sha, name in wheels),
+                               timeout=timeout)
 
     def status(self) -> StoreStatus:
         answer = self.agent.call("status")
@@ -106,4 +126,4 @@ class DeviceStore:
             for b in answer["bundles"])
         return StoreStatus(answer["root"], True, answer.get("current"), answer.get("previous"), bundles,
                            int(answer["store_objects"]), int(answer["store_bytes"]), int(answer["partial"]),
-                           int(answer["free"]))
+                           int(answer["free"]), tuple(answer.get("history") or ()), answer.get("runtime"))

@@ -1,6 +1,8 @@
 """The 64-byte .colibri header and the layout it implies (block offsets, tensor shapes, file size).
 
-All sizes are computed with Python integers, so no header value can overflow them.
+`Header` is a v1 header (0x0100); `HeaderV2` (0x0200, quantized weights and the MoE families) is a subclass whose
+first nine fields are v1's. `Header.unpack` returns whichever the bytes say. All sizes are computed with Python
+integers, so no header value can overflow them. Spec: docs/format.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .constants import (
     ROUTING_NAMES,
     U16_MAX,
     VERSION,
+    VERSION_2,
 )
 
 
@@ -55,7 +58,12 @@ class Header:
     def validate(self) -> None:
         """Raise FormatError naming the first field that is out of range."""
         if self.version != VERSION:
-            raise FormatError(f"unsupported version 0x{self.version:04x}; this reader supports 0x{VERSION:04x}")
+            if self.version == VERSION_2:
+                raise FormatError("version 0x0200 is a HeaderV2; Header holds v1 (0x0100) headers")
+            raise FormatError(f"unsupported version {_hex(self.version)}; this reader supports 0x0100, 0x0200")
+        self._validate_v1_fields(ROUTING_NAMES)
+
+    def _validate_v1_fields(self, routing_names: dict[int, str]) -> None:
         for name in ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 1 <= value <= U16_MAX:
@@ -68,8 +76,8 @@ class Header:
                 raise FormatError(f"{name} code {value!r}; allowed: an integer code")
         if self.dtype not in DTYPES:
             raise FormatError(f"dtype code {self.dtype!r}; allowed: {sorted(DTYPES)} ({DTYPE_NAMES})")
-        if self.routing not in ROUTING_NAMES:
-            raise FormatError(f"routing code {self.routing!r} (reserved bytes 18-19); allowed: {ROUTING_NAMES}")
+        if self.routing not in routing_names:
+            raise FormatError(f"routing code {self.routing!r} (reserved bytes 18-19); allowed: {routing_names}")
         if self.composition not in COMPOSITION_NAMES:
             raise FormatError(
                 f"composition code {self.composition!r} (reserved bytes 20-21); allowed: {COMPOSITION_NAMES}"
@@ -107,8 +115,12 @@ class Header:
         magic, version = fields[0], fields[1]
         if magic != MAGIC:
             raise FormatError(f"bad magic {magic!r}; expected {MAGIC!r}")
+        if version == VERSION_2:
+            from .header_v2 import HeaderV2
+
+            return HeaderV2.unpack(data)
         if version != VERSION:
-            raise FormatError(f"unsupported version 0x{version:04x}; this reader supports 0x{VERSION:04x}")
+            raise FormatError(f"unsupported version 0x{version:04x}; this reader supports 0x0100, 0x0200")
         rest = bytes(data[EXTENSION_END:HEADER_SIZE])
         if any(rest):
             first = next(i for i, b in enumerate(rest) if b) + EXTENSION_END
@@ -117,6 +129,22 @@ class Header:
                 f"(routing, composition) and requires bytes {EXTENSION_END}-{HEADER_SIZE - 1} to be zero"
             )
         return cls(*fields[2:], version=version)
+
+    @staticmethod
+    def prefix_size_of(data: bytes) -> int:
+        """Bytes before the first block for the header that starts `data` (at least 64 bytes): 64 for v1; for v2
+        the header, the layer map and its padding. Reads only the version and num_layers."""
+        version, layers = struct.unpack_from("<HH", data, 4)
+        if version == VERSION_2:
+            from .header_v2 import prefix_size
+
+            return prefix_size(layers)
+        return HEADER_SIZE
+
+    @property
+    def prefix_size(self) -> int:
+        """Bytes before the first block (v1: the 64-byte header)."""
+        return HEADER_SIZE
 
     # ---- layout -----------------------------------------------------------------------------------------------
     @property
@@ -199,3 +227,7 @@ class Header:
             "routing": ROUTING_NAMES[self.routing],
             "composition": COMPOSITION_NAMES[self.composition],
         }
+
+
+def _hex(value) -> str:
+    return f"0x{value:04x}" if isinstance(value, int) else repr(value)

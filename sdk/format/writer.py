@@ -7,6 +7,7 @@ file it finishes is complete and in order by construction. It writes to `<path>.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -15,8 +16,10 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import FormatError
-from .constants import FP16_MAX, KINDS
+from .constants import FP16_MAX, KINDS, QUANT_INT4, QUANT_NAMES, SCALES_SUFFIX, ZEROS_SUFFIX
 from .header import Header
+from .header_v2 import HeaderV2
+from .quant import QuantizedTensor, check_codes, pack_int4, quantize_rtn
 
 
 def _refuse_non_regular(path: Path) -> None:
@@ -34,7 +37,17 @@ def _refuse_non_regular(path: Path) -> None:
 
 
 def tensor_order(header: Header) -> Iterator[tuple[str, int, int | None]]:
-    """(kind, layer, expert) of every tensor in file order (docs/format.md, "Data")."""
+    """(kind, layer, expert) of every tensor in file order (docs/format.md, "Data"; v2: the logical tensors in
+    block order, a quantized matrix's scales and zero points written with it)."""
+    if isinstance(header, HeaderV2):
+        for kind in header.kinds:
+            for layer in range(header.num_layers):
+                if header.is_matrix(kind):
+                    for index in range(header.count(kind)):
+                        yield kind, layer, index
+                else:
+                    yield kind, layer, None
+        return
     for kind in KINDS:
         for layer in range(header.num_layers):
             if kind == "router":
@@ -78,7 +91,14 @@ class ColibriWriter:
             self._file = open(self._partial, "wb")
         except OSError as exc:
             raise FormatError(f"cannot write {self._partial}: {exc.strerror}") from exc
-        self._file.write(header.pack())
+        self._v2 = isinstance(header, HeaderV2)
+        if self._v2:
+            # Every offset is known from the header: size the file once (zero-filled, so the padding between
+            # blocks is zero) and write each tensor, its scales and zero points at their own offsets.
+            self._file.write(header.pack_prefix())
+            self._file.truncate(header.file_size)
+        else:
+            self._file.write(header.pack())
 
     def pending(self) -> list[tuple[str, int, int | None]]:
         """The tensors still to write, in order."""
@@ -97,6 +117,12 @@ class ColibriWriter:
                 f"the next tensor must be (kind={expected[0]!r}, layer={expected[1]}, expert={expected[2]})"
             )
         label = name or f"{kind}[layer={layer}" + (f", expert={expert}]" if expert is not None else "]")
+        if self._v2:
+            self._write_v2(kind, layer, expert, array, label)
+            self._next += 1
+            return
+        if isinstance(array, QuantizedTensor):
+            raise FormatError(f"{label}: a quantized tensor; a v1 file holds float weights only (write a HeaderV2)")
         array = np.asarray(array)
         shape = self.header.shape(kind)
         if array.shape != shape:
@@ -106,7 +132,88 @@ class ColibriWriter:
         self._file.write(self._encode(array, label).tobytes(order="C"))
         self._next += 1
 
-    def _encode(self, array: np.ndarray, label: str) -> np.ndarray:
+    def _write_v2(self, kind: str, layer: int, expert: int | None, array, label: str) -> None:
+        h: HeaderV2 = self.header
+        shape = h.shape(kind)
+        if h.is_matrix(kind) and h.quantized:
+            t = array if isinstance(array, QuantizedTensor) else None
+            if t is None:
+                array = self._float_array(array, shape, kind, label)
+                try:
+                    t = quantize_rtn(array, h.quant, h.group_size, h.np_dtype)
+                except FormatError as exc:
+                    raise FormatError(f"{label}: {exc}") from None
+            self._put(kind, layer, expert, self._codes_bytes(t, shape, label))
+            self._put(kind + SCALES_SUFFIX, layer, expert, self._scales_bytes(t, shape, label))
+            if h.zero_points:
+                zeros = np.zeros((shape[0], h.groups(kind)), np.int8) if t.zeros is None else t.zeros
+                self._put(kind + ZEROS_SUFFIX, layer, expert, np.asarray(zeros, dtype=np.int8).tobytes())
+            return
+        if isinstance(array, QuantizedTensor):
+            what = "float weights" if h.is_matrix(kind) else "float32"
+            raise FormatError(f"{label}: a quantized tensor; {kind} in this file is {what}")
+        array = self._float_array(array, shape, kind, label)
+        if h.is_matrix(kind):
+            data = self._encode(array, label)
+        else:
+            data = self._encode(array, label, np.dtype("<f4"))
+        self._put(kind, layer, expert, data.tobytes(order="C"))
+
+    def _float_array(self, array, shape, kind: str, label: str) -> np.ndarray:
+        array = np.asarray(array)
+        if array.shape != shape:
+            raise FormatError(f"{label}: shape {array.shape}; {kind} must be {shape}")
+        if array.dtype.kind != "f":
+            raise FormatError(f"{label}: dtype {array.dtype}; allowed: a floating-point dtype")
+        return array
+
+    def _codes_bytes(self, t: QuantizedTensor, shape, label: str) -> bytes:
+        h: HeaderV2 = self.header
+        if t.quant != h.quant or t.group_size != h.group_size:
+            raise FormatError(
+                f"{label}: a {QUANT_NAMES.get(t.quant, t.quant)} tensor with group size {t.group_size}; this file "
+                f"holds {h.quant_name} with group size {h.group_size}"
+            )
+        codes = t.unpacked_codes() if t.packed else np.asarray(t.codes)
+        if codes.shape != shape:
+            raise FormatError(f"{label}: codes of shape {codes.shape}; must be {shape}")
+        if (t.zeros is not None) and not h.zero_points:
+            raise FormatError(f"{label}: zero points given; this file is symmetric (zero_points 0)")
+        if t.zeros is not None and np.shape(t.zeros) != (shape[0], h.groups_for(shape[1])):
+            raise FormatError(f"{label}: zero points of shape {np.shape(t.zeros)}; must be {(shape[0], h.groups_for(shape[1]))}")
+        check_codes(dataclasses.replace(t, codes=codes, packed=False), label)
+        if h.quant == QUANT_INT4:
+            return pack_int4(codes).tobytes()
+        return codes.astype(np.int8).tobytes()
+
+    def _scales_bytes(self, t: QuantizedTensor, shape, label: str) -> bytes:
+        h: HeaderV2 = self.header
+        scales = np.asarray(t.scales)
+        want = (shape[0], h.groups_for(shape[1]))
+        if scales.shape != want:
+            raise FormatError(f"{label}: scales of shape {scales.shape}; must be {want}")
+        if scales.dtype.kind != "f":
+            raise FormatError(f"{label}: scales of dtype {scales.dtype}; allowed: a floating-point dtype")
+        if not np.isfinite(scales).all():
+            raise FormatError(f"{label}: {int((~np.isfinite(scales)).sum())} non-finite scales")
+        target = h.np_dtype
+        with np.errstate(over="ignore"):
+            stored = scales.astype(target)
+        inexact = stored.astype(np.float64) != scales.astype(np.float64)
+        if inexact.any():
+            bad = scales[inexact].flat[0]
+            raise FormatError(
+                f"{label}: {int(inexact.sum())} scales are not exactly {target.name} (e.g. {float(bad)!r}); "
+                f"allowed: exact {target.name} scales, or a file with float32 scales (dtype float32)"
+            )
+        return np.ascontiguousarray(stored).tobytes()
+
+    def _put(self, block: str, layer: int, expert: int | None, data: bytes) -> None:
+        offset = self.header.tensor_offset(block, layer, expert)
+        self._file.seek(offset)
+        self._file.write(data)
+
+    def _encode(self, array: np.ndarray, label: str, target: np.dtype | None = None) -> np.ndarray:
         bad = ~np.isfinite(array)
         if bad.any():
             raise FormatError(f"{label}: {int(bad.sum())} non-finite values (NaN or Inf)")
@@ -118,7 +225,7 @@ class ColibriWriter:
                 f"{label}: {int(over32.sum())} values overflow float32 (max |x| = {float(np.abs(array).max()):g}); "
                 f"allowed: |x| <= {float(np.finfo(np.float32).max):g}"
             )
-        target = self.header.np_dtype
+        target = self.header.np_dtype if target is None else target
         if target.itemsize == 2:
             over = np.abs(as32) > FP16_MAX
             count = int(over.sum())
@@ -195,4 +302,27 @@ def write_model(
         for kind, layer, expert in w.pending():
             array = blocks[kind][layer] if expert is None else blocks[kind][layer, expert]
             w.write(kind, layer, expert, array)
+    return Path(path)
+
+
+def write_arrays(path: str | os.PathLike, header: Header, arrays: dict, *, clamp_fp16: bool = False) -> Path:
+    """Write whole arrays as a .colibri file (v1 or v2).
+
+    Args:
+        arrays: kind → array: expert matrices (layers, count, rows, cols) float (quantized by round-to-nearest in
+            an int8/int4 file) or a list per layer of lists of QuantizedTensor; per-layer tensors (layers, ...).
+            Kinds as `header.kinds` (v2) or KINDS (v1); the router is (layers, hidden, experts).
+
+    Returns:
+        The path written.
+
+    Raises:
+        FormatError: a missing kind, or anything ColibriWriter refuses.
+    """
+    with ColibriWriter(path, header, clamp_fp16=clamp_fp16) as w:
+        for kind, layer, expert in w.pending():
+            if kind not in arrays:
+                raise FormatError(f"no array for {kind!r}; this file needs {sorted({k for k, _, _ in w.pending()})}")
+            a = arrays[kind][layer]
+            w.write(kind, layer, expert, a if expert is None else a[expert])
     return Path(path)

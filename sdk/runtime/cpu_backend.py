@@ -4,12 +4,17 @@ Loading maps `model.colibri` read-only and reads only its 64-byte header: no wei
 pass touches it, so load time does not grow with the weights' size. Each forward pass converts the experts it uses
 to float32 on the fly (fp32 accumulation, as on the GPU) and keeps no copy, so the process holds the weights at
 most once (in the page cache, shared with any other reader of the file).
+
+BLAS threads: each forward pass runs inside `colibri_sdk.blas.blas_threads(batch * tokens)`, so the per-expert
+matrix products of a decode-sized call use one BLAS thread (the rule and its measurement: colibri_sdk.blas,
+docs/runtime.md), with no environment variable needed; the rest of the process keeps its own setting.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..blas import blas_threads
 from ..errors import BackendError
 from ..reference import ReferenceEngine
 from ..format.constants import COMPOSITION_RESIDUAL
@@ -61,7 +66,9 @@ class CpuBackend:
         if self._engine is None:
             raise BackendError("the CPU backend is closed; load the bundle again")
         # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
-        return self._engine.run(x.reshape(-1, self.hidden_size)).reshape(x.shape)
+        rows = x.reshape(-1, self.hidden_size)
+        with blas_threads(rows.shape[0]):
+            return self._engine.run(rows).reshape(x.shape)
 
     def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_rows=None,
                    capacity: bool = True) -> None:
@@ -86,15 +93,16 @@ class CpuBackend:
         engine.capacity = self.capacity if capacity else None
         engine.valid = valid_rows
         engine.dropped = 0
-        if self._scratch is not None:
-            self._scratch.run_into(flat_x, flat_out, start, stop)
-        else:
-            residual = self._file.header.composition == COMPOSITION_RESIDUAL
-            h = flat_x
-            for layer in range(start, stop):
-                y = self._engine.layer(layer, h)
-                h = h + y if residual else y
-            np.copyto(flat_out, h)
+        with blas_threads(flat_x.shape[0]):
+            if self._scratch is not None:
+                self._scratch.run_into(flat_x, flat_out, start, stop)
+            else:
+                residual = self._file.header.composition == COMPOSITION_RESIDUAL
+                h = flat_x
+                for layer in range(start, stop):
+                    y = self._engine.layer(layer, h)
+                    h = h + y if residual else y
+                np.copyto(flat_out, h)
         self.last_dropped = engine.dropped
 
     def close(self) -> None:

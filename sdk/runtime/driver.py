@@ -63,7 +63,36 @@ def _probe_with_ctypes() -> tuple[bool, str]:
         from cuda.bindings import driver  # noqa: F401
     except ImportError as exc:
         return False, f"a CUDA driver is installed but cuda-bindings is not ({exc}); pip install 'colibri-sdk[cuda]'"
+    mismatch = bindings_driver_mismatch(_bindings_version(), version.value)
+    if mismatch:
+        return False, mismatch
     return True, f"CUDA driver {format_driver_version(version.value)}, {count.value} device(s)"
+
+
+def _bindings_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cuda-bindings")
+    except PackageNotFoundError:
+        return ""
+
+
+def bindings_driver_mismatch(bindings_version: str, driver_version: int) -> str | None:
+    """Why the installed cuda-bindings cannot run on this driver, naming the pin that fixes it; None if it can.
+
+    cuda-bindings M.x needs a driver for CUDA M.0 or newer (cuDriverGetVersion >= 1000 * M): 13.x needs driver
+    >= 580, while JetPack 6 ships driver 540 (CUDA 12.2 / 12.6).
+    """
+    try:
+        major = int(bindings_version.split(".")[0])
+    except ValueError:
+        return None
+    if driver_version >= major * 1000:
+        return None
+    return (f"cuda-bindings {bindings_version} needs a driver for CUDA {major}.0 or newer (>= 580 for 13.x), but "
+            f"this driver supports CUDA {format_driver_version(driver_version)}: install cuda-bindings 12.x, "
+            f"pip install 'cuda-bindings>=12,<13' (the extra colibri-sdk[jetson])")
 
 
 def _ctypes_error_name(lib, result: int) -> str:

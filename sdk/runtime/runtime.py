@@ -13,8 +13,8 @@ imported only when asked for) and "cpu" (colibri_sdk.runtime.cpu_backend, the Nu
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -26,6 +26,9 @@ from .stats import RuntimeStats, StatsRecorder
 
 BACKENDS = ("auto", "cuda", "cpu")
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+# Notices (the CPU fallback of "auto") are logged here, never printed; `colibri-sdk` shows them on stderr.
+log = logging.getLogger(__name__)
 
 
 # ---- backend selection ------------------------------------------------------------------------------------------
@@ -98,7 +101,7 @@ def select_backend(bundle, backend: str = "auto", eager: bool = False):
         return _load_cuda(bundle, eager, hint=""), None
     except BackendError as exc:
         reason = " ".join(str(exc).split())
-        return _load_cpu(bundle, eager), f"colibri-sdk: running on the CPU backend: {reason}"
+        return _load_cpu(bundle, eager), f"running on the CPU backend: {reason}"
 
 
 # ---- self-test --------------------------------------------------------------------------------------------------
@@ -177,7 +180,8 @@ class Runtime:
         top_k, model_top_k: experts per token the bundle routes to, and the model's own k (they differ under a
             build's top-k override, docs/build.md).
         streams: calls `submit` keeps in flight.
-        notice: None, or the one line printed when backend="auto" fell back to the CPU.
+        notice: None, or the one line logged when backend="auto" fell back to the CPU ("running on the CPU
+            backend: <why>").
         load_seconds: wall time of `load`, in seconds.
 
     Thread safety: calls are serialised by a lock; `infer` from several threads gives the results of running the
@@ -222,7 +226,8 @@ class Runtime:
         Args:
             bundle_dir: a bundle folder (manifest.json, model.colibri, kernels/, selftest/).
             backend: "auto" | "cuda" | "cpu". "auto" takes CUDA when `driver.probe_driver()` finds a driver and
-                a device that can run the bundle exists, else the CPU, printing one line on stderr with the reason.
+                a device that can run the bundle exists, else the CPU, logging the reason as one INFO line on the
+                "colibri_sdk.runtime.runtime" logger (and keeping it in `notice`); nothing is printed.
             eager: CUDA only — launch the kernels one by one instead of replaying the captured CUDA Graph.
             verify: check every file's size and SHA-256 against the manifest first. This reads every byte of
                 the weights once; pass False for a fast start of a bundle already checked with
@@ -240,7 +245,7 @@ class Runtime:
         bundle = Bundle.open(bundle_dir, verify=verify)
         engine, notice = select_backend(bundle, backend, eager)
         if notice:
-            print(notice, file=sys.stderr)
+            log.info("%s", notice)
         try:
             runtime = cls(bundle, engine, notice, streams)
         except BaseException:

@@ -108,14 +108,16 @@ def test_archive_is_normalised(built):
 
 def test_cli_build_prints_the_resource_table(kernel_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["build", "--profile", "rtx4090"]) == 0
+    assert cli.main(["build", "--profile", "rtx4090", "--demo"]) == 0
     out = capsys.readouterr().out
     assert "bundles/rtx4090: geforce-rtx-4090 (sm_89, fp16" in out
     for symbol in ("colibri_routing", "colibri_align", "colibri_gate_up", "colibri_down", "colibri_aggregate"):
         assert symbol in out
     assert (tmp_path / "bundles" / "rtx4090" / "kernels" / "routing.sm_89.cubin").is_file()
-    # A second build replaces the earlier bundle in place.
-    assert cli.main(["build", "--profile", "rtx4090", "-o", "bundles/rtx4090"]) == 0
+    # A second build replaces the earlier bundle in place only with --force.
+    assert cli.main(["build", "--profile", "rtx4090", "--demo", "-o", "bundles/rtx4090"]) == 1
+    assert "bundles/rtx4090 exists (a bundle); refusing to replace it without --force" in capsys.readouterr().err
+    assert cli.main(["build", "--profile", "rtx4090", "--demo", "-o", "bundles/rtx4090", "--force"]) == 0
     assert sorted(p.name for p in (tmp_path / "bundles").iterdir()) == ["rtx4090"]
 
 

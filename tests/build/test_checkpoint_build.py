@@ -63,7 +63,7 @@ def test_saved_checkpoint_to_bundle(mixtral, kernel_dir, tmp_path):
 def test_saved_checkpoint_through_the_cli(mixtral, kernel_dir, tmp_path, capsys):
     _, folder = mixtral
     weights = tmp_path / "m.colibri"
-    assert cli.main(["convert", str(folder), "-o", str(weights), "--dtype", "fp16", "--no-progress"]) == 0
+    assert cli.main(["convert", str(folder), "-o", str(weights), "--dtype", "fp16", "--quiet"]) == 0
     out = tmp_path / "orin"
     assert cli.main(["build", "--profile", "orin", "--weights", str(weights), "-o", str(out)]) == 0
     assert "hidden 40, intermediate 72" in capsys.readouterr().out

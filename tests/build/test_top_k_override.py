@@ -21,7 +21,7 @@ from colibri_sdk.runtime import Runtime
 @pytest.fixture(scope="module")
 def top3(tmp_path_factory):
     out = tmp_path_factory.mktemp("topk") / "b3"
-    assert main(["build", "--profile", "orin", "--top-k", "3", "-o", str(out)]) == 0
+    assert main(["build", "--profile", "orin", "--demo", "--top-k", "3", "-o", str(out)]) == 0
     return out
 
 
@@ -60,7 +60,7 @@ def test_the_bundle_routes_to_k_experts(top3):
 
 
 def test_refused_out_of_range(tmp_path, capsys):
-    assert main(["build", "--profile", "orin", "--top-k", "9", "-o", str(tmp_path / "b")]) == 1
+    assert main(["build", "--profile", "orin", "--demo", "--top-k", "9", "-o", str(tmp_path / "b")]) == 1
     err = capsys.readouterr().err
     assert "top_k = 9; allowed: 1..8 (the model's experts; the model has 8 experts and routes to 2)" in err
     big = Header(num_layers=1, num_experts=256, top_k=2, hidden_size=8, intermediate_size=8, dtype=0, routing=0,

@@ -89,7 +89,7 @@ def save_fused(model, folder: Path) -> Path:
 
 def convert_cli(folder: Path, out: Path, *extra: str) -> int:
     """Run `colibri-sdk convert folder -o out ...` in-process; return the exit code."""
-    return cli.main(["convert", str(folder), "-o", str(out), "--no-progress", *extra])
+    return cli.main(["convert", str(folder), "-o", str(out), "--quiet", *extra])
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -106,3 +106,65 @@ def edit_config(folder: Path, **changes) -> None:
         else:
             config[key] = value
     path.write_text(json.dumps(config))
+
+
+# ---- the families of .colibri v2 -----------------------------------------------------------------------------------
+SMALL = dict(COMMON, num_hidden_layers=3)
+# Each family: a transformers config (3 decoder layers, some dense) and the attribute of the MoE block per layer.
+FAMILY_CONFIGS = {
+    "qwen2_moe": lambda t, **kw: t.Qwen2MoeConfig(
+        moe_intermediate_size=INTER, intermediate_size=64, shared_expert_intermediate_size=40, num_experts=8,
+        num_experts_per_tok=2, mlp_only_layers=[1], **{**SMALL, **kw}),
+    "deepseek_v2": lambda t, **kw: t.DeepseekV2Config(**{**dict(
+        moe_intermediate_size=INTER, intermediate_size=64, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **SMALL), **kw}),
+    "deepseek_v3": lambda t, **kw: t.DeepseekV3Config(**{**dict(
+        moe_intermediate_size=INTER, intermediate_size=64, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **SMALL), **kw}),
+    "glm4_moe": lambda t, **kw: t.Glm4MoeConfig(**{**dict(
+        moe_intermediate_size=INTER, intermediate_size=64, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
+        head_dim=16, num_nextn_predict_layers=0, **SMALL), **kw}),
+    "gpt_oss": lambda t, **kw: t.GptOssConfig(**{**dict(
+        intermediate_size=INTER, num_local_experts=8, num_experts_per_tok=2, head_dim=16, **SMALL), **kw}),
+    "granitemoe": lambda t, **kw: t.GraniteMoeConfig(**{**dict(
+        intermediate_size=INTER, num_local_experts=8, num_experts_per_tok=2, residual_multiplier=0.5, **SMALL), **kw}),
+}
+MODEL_CLASSES = {
+    "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
+}
+
+
+def make_family(family: str, seed: int = 0, **config):
+    """A random-init model of a v2 family, eval mode, float32. Every parameter is redrawn N(0, 0.2) (so biases and
+    DeepSeek's score-correction bias are non-zero and change the selection); gpt-oss's expert weights are scaled so
+    that the SwiGLU clamp at ±7 is reached."""
+    t = transformers
+    model = getattr(t, MODEL_CLASSES[family])(FAMILY_CONFIGS[family](t, **config)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if ".layers." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+        if family == "gpt_oss":
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(8.0)
+    return model
+
+
+def family_block(model, layer: int):
+    """The MoE block of model layer `layer` (GraniteMoE: block_sparse_moe; others: mlp)."""
+    decoder = model.model.layers[layer]
+    return getattr(decoder, "block_sparse_moe", None) or decoder.mlp
+
+
+def family_output(model, layer: int, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = family_block(model, layer)(torch.from_numpy(x))
+    return (out[0] if isinstance(out, tuple) else out).numpy()

@@ -149,7 +149,7 @@ def test_cli_subprocess(tmp_path, saved_mixtral):
         "assert 'torch' not in sys.modules, 'convert imported torch'; sys.exit(rc)"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, "convert", str(folder), "-o", str(out), "--no-progress"],
+        [sys.executable, "-c", code, "convert", str(folder), "-o", str(out), "--quiet"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

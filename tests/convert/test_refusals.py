@@ -32,73 +32,94 @@ def refused(folder, tmp_path, match: str, **kwargs) -> None:
 
 
 # ---- config keys ---------------------------------------------------------------------------------------------
+FOREIGN = r"which transformers' mixtral model ignores: the checkpoint is not a plain mixtral; allowed: "
 CONFIG_CASES = [
-    ({"scoring_func": "sigmoid"}, r"scoring_func = 'sigmoid': only softmax routing"),
-    ({"topk_method": "noaux_tc"}, r"topk_method = 'noaux_tc': grouped top-k routing"),
-    ({"n_group": 8}, r"n_group = 8: grouped routing"),
-    ({"topk_group": 4}, r"topk_group = 4: grouped routing"),
-    ({"routed_scaling_factor": 2.5}, r"routed_scaling_factor = 2.5: scaled routing"),
-    ({"n_shared_experts": 2}, r"n_shared_experts = 2: shared experts"),
-    ({"decoder_sparse_step": 2}, r"decoder_sparse_step = 2: dense MLP layers between MoE layers"),
-    ({"mlp_only_layers": [1]}, r"mlp_only_layers = \[1\]: dense MLP layers"),
-    ({"first_k_dense_replace": 1}, r"first_k_dense_replace = 1: dense MLP layers"),
-    ({"hidden_act": "gelu"}, r"hidden_act = 'gelu': experts must be SwiGLU with SiLU; allowed: silu, swish"),
-    ({"mlp_bias": True}, r"mlp_bias = True: biases are not representable"),
-    ({"model_type": "llama"}, r"model_type = 'llama' is not supported; allowed: mixtral, qwen3_moe, olmoe"),
-    ({"num_experts_per_tok": 17}, r"num_experts_per_tok = 17 exceeds num_local_experts = 16"),
-    ({"num_local_experts": 70000}, r"num_local_experts = 70000; the format allows an integer in 1\.\.65535"),
-    ({"hidden_size": 0}, r"hidden_size = 0; the format allows"),
-    ({"num_experts_per_tok": None}, r"no top-k \(looked for num_experts_per_tok\)"),
-    ({"norm_topk_prob": "yes", "model_type": "olmoe", "num_experts": 16}, r"norm_topk_prob = 'yes'; allowed: true, false"),
+    ({"scoring_func": "sigmoid"}, r"^mixtral: config\.json scoring_func = 'sigmoid' means non-softmax routing \(sigmoid routing converts as deepseek_v3\), " + FOREIGN + "'softmax' or absent"),
+    ({"topk_method": "noaux_tc"}, r"^mixtral: config\.json topk_method = 'noaux_tc' means grouped top-k routing \(converts as deepseek_v2 / deepseek_v3\)"),
+    ({"n_group": 8}, r"^mixtral: config\.json n_group = 8 means grouped routing"),
+    ({"topk_group": 4}, r"^mixtral: config\.json topk_group = 4 means grouped routing"),
+    ({"routed_scaling_factor": 2.5}, r"^mixtral: config\.json routed_scaling_factor = 2\.5 means scaled routing weights"),
+    ({"n_shared_experts": 2}, r"^mixtral: config\.json n_shared_experts = 2 means shared experts \(converts as deepseek_v2 / deepseek_v3\)"),
+    ({"decoder_sparse_step": 2}, r"^mixtral: config\.json decoder_sparse_step = 2 means dense MLP layers between MoE layers \(converts as qwen2_moe / qwen3_moe\)"),
+    ({"mlp_only_layers": [1]}, r"^mixtral: config\.json mlp_only_layers = \[1\] means dense MLP layers"),
+    ({"first_k_dense_replace": 1}, r"^mixtral: config\.json first_k_dense_replace = 1 means leading dense layers \(converts as deepseek_v2 / deepseek_v3\)"),
+    ({"hidden_act": "gelu"}, r"^mixtral: config\.json hidden_act = 'gelu': experts must be SwiGLU with SiLU; allowed: silu, swish$"),
+    ({"mlp_bias": True}, r"^mixtral: config\.json mlp_bias = True means MLP biases \(only gpt_oss experts carry biases\)"),
+    ({"model_type": "llama"}, r"^config\.json model_type = 'llama' is not supported; allowed: mixtral, qwen3_moe, olmoe, qwen2_moe, granitemoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss$"),
+    ({"model_type": "phimoe"}, r"^phimoe: routes with SparseMixer .*; not supported$"),
+    ({"num_experts_per_tok": 17}, r"^mixtral: config\.json num_experts_per_tok = 17 exceeds num_local_experts = 16; allowed: 1\.\.16$"),
+    ({"num_local_experts": 70000}, r"^mixtral: config\.json num_local_experts = 70000; allowed: an integer in 1\.\.65535$"),
+    ({"hidden_size": 0}, r"^mixtral: config\.json hidden_size = 0; allowed: an integer in 1\.\.65535$"),
+    ({"num_experts_per_tok": None}, r"^mixtral: config\.json has no top-k \(looked for num_experts_per_tok\)$"),
+    ({"norm_topk_prob": "yes", "model_type": "olmoe", "num_experts": 16}, r"^olmoe: config\.json norm_topk_prob = 'yes'; allowed: true, false$"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, r"^mixtral: config\.json quantization_config quant_method = 'gptq' is not imported; allowed: 'compressed-tensors' \(format 'pack-quantized'\), 'mxfp4' \(gpt_oss\); or convert a bf16/fp16 copy$"),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}}}}, r"^mixtral: config\.json quantization_config format = 'float-quantized' is not imported; allowed: 'pack-quantized'"),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, "input_activations": {"num_bits": 8}}}}}, r"^mixtral: config\.json quantization_config config_groups\.g quantizes activations; allowed: weight-only schemes"),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {"num_bits": 3, "type": "int", "strategy": "group", "group_size": 128}}}}}, r"^mixtral: config\.json quantization_config config_groups\.g\.weights type 'int' num_bits 3; allowed: type 'int' with num_bits 4 or 8$"),
 ]
 
 
-@pytest.mark.parametrize("changes,match", CONFIG_CASES, ids=[next(iter(c)) for c, _ in CONFIG_CASES])
+@pytest.mark.parametrize("changes,match", CONFIG_CASES, ids=[f"{next(iter(c))}-{i}" for i, (c, _) in enumerate(CONFIG_CASES)])
 def test_config_refusals(mixtral_copy, tmp_path, changes, match):
     edit_config(mixtral_copy, **changes)
     refused(mixtral_copy, tmp_path, match)
 
 
-def test_qwen2_moe_shared_expert_is_refused(tmp_path):
+def test_qwen2_moe_without_shared_expert_size(tmp_path):
+    """Every Qwen2-MoE block has a shared expert: a config without its size is refused by name."""
     model = make_model("qwen2", 2)
     model.save_pretrained(tmp_path / "qwen2")
-    refused(tmp_path / "qwen2", tmp_path, r"shared_expert_intermediate_size = 48: shared experts")
-    # Without the config key, the shared expert's tensors still give it away.
     edit_config(tmp_path / "qwen2", shared_expert_intermediate_size=None)
-    refused(tmp_path / "qwen2", tmp_path, r"tensor 'model\.layers\.0\.mlp\.shared_expert\.down_proj\.weight': shared experts")
+    refused(tmp_path / "qwen2", tmp_path, r"^qwen2_moe: config\.json has no shared expert size \(looked for shared_expert_intermediate_size\)$")
 
 
-def test_deepseek_v3_config_is_refused(tmp_path):
-    """A real DeepSeek-V3 config: a shared expert, sigmoid scoring, grouped top-k — each is named in turn."""
+def test_shared_expert_tensor_in_a_family_without_one(mixtral_copy, tmp_path):
+    rewrite(mixtral_copy, lambda t: t.update({PREFIX + "shared_expert.gate_proj.weight": np.zeros((48, 32), np.float32)}))
+    refused(mixtral_copy, tmp_path, r"^mixtral: tensor 'model\.layers\.0\.block_sparse_moe\.shared_expert\.gate_proj\.weight' is a shared expert, which mixtral does not have .*; models with shared experts convert as qwen2_moe, deepseek_v2, deepseek_v3 or glm4_moe$")
+
+
+def deepseek_folder(tmp_path, **changes):
     config = transformers.DeepseekV3Config(
         hidden_size=32, intermediate_size=64, moe_intermediate_size=48, n_routed_experts=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, vocab_size=32,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=32, first_k_dense_replace=0,
     )
     folder = tmp_path / "deepseek"
     folder.mkdir()
     config.to_json_file(str(folder / "config.json"))
+    edit_config(folder, **changes)
     save_file({"model.layers.0.mlp.gate.weight": np.zeros((16, 32), np.float32)}, str(folder / "model.safetensors"))
-    refused(folder, tmp_path, r"n_shared_experts = 1: shared experts")
-    edit_config(folder, n_shared_experts=None)
-    refused(folder, tmp_path, r"model_type = 'deepseek_v3' routes with sigmoid scores")
-    edit_config(folder, model_type="mixtral")
-    refused(folder, tmp_path, r"n_group = 8: grouped routing")
+    return folder
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, r"^deepseek_v3: config\.json quantization_config\.quant_method = 'fp8': block-scaled FP8 weights are not imported; convert a bf16 copy"),
+    ({"scoring_func": "softmax"}, r"^deepseek_v3: config\.json scoring_func = 'softmax', but transformers' deepseek_v3 router uses sigmoid; allowed: 'sigmoid' or absent$"),
+    ({"topk_method": "greedy"}, r"^deepseek_v3: config\.json topk_method = 'greedy'; allowed: 'noaux_tc'$"),
+    ({"n_group": 3}, r"^deepseek_v3: config\.json n_group = 3, topk_group = 4 with 16 experts; allowed: n_group dividing 16, topk_group <= n_group$"),
+    ({"n_group": 16, "topk_group": 4}, r"^deepseek_v3: config\.json n_group = 16 leaves 1 expert per group; .*allowed: n_group <= 8$"),
+    ({"n_group": 8, "topk_group": 1, "num_experts_per_tok": 3}, r"^deepseek_v3: config\.json num_experts_per_tok = 3 exceeds the 2 experts of the topk_group = 1 selected groups; allowed: 1\.\.2$"),
+    ({"model_type": "deepseek_v2", "norm_topk_prob": True, "topk_method": "greedy"}, r"^deepseek_v2: config\.json norm_topk_prob = true: transformers' DeepseekV2TopkRouter ignores it .*; allowed: false$"),
+    ({"model_type": "deepseek_v2", "topk_method": "noaux_tc"}, r"^deepseek_v2: config\.json topk_method = 'noaux_tc'; allowed: 'greedy', 'group_limited_greedy'$"),
+], ids=["fp8", "softmax", "greedy", "n_group", "one-per-group", "top_k", "v2-norm", "v2-method"])
+def test_deepseek_config_refusals(tmp_path, changes, match):
+    """Real DeepSeek config keys: each inconsistency is named after the model type."""
+    refused(deepseek_folder(tmp_path, **changes), tmp_path, match)
 
 
 # ---- tensors -------------------------------------------------------------------------------------------------
 def test_expert_bias_is_refused(mixtral_copy, tmp_path):
     rewrite(mixtral_copy, lambda t: t.update({PREFIX + "experts.3.w1.bias": np.zeros(48, np.float32)}))
-    refused(mixtral_copy, tmp_path, r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.3\.w1\.bias': biases")
+    refused(mixtral_copy, tmp_path, r"^mixtral: tensor 'model\.layers\.0\.block_sparse_moe\.experts\.3\.w1\.bias' is a bias, which mixtral experts and router do not have; only gpt_oss carries router and expert biases$")
 
 
 def test_router_bias_is_refused(mixtral_copy, tmp_path):
     rewrite(mixtral_copy, lambda t: t.update({PREFIX + "gate.bias": np.zeros(16, np.float32)}))
-    refused(mixtral_copy, tmp_path, r"'model\.layers\.0\.block_sparse_moe\.gate\.bias': biases")
+    refused(mixtral_copy, tmp_path, r"^mixtral: tensor 'model\.layers\.0\.block_sparse_moe\.gate\.bias' is a bias")
 
 
 def test_deepseek_score_correction_bias_is_refused(mixtral_copy, tmp_path):
     rewrite(mixtral_copy, lambda t: t.update({PREFIX + "gate.e_score_correction_bias": np.zeros(16, np.float32)}))
-    refused(mixtral_copy, tmp_path, r"e_score_correction_bias': biased / grouped routing")
+    refused(mixtral_copy, tmp_path, r"^mixtral: tensor '.*gate\.e_score_correction_bias' is a DeepSeek-V3 score-correction bias, which mixtral routing does not use; sigmoid routing with a correction bias converts as deepseek_v3 or glm4_moe$")
 
 
 def test_missing_expert_tensor(mixtral_copy, tmp_path):
@@ -129,7 +150,7 @@ def test_dense_layer_without_router(mixtral_copy, tmp_path):
         t["model.layers.1.mlp.gate_proj.weight"] = np.zeros((48, 32), np.float32)
 
     rewrite(mixtral_copy, drop_layer1)
-    refused(mixtral_copy, tmp_path, r"layer 1 has no MoE router .*dense layers between MoE layers")
+    refused(mixtral_copy, tmp_path, r"^mixtral: layer 1 has no MoE router \(expected a tensor like model\.layers\.1\.mlp\.gate\.weight\), but config\.json makes it a MoE layer \(every mixtral layer is a MoE layer\)$")
 
 
 def test_integer_dtype_is_refused(mixtral_copy, tmp_path):
@@ -199,4 +220,55 @@ def test_cli_error_exit_code(mixtral_copy, tmp_path, capsys):
     edit_config(mixtral_copy, hidden_act="relu")
     assert convert_cli(mixtral_copy, tmp_path / "m.colibri") == 1
     err = capsys.readouterr().err
-    assert err.startswith("colibri-sdk convert: error: config.json hidden_act = 'relu'")
+    assert err.startswith("colibri-sdk convert: error: mixtral: config.json hidden_act = 'relu'")
+
+
+# ---- the v2 families ---------------------------------------------------------------------------------------------
+def test_missing_shared_expert_tensor(tmp_path):
+    from hf_models import make_family
+
+    make_family("qwen2_moe").save_pretrained(tmp_path / "q")
+    rewrite(tmp_path / "q", lambda t: t.pop("model.layers.2.mlp.shared_expert.up_proj.weight"))
+    refused(tmp_path / "q", tmp_path, r"^qwen2_moe: tensor 'model\.layers\.2\.mlp\.shared_expert\.up_proj\.weight' is missing \(config\.json declares a shared expert of size 40\)$")
+
+
+def test_router_in_a_layer_the_config_calls_dense(tmp_path):
+    from hf_models import make_family
+
+    make_family("qwen2_moe").save_pretrained(tmp_path / "q")
+    edit_config(tmp_path / "q", mlp_only_layers=[0, 1])
+    refused(tmp_path / "q", tmp_path, r"^qwen2_moe: layer 0 has a MoE router \(model\.layers\.0\.mlp\.gate\.weight\), but config\.json makes it a dense layer \(mlp_only_layers / decoder_sparse_step\)$")
+
+
+def test_deepseek_multi_token_prediction_layer_is_left_out(tmp_path):
+    """DeepSeek-V3 checkpoints carry num_nextn_predict_layers extra layers after the decoder: left out, by name."""
+    from hf_models import make_family
+
+    model = make_family("deepseek_v3")
+    model.save_pretrained(tmp_path / "d")
+    extra = {k.replace("model.layers.2.", "model.layers.3."): v for k, v in load_file(str(tmp_path / "d" / "model.safetensors")).items() if k.startswith("model.layers.2.")}
+    rewrite(tmp_path / "d", lambda t: t.update(extra))
+    edit_config(tmp_path / "d", num_nextn_predict_layers=0)
+    refused(tmp_path / "d", tmp_path, r"^deepseek_v3: tensors of layer 3 are in the checkpoint, but config\.json num_hidden_layers = 3$")
+    edit_config(tmp_path / "d", num_nextn_predict_layers=1)
+    report = convert(tmp_path / "d", tmp_path / "d.colibri", progress=False)
+    assert report.left_out == {0: "dense MLP layer", 3: "multi-token-prediction layer (num_nextn_predict_layers)"}
+    assert report.header.layer_map == (1, 2)
+
+
+def test_gpt_oss_missing_expert_bias(tmp_path):
+    from hf_models import make_family
+
+    make_family("gpt_oss").save_pretrained(tmp_path / "g")
+    rewrite(tmp_path / "g", lambda t: t.pop("model.layers.1.mlp.experts.down_proj_bias"))
+    refused(tmp_path / "g", tmp_path, r"^gpt_oss: tensor 'model\.layers\.1\.mlp\.experts\.down_proj_bias' is missing$")
+
+
+def test_phimoe_checkpoint_is_refused(tmp_path):
+    """A PhiMoE checkpoint saved by transformers: SparseMixer routing is named as the reason."""
+    config = transformers.PhimoeConfig(
+        hidden_size=32, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=32, max_position_embeddings=64,
+    )
+    transformers.PhimoeForCausalLM(config).save_pretrained(tmp_path / "phimoe")
+    refused(tmp_path / "phimoe", tmp_path, r"^phimoe: routes with SparseMixer \(each selected expert's weight is a softmax over only the logits within a jitter threshold of it, the second choice taken after masking the first\), which no \.colibri router computes; not supported$")

@@ -74,3 +74,29 @@ def wire(monkeypatch):
 
     monkeypatch.setattr(paramiko.packet.Packetizer, "write_all", counting)
     return counter
+
+
+PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "orin.yaml"
+
+
+def build(profile: Path, out: Path) -> Path:
+    """A real bundle of the demo model for `profile` (NVRTC, no GPU), built with the library's build_bundle."""
+    from colibri_sdk.bundle.writer import build_bundle
+    from colibri_sdk.profile import load_profile
+
+    return build_bundle(load_profile(profile), out).path
+
+
+@pytest.fixture(scope="session")
+def real_bundles(tmp_path_factory):
+    """(bundle, same bundle rebuilt with gate_up/down block_n 32 instead of 64)."""
+    root = tmp_path_factory.mktemp("real")
+    first = build(PROFILE, root / "orin")
+    import yaml
+
+    profile = yaml.safe_load(PROFILE.read_text())
+    profile["kernels"]["gate_up"]["block_n"] = 32
+    profile["kernels"]["down"]["block_n"] = 32
+    variant = root / "orin_bn32.yaml"
+    variant.write_text(yaml.safe_dump(profile))
+    return first, build(variant, root / "orin_bn32")

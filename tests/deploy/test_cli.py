@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 
@@ -43,8 +44,10 @@ def test_deploy_status_rollback(tmp_path, sshd, known_hosts, device_dir, capsys)
     out = capsys.readouterr().out
     current = os.path.basename(os.readlink(device_dir / "current"))
     assert "(* current, - previous; FILES: files besides manifest.json; BYTES: all, manifest included)" in out
-    row = next(line.split() for line in out.splitlines() if line.strip().startswith(f"* {current}"))
-    assert row[4:7] == ["7", f"{bundle_bytes(b):,}", "sm_87"]  # *, id, date, time, FILES, BYTES, ARCH
+    row = next(line for line in out.splitlines() if line.strip().startswith(f"* {current}"))
+    # *, id, date, time, FILES, BYTES, PROFILE, ARCH, then MODEL, DTYPE and SHAPE (write_bundle's sizes)
+    assert row.split()[4:8] == ["7", f"{bundle_bytes(b):,}", "test-orin", "sm_87"]
+    assert re.search(r"  1 layer x 64 experts, top-2, hidden 64 +fp16 +batch 1 x tokens 8$", row), row
     assert main(["deploy", "--rollback", *common]) == 0
     assert remote_tree(device_dir / "current") == remote_tree(a)
     assert f"(was {current})" in capsys.readouterr().out
@@ -52,22 +55,22 @@ def test_deploy_status_rollback(tmp_path, sshd, known_hosts, device_dir, capsys)
 
 def test_verify_echoes_the_devices_self_test_line(tmp_path, sshd, known_hosts, device_dir, capsys):
     record = tmp_path / "verify args"
-    script = ('printf %s "$*" > "$0"; echo "  self-test: self-test passed on cpu: max abs err 0, max rel err 0"; '
-              'echo "colibri-sdk: running on the CPU backend: no CUDA driver" >&2')
+    script = ('printf %s "$*" > "$0"; echo "  self-test: self-test passed on cuda: max abs err 0, max rel err 0"; '
+              'echo "colibri-sdk: CUDA driver 12.6, 1 device(s)" >&2')
     common = ["--host", f"{sshd.user}@127.0.0.1:{sshd.port}", *flags(sshd, known_hosts, device_dir)]
     assert main(["deploy", str(write_bundle(tmp_path / "a")), *common, "--verify", "--verify-backend", "cuda",
                  "--remote-colibri", shlex.join(["sh", "-c", script, str(record)])]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert record.read_text().startswith("verify --backend cuda ")
-    assert " active (self-test passed on cpu) at " in lines[0]
-    assert lines[1:] == ["  self-test passed on cpu: max abs err 0, max rel err 0",
-                         "  colibri-sdk: running on the CPU backend: no CUDA driver"]
+    assert " active (self-test passed on cuda) at " in lines[0]
+    assert lines[1:] == ["  self-test passed on cuda: max abs err 0, max rel err 0",
+                         "  colibri-sdk: CUDA driver 12.6, 1 device(s)"]
 
 
 def test_verify_backend_needs_verify(tmp_path, sshd, known_hosts, device_dir, capsys):
     assert main(["deploy", str(tmp_path), "--host", "127.0.0.1", "--verify-backend", "cpu",
                  *flags(sshd, known_hosts, device_dir)]) == 1
-    assert "--verify-backend cpu only goes with --verify" in capsys.readouterr().err
+    assert "--verify-backend cpu only goes with --verify, --on-activate or --health-cmd" in capsys.readouterr().err
 
 
 def test_count_files_follows_the_files_plus_manifest_convention():
@@ -115,4 +118,4 @@ def test_inventory_unknown_key_is_refused(tmp_path, sshd, known_hosts, device_di
 
 def test_bundle_required_without_rollback_or_status(sshd, known_hosts, device_dir, capsys):
     assert main(["deploy", "--host", "127.0.0.1", *flags(sshd, known_hosts, device_dir)]) == 1
-    assert "deploy needs a BUNDLE folder (or --rollback / --status)" in capsys.readouterr().err
+    assert "deploy needs a BUNDLE folder (or --rollback / --status / --install-runtime)" in capsys.readouterr().err

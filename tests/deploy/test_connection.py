@@ -45,17 +45,20 @@ def test_unknown_host_is_refused(target, tmp_path):
     assert empty.read_text() == ""
 
 
-def test_accept_new_host_key_stores_it_once_and_says_so(target, tmp_path, sshd, capsys):
+def test_accept_new_host_key_stores_it_once_and_says_so(target, tmp_path, sshd, capsys, caplog):
     path = tmp_path / "new" / "known_hosts"
+    caplog.set_level("INFO", logger="colibri_sdk")
     with Connection(target.with_(known_hosts=str(path), accept_new_host_key=True)) as conn:
         conn.run(["true"])
     assert path.read_text() == sshd.known_hosts_line()
-    assert capsys.readouterr().err == (f"Permanently added '[127.0.0.1]:{sshd.port}' (ED25519) to the list of "
-                                       f"known hosts ({path})\n")
+    notices = [r.getMessage() for r in caplog.records if r.name.startswith("colibri_sdk")]
+    assert notices == [f"Permanently added '[127.0.0.1]:{sshd.port}' (ED25519) to the list of known hosts ({path})"]
+    assert capsys.readouterr().err == ""  # logged, not printed
+    caplog.clear()
     with Connection(target.with_(known_hosts=str(path))) as conn:  # now known, no flag needed
         conn.run(["true"])
     assert path.read_text() == sshd.known_hosts_line()
-    assert capsys.readouterr().err == ""
+    assert [r for r in caplog.records if r.name.startswith("colibri_sdk")] == []
 
 
 def test_changed_key_of_same_type_is_refused_even_with_accept_new(target, tmp_path, sshd):

@@ -12,10 +12,8 @@ import stat
 import sys
 from pathlib import Path
 
-import json
-
 import pytest
-from deploy_bundles import remote_tree, write_bundle
+from deploy_bundles import remote_tree, reseal, write_bundle
 
 from colibri_sdk.deploy import (
     DeployError,
@@ -97,33 +95,41 @@ def test_identical_files_are_one_store_object(tmp_path, target, options, device_
     b = write_bundle(tmp_path / "b")
     data = (b / "selftest" / "input.npy").read_bytes()
     (b / "selftest" / "output.npy").write_bytes(data)
-
-    manifest = json.loads((b / "manifest.json").read_text())
-    for entry in manifest["files"]:
-        if entry["path"] == "selftest/output.npy":
-            entry["sha256"] = hashlib.sha256(data).hexdigest()
-    (b / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")
+    reseal(b)
     result = deploy(b, target, options)
     assert result.bytes_sent == result.total_bytes - len(data)
     assert remote_tree(device_dir / "current") == remote_tree(b)
 
 
-def test_rollback_switches_back_and_forth(tmp_path, target, options, device_dir):
-    a = deploy(write_bundle(tmp_path / "a", kernel_seed=0), target, options)
-    b = deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, options)
-    assert b.previous == a.bundle_id
-    answer = rollback(target, options)
-    assert answer == {"current": a.bundle_id, "previous": b.bundle_id}
-    assert active(device_dir) == f"bundles/{a.bundle_id}"
-    assert remote_tree(device_dir / "current") == remote_tree(tmp_path / "a")
-    rollback(target, options)
+def test_rollback_steps_back_through_the_history(tmp_path, target, options, device_dir):
+    a, b, c = (deploy(write_bundle(tmp_path / n, kernel_seed=i), target, options) for i, n in enumerate("abc"))
+    assert (b.previous, c.previous) == (a.bundle_id, b.bundle_id)
+    assert rollback(target, options) == {"current": b.bundle_id, "previous": c.bundle_id,
+                                         "history": [a.bundle_id, b.bundle_id]}
     assert active(device_dir) == f"bundles/{b.bundle_id}"
-    rollback(target, options, to=a.bundle_id)
-    assert active(device_dir) == f"bundles/{a.bundle_id}"
+    assert os.readlink(device_dir / "previous") == f"bundles/{a.bundle_id}"
+    assert rollback(target, options)["current"] == a.bundle_id  # one further back, not back to c
+    assert active(device_dir) == f"bundles/{a.bundle_id}" and not os.path.lexists(device_dir / "previous")
+    assert remote_tree(device_dir / "current") == remote_tree(tmp_path / "a")
+    with pytest.raises(RemoteCommandError, match=f"nothing to roll back to: .* has no bundle activated before "
+                                                 f"{a.bundle_id}"):
+        rollback(target, options)
+    assert rollback(target, options, to=c.bundle_id)["history"] == [a.bundle_id, c.bundle_id]
+    assert active(device_dir) == f"bundles/{c.bundle_id}"
+    assert rollback(target, options)["current"] == a.bundle_id
     with pytest.raises(RemoteCommandError, match="no bundle 00000000 under"):
         rollback(target, options, to="00000000")
     with pytest.raises(RemoteCommandError, match=f"bundle {a.bundle_id} is already active"):
         rollback(target, options, to=a.bundle_id)
+
+
+def test_a_switch_by_hand_on_the_device_counts_as_a_rollback(tmp_path, target, options, device_dir):
+    a, b, c = (deploy(write_bundle(tmp_path / n, kernel_seed=i), target, options) for i, n in enumerate("abc"))
+    # deploy/README.md's recipe without the deploying machine: current := previous
+    os.symlink(os.readlink(device_dir / "previous"), device_dir / ".current.tmp")
+    os.replace(device_dir / ".current.tmp", device_dir / "current")
+    assert status(target, options).history == (a.bundle_id, b.bundle_id)
+    assert rollback(target, options)["current"] == a.bundle_id
 
 
 def test_rollback_refuses_a_corrupt_bundle(tmp_path, target, options, device_dir):
@@ -143,21 +149,27 @@ def test_rollback_without_previous_is_refused(bundle, target, options):
         rollback(target, options)
 
 
-def test_keep_prunes_old_bundles_and_their_store_objects(tmp_path, target, device_dir):
+def test_keep_counts_bundles_besides_current_and_previous(tmp_path, target, device_dir):
     options = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, keep=1)
-    bundles = [write_bundle(tmp_path / f"b{i}", kernel_seed=i, model_seed=i, model_bytes=200_000) for i in range(3)]
+    bundles = [write_bundle(tmp_path / f"b{i}", kernel_seed=i, model_seed=i, model_bytes=200_000) for i in range(4)]
     ids = [deploy(b, target, options).bundle_id for b in bundles]
-    # keep=1 keeps the newest; the previous one stays too, for rollback.
+    # --keep 1: current (b3), previous (b2) and 1 more (b1); b0 and the store objects only it used are gone.
     assert sorted(p.name for p in (device_dir / "bundles").iterdir()) == sorted(ids[1:])
-    wanted = set(remote_tree(bundles[1]).values()) | set(remote_tree(bundles[2]).values())
+    wanted = set().union(*(remote_tree(b).values() for b in bundles[1:]))
     assert {p.name for p in (device_dir / "store").iterdir()} == wanted
     st = status(target, options)
-    assert (st.current, st.previous) == (ids[2], ids[1])
-    assert [b.bundle_id for b in st.bundles] == [ids[2], ids[1]]
-    assert st.bundles[0].manifest["arch"] == "sm_87"
+    assert (st.current, st.previous) == (ids[3], ids[2])
+    assert [b.bundle_id for b in st.bundles] == [ids[3], ids[2], ids[1]]
+    assert st.history == (ids[1], ids[2], ids[3])
+    assert st.bundles[0].manifest["arch"] == "sm_87" and st.bundles[0].manifest["profile"] == "test-orin"
+    assert st.bundles[0].manifest["model"] == {"num_layers": 1, "num_experts": 4, "top_k": 2, "hidden_size": 64,
+                                               "intermediate_size": 128}
+    assert (st.bundles[0].manifest["dtype"], st.bundles[0].manifest["shape"]) == ("fp16", {"batch": 1, "tokens": 8})
     # files: what the manifest lists (7), manifest.json besides; bytes: all 8 files, as the deploy counts them.
     assert st.bundles[0].files == 7
-    assert st.bundles[0].bytes == sum(p.stat().st_size for p in bundles[2].rglob("*") if p.is_file())
+    assert st.bundles[0].bytes == sum(p.stat().st_size for p in bundles[3].rglob("*") if p.is_file())
+    deploy(bundles[0], target, replace(options, keep=0))  # 0: only current and previous stay
+    assert sorted(p.name for p in (device_dir / "bundles").iterdir()) == sorted([ids[0], ids[3]])
 
 
 def test_verify_failure_keeps_the_active_bundle(tmp_path, target, device_dir):
@@ -166,7 +178,8 @@ def test_verify_failure_keeps_the_active_bundle(tmp_path, target, device_dir):
     first = deploy(a, target, DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable))
     failing = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, verify=True,
                             remote_colibri="sh -c 'echo self-test failed: max_abs_err 0.5; exit 3' sh")
-    with pytest.raises(RemoteVerifyError, match=r"(?s)failed \(exit status 3\).*not changed.*max_abs_err 0.5"):
+    with pytest.raises(RemoteVerifyError, match=r"on cuda failed \(exit status 3\): self-test failed: max_abs_err 0.5; "
+                                                r"the active bundle was not changed$"):
         deploy(b, target, failing)
     assert active(device_dir) == f"bundles/{first.bundle_id}"
 
@@ -180,11 +193,13 @@ def test_verify_runs_on_the_staged_bundle_before_the_switch(tmp_path, target, de
     with pytest.raises(RemoteVerifyError, match="exit status 9"):
         deploy(bundle, target, replace(verifying, remote_colibri=probe))
     bundle_id = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()[:16]
-    assert record.read_text() == f"verify --backend auto {device_dir}/bundles/{bundle_id}"
+    assert record.read_text() == f"verify --backend cuda {device_dir}/bundles/{bundle_id}"
     assert not os.path.lexists(device_dir / "current")
-    result = deploy(bundle, target, replace(verifying, remote_colibri="true"))
+    passing = shlex.join(["sh", "-c", "echo '  self-test: self-test passed on cuda: max abs err 0'"])
+    result = deploy(bundle, target, replace(verifying, remote_colibri=passing))
     assert active(device_dir) == f"bundles/{bundle_id}" and result.bytes_sent == 0
-    assert (result.selftest, result.selftest_backend, result.verify_notes) == ("", "", ())
+    assert (result.selftest, result.selftest_backend, result.verify_notes) == (
+        "self-test passed on cuda: max abs err 0", "cuda", ())
 
 
 def test_verify_backend_is_passed_and_the_self_test_line_is_kept(tmp_path, target, device_dir):
@@ -202,8 +217,26 @@ def test_verify_backend_is_passed_and_the_self_test_line_is_kept(tmp_path, targe
     assert result.verify_notes == ("colibri-sdk: running on the CPU backend: no CUDA driver",)
 
 
+def test_a_cpu_fallback_fails_the_verify_of_a_gpu_bundle(tmp_path, target, device_dir):
+    first = deploy(write_bundle(tmp_path / "a"), target, DeployOptions(remote_dir=str(device_dir),
+                                                                      remote_python=sys.executable))
+    # What `colibri-sdk verify --backend auto` prints on a device whose CUDA does not work.
+    script = ('echo "  self-test: self-test passed on cpu: max abs err 0"; '
+              'echo "colibri-sdk: running on the CPU backend: no CUDA driver (libcuda.so.1 not found)" >&2')
+    options = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, verify=True,
+                            remote_colibri=shlex.join(["sh", "-c", script]))
+    with pytest.raises(RemoteVerifyError, match=r"the self-test of .* ran on cpu, not on cuda: the bundle was not "
+                                                r"checked on the backend it will run on \(pass --verify-backend cpu to "
+                                                r"accept a check on the CPU\); the active bundle was not changed: "
+                                                r"colibri-sdk: running on the CPU backend: no CUDA driver"):
+        deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, options)
+    assert active(device_dir) == f"bundles/{first.bundle_id}"
+    result = deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, replace(options, verify_backend="cpu"))
+    assert result.selftest_backend == "cpu" and active(device_dir) == f"bundles/{result.bundle_id}"
+
+
 def test_verify_backend_outside_the_allowed_set_is_refused(device_dir):
-    with pytest.raises(DeployError, match=r"--verify-backend 'gpu': must be one of auto, cuda, cpu"):
+    with pytest.raises(DeployError, match=r"--verify-backend 'gpu': must be one of cuda, cpu"):
         DeployOptions(remote_dir=str(device_dir), verify=True, verify_backend="gpu")
 
 
@@ -211,7 +244,8 @@ def test_colibri_sdk_missing_on_the_device_names_remote_colibri(bundle, target, 
     options = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, verify=True,
                             remote_colibri="/nonexistent/colibri-sdk")
     with pytest.raises(RemoteVerifyError, match=r"'/nonexistent/colibri-sdk' cannot run on the device \(exit status "
-                                                r"127\): colibri-sdk is not on the PATH .* Pass the device's command "
+                                                r"127\): colibri-sdk is not installed there, or not on the PATH .* "
+                                                r"Install it with --install-runtime, or pass the device's command "
                                                 r"with --remote-colibri, e.g. --remote-colibri '/opt/colibri/venv/bin/"
                                                 r"python -m colibri_sdk'; the active bundle was not changed"):
         deploy(bundle, target, options)

@@ -144,10 +144,27 @@ def test_corruption_in_transit_fails_with_checksum_mismatch(tmp_path, target, op
     assert remote_tree(device_dir / "current") == remote_tree(a)
 
 
-def test_local_file_changed_after_build_is_a_bundle_error(tmp_path, target, options):
+def test_local_file_changed_after_build_is_refused_before_sending(tmp_path, target, options, device_dir):
     b = write_bundle(tmp_path / "b")
     path = b / "kernels" / "router.ptx"
     path.write_bytes(b"Y" + path.read_bytes()[1:])  # same size, other content
+    with pytest.raises(BundleError, match=r"kernels/router.ptx: sha256 [0-9a-f]{64} differs from the manifest's"):
+        deploy(b, target, options)
+    assert not device_dir.exists()  # refused before connecting: nothing was created on the device
+
+
+def test_file_changed_during_the_upload_is_a_bundle_error(tmp_path, target, options, monkeypatch):
+    from colibri_sdk.deploy import transfer
+
+    b = write_bundle(tmp_path / "b")
+    real = transfer.read_chunks
+
+    def changing(path, offset, chunk=transfer.CHUNK_BYTES):  # the file changes after the check, before the upload
+        if Path(path).name == "router.ptx":
+            Path(path).write_bytes(b"Y" + Path(path).read_bytes()[1:])
+        yield from real(path, offset, chunk)
+
+    monkeypatch.setattr(transfer, "read_chunks", changing)
     with pytest.raises(BundleError, match=r"'kernels/router.ptx' changed on this machine"):
         deploy(b, target, options)
 
@@ -214,12 +231,23 @@ def test_missing_remote_python_is_explained(bundle, target, device_dir):
         deploy(bundle, target, options)
 
 
+def test_a_crash_on_the_device_is_relayed_as_its_last_line_not_its_traceback(bundle, target, device_dir):
+    # A device Python that dies with a traceback before the store helper runs.
+    crashing = f"{sys.executable} -c 'import json; json.loads(\"{{broken\")'"
+    options = DeployOptions(remote_dir=str(device_dir), remote_python=crashing)
+    with pytest.raises(RemoteCommandError, match=r"remote plan in .* failed with exit status 1: "
+                                                 r"json.decoder.JSONDecodeError: Expecting property name enclosed in "
+                                                 r"double quotes: line 1 column 2 \(char 1\)$") as info:
+        deploy(bundle, target, options)
+    assert "Traceback" not in str(info.value)
+
+
 def test_unsafe_manifest_path_is_refused_here_and_on_the_device(tmp_path, target, device_dir):
     b = write_bundle(tmp_path / "b")
     manifest = json.loads((b / "manifest.json").read_text())
     manifest["files"][0]["path"] = "../../etc/evil"
     (b / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(BundleError, match=r"unsafe path '../../etc/evil'"):
+    with pytest.raises(BundleError, match=r"path '../../etc/evil'"):
         deploy(b, target, DeployOptions(remote_dir=str(device_dir)))
     with Connection(target) as conn:
         agent = RemoteAgent(conn, str(device_dir), sys.executable)

@@ -3,45 +3,19 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from deploy_bundles import remote_tree
+from deploy_bundles import remote_tree, reseal
 
 from colibri_sdk.deploy import DeployOptions, RemoteVerifyError, deploy
 
 pytestmark = pytest.mark.ssh
-
-PROFILE = Path(__file__).resolve().parents[2] / "profiles" / "orin.yaml"
-
-
-def build(profile: Path, out: Path) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", str(profile), "-o", str(out)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"colibri-sdk build failed:\n{proc.stderr[-3000:]}")
-    return out
-
-
-@pytest.fixture(scope="session")
-def real_bundles(tmp_path_factory):
-    """(bundle, same bundle rebuilt with gate_up/down block_n 32 instead of 64)."""
-    root = tmp_path_factory.mktemp("real")
-    first = build(PROFILE, root / "orin")
-    profile = yaml.safe_load(PROFILE.read_text())
-    profile["kernels"]["gate_up"]["block_n"] = 32
-    profile["kernels"]["down"]["block_n"] = 32
-    variant = root / "orin_bn32.yaml"
-    variant.write_text(yaml.safe_dump(profile))
-    return first, build(variant, root / "orin_bn32")
 
 
 def files_of(bundle: Path) -> dict:
@@ -72,20 +46,28 @@ def test_real_bundle_verified_on_device_then_kernel_only_rebuild(real_bundles, t
 def test_real_verify_failure_keeps_previous(real_bundles, tmp_path, target, device_dir):
     first, rebuilt = real_bundles
     options = DeployOptions(remote_dir=str(device_dir), verify=True, remote_python=sys.executable,
-                            remote_colibri=f"{sys.executable} -m colibri_sdk")
+                            remote_colibri=f"{sys.executable} -m colibri_sdk", verify_backend="cpu")
     ok = deploy(first, target, options)
-    # A bundle whose self-test expectation is wrong but whose checksums are consistent: the device's
-    # `colibri-sdk verify` must fail it and the pointer must stay.
+    # A bundle whose self-test expectation is wrong but whose manifest is consistent (resealed as a build would):
+    # the local loader accepts it, the device's `colibri-sdk verify` must fail it and the pointer must stay.
     bad = shutil.copytree(rebuilt, tmp_path / "bad")
-    manifest = json.loads((bad / "manifest.json").read_text())
-    out = bad / manifest["selftest"]["output"]
-    expected = np.load(out)
-    np.save(out, expected + 1.0)
-    for entry in manifest["files"]:
-        if entry["path"] == manifest["selftest"]["output"]:
-            entry["sha256"] = hashlib.sha256(out.read_bytes()).hexdigest()
-            entry["size"] = out.stat().st_size
-    (bad / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")
-    with pytest.raises(RemoteVerifyError, match=r"self-test of .* failed \(exit status 1\)"):
+    out = bad / json.loads((bad / "manifest.json").read_text())["selftest"]["output"]
+    np.save(out, np.load(out) + 1.0)
+    reseal(bad)
+    with pytest.raises(RemoteVerifyError, match=r"self-test of .* on cpu failed \(exit status 1\): colibri-sdk "
+                                                r"verify: error: .*self-test failed on the cpu backend: .*; the "
+                                                r"active bundle was not changed$") as info:
         deploy(bad, target, options)
+    assert "Traceback" not in str(info.value) and "\n" not in str(info.value)
     assert os.readlink(device_dir / "current") == f"bundles/{ok.bundle_id}"
+
+
+def test_gpu_bundle_verified_by_default_on_cuda_fails_without_a_gpu(real_bundles, target, device_dir):
+    """No GPU on this 'device': the default --verify (cuda) fails with the device's own one-line error."""
+    first, _ = real_bundles
+    options = DeployOptions(remote_dir=str(device_dir), verify=True, remote_python=sys.executable,
+                            remote_colibri=f"{sys.executable} -m colibri_sdk")
+    with pytest.raises(RemoteVerifyError, match=r"on cuda failed \(exit status 1\): colibri-sdk verify: error: "
+                                                r"[^\n]*CUDA[^\n]*; the active bundle was not changed$"):
+        deploy(first, target, options)
+    assert not os.path.lexists(device_dir / "current")

@@ -19,6 +19,7 @@
 //   - streams are in order and run synchronously; cuStreamBeginCapture records copies, memsets and launches (kernel
 //     parameter VALUES copied at record time, as a real graph does) instead of running them; cuGraphLaunch replays
 //     the instantiated copy. Synchronising a capturing stream invalidates the capture.
+//   - an event keeps the host time at which its record ran; cuEventElapsedTime is the emulation's CPU time;
 // Settings (environment, read at cuInit): COLIBRI_FAKE_CUDA_DRIVER (cuDriverGetVersion, default 12090),
 // COLIBRI_FAKE_CUDA_CC ("8.7"), COLIBRI_FAKE_CUDA_INTEGRATED ("0"/"1"), COLIBRI_FAKE_CUDA_DEVICES (1),
 // COLIBRI_FAKE_CUDA_FAIL ("cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY" fails every call, "cuMemAlloc@3=..." the 3rd only;
@@ -29,6 +30,7 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -501,6 +503,7 @@ struct Node {
     Function* fn = nullptr;
     unsigned grid[3] = {}, block[3] = {};
     std::vector<unsigned char> args;  // kernel parameter values, copied at record time
+    void* recorded = nullptr;         // event: the cuEventRecord handle
 };
 struct Graph {
     std::vector<Node> nodes;
@@ -514,7 +517,7 @@ struct Stream {
     int mode = 0;
 };
 struct Event {
-    int dummy;
+    double ms = -1;  // steady-clock time (ms) when its record node last ran; -1: never recorded
 };
 struct Context {
     int device;
@@ -626,8 +629,13 @@ CUresult run_node(const Node& n) {
         }
         case Node::kernel:
             return run_kernel(n);
-        case Node::event:
+        case Node::event: {
+            auto it = g_events.find(n.recorded);
+            if (it != g_events.end())
+                it->second->ms = std::chrono::duration<double, std::milli>(
+                                     std::chrono::steady_clock::now().time_since_epoch()).count();
             return CUDA_SUCCESS;
+        }
     }
     return CUDA_ERROR_UNKNOWN;
 }
@@ -1171,7 +1179,25 @@ API CUresult cuEventRecord(void* ev, void* stream) {
         complain("cuEventRecord", "unknown event %p", ev);
         return CUDA_ERROR_INVALID_HANDLE;
     }
-    return submit(Node{Node::event}, stream, "cuEventRecord");
+    Node n{Node::event};
+    n.recorded = ev;
+    return submit(std::move(n), stream, "cuEventRecord");
+}
+
+// Milliseconds between two completed records (host time of the emulation: a CPU time, not a GPU time).
+API CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
+    ENTER("cuEventElapsedTime", true);
+    auto a = g_events.find(start), b = g_events.find(end);
+    if (!ms || a == g_events.end() || b == g_events.end()) {
+        complain("cuEventElapsedTime", "unknown event");
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    if (a->second->ms < 0 || b->second->ms < 0) {
+        complain("cuEventElapsedTime", "an event that was never recorded");
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    *ms = float(b->second->ms - a->second->ms);
+    return CUDA_SUCCESS;
 }
 
 API CUresult cuEventSynchronize(void* ev) {
@@ -1401,6 +1427,7 @@ const Proc kProcs[] = {
     {"cuEventDestroy", (void*)cuEventDestroy_v2, 4000, 0},
     {"cuEventRecord", (void*)cuEventRecord, 0, 0},
     {"cuEventSynchronize", (void*)cuEventSynchronize, 0, 0},
+    {"cuEventElapsedTime", (void*)cuEventElapsedTime, 0, 0},
     {"cuLaunchKernel", (void*)cuLaunchKernel, 0, 0},
     {"cuGraphInstantiateWithFlags", (void*)cuGraphInstantiateWithFlags, 0, 0},
     {"cuGraphLaunch", (void*)cuGraphLaunch, 0, 0},

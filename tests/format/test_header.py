@@ -49,7 +49,8 @@ def patch(offset: int, value: bytes) -> bytes:
     [
         (PACKED[:63], r"file is 63 bytes; a \.colibri file starts with a 64-byte header"),
         (patch(0, b"COLJ"), r"bad magic b'COLJ'; expected b'COLI'"),
-        (patch(4, b"\x00\x02"), r"unsupported version 0x0200; this reader supports 0x0100"),
+        (patch(4, b"\x00\x03"), r"unsupported version 0x0300; this reader supports 0x0100, 0x0200"),
+        (patch(4, b"\x00\x02"), r"file is 64 bytes; a v2 file with 2 layers starts with 128 bytes"),
         (patch(4, b"\x01\x00"), r"unsupported version 0x0001"),
         (patch(6, b"\x00\x00"), r"num_layers = 0; allowed: an integer in 1\.\.65535"),
         (patch(8, b"\x00\x00"), r"num_experts = 0; allowed"),

@@ -77,6 +77,8 @@ def test_output_onto_the_checkpoints_own_file_is_refused(tmp_path, capsys, name)
     folder = write_checkpoint(tmp_path / "ckpt")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     err = cli_error(capsys, "convert", str(folder), "-o", str(folder / name))
+    assert err.endswith("exists; refusing to replace it without --force (or choose another -o)")
+    err = cli_error(capsys, "convert", str(folder), "-o", str(folder / name), "--force")  # never the source itself
     assert err.endswith(f"is the checkpoint's own {name}; refusing to overwrite the source (choose another -o)")
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 

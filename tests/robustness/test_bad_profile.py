@@ -65,6 +65,6 @@ def test_profile_that_breaks_the_parser_or_the_arch_pattern(tmp_path, edit, mess
 def test_profile_path_that_is_a_folder(tmp_path, capsys):
     folder = tmp_path / "board.yaml"
     folder.mkdir()
-    err = cli_error(capsys, "build", "--profile", str(folder), "-o", str(tmp_path / "out"))
+    err = cli_error(capsys, "build", "--profile", str(folder), "--demo", "-o", str(tmp_path / "out"))
     assert err.endswith("board.yaml' is a folder; allowed: a .yaml file or a shipped profile name")
     assert not (tmp_path / "out").exists()

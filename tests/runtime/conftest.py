@@ -33,7 +33,7 @@ def small_bundle(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_bundle(tmp_path_factory) -> Path:
-    """`colibri-sdk build --profile profiles/orin.yaml`: the demo model, fp16, batch 1 x tokens 16."""
+    """`colibri-sdk build --profile profiles/orin.yaml --demo`: the demo model, fp16, batch 1 x tokens 16."""
     return build(tmp_path_factory.mktemp("demo") / "bundle", ORIN)
 
 

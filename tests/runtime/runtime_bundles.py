@@ -103,8 +103,9 @@ ORIN = Path(__file__).resolve().parents[2] / "profiles" / "orin.yaml"
 
 
 def build(out: Path, profile: Path, weights: Path | None = None) -> Path:
-    """`colibri-sdk build --profile PROFILE [--weights WEIGHTS] -o OUT`."""
-    args = ["build", "--profile", str(profile), "-o", str(out)] + (["--weights", str(weights)] if weights else [])
+    """`colibri-sdk build --profile PROFILE (--weights WEIGHTS | --demo) -o OUT`."""
+    model = ["--weights", str(weights)] if weights else ["--demo"]
+    args = ["build", "--profile", str(profile), "-o", str(out), *model]
     assert main(args) == 0, f"colibri-sdk {' '.join(args)} failed"
     return out
 

@@ -1,4 +1,5 @@
-"""Backend selection: "cpu", "auto" (CUDA when usable, else the CPU with a one-line notice), "cuda" without a GPU."""
+"""Backend selection: "cpu", "auto" (CUDA when usable, else the CPU with a one-line notice, logged, never printed),
+"cuda" without a GPU."""
 
 from __future__ import annotations
 
@@ -18,23 +19,28 @@ CUDA_OK, CUDA_REASON = cuda_status()
 needs_no_gpu = pytest.mark.skipif(CUDA_OK, reason="a CUDA driver is present; these tests check the no-GPU path")
 
 
-def test_cpu_backend_prints_nothing(small_bundle, capsys):
+@pytest.fixture
+def notices(caplog):
+    """The messages logged under "colibri_sdk" (INFO and above) while the test runs."""
+    caplog.set_level("INFO", logger="colibri_sdk")
+    return lambda: [r.getMessage() for r in caplog.records if r.name.startswith("colibri_sdk")]
+
+
+def test_cpu_backend_prints_nothing(small_bundle, capsys, notices):
     with Runtime.load(small_bundle, backend="cpu") as rt:
         assert rt.backend_name == "cpu"
         assert rt.notice is None
     assert capsys.readouterr().err == ""
+    assert notices() == []
 
 
 @needs_no_gpu
-def test_auto_falls_back_to_cpu_with_one_line_notice(small_bundle, capsys):
+def test_auto_falls_back_to_cpu_with_one_line_notice(small_bundle, capsys, notices):
     with Runtime.load(small_bundle) as rt:
         assert rt.backend_name == "cpu"
-    err = capsys.readouterr().err
-    assert err == (
-        "colibri-sdk: running on the CPU backend: no usable CUDA GPU here: "
-        f"{CUDA_REASON}\n"
-    )
-    assert rt.notice == err.rstrip("\n")
+    assert notices() == [f"running on the CPU backend: no usable CUDA GPU here: {CUDA_REASON}"]
+    assert rt.notice == notices()[0]
+    assert capsys.readouterr().err == ""  # the library logs; it never prints
     assert available_backends() == ["cpu"]
 
 
@@ -57,7 +63,7 @@ def _fake_cuda_module(monkeypatch, backend_class):
     monkeypatch.setattr(runtime_module, "cuda_status", lambda: (True, "driver 12.6"))
 
 
-def test_auto_falls_back_when_the_device_cannot_run_the_bundle(small_bundle, monkeypatch, capsys):
+def test_auto_falls_back_when_the_device_cannot_run_the_bundle(small_bundle, monkeypatch, notices):
     class NoDevice:
         def __init__(self, bundle, eager=False):
             raise BackendError("no CUDA device: cuDeviceGetCount returned 0")
@@ -65,9 +71,7 @@ def test_auto_falls_back_when_the_device_cannot_run_the_bundle(small_bundle, mon
     _fake_cuda_module(monkeypatch, NoDevice)
     with Runtime.load(small_bundle) as rt:
         assert rt.backend_name == "cpu"
-    assert capsys.readouterr().err == (
-        "colibri-sdk: running on the CPU backend: no CUDA device: cuDeviceGetCount returned 0\n"
-    )
+    assert notices() == ["running on the CPU backend: no CUDA device: cuDeviceGetCount returned 0"]
     with pytest.raises(BackendError, match=r"^no CUDA device: cuDeviceGetCount returned 0$"):
         Runtime.load(small_bundle, backend="cuda")
 
@@ -125,12 +129,10 @@ def test_cpu_path_never_imports_cuda(small_bundle):
     assert out.stdout.strip() == "[]"
 
 
-def test_auto_falls_back_when_the_cuda_backend_cannot_be_imported(small_bundle, monkeypatch, capsys):
+def test_auto_falls_back_when_the_cuda_backend_cannot_be_imported(small_bundle, monkeypatch, notices):
     monkeypatch.setitem(sys.modules, "colibri_sdk.runtime.cuda_backend", None)  # import raises ImportError
     monkeypatch.setattr(runtime_module, "cuda_status", lambda: (True, "driver 12.6"))
     with Runtime.load(small_bundle) as rt:
         assert rt.backend_name == "cpu"
-    assert re.fullmatch(
-        r"colibri-sdk: running on the CPU backend: backend 'cuda' cannot be imported here \(.+\)\n",
-        capsys.readouterr().err,
-    )
+    [notice] = notices()
+    assert re.fullmatch(r"running on the CPU backend: backend 'cuda' cannot be imported here \(.+\)", notice)

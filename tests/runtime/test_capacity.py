@@ -112,5 +112,5 @@ def test_profile_keys_and_build_flags(capsys, tmp_path):
         assert str(info.value) == message
     from colibri_sdk.cli import main
 
-    assert main(["build", "--profile", "orin", "--capacity-mode", "soft", "-o", str(tmp_path / "b")]) == 1
+    assert main(["build", "--profile", "orin", "--demo", "--capacity-mode", "soft", "-o", str(tmp_path / "b")]) == 1
     assert "--capacity-mode / --capacity-policy need --capacity-factor F" in capsys.readouterr().err

@@ -1,0 +1,68 @@
+"""The BLAS thread count of colibri-sdk's NumPy matrix products (the CPU backend, the build's self-test).
+
+The rule (docs/runtime.md, "BLAS threads"; measured by bench/runtime_cpu_bench.py): a MoE forward pass on the CPU
+multiplies the tokens routed to each expert by that expert's weights, one small GEMM after another. When a call
+has at most SMALL_ROWS token rows, waking BLAS worker threads for each of these products costs more than it
+saves — most of all on a busy machine, where a worker that is not scheduled stalls every product — so such calls
+run with one BLAS thread. Larger calls keep the BLAS library's own thread count.
+
+The limit applies only inside `blas_threads(...)` (threadpoolctl, set and restored around the call), never to the
+rest of the process. An explicit OPENBLAS_NUM_THREADS, OMP_NUM_THREADS, MKL_NUM_THREADS or BLIS_NUM_THREADS in the
+environment is respected: the rule is then not applied.
+
+threadpoolctl (a dependency) is the well-kept way to do this: it finds the BLAS library NumPy loaded (OpenBLAS,
+MKL, BLIS, any vendor build) and sets its thread count through that library's own API at run time, which an
+environment variable can only do before the library is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
+
+SMALL_ROWS = 1024  # calls with at most this many token rows run with one BLAS thread
+ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+
+_lock = threading.Lock()
+_controller = None
+_depth = 0  # nested or concurrent blas_threads(1) contexts; the first sets the limit, the last restores it
+_restore = None
+
+
+def threads_for(rows: int) -> int | None:
+    """The BLAS thread count for a call on `rows` token rows: 1 when rows <= SMALL_ROWS and no thread variable is
+    set in the environment, else None (the library's own count)."""
+    if any(os.environ.get(name) for name in ENV_VARS):
+        return None
+    return 1 if rows <= SMALL_ROWS else None
+
+
+@contextlib.contextmanager
+def blas_threads(rows: int) -> Iterator[int | None]:
+    """Run the body with `threads_for(rows)` BLAS threads; yields that count (None: unchanged).
+
+    Thread-safe: concurrent bodies share one limit, set by the first to enter and restored by the last to leave.
+    """
+    limit = threads_for(rows)
+    if limit is None:
+        yield None
+        return
+    global _controller, _depth, _restore
+    with _lock:
+        if _depth == 0:
+            if _controller is None:
+                from threadpoolctl import ThreadpoolController
+
+                _controller = ThreadpoolController()
+            _restore = _controller.limit(limits=limit, user_api="blas")
+        _depth += 1
+    try:
+        yield limit
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                _restore.restore_original_limits()
+                _restore = None

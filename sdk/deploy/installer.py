@@ -1,0 +1,145 @@
+"""`--install-runtime`: install colibri-sdk and the wheels it needs into a venv on the device, from this machine.
+
+The device never reaches an index (a factory line usually cannot):
+
+1. probe     the device's machine, CPython version and ABI, glibc (agent `probe`): the wheel tags it accepts
+             (wheels.Device, packaging.tags)
+2. wheels    colibri-sdk built here (`pip wheel --no-deps` of this source tree), and the closure of
+             `colibri-sdk[jetson]` (numpy, cuda-bindings 12.x, cuda-pathfinder, ...) chosen for those tags from
+             `--wheels DIR` and pip's cache of built wheels; anything missing stops here, naming each package and
+             the `pip download --platform ...` command that fetches it
+3. upload    the wheels travel as store objects (incremental, resumable, hashed on the device: transfer.py)
+4. install   on the device (agent `install`): `python -m venv REMOTE_DIR/venv`, `pip install --no-index
+             --find-links REMOTE_DIR/wheels colibri-sdk[jetson]==VERSION`, `python -m colibri_sdk --version`; then
+             REMOTE_DIR/runtime.json records the venv, and `--verify` and the health check run
+             `REMOTE_DIR/venv/bin/python -m colibri_sdk` unless --remote-colibri says otherwise.
+
+The `jetson` extra pins cuda-bindings>=12,<13: JetPack 6's driver (540) cannot run cuda-bindings 13, which needs
+a driver >= 580.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .. import __version__
+from ..bundle import file_sha256
+from .connection import Connection, Target
+from .errors import RemoteCommandError, RuntimeInstallError
+from .local_bundle import BundleFile
+from .remote import RemoteAgent
+from .store import DeviceStore
+from .transfer import Upload, Uploader
+from .wheels import Device, resolve
+
+EXTRA = "jetson"
+SDK_NAME = "colibri-sdk"
+INSTALL_TIMEOUT_S = 1800.0  # pip on a Jetson's eMMC: minutes, not seconds
+
+
+def source_tree() -> Path | None:
+    """The colibri-sdk source tree this package runs from (an editable install or a checkout), or None."""
+    root = Path(__file__).resolve().parents[2]
+    pyproject = root / "pyproject.toml"
+    if pyproject.is_file() and 'name = "colibri-sdk"' in pyproject.read_text(encoding="utf-8", errors="replace"):
+        return root
+    return None
+
+
+def build_sdk_wheel(out: Path) -> Path:
+    """`pip wheel --no-deps` of the source tree into `out`: with `--no-build-isolation --no-index` when setuptools
+    (the build backend) is installed here, so no index is needed; else pip fetches it into an isolated build.
+
+    Raises:
+        RuntimeInstallError: no source tree, or the build failed (its last line quoted).
+    """
+    root = source_tree()
+    if root is None:
+        raise RuntimeInstallError(f"colibri-sdk runs from an installed wheel here, not a source tree: put its wheel "
+                                  f"(colibri_sdk-{__version__}-py3-none-any.whl) into --wheels DIR")
+    offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline,
+                           "--disable-pip-version-check", "-q", "-w", str(out), str(root)],
+                          capture_output=True, text=True)
+    built = sorted(out.glob("colibri_sdk-*.whl"))
+    if proc.returncode != 0 or not built:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        hint = "" if offline else " (setuptools is not installed here: pip install setuptools, or give --wheels a " \
+                                  "colibri_sdk wheel)"
+        raise RuntimeInstallError(f"building the colibri-sdk wheel from {root} failed (pip wheel exit status "
+                                  f"{proc.returncode}): {last}{hint}")
+    return built[-1]
+
+
+def pip_cache_wheels() -> list:
+    """The wheels pip built and cached on this machine (`pip cache list --format=abspath`); [] when none."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "cache", "list", "--format=abspath",
+                           "--disable-pip-version-check"], capture_output=True, text=True)
+    return [Path(line) for line in proc.stdout.splitlines() if line.endswith(".whl")] if proc.returncode == 0 else []
+
+
+def available_wheels(wheels_dir) -> list:
+    """Wheel files in `wheels_dir` (if given), then in pip's cache.
+
+    Raises:
+        RuntimeInstallError: `wheels_dir` is not a folder.
+    """
+    files = []
+    if wheels_dir is not None:
+        folder = Path(wheels_dir).expanduser()
+        if not folder.is_dir():
+            raise RuntimeInstallError(f"--wheels {wheels_dir}: not a folder; expected a folder of .whl files (fill "
+                                      f"it with pip download, see docs/deploy.md)")
+        files += sorted(p for p in folder.iterdir() if p.name.endswith(".whl") and p.is_file())
+    return files + pip_cache_wheels()
+
+
+def install_runtime(target: Target, options, wheels_dir=None, progress=None) -> dict:
+    """Install the device runtime on `target` under options.remote_dir (venv at REMOTE_DIR/venv).
+
+    Returns:
+        The device's record: {"venv", "python", "colibri", "version", "requirement", "wheels", "installed"}.
+
+    Raises:
+        RuntimeInstallError: wheels missing here (each named, with the pip download command), the colibri-sdk
+            wheel cannot be built, or venv / pip / the import failed on the device (its error line quoted).
+        DeployError subclasses: connection, authentication, disk full, ... as for a deploy.
+    """
+    files = available_wheels(wheels_dir)
+    looked = ", ".join([f"--wheels {wheels_dir}"] if wheels_dir else []) or "no --wheels folder"
+    requirement = f"{SDK_NAME}[{EXTRA}]=={__version__}"
+    with tempfile.TemporaryDirectory(prefix="colibri-wheel-") as tmp, Connection(target) as conn:
+        store = DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python))
+        device = Device.from_probe(store.probe())
+        sdk = build_sdk_wheel(Path(tmp))
+        chosen, missing = resolve(requirement, files, device, local={SDK_NAME: sdk})
+        if missing:
+            dest = str(wheels_dir or "wheels")
+            raise RuntimeInstallError(
+                f"{target.label}: no wheel for the device ({device.describe()}) of: "
+                f"{', '.join(str(r) for r in missing)} (looked in {looked} and pip's wheel cache). Fetch them "
+                f"on a machine with an index: {device.pip_download(missing, dest)} ; then run again with "
+                f"--wheels {dest}")
+        if not any(p.name.startswith("pip-") for p in chosen.values()):
+            pip = next((p for p in files if p.name.startswith("pip-") and p.name.endswith("-py3-none-any.whl")), None)
+            if pip is not None:  # lets the venv be made where the device's Python has no ensurepip
+                chosen["pip"] = pip
+        wheels = [BundleFile(p.name, file_sha256(p), p.stat().st_size, p) for p in chosen.values()]
+        plan = store.plan({w.sha256: w.size for w in wheels})
+        uploads = [Upload(w, plan.objects[w.sha256].offset) for w in wheels
+                   if plan.objects[w.sha256].state != "stored"]
+        if hasattr(progress, "add_total"):
+            progress.add_total(sum(u.file.size - u.offset for u in uploads))
+        Uploader(store.agent, options.streams, progress).upload(uploads)
+        venv = f"{plan.root.rstrip('/')}/venv"
+        try:
+            return store.install(venv, requirement, [(w.sha256, w.path) for w in wheels],
+                                 timeout=max(INSTALL_TIMEOUT_S, target.command_timeout))
+        except RemoteCommandError as exc:
+            if type(exc) is not RemoteCommandError:  # disk full, permission, timeout: already typed
+                raise
+            raise RuntimeInstallError(str(exc), exc.exit_status, exc.stderr) from None

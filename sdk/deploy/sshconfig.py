@@ -1,0 +1,89 @@
+"""OpenSSH client configuration (`~/.ssh/config`), read with paramiko's `SSHConfig`.
+
+`resolve(spec, ...)` turns what the user typed (`--host orin-01`, an alias) into a `Target` the way `ssh` would:
+HostName, User, Port, IdentityFile and ProxyJump of the first matching Host blocks apply where the command line
+says nothing; the command line (`user@host:port`, `--port`, `-i`) wins. ProxyJump hosts (comma-separated, `none`
+for none) are resolved the same way and reached through a direct-tcpip channel of the previous hop
+(connection.Connection). paramiko's parser is used rather than our own: it knows Host patterns, negation, Match
+and token expansion (%h, %u, ~).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .connection import Target
+from .errors import DeployError
+
+USER_CONFIG = Path("~/.ssh/config")
+MAX_JUMPS = 8
+
+
+def load_config(path=None):
+    """The parsed config: `path`, or ~/.ssh/config when None. A missing default file is an empty config.
+
+    Raises:
+        DeployError: `path` was given and is missing, or the file cannot be read or parsed.
+    """
+    import paramiko
+
+    file = Path(path).expanduser() if path is not None else USER_CONFIG.expanduser()
+    if not file.is_file():
+        if path is not None:
+            raise DeployError(f"--ssh-config {path}: no such file; expected an OpenSSH client config file")
+        return paramiko.SSHConfig()
+    try:
+        return paramiko.SSHConfig.from_path(str(file))
+    except (OSError, ValueError, paramiko.ConfigParseError) as exc:
+        raise DeployError(f"ssh config {file}: cannot read it ({exc})") from None
+
+
+def resolve(spec: str, config=None, port: int | None = None, identity: str | None = None, _depth: int = 0,
+            **fields) -> Target:
+    """The Target for `[user@]alias[:port]` under `config` (a paramiko SSHConfig, or None for no config).
+
+    Args:
+        port, identity: the command line's --port and -i (None when not given).
+        fields: other Target fields (known_hosts, timeouts, accept_new_host_key).
+
+    Raises:
+        DeployError: a malformed spec, a bad Port in the config, a ProxyCommand (not supported: ProxyJump is), or
+            ProxyJump hops nested too deep.
+    """
+    parsed = Target.parse(spec, **fields)
+    spec_port = parsed.port if _has_port(spec) else None
+    entry = config.lookup(parsed.host) if config is not None else {}
+    host = entry.get("hostname", parsed.host)
+    user = parsed.user or entry.get("user")
+    chosen_port = spec_port or port
+    if chosen_port is None and "port" in entry:
+        text = entry["port"]
+        if not str(text).isdigit() or not 1 <= int(text) <= 65535:
+            raise DeployError(f"ssh config: Host {parsed.host}: Port {text!r} is not a number from 1 to 65535")
+        chosen_port = int(text)
+    identities = ()
+    if identity is None:
+        identities = tuple(os.path.expanduser(p) for p in entry.get("identityfile", []))
+    if entry.get("proxycommand") and entry["proxycommand"].lower() != "none":
+        raise DeployError(f"ssh config: Host {parsed.host} uses ProxyCommand, which deploy does not run; use "
+                          f"ProxyJump (a host to reach it through) instead")
+    jump = None
+    hops = [h.strip() for h in entry.get("proxyjump", "").split(",") if h.strip()]
+    if hops and hops != ["none"]:
+        if _depth >= MAX_JUMPS:
+            raise DeployError(f"ssh config: ProxyJump for {parsed.host} nests more than {MAX_JUMPS} hops")
+        for hop in hops:  # each hop is reached through the one before it
+            nxt = resolve(hop, config, _depth=_depth + 1, **fields)
+            jump = nxt if jump is None else nxt.with_(proxy_jump=jump)
+    try:
+        return Target(host=host, user=user, port=chosen_port or 22, identity=identity,
+                      identities=identities, proxy_jump=jump, alias=parsed.host if host != parsed.host else None,
+                      **fields)
+    except DeployError as exc:
+        raise DeployError(f"host {spec!r} (ssh config): {exc}") from None
+
+
+def _has_port(spec: str) -> bool:
+    hostport = spec.rpartition("@")[2]
+    return ("]:" in hostport) if hostport.startswith("[") else hostport.count(":") == 1

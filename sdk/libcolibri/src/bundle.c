@@ -1,0 +1,619 @@
+/* bundle.c: open and check a bundle folder with the rules of the Python bundle reader (sdk/bundle/reader.py):
+ *   - manifest.json and every listed file are opened component by component without following symlinks
+ *     (O_NOFOLLOW), must be regular files inside the folder, and are refused before a byte is read otherwise;
+ *   - the manifest is strict JSON (cJSON: no NaN/Infinity), without duplicate keys, byte for byte its own canonical
+ *     form, and its manifest_sha256 is the sha256 of the canonical form without that key;
+ *   - the schema: every key, its JSON type and range, no unknown key; paths relative, normalised, inside the
+ *     bundle, without control characters; files sorted and unique; kernel images and the weights listed files;
+ *   - every listed file has its recorded size and (verify) sha256; (verify) no unlisted file and no finite-only
+ *     violation (NaN/Inf) in the weights;
+ *   - the weights' 64-byte .colibri v1 header (docs/format.md) equals the manifest's weights.header.
+ * Plus what only this runtime needs: a launch plan, buffers and io_buffers (written by the build). */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "colibri.h"
+#include "internal.h"
+
+#define MANIFEST "manifest.json"
+#define DIGEST_KEY "manifest_sha256"
+#define MAX_MANIFEST_BYTES (64u * 1024u * 1024u)
+#define MAX_TOKENS 65536
+#define CHUNK (1u << 20)
+#define MAX_SCAN_DEPTH 32
+
+/* ---- paths ------------------------------------------------------------------------------------------------- */
+/* Python's check_relative plus the control-character rule: non-empty, relative, no "." / ".." / empty component,
+ * no backslash, no byte below 0x20 or 0x7F. */
+static int check_relative(const char *path, const char *what, cb_err *err) {
+    char esc[256];
+    if (!path || !*path)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: %s: path \"\"; allowed: a non-empty relative POSIX path", what);
+    for (const unsigned char *p = (const unsigned char *)path; *p; p++)
+        if (*p < 0x20 || *p == 0x7F)
+            return cb_fail(err, COLIBRI_ERR_BUNDLE,
+                           "manifest.json: %s: path \"%s\" holds a control character; allowed: printable characters",
+                           what, cb_escape(path, esc, sizeof esc));
+    int bad = path[0] == '/' || strchr(path, '\\') != NULL;
+    const char *s = path;
+    while (!bad) {
+        const char *e = strchr(s, '/');
+        size_t n = e ? (size_t)(e - s) : strlen(s);
+        if (n == 0 || (n == 1 && s[0] == '.') || (n == 2 && s[0] == '.' && s[1] == '.')) bad = 1;
+        if (!e) break;
+        s = e + 1;
+    }
+    if (bad)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE,
+                       "manifest.json: %s: path \"%s\"; allowed: a normalised relative path inside the bundle", what,
+                       cb_escape(path, esc, sizeof esc));
+    return COLIBRI_OK;
+}
+
+static int open_nofollow(int root_fd, const char *rel, int *fd_out, struct stat *st, cb_err *err) {
+    char esc[256], part[256];
+    int dir = root_fd, fd = -1;
+    const char *s = rel;
+    for (;;) {
+        const char *e = strchr(s, '/');
+        size_t n = e ? (size_t)(e - s) : strlen(s);
+        if (n >= sizeof part) {
+            if (dir != root_fd) close(dir);
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: a path component is longer than %zu bytes",
+                           cb_escape(rel, esc, sizeof esc), sizeof part - 1);
+        }
+        memcpy(part, s, n);
+        part[n] = 0;
+        int flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC | (e ? O_DIRECTORY : O_NONBLOCK);
+        fd = openat(dir, part, flags);
+        int saved = errno;
+        if (dir != root_fd) close(dir);
+        if (fd < 0) {
+            if (saved == ELOOP || saved == ENOTDIR || saved == EMLINK)
+                return cb_fail(err, COLIBRI_ERR_BUNDLE,
+                               "%s: a symlink (or a folder on its path is not a folder); a bundle is read only "
+                               "through regular files inside its folder", cb_escape(rel, esc, sizeof esc));
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: cannot open: %s", cb_escape(rel, esc, sizeof esc),
+                           strerror(saved));
+        }
+        if (!e) break;
+        dir = fd;
+        s = e + 1;
+    }
+    if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode)) {
+        close(fd);
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: not a regular file; a bundle holds regular files only",
+                       cb_escape(rel, esc, sizeof esc));
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    *fd_out = fd;
+    return COLIBRI_OK;
+}
+
+int cb_bundle_open_file(const cb_bundle *b, const char *rel, int *fd, uint64_t *size, cb_err *err) {
+    struct stat st;
+    int rc = open_nofollow(b->root_fd, rel, fd, &st, err);
+    if (!rc && size) *size = (uint64_t)st.st_size;
+    return rc;
+}
+
+static int read_all(int fd, unsigned char *dst, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+        ssize_t r = read(fd, dst + done, n - done);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        done += (size_t)r;
+    }
+    return 0;
+}
+
+int cb_bundle_read(const cb_bundle *b, const char *rel, size_t extra, unsigned char **data, size_t *size,
+                   cb_err *err) {
+    char esc[256];
+    int fd;
+    uint64_t n;
+    int rc = cb_bundle_open_file(b, rel, &fd, &n, err);
+    if (rc) return rc;
+    unsigned char *buf = malloc((size_t)n + extra + 1);
+    if (!buf) {
+        close(fd);
+        return cb_fail(err, COLIBRI_ERR_OUT_OF_MEMORY, "%s: out of memory reading %llu bytes",
+                       cb_escape(rel, esc, sizeof esc), (unsigned long long)n);
+    }
+    if (read_all(fd, buf, (size_t)n) != 0) {
+        close(fd);
+        free(buf);
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: cannot read: %s", cb_escape(rel, esc, sizeof esc),
+                       errno ? strerror(errno) : "the file is shorter than its size");
+    }
+    close(fd);
+    memset(buf + n, 0, extra + 1);
+    *data = buf;
+    *size = (size_t)n;
+    return COLIBRI_OK;
+}
+
+/* ---- schema -------------------------------------------------------------------------------------------------- */
+enum { T_INT, T_NUM, T_STR, T_LIST, T_DICT };
+static const char *type_names[] = {"int", "int or float", "str", "list", "dict"};
+
+static int is_type(const cJSON *v, int t) {
+    if (!v) return 0;
+    switch (t) {
+        case T_INT: return (v->type & 0xFF) == cJSON_Number && !(v->type & CB_FLOAT_FLAG);
+        case T_NUM: return (v->type & 0xFF) == cJSON_Number;
+        case T_STR: return cJSON_IsString(v);
+        case T_LIST: return cJSON_IsArray(v);
+        case T_DICT: return cJSON_IsObject(v);
+    }
+    return 0;
+}
+
+static int expect(const cJSON *obj, const char *key, int t, const char *where, cb_err *err) {
+    const cJSON *v = obj ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
+    if (is_type(v, t)) return COLIBRI_OK;
+    char *shown = v ? cJSON_PrintUnformatted(v) : NULL;
+    char esc[160];
+    int rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: %s%s = %s; allowed: %s", where, key,
+                     shown ? cb_escape(shown, esc, sizeof esc) : "None", type_names[t]);
+    free(shown);
+    return rc;
+}
+
+static const char *REQUIRED[] = {"schema_version", "sdk_version", "arch", "compute_capability", "nvrtc_version",
+                                 "min_driver", "dtype", "shape", "aggregation", "profile", "weights", "kernels",
+                                 "selftest", "files", DIGEST_KEY};
+static const int REQUIRED_T[] = {T_INT, T_STR, T_STR, T_LIST, T_STR, T_INT, T_STR, T_DICT, T_STR, T_DICT, T_DICT,
+                                 T_LIST, T_DICT, T_LIST, T_STR};
+static const char *OPTIONAL[] = {"launch", "buffers", "io_buffers"};
+static const int OPTIONAL_T[] = {T_LIST, T_DICT, T_DICT};
+static const char *HEADER_FIELDS[] = {"num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size",
+                                      "dtype", "routing", "composition"};
+static const char *RESOURCE_KEYS[] = {"registers", "shared_bytes", "stack_bytes", "spill_store_bytes",
+                                      "spill_load_bytes"};
+#define N(a) (sizeof(a) / sizeof((a)[0]))
+
+static int in_list(const char *s, const char **list, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(s, list[i]) == 0) return 1;
+    return 0;
+}
+
+static int check_files(const cJSON *files, cb_err *err) {
+    char where[64];
+    int i = 0;
+    const char *prev = NULL;
+    for (const cJSON *e = files->child; e; e = e->next, i++) {
+        snprintf(where, sizeof where, "files[%d]", i);
+        if (!cJSON_IsObject(e))
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: %s is not an object; allowed: dict", where);
+        snprintf(where, sizeof where, "files[%d].", i);
+        int rc = expect(e, "path", T_STR, where, err);
+        if (!rc) rc = expect(e, "sha256", T_STR, where, err);
+        if (!rc) rc = expect(e, "size", T_INT, where, err);
+        if (rc) return rc;
+        const char *path = cb_json_str(e, "path");
+        snprintf(where, sizeof where, "files[%d].path", i);
+        if ((rc = check_relative(path, where, err))) return rc;
+        long long size;
+        cb_json_int(e, "size", &size);
+        if (size < 0)
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: files[%d].size = %lld; allowed: >= 0", i, size);
+        if (prev && strcmp(prev, path) >= 0)
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: files must be sorted by path without duplicates");
+        if (strcmp(path, MANIFEST) == 0)
+            return cb_fail(err, COLIBRI_ERR_BUNDLE,
+                           "manifest.json: files lists manifest.json; it covers every file except the manifest itself");
+        prev = path;
+    }
+    return COLIBRI_OK;
+}
+
+static const cJSON *listed(const cJSON *files, const char *path) {
+    for (const cJSON *e = files->child; e; e = e->next)
+        if (strcmp(cb_json_str(e, "path"), path) == 0) return e;
+    return NULL;
+}
+
+static int check_kernels(const cJSON *kernels, const cJSON *files, cb_err *err) {
+    char where[96], esc[256];
+    int i = 0;
+    static const char *keys[] = {"name", "source", "symbols", "cubin", "ptx", "defines", "resources"};
+    static const int types[] = {T_STR, T_STR, T_LIST, T_STR, T_STR, T_DICT, T_DICT};
+    for (const cJSON *k = kernels->child; k; k = k->next, i++) {
+        if (!cJSON_IsObject(k))
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: kernels[%d] is not an object; allowed: dict", i);
+        snprintf(where, sizeof where, "kernels[%d].", i);
+        for (size_t j = 0; j < N(keys); j++) {
+            int rc = expect(k, keys[j], types[j], where, err);
+            if (rc) return rc;
+        }
+        for (const char **kind = (const char *[]){"cubin", "ptx", NULL}; *kind; kind++) {
+            const char *p = cb_json_str(k, *kind);
+            snprintf(where, sizeof where, "kernels[%d].%s", i, *kind);
+            int rc = check_relative(p, where, err);
+            if (rc) return rc;
+            if (!listed(files, p))
+                return cb_fail(err, COLIBRI_ERR_BUNDLE,
+                               "manifest.json: kernels[%d].%s = \"%s\" is not a listed file; allowed: a path in files",
+                               i, *kind, cb_escape(p, esc, sizeof esc));
+        }
+        for (const cJSON *s = cJSON_GetObjectItemCaseSensitive(k, "symbols")->child; s; s = s->next)
+            if (!cJSON_IsString(s))
+                return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: kernels[%d].symbols holds a non-string", i);
+        for (const cJSON *r = cJSON_GetObjectItemCaseSensitive(k, "resources")->child; r; r = r->next) {
+            snprintf(where, sizeof where, "kernels[%d].resources.", i);
+            if (!cJSON_IsObject(r))
+                return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: %s%s is not an object; allowed: dict", where,
+                               cb_escape(r->string, esc, 64));
+            snprintf(where, sizeof where, "kernels[%d].resources.%s.", i, cb_escape(r->string, esc, 64));
+            for (size_t j = 0; j < N(RESOURCE_KEYS); j++) {
+                int rc = expect(r, RESOURCE_KEYS[j], T_INT, where, err);
+                if (rc) return rc;
+            }
+        }
+    }
+    return COLIBRI_OK;
+}
+
+static int check_schema(cb_bundle *b, cb_err *err) {
+    const cJSON *m = b->manifest;
+    char esc[256];
+    if (!cJSON_IsObject(m))
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: top level is not an object; allowed: a JSON object");
+    long long version = -1;
+    if (cb_json_int(m, "schema_version", &version) || version != 1)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: schema_version = %lld; this runtime reads schema_version 1",
+                       version);
+    for (size_t i = 0; i < N(REQUIRED); i++) {
+        if (!cJSON_GetObjectItemCaseSensitive(m, REQUIRED[i]))
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: missing key '%s'", REQUIRED[i]);
+        int rc = expect(m, REQUIRED[i], REQUIRED_T[i], "", err);
+        if (rc) return rc;
+    }
+    for (size_t i = 0; i < N(OPTIONAL); i++)
+        if (cJSON_GetObjectItemCaseSensitive(m, OPTIONAL[i])) {
+            int rc = expect(m, OPTIONAL[i], OPTIONAL_T[i], "", err);
+            if (rc) return rc;
+        }
+    for (const cJSON *c = m->child; c; c = c->next)
+        if (!in_list(c->string, REQUIRED, N(REQUIRED)) && !in_list(c->string, OPTIONAL, N(OPTIONAL)))
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: unknown key '%s'", cb_escape(c->string, esc, 128));
+    const char *dtype = cb_json_str(m, "dtype"), *agg = cb_json_str(m, "aggregation");
+    if (strcmp(dtype, "fp16") && strcmp(dtype, "fp32"))
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: dtype = '%s'; allowed: ('fp16', 'fp32')",
+                       cb_escape(dtype, esc, 64));
+    if (strcmp(agg, "ordered") && strcmp(agg, "atomic"))
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: aggregation = '%s'; allowed: ('ordered', 'atomic')",
+                       cb_escape(agg, esc, 64));
+    const cJSON *cc = cJSON_GetObjectItemCaseSensitive(m, "compute_capability");
+    if (cJSON_GetArraySize(cc) != 2 || !is_type(cc->child, T_INT) || !is_type(cc->child->next, T_INT))
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: compute_capability; allowed: [major, minor] integers");
+    const cJSON *shape = cJSON_GetObjectItemCaseSensitive(m, "shape");
+    long long dims[2];
+    const char *dim_names[] = {"batch", "tokens"};
+    for (int i = 0; i < 2; i++) {
+        int rc = expect(shape, dim_names[i], T_INT, "shape.", err);
+        if (rc) return rc;
+        cb_json_int(shape, dim_names[i], &dims[i]);
+        if (dims[i] < 1 || dims[i] > MAX_TOKENS)
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shape.%s = %lld; allowed: 1..%d", dim_names[i],
+                           dims[i], MAX_TOKENS);
+    }
+    if (dims[0] * dims[1] > MAX_TOKENS)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shape batch*tokens = %lld; allowed: at most %d",
+                       dims[0] * dims[1], MAX_TOKENS);
+    const cJSON *w = cJSON_GetObjectItemCaseSensitive(m, "weights");
+    int rc = expect(w, "file", T_STR, "weights.", err);
+    if (!rc) rc = expect(w, "header", T_DICT, "weights.", err);
+    if (!rc) rc = check_relative(cb_json_str(w, "file"), "weights.file", err);
+    if (rc) return rc;
+    const cJSON *h = cJSON_GetObjectItemCaseSensitive(w, "header");
+    for (size_t i = 0; i < N(HEADER_FIELDS); i++)
+        if ((rc = expect(h, HEADER_FIELDS[i], T_INT, "weights.header.", err))) return rc;
+    const cJSON *files = cJSON_GetObjectItemCaseSensitive(m, "files");
+    if ((rc = check_files(files, err))) return rc;
+    if (!listed(files, cb_json_str(w, "file")))
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: weights.file = \"%s\" is not a listed file",
+                       cb_escape(cb_json_str(w, "file"), esc, sizeof esc));
+    if ((rc = check_kernels(cJSON_GetObjectItemCaseSensitive(m, "kernels"), files, err))) return rc;
+    const cJSON *st = cJSON_GetObjectItemCaseSensitive(m, "selftest");
+    static const char *st_keys[] = {"input", "output", "rtol", "atol"};
+    static const int st_types[] = {T_STR, T_STR, T_NUM, T_NUM};
+    for (size_t i = 0; i < N(st_keys); i++)
+        if ((rc = expect(st, st_keys[i], st_types[i], "selftest.", err))) return rc;
+    if ((rc = check_relative(cb_json_str(st, "input"), "selftest.input", err))) return rc;
+    if ((rc = check_relative(cb_json_str(st, "output"), "selftest.output", err))) return rc;
+
+    b->batch = (int)dims[0];
+    b->tokens = (int)dims[1];
+    b->cc_major = (int)cc->child->valuedouble;
+    b->cc_minor = (int)cc->child->next->valuedouble;
+    long long md;
+    cb_json_int(m, "min_driver", &md);
+    b->min_driver = (int)md;
+    snprintf(b->arch, sizeof b->arch, "%s", cb_json_str(m, "arch"));
+    snprintf(b->dtype, sizeof b->dtype, "%s", dtype);
+    snprintf(b->nvrtc_version, sizeof b->nvrtc_version, "%s", cb_json_str(m, "nvrtc_version"));
+    b->weights_file = cb_json_str(w, "file");
+    return COLIBRI_OK;
+}
+
+/* ---- files ----------------------------------------------------------------------------------------------------- */
+/* NaN/Inf in the weight data (after the header), fp16 or fp32 little-endian. `offset`: file offset of data[0]. */
+static int nonfinite(const unsigned char *data, size_t n, uint64_t offset, int itemsize) {
+    size_t start = offset < CB_HEADER_SIZE ? (size_t)(CB_HEADER_SIZE - offset) : 0;
+    if (itemsize == 2) {
+        for (size_t i = start; i + 1 < n; i += 2)
+            if (((data[i] | (data[i + 1] << 8)) & 0x7C00) == 0x7C00) return 1;
+    } else {
+        for (size_t i = start; i + 3 < n; i += 4)
+            if (((data[i + 2] | (data[i + 3] << 8)) & 0x7F80) == 0x7F80) return 1;
+    }
+    return 0;
+}
+
+static int verify_file(cb_bundle *b, const cJSON *entry, int verify, unsigned char *chunk, cb_err *err) {
+    char esc[256], hex[65];
+    const char *rel = cb_json_str(entry, "path");
+    long long want;
+    cb_json_int(entry, "size", &want);
+    int fd;
+    uint64_t size;
+    int rc = cb_bundle_open_file(b, rel, &fd, &size, err);
+    if (rc) return rc;
+    if ((long long)size != want) {
+        close(fd);
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: %llu bytes; the manifest records %lld",
+                       cb_escape(rel, esc, sizeof esc), (unsigned long long)size, want);
+    }
+    if (!verify) {
+        close(fd);
+        return COLIBRI_OK;
+    }
+    const int weights = strcmp(rel, b->weights_file) == 0;
+    const int itemsize = strcmp(b->dtype, "fp16") == 0 ? 2 : 4;
+    cb_sha256 *h = cb_sha256_new();
+    if (!h) {
+        close(fd);
+        return cb_fail(err, COLIBRI_ERR_OUT_OF_MEMORY, "sha256: cannot create a digest context");
+    }
+    int bad_value = 0;
+    for (uint64_t off = 0; off < size;) {
+        size_t n = size - off < CHUNK ? (size_t)(size - off) : CHUNK;
+        if (read_all(fd, chunk, n) != 0) {
+            rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: cannot read: %s", cb_escape(rel, esc, sizeof esc),
+                         errno ? strerror(errno) : "shorter than its size");
+            break;
+        }
+        cb_sha256_update(h, chunk, n);
+        if (weights && !bad_value) bad_value = nonfinite(chunk, n, off, itemsize);
+        off += n;
+    }
+    close(fd);
+    if (!rc && cb_sha256_hex(h, hex) != 0) rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "sha256 failed");
+    cb_sha256_free(h);
+    if (rc) return rc;
+    if (strcmp(hex, cb_json_str(entry, "sha256")) != 0)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: sha256 %s differs from the manifest's %s",
+                       cb_escape(rel, esc, sizeof esc), hex, cb_escape(cb_json_str(entry, "sha256"), esc + 128, 80));
+    if (bad_value)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: the weights hold NaN or Inf values; allowed: finite weights",
+                       cb_escape(rel, esc, sizeof esc));
+    return COLIBRI_OK;
+}
+
+/* Every entry under the folder must be a listed regular file, a real folder, or manifest.json at the top. */
+static int scan_unlisted(cb_bundle *b, int dir_fd, const char *prefix, int depth, cb_err *err) {
+    char esc[256], rel[1024];
+    if (depth > MAX_SCAN_DEPTH)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: folders nested deeper than %d", cb_escape(prefix, esc, sizeof esc),
+                       MAX_SCAN_DEPTH);
+    int fd = dup(dir_fd);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!d) {
+        if (fd >= 0) close(fd);
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: cannot list the folder: %s", *prefix ? prefix : ".", strerror(errno));
+    }
+    rewinddir(d);
+    const cJSON *files = cJSON_GetObjectItemCaseSensitive(b->manifest, "files");
+    int rc = COLIBRI_OK;
+    struct dirent *e;
+    while (!rc && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(rel, sizeof rel, "%s%s", prefix, e->d_name);
+        struct stat st;
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+            rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: cannot stat: %s", cb_escape(rel, esc, sizeof esc), strerror(errno));
+        } else if (S_ISLNK(st.st_mode)) {
+            rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: a symlink; a bundle holds regular files and folders only",
+                         cb_escape(rel, esc, sizeof esc));
+        } else if (S_ISDIR(st.st_mode)) {
+            int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub < 0) {
+                rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: cannot open the folder: %s", cb_escape(rel, esc, sizeof esc),
+                             strerror(errno));
+            } else {
+                char sub_prefix[sizeof rel + 2];
+                snprintf(sub_prefix, sizeof sub_prefix, "%s/", rel);
+                rc = scan_unlisted(b, sub, sub_prefix, depth + 1, err);
+                close(sub);
+            }
+        } else if (!(depth == 0 && strcmp(rel, MANIFEST) == 0) && !listed(files, rel)) {
+            rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: not listed in the manifest; a bundle holds only the files it lists",
+                         cb_escape(rel, esc, sizeof esc));
+        }
+    }
+    closedir(d);
+    return rc;
+}
+
+/* ---- the weights header ---------------------------------------------------------------------------------------- */
+static uint16_t u16(const unsigned char *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+static int read_header(cb_bundle *b, cb_err *err) {
+    char esc[256];
+    const char *rel = b->weights_file;
+    int fd;
+    uint64_t size;
+    int rc = cb_bundle_open_file(b, rel, &fd, &size, err);
+    if (rc) return rc;
+    unsigned char raw[CB_HEADER_SIZE];
+    int short_read = size < CB_HEADER_SIZE || read_all(fd, raw, CB_HEADER_SIZE) != 0;
+    close(fd);
+    cb_escape(rel, esc, sizeof esc);
+    if (short_read)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: %llu bytes; a .colibri file starts with a 64-byte header", esc,
+                       (unsigned long long)size);
+    if (memcmp(raw, "COLI", 4) != 0)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: bad magic; expected b'COLI'", esc);
+    cb_header *h = &b->header;
+    h->version = u16(raw + 4);
+    h->num_layers = u16(raw + 6);
+    h->num_experts = u16(raw + 8);
+    h->top_k = u16(raw + 10);
+    h->hidden_size = u16(raw + 12);
+    h->intermediate_size = u16(raw + 14);
+    h->dtype = u16(raw + 16);
+    h->routing = u16(raw + 18);
+    h->composition = u16(raw + 20);
+    if (h->version != 0x0100)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: unsupported version 0x%04x; this runtime reads 0x0100", esc, h->version);
+    for (int i = 22; i < CB_HEADER_SIZE; i++)
+        if (raw[i])
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: reserved byte %d is 0x%02x; allowed: 0", esc, i, raw[i]);
+    if (!h->num_layers || !h->num_experts || !h->top_k || !h->hidden_size || !h->intermediate_size ||
+        h->top_k > h->num_experts || h->dtype > 1 || h->routing > 1 || h->composition > 1)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: the header holds a size of zero, top_k > num_experts or an "
+                                                "unknown dtype/routing/composition code", esc);
+    const uint16_t values[] = {h->num_layers, h->num_experts, h->top_k, h->hidden_size, h->intermediate_size,
+                               h->dtype, h->routing, h->composition};
+    const cJSON *mh = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(b->manifest, "weights"), "header");
+    for (size_t i = 0; i < N(HEADER_FIELDS); i++) {
+        long long recorded;
+        cb_json_int(mh, HEADER_FIELDS[i], &recorded);
+        if (recorded != values[i])
+            return cb_fail(err, COLIBRI_ERR_BUNDLE,
+                           "%s: header %s = %u, but the manifest's weights.header.%s = %lld; the weights do not belong "
+                           "to this manifest", esc, HEADER_FIELDS[i], values[i], HEADER_FIELDS[i], recorded);
+    }
+    long long recorded_version;
+    if (cb_json_int(mh, "version", &recorded_version) == 0 && recorded_version != h->version)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: header version = %u, but the manifest's weights.header.version = %lld",
+                       esc, h->version, recorded_version);
+    const uint64_t itemsize = h->dtype == 1 ? 2 : 4, L = h->num_layers, E = h->num_experts, H = h->hidden_size,
+                   I = h->intermediate_size;
+    h->data_size = (L * E * 3 * I * H + L * H * E) * itemsize;
+    if (size != CB_HEADER_SIZE + h->data_size)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: %llu bytes; its header describes %llu", esc,
+                       (unsigned long long)size, (unsigned long long)(CB_HEADER_SIZE + h->data_size));
+    if ((h->dtype == 1) != (strcmp(b->dtype, "fp16") == 0))
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: weights dtype code %u; the manifest's dtype is %s", esc, h->dtype,
+                       b->dtype);
+    return COLIBRI_OK;
+}
+
+/* ---- open ------------------------------------------------------------------------------------------------------ */
+static int read_manifest(cb_bundle *b, cb_err *err) {
+    int fd;
+    struct stat st;
+    int rc = open_nofollow(b->root_fd, MANIFEST, &fd, &st, err);
+    if (rc) return rc;
+    if ((uint64_t)st.st_size > MAX_MANIFEST_BYTES) {
+        close(fd);
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: %lld bytes; allowed: at most %u", (long long)st.st_size,
+                       MAX_MANIFEST_BYTES);
+    }
+    b->raw_len = (size_t)st.st_size;
+    b->raw = malloc(b->raw_len + 1);
+    if (!b->raw) {
+        close(fd);
+        return cb_fail(err, COLIBRI_ERR_OUT_OF_MEMORY, "manifest.json: out of memory");
+    }
+    int bad = read_all(fd, (unsigned char *)b->raw, b->raw_len);
+    close(fd);
+    if (bad) return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: cannot read the manifest");
+    b->raw[b->raw_len] = 0;
+    const char *end = NULL;
+    b->manifest = cJSON_ParseWithLengthOpts(b->raw, b->raw_len, &end, 0);
+    if (!b->manifest)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE,
+                       "manifest.json: not valid JSON (at byte %ld); the file was changed or truncated",
+                       (long)((cJSON_GetErrorPtr() ? cJSON_GetErrorPtr() : b->raw) - b->raw));
+    return COLIBRI_OK;
+}
+
+static int check_canonical(cb_bundle *b, cb_err *err) {
+    cb_buf out = {0};
+    int rc = cb_canonical(b->manifest, &out, b->raw, b->raw_len, NULL, err);
+    if (!rc && cb_buf_put(&out, "\n", 1) != 0) rc = cb_fail(err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    if (!rc && (out.len != b->raw_len || memcmp(out.data, b->raw, out.len) != 0))
+        rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: not in canonical form (sorted keys, 2-space indent, "
+                                              "trailing newline); the file was edited after the build");
+    cb_buf_free(&out);
+    if (rc) return rc;
+    if (!cJSON_IsObject(b->manifest))
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: top level is not an object; allowed: a JSON object");
+    const char *recorded = cb_json_str(b->manifest, DIGEST_KEY);
+    if (!recorded) return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: missing key '%s'", DIGEST_KEY);
+    rc = cb_canonical(b->manifest, &out, NULL, 0, DIGEST_KEY, err);
+    if (!rc && cb_buf_put(&out, "\n", 1) != 0) rc = cb_fail(err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    char hex[65] = {0};
+    if (!rc) {
+        cb_sha256 *h = cb_sha256_new();
+        if (!h || cb_sha256_update(h, out.data, out.len) || cb_sha256_hex(h, hex))
+            rc = cb_fail(err, COLIBRI_ERR_BUNDLE, "sha256 failed");
+        cb_sha256_free(h);
+    }
+    cb_buf_free(&out);
+    if (rc) return rc;
+    char esc[96];
+    if (strcmp(hex, recorded) != 0)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: content sha256 %s differs from the recorded "
+                       "manifest_sha256 %s; the manifest was changed after the build", hex,
+                       cb_escape(recorded, esc, sizeof esc));
+    return COLIBRI_OK;
+}
+
+int cb_bundle_open(cb_bundle *b, const char *dir, int verify, cb_err *err) {
+    char esc[256];
+    memset(b, 0, sizeof *b);
+    b->root_fd = -1;
+    if (!dir || !*dir) return cb_fail(err, COLIBRI_ERR_INVALID_ARG, "config.bundle_dir is NULL or empty; allowed: a bundle folder");
+    b->root_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (b->root_fd < 0)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s is not a bundle folder (%s)", cb_escape(dir, esc, sizeof esc),
+                       strerror(errno));
+    int rc = read_manifest(b, err);
+    if (!rc) rc = check_canonical(b, err);
+    if (!rc) rc = check_schema(b, err);
+    if (!rc) {
+        unsigned char *chunk = verify ? malloc(CHUNK) : NULL;
+        if (verify && !chunk) rc = cb_fail(err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+        for (const cJSON *e = cJSON_GetObjectItemCaseSensitive(b->manifest, "files")->child; e && !rc; e = e->next)
+            rc = verify_file(b, e, verify, chunk, err);
+        free(chunk);
+    }
+    if (!rc && verify) rc = scan_unlisted(b, b->root_fd, "", 0, err);
+    if (!rc) rc = read_header(b, err);
+    if (rc) cb_bundle_close(b);
+    return rc;
+}
+
+void cb_bundle_close(cb_bundle *b) {
+    if (b->root_fd >= 0) close(b->root_fd);
+    b->root_fd = -1;
+    cJSON_Delete(b->manifest);
+    b->manifest = NULL;
+    free(b->raw);
+    b->raw = NULL;
+}

@@ -1,0 +1,364 @@
+/* load.c: the steps of colibri_init after the bundle checks (colibri.c lists them): the manifest's buffers and
+ * launch plan, the device, the image choice, the modules, the weight upload and every allocation. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "context.h"
+
+int cb_cu_fail(colibri_ctx *c, const char *call, CUresult r) {
+    char buf[32];
+    return cb_fail(&c->err, r == CUDA_ERROR_OUT_OF_MEMORY_ ? COLIBRI_ERR_OUT_OF_MEMORY : COLIBRI_ERR_CUDA, "%s: %s",
+                   call, cu_error_name(&c->cu, r, buf, sizeof buf));
+}
+
+static void format_version(int v, char *out, size_t n) { snprintf(out, n, "%d.%d", v / 1000, (v % 1000) / 10); }
+
+static int parse_version(const char *text) {
+    int major = 0, minor = 0;
+    if (sscanf(text, "%d.%d", &major, &minor) < 1) return 0;
+    return 1000 * major + 10 * minor;
+}
+
+/* ---- image selection (sdk/runtime/cuda_backend.py, select_image) ------------------------------------------- */
+int cb_select_image(colibri_ctx *c, const cb_bundle *b, int dev_major, int dev_minor, int driver, int *kind) {
+    char names[128], have[16], need[16];
+    snprintf(names, sizeof names, "the GPU is sm_%d%d, the bundle is built for sm_%d%d", dev_major, dev_minor,
+             b->cc_major, b->cc_minor);
+    format_version(driver, have, sizeof have);
+    if (driver < b->min_driver) {
+        format_version(b->min_driver, need, sizeof need);
+        return cb_fail(&c->err, COLIBRI_ERR_UNSUPPORTED_DEVICE,
+                       "the CUDA driver is %s; the bundle needs at least %s (manifest min_driver %d); %s", have, need,
+                       b->min_driver, names);
+    }
+    if (dev_major == b->cc_major && dev_minor >= b->cc_minor) {
+        *kind = 0;
+        return COLIBRI_OK;
+    }
+    if (dev_major < b->cc_major || (dev_major == b->cc_major && dev_minor < b->cc_minor))
+        return cb_fail(&c->err, COLIBRI_ERR_UNSUPPORTED_DEVICE,
+                       "%s: its code cannot run on an older GPU; build the bundle with a profile for sm_%d%d or older",
+                       names, dev_major, dev_minor);
+    int needed = parse_version(b->nvrtc_version);
+    if (needed < b->min_driver) needed = b->min_driver;
+    if (driver < needed) {
+        format_version(needed, need, sizeof need);
+        return cb_fail(&c->err, COLIBRI_ERR_UNSUPPORTED_DEVICE,
+                       "%s: the cubin needs compute capability %d.x, and JIT-compiling the PTX (NVRTC %s) needs a CUDA "
+                       "driver >= %s, this one is %s", names, b->cc_major, b->nvrtc_version, need, have);
+    }
+    *kind = 1;
+    return COLIBRI_OK;
+}
+
+/* ---- the launch plan ---------------------------------------------------------------------------------------- */
+static long find_buffer(const colibri_ctx *c, const char *name) {
+    for (size_t i = 0; i < c->n_buffers; i++)
+        if (c->buffers[i].name && strcmp(c->buffers[i].name, name) == 0) return (long)i;
+    return -1;
+}
+
+static int int_in(const cJSON *v, long long lo, long long hi, long long *out) {
+    if (!v || (v->type & 0xFF) != cJSON_Number || (v->type & CB_FLOAT_FLAG)) return 0;
+    long long x = (long long)v->valuedouble;
+    if (x < lo || x > hi) return 0;
+    *out = x;
+    return 1;
+}
+
+/* buffers and io_buffers of the manifest: sizes, names, the I/O buffers big enough. */
+int cb_read_buffers(colibri_ctx *c, const cb_bundle *b) {
+    char esc[128];
+    const cJSON *m = b->manifest;
+    const cJSON *bufs = cJSON_GetObjectItemCaseSensitive(m, "buffers");
+    const cJSON *io = cJSON_GetObjectItemCaseSensitive(m, "io_buffers");
+    if (!cJSON_GetObjectItemCaseSensitive(m, "launch") || !bufs || !io)
+        return cb_fail(&c->err, COLIBRI_ERR_BUNDLE,
+                       "manifest.json: no launch plan, buffers or io_buffers; the C runtime needs a bundle built by "
+                       "colibri-sdk with these keys: rebuild it (colibri-sdk build)");
+    c->n_buffers = (size_t)cJSON_GetArraySize(bufs);
+    c->buffers = calloc(c->n_buffers ? c->n_buffers : 1, sizeof *c->buffers);
+    if (!c->buffers) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    size_t i = 0;
+    for (const cJSON *e = bufs->child; e; e = e->next, i++) {
+        long long size;
+        if (!int_in(e, 0, MAX_BUFFER_BYTES, &size))
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: buffers.%s is not a byte size; allowed: an "
+                           "integer in 0..2^40", cb_escape(e->string, esc, sizeof esc));
+        c->buffers[i].name = e->string;
+        c->buffers[i].size = size;
+    }
+    const char *names[3] = {"input", "output", "valid_tokens"};
+    long idx[3] = {-1, -1, -1};
+    for (const cJSON *e = io->child; e; e = e->next) {
+        int k = !strcmp(e->string, "input") ? 0 : !strcmp(e->string, "output") ? 1
+              : !strcmp(e->string, "valid_tokens") ? 2 : -1;
+        if (k < 0)
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: io_buffers.%s; allowed keys: input, output, "
+                           "valid_tokens", cb_escape(e->string, esc, sizeof esc));
+        if (!cJSON_IsString(e) || (idx[k] = find_buffer(c, e->valuestring)) < 0)
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: io_buffers.%s does not name a buffer; "
+                           "allowed: a key of buffers", names[k]);
+    }
+    if (idx[0] < 0 || idx[1] < 0)
+        return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: io_buffers needs input and output");
+    for (int k = 0; k < 3; k++) {
+        long long need = k < 2 ? (long long)c->io_bytes : 4LL * c->batch;
+        if (idx[k] >= 0 && c->buffers[idx[k]].size < need)
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: io_buffers.%s is buffer %s of %lld bytes; "
+                           "allowed: at least %lld", names[k], c->buffers[idx[k]].name, c->buffers[idx[k]].size, need);
+    }
+    c->in_buf = (size_t)idx[0];
+    c->out_buf = (size_t)idx[1];
+    c->valid_buf = idx[2];
+    return COLIBRI_OK;
+}
+
+static int dims3(const cJSON *v, unsigned out[3], long long hi) {
+    if (cJSON_GetArraySize(v) != 3 || !cJSON_IsArray(v)) return 0;
+    int i = 0;
+    for (const cJSON *e = v->child; e; e = e->next, i++) {
+        long long x;
+        if (!int_in(e, 1, hi, &x)) return 0;
+        out[i] = (unsigned)x;
+    }
+    return 1;
+}
+
+/* Walk the plan: fill = 0 checks it and counts arguments; fill = 1 (after load) writes functions and values. */
+int cb_walk_plan(colibri_ctx *c, const cb_bundle *b, int fill) {
+    char esc[128];
+    const cJSON *plan = cJSON_GetObjectItemCaseSensitive(b->manifest, "launch");
+    size_t li = 0, ai = 0;
+    for (const cJSON *l = plan->child; l; l = l->next, li++) {
+        const char *symbol = cJSON_IsObject(l) ? cb_json_str(l, "symbol") : NULL;
+        launch tmp, *L = fill ? &c->launches[li] : &tmp;
+        long long shared;
+        if (!symbol || !dims3(cJSON_GetObjectItemCaseSensitive(l, "grid"), L->grid, 0x7FFFFFFF) ||
+            !dims3(cJSON_GetObjectItemCaseSensitive(l, "block"), L->block, 1024) ||
+            !int_in(cJSON_GetObjectItemCaseSensitive(l, "shared_bytes"), 0, 1 << 30, &shared) ||
+            !cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(l, "args")))
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu] needs symbol (str), grid and block "
+                           "(3 positive integers), shared_bytes (integer >= 0) and args (list)", li);
+        L->shared = (unsigned)shared;
+        L->first_arg = ai;
+        if (fill) {
+            L->fn = NULL;
+            for (size_t f = 0; f < c->n_functions; f++)
+                if (strcmp(c->functions[f].symbol, symbol) == 0) L->fn = c->functions[f].fn;
+            if (!L->fn)
+                return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu] names %s; the bundle's kernels "
+                               "do not define it", li, cb_escape(symbol, esc, sizeof esc));
+        }
+        size_t k = 0;
+        for (const cJSON *a = cJSON_GetObjectItemCaseSensitive(l, "args")->child; a; a = a->next, k++, ai++) {
+            const char *kind = cJSON_IsObject(a) ? cb_json_str(a, "kind") : NULL;
+            uint64_t value = 0;
+            long long x;
+            if (kind && !strcmp(kind, "buffer")) {
+                const char *name = cb_json_str(a, "name");
+                long bi = name ? find_buffer(c, name) : -1;
+                if (bi < 0)
+                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu].args[%zu] names buffer %s; "
+                                   "allowed: a key of buffers", li, k, name ? cb_escape(name, esc, sizeof esc) : "None");
+                value = fill ? c->buffers[bi].ptr : 0;
+            } else if (kind && !strcmp(kind, "weights")) {
+                if (!int_in(cJSON_GetObjectItemCaseSensitive(a, "offset"), 0, (long long)b->header.data_size - 1, &x))
+                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu].args[%zu].offset; allowed: "
+                                   "an integer in 0..%llu (the weight bytes)", li, k,
+                                   (unsigned long long)b->header.data_size - 1);
+                value = fill ? c->weights + (uint64_t)x : 0;
+            } else if (kind && !strcmp(kind, "i32")) {
+                if (!int_in(cJSON_GetObjectItemCaseSensitive(a, "value"), INT32_MIN, INT32_MAX, &x))
+                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu].args[%zu].value; allowed: "
+                                   "an int32", li, k);
+                int32_t v32 = (int32_t)x;
+                memcpy(&value, &v32, sizeof v32);
+            } else if (!(kind && !strcmp(kind, "null"))) {
+                return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu].args[%zu] kind %s; allowed: "
+                               "buffer, weights, null, i32", li, k, kind ? cb_escape(kind, esc, sizeof esc) : "None");
+            }
+            if (fill) {
+                c->arg_values[ai] = value;
+                c->arg_params[ai] = &c->arg_values[ai];
+            }
+        }
+        L->nargs = k;
+    }
+    if (!fill) {
+        c->n_launches = li;
+        c->n_args = ai;
+    }
+    return COLIBRI_OK;
+}
+
+/* ---- device, modules, weights ------------------------------------------------------------------------------- */
+int cb_open_device(colibri_ctx *c, int ordinal) {
+    char buf[32];
+    CUresult r = c->cu.cuInit(0);
+    if (r) return cb_fail(&c->err, COLIBRI_ERR_NO_DRIVER, "cuInit: %s", cu_error_name(&c->cu, r, buf, sizeof buf));
+    CU(c, cuDriverGetVersion, &c->io.driver_version);
+    int count = 0;
+    CU(c, cuDeviceGetCount, &count);
+    if (ordinal < 0 || ordinal >= count)
+        return cb_fail(&c->err, COLIBRI_ERR_NO_DRIVER, "CUDA device %d does not exist; allowed: 0..%d", ordinal, count - 1);
+    CU(c, cuDeviceGet, &c->dev, ordinal);
+    CU(c, cuDevicePrimaryCtxRetain, &c->cuctx, c->dev);
+    c->ctx_retained = 1;
+    CU(c, cuCtxSetCurrent, c->cuctx);
+    CU(c, cuDeviceGetAttribute, &c->io.compute_capability[0], CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR_, c->dev);
+    CU(c, cuDeviceGetAttribute, &c->io.compute_capability[1], CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR_, c->dev);
+    CU(c, cuDeviceGetAttribute, &c->io.integrated, CU_DEVICE_ATTRIBUTE_INTEGRATED_, c->dev);
+    CU(c, cuDeviceGetName, c->io.device_name, (int)sizeof c->io.device_name, c->dev);
+    c->io.device_name[sizeof c->io.device_name - 1] = 0;
+    CU(c, cuStreamCreate, &c->own_stream, CU_STREAM_NON_BLOCKING_);
+    c->stream = c->own_stream;
+    return COLIBRI_OK;
+}
+
+int cb_load_modules(colibri_ctx *c, const cb_bundle *b) {
+    const cJSON *kernels = cJSON_GetObjectItemCaseSensitive(b->manifest, "kernels");
+    size_t n_symbols = 0, nk = (size_t)cJSON_GetArraySize(kernels);
+    for (const cJSON *k = kernels->child; k; k = k->next)
+        n_symbols += (size_t)cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(k, "symbols"));
+    c->modules = calloc(nk ? nk : 1, sizeof *c->modules);
+    c->functions = calloc(n_symbols ? n_symbols : 1, sizeof *c->functions);
+    if (!c->modules || !c->functions) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    const char *kind = c->io.image_kind ? "ptx" : "cubin";
+    for (const cJSON *k = kernels->child; k; k = k->next) {
+        unsigned char *image;
+        size_t size;
+        int rc = cb_bundle_read(b, cb_json_str(k, kind), 1, &image, &size, &c->err); /* PTX: NUL-terminated */
+        if (rc) return rc;
+        CUresult r = c->cu.cuModuleLoadData(&c->modules[c->n_modules], image);
+        free(image);
+        if (r) {
+            char call[160], esc[96];
+            snprintf(call, sizeof call, "cuModuleLoadData(%s.%s)", cb_escape(cb_json_str(k, "name"), esc, sizeof esc), kind);
+            return cb_cu_fail(c, call, r);
+        }
+        CUmodule mod = c->modules[c->n_modules++];
+        for (const cJSON *s = cJSON_GetObjectItemCaseSensitive(k, "symbols")->child; s; s = s->next) {
+            function *f = &c->functions[c->n_functions];
+            f->symbol = strdup(s->valuestring);
+            if (!f->symbol) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+            c->n_functions++;
+            r = c->cu.cuModuleGetFunction(&f->fn, mod, s->valuestring);
+            if (r) {
+                char call[160], esc[96];
+                snprintf(call, sizeof call, "cuModuleGetFunction(%s)", cb_escape(s->valuestring, esc, sizeof esc));
+                return cb_cu_fail(c, call, r);
+            }
+        }
+    }
+    return COLIBRI_OK;
+}
+
+static int upload_integrated(colibri_ctx *c, int fd, const unsigned char *map, size_t map_len, size_t size) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t dropped = 0;
+    for (size_t off = 0; off < size; off += UPLOAD_CHUNK) {
+        size_t n = size - off < UPLOAD_CHUNK ? size - off : UPLOAD_CHUNK;
+        size_t start = CB_HEADER_SIZE + off;
+        CU(c, cuMemcpyHtoD, c->weights + off, map + start, n);
+        size_t end = off + n < size ? (start + n) / page * page : map_len;
+        if (end > dropped) {
+            madvise((void *)(map + dropped), end - dropped, MADV_DONTNEED);
+            posix_fadvise(fd, (off_t)dropped, (off_t)(end - dropped), POSIX_FADV_DONTNEED);
+            dropped = end;
+        }
+    }
+    return COLIBRI_OK;
+}
+
+static int upload_staged(colibri_ctx *c, const unsigned char *map, size_t size) {
+    size_t chunk = size < UPLOAD_CHUNK ? (size ? size : 1) : UPLOAD_CHUNK;
+    void *stage[2] = {NULL, NULL};
+    CUevent ev[2] = {NULL, NULL};
+    CUresult r = 0;
+    const char *call = "";
+    for (int i = 0; i < 2 && !r; i++) {
+        call = "cuMemHostAlloc";
+        r = c->cu.cuMemHostAlloc(&stage[i], chunk, 0);
+        if (!r) {
+            call = "cuEventCreate";
+            r = c->cu.cuEventCreate(&ev[i], 0);
+        }
+    }
+    size_t i = 0;
+    for (size_t off = 0; off < size && !r; off += chunk, i++) {
+        size_t n = size - off < chunk ? size - off : chunk;
+        if (i >= 2) {
+            call = "cuEventSynchronize";
+            if ((r = c->cu.cuEventSynchronize(ev[i % 2]))) break;
+        }
+        memcpy(stage[i % 2], map + CB_HEADER_SIZE + off, n);
+        call = "cuMemcpyHtoDAsync";
+        if ((r = c->cu.cuMemcpyHtoDAsync(c->weights + off, stage[i % 2], n, c->own_stream))) break;
+        call = "cuEventRecord";
+        r = c->cu.cuEventRecord(ev[i % 2], c->own_stream);
+    }
+    if (!r) {
+        call = "cuStreamSynchronize";
+        r = c->cu.cuStreamSynchronize(c->own_stream);
+    } else {
+        c->cu.cuStreamSynchronize(c->own_stream);
+    }
+    for (int k = 0; k < 2; k++) { /* the staging memory is not kept for the context's life */
+        if (ev[k]) c->cu.cuEventDestroy(ev[k]);
+        if (stage[k]) c->cu.cuMemFreeHost(stage[k]);
+    }
+    return r ? cb_cu_fail(c, call, r) : COLIBRI_OK;
+}
+
+int cb_upload_weights(colibri_ctx *c, const cb_bundle *b) {
+    const size_t size = (size_t)b->header.data_size;
+    CU(c, cuMemAlloc, &c->weights, size ? size : 1);
+    int fd;
+    uint64_t file_size;
+    int rc = cb_bundle_open_file(b, b->weights_file, &fd, &file_size, &c->err);
+    if (rc) return rc;
+    if (file_size != CB_HEADER_SIZE + size) {
+        close(fd);
+        return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "%s changed while loading", b->weights_file);
+    }
+    unsigned char *map = mmap(NULL, (size_t)file_size, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+        rc = cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "%s: mmap failed: %s", b->weights_file, strerror(errno));
+        close(fd);
+        return rc;
+    }
+    rc = c->io.integrated ? upload_integrated(c, fd, map, (size_t)file_size, size) : upload_staged(c, map, size);
+    munmap(map, (size_t)file_size);
+    close(fd);
+    if (rc) return rc;
+    CU(c, cuStreamSynchronize, c->own_stream);
+    return COLIBRI_OK;
+}
+
+int cb_alloc_memory(colibri_ctx *c) {
+    for (size_t i = 0; i < c->n_buffers; i++) {
+        size_t size = (size_t)c->buffers[i].size;
+        CU(c, cuMemAlloc, &c->buffers[i].ptr, size ? size : 1);
+    }
+    CU(c, cuMemHostAlloc, (void **)&c->in_host, c->io_bytes, 0);
+    CU(c, cuMemHostAlloc, (void **)&c->out_host, c->io_bytes, 0);
+    CU(c, cuMemHostAlloc, (void **)&c->lengths_host, 4 * (size_t)c->batch, 0);
+    memset(c->in_host, 0, c->io_bytes);
+    memset(c->out_host, 0, c->io_bytes);
+    for (int i = 0; i < c->batch; i++) c->lengths_host[i] = c->tokens;
+    c->out_lengths = calloc((size_t)c->batch, sizeof *c->out_lengths);
+    c->launches = calloc(c->n_launches ? c->n_launches : 1, sizeof *c->launches);
+    c->arg_values = calloc(c->n_args ? c->n_args : 1, sizeof *c->arg_values);
+    c->arg_params = calloc(c->n_args ? c->n_args : 1, sizeof *c->arg_params);
+    if (!c->out_lengths || !c->launches || !c->arg_values || !c->arg_params)
+        return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    return COLIBRI_OK;
+}
+

@@ -1,0 +1,122 @@
+"""`colibri-sdk build` as a user meets it: --weights or --demo, --force, the dtype line, the resource table once,
+progress reported per step, and the streamed self-test equal to the reference engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri_sdk import cli
+from colibri_sdk.bundle import writer
+from colibri_sdk.bundle.writer import build_bundle, selftest_vectors
+from colibri_sdk.errors import BundleError
+from colibri_sdk.format import Header, write_model
+from colibri_sdk.profile import load_profile
+from colibri_sdk.reference import ReferenceEngine
+
+TABLE_HEAD = "  kernel       symbol"
+
+
+def odd_weights(path: Path, dtype: int) -> Path:
+    """2 layers x 4 experts, top-2, hidden 40, intermediate 72 (sizes that leave tails in every chunk)."""
+    header = Header(num_layers=2, num_experts=4, top_k=2, hidden_size=40, intermediate_size=72, dtype=dtype,
+                    composition=1)
+    rng = np.random.default_rng(11)
+    return write_model(path, header, rng.standard_normal((2, 4, 72, 40)) * 0.2,
+                       rng.standard_normal((2, 4, 72, 40)) * 0.2, rng.standard_normal((2, 4, 40, 72)) * 0.2,
+                       rng.standard_normal((2, 40, 4)))
+
+
+def test_build_needs_weights_or_demo(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["build", "--profile", "orin", "-o", str(tmp_path / "b")])
+    assert exc.value.code == 2
+    assert "error: one of the arguments --weights --demo is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["build", "--profile", "orin", "--demo", "--weights", "m.colibri", "-o", str(tmp_path / "b")])
+    assert exc.value.code == 2
+    assert "argument --weights: not allowed with argument --demo" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
+def test_fp32_weights_into_fp16_profile(tmp_path, capsys, kernel_dir):
+    """One build, checked for everything it prints: the dtype change, the table once, no bar off a terminal,
+    debug lines with -v; then -o onto it is refused without --force and replaced with it."""
+    weights = odd_weights(tmp_path / "m32.colibri", dtype=0)
+    out = tmp_path / "b"
+    args = ["build", "--profile", "orin", "--weights", str(weights), "-o", str(out), "--kernels", str(kernel_dir)]
+    assert cli.main(args + ["-v"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert "  dtype: the weights are stored as fp32; converted to the profile's fp16 (every value rounded to fp16)" \
+        in lines
+    assert len([line for line in lines if line.startswith(TABLE_HEAD)]) == 1  # the resource table, once
+    assert captured.out.count("colibri_gate_up ") == 1
+    err = captured.err.splitlines()
+    assert "%|" not in captured.err  # stderr is not a terminal: no progress bar
+    assert any(line.startswith("colibri-sdk: debug: weights: ") and "converted fp32 → fp16 in" in line for line in err)
+    assert any(line.startswith("colibri-sdk: debug: kernels: ") for line in err)
+
+    manifest = (out / "manifest.json").read_bytes()
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err == (
+        f"colibri-sdk build: error: {out} exists (a bundle); refusing to replace it without --force "
+        "(or choose another -o)\n"
+    )
+    assert (out / "manifest.json").read_bytes() == manifest
+    assert cli.main(args + ["--force", "-q"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""  # -q: no notices, no debug lines
+    assert (out / "manifest.json").read_bytes() == manifest  # reproducible
+
+
+def test_same_dtype_prints_no_dtype_line_and_reports_progress(tmp_path, kernel_dir, capsys):
+    weights = odd_weights(tmp_path / "m16.colibri", dtype=1)
+    calls = []
+    result = build_bundle(load_profile("orin"), tmp_path / "b", weights, kernel_dir=kernel_dir,
+                          progress=lambda step, done, total: calls.append((step, done, total)))
+    assert result.source_dtype == "fp16" and not result.converted
+    steps = list(dict.fromkeys(step for step, _, _ in calls))
+    assert steps == ["weights", "self-test"]  # copied and hashed in one pass: no "sha256" step
+    for step in steps:
+        seen = [(done, total) for s, done, total in calls if s == step]
+        assert seen[0][0] == 0 and seen[-1][0] == seen[-1][1] > 0
+        assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+    assert [t for s, _, t in calls if s == "weights"][0] == weights.stat().st_size
+    assert cli.main(["build", "--profile", "orin", "--weights", str(weights), "-o", str(tmp_path / "c"),
+                     "--kernels", str(kernel_dir), "-q"]) == 0
+    assert "dtype:" not in capsys.readouterr().out
+
+
+def test_force_never_replaces_a_folder_that_is_not_a_bundle(tmp_path):
+    out = tmp_path / "photos"
+    out.mkdir()
+    (out / "cat.jpg").write_bytes(b"precious")
+    with pytest.raises(BundleError, match=r"photos exists and is not a bundle; refusing to replace it"):
+        build_bundle(load_profile("orin"), out, force=True)
+    assert (out / "cat.jpg").read_bytes() == b"precious"
+
+
+def test_an_existing_archive_needs_force(tmp_path):
+    (tmp_path / "b.tar").write_bytes(b"old archive")
+    with pytest.raises(BundleError, match=r"b\.tar exists; refusing to replace the archive without --force"):
+        build_bundle(load_profile("orin"), tmp_path / "b", archive=True)
+    assert (tmp_path / "b.tar").read_bytes() == b"old archive" and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("dtype", [0, 1])
+def test_streamed_selftest_equals_the_reference_engine(tmp_path, monkeypatch, dtype):
+    weights = odd_weights(tmp_path / "m.colibri", dtype=dtype)
+    monkeypatch.setattr(writer, "CHUNK_BYTES", 7 * 40 * 8)  # 7 rows of gate/up per chunk: many chunks, a tail
+    x, y, seed = selftest_vectors(weights, 2, 5)
+    assert x.shape == y.shape == (2, 5, 40) and x.dtype == y.dtype == np.float32
+    assert seed >= writer.SELFTEST_SEED
+    # No mapping of the weights outlives the self-test (each chunk's mapping is closed after its read).
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert str(weights) not in maps.read_text()
+    engine = ReferenceEngine(weights, compute_dtype=np.float64)
+    np.testing.assert_allclose(y, engine.forward(x).astype(np.float32), rtol=1e-6, atol=1e-6)
+    engine.close()

@@ -1,0 +1,478 @@
+/* colibri_test.c: the C tests of libcolibri, one subcommand per case (tests/c_runtime/test_c_runtime.py runs them on
+ * the fake driver, tests/fakecuda/fake_cuda.cpp, built with AddressSanitizer).
+ *
+ *   colibri_test run BUNDLE [eager] [noverify] [lengths] [calls=N]   self-test vectors end to end (N calls, default
+ *                                                      5); prints one JSON line
+ *   colibri_test errors BUNDLE                             every API status code from bad calls
+ *   colibri_test init BUNDLE CODE [SUBSTRING]              colibri_init returns CODE (and its message holds SUBSTRING)
+ *   colibri_test bind BUNDLE                               caller device pointers and a caller stream
+ *   colibri_test threads BUNDLE                            two threads, each with its own context, and two threads
+ *                                                          sharing one context (calls serialised by its mutex)
+ *   colibri_test fuzz BUNDLE N SEED                        N single-byte changes / truncations of manifest.json:
+ *                                                          each refused with COLIBRI_ERR_BUNDLE, never a crash
+ *
+ * Linked against the static library with -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc, so the host allocations of
+ * libcolibri (and of this program) between two points are counted: "no allocation per call" is checked, not assumed.
+ * Expected values come from the bundle's self-test output (the reference engine at build time), never from the
+ * code under test. Exit status 0 = pass; a failure prints "FAIL: ..." on stderr. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "colibri.h"
+
+/* ---- allocation counter -------------------------------------------------------------------------------------- */
+void *__real_malloc(size_t);
+void *__real_calloc(size_t, size_t);
+void *__real_realloc(void *, size_t);
+static long g_allocs;
+void *__wrap_malloc(size_t n) { g_allocs++; return __real_malloc(n); }
+void *__wrap_calloc(size_t a, size_t b) { g_allocs++; return __real_calloc(a, b); }
+void *__wrap_realloc(void *p, size_t n) { g_allocs++; return __real_realloc(p, n); }
+
+static int g_failures;
+#define CHECK(cond, ...)                                          \
+    do {                                                          \
+        if (!(cond)) {                                            \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);  \
+            fprintf(stderr, __VA_ARGS__);                         \
+            fprintf(stderr, "\n");                                \
+            g_failures++;                                         \
+        }                                                         \
+    } while (0)
+#define EXPECT(call, code)                                                                                    \
+    do {                                                                                                      \
+        int got_ = (call);                                                                                    \
+        CHECK(got_ == (code), "%s returned %s, expected %s (%s)", #call, colibri_status_name(got_),           \
+              colibri_status_name(code), colibri_last_error(ctx));                                            \
+    } while (0)
+
+/* ---- .npy (float32, C order) --------------------------------------------------------------------------------- */
+static float *load_npy(const char *path, size_t *count) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    unsigned char magic[10];
+    float *data = NULL;
+    if (fread(magic, 1, 10, f) == 10 && memcmp(magic, "\x93NUMPY", 6) == 0) {
+        size_t hlen = magic[6] == 1 ? (size_t)(magic[8] | magic[9] << 8) : 0;
+        char header[4096];
+        if (hlen && hlen < sizeof header && fread(header, 1, hlen, f) == hlen) {
+            header[hlen] = 0;
+            if (strstr(header, "'<f4'") && strstr(header, "'fortran_order': False")) {
+                fseek(f, 0, SEEK_END);
+                long end = ftell(f);
+                *count = (size_t)(end - 10 - (long)hlen) / 4;
+                fseek(f, 10 + (long)hlen, SEEK_SET);
+                data = malloc(*count * 4);
+                if (data && fread(data, 4, *count, f) != *count) {
+                    free(data);
+                    data = NULL;
+                }
+            }
+        }
+    }
+    fclose(f);
+    return data;
+}
+
+static float *selftest(const char *bundle, const char *which, size_t *count) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/selftest/%s.npy", bundle, which);
+    float *d = load_npy(path, count);
+    if (!d) fprintf(stderr, "FAIL: cannot read %s\n", path);
+    return d;
+}
+
+/* rtol/atol of the bundle's dtype (docs/build.md, "Self-test vectors"). */
+static void tolerances(const colibri_io *io, double *rtol, double *atol) {
+    *rtol = *atol = strcmp(io->dtype, "fp16") == 0 ? 1e-2 : 1e-4;
+}
+
+static colibri_ctx *open_ctx(const char *bundle, uint32_t flags) {
+    colibri_config cfg = COLIBRI_CONFIG_INIT;
+    cfg.bundle_dir = bundle;
+    cfg.flags = flags;
+    colibri_ctx *ctx = NULL;
+    int rc = colibri_init(&cfg, &ctx);
+    if (rc != COLIBRI_OK) fprintf(stderr, "FAIL: colibri_init: %s: %s\n", colibri_status_name(rc), colibri_last_error(NULL));
+    return ctx;
+}
+
+/* ---- run --------------------------------------------------------------------------------------------------------- */
+static int cmd_run(const char *bundle, int argc, char **argv) {
+    uint32_t flags = 0;
+    int with_lengths = 0, calls = 5;
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "eager")) flags |= COLIBRI_FLAG_EAGER;
+        if (!strcmp(argv[i], "noverify")) flags |= COLIBRI_FLAG_NO_VERIFY;
+        if (!strcmp(argv[i], "lengths")) with_lengths = 1;
+        if (!strncmp(argv[i], "calls=", 6)) calls = atoi(argv[i] + 6);
+    }
+    if (calls < 1) calls = 1;
+    colibri_ctx *ctx = open_ctx(bundle, flags);
+    if (!ctx) return 1;
+    colibri_io io;
+    EXPECT(colibri_io_info(ctx, &io), COLIBRI_OK);
+    size_t nx = 0, ne = 0;
+    float *x = selftest(bundle, "input", &nx), *expected = selftest(bundle, "output", &ne);
+    const size_t n = (size_t)io.batch * io.tokens * io.hidden;
+    CHECK(x && expected && nx == n && ne == n, "self-test vectors hold %zu/%zu values; the bundle's shape %zu", nx, ne, n);
+    if (g_failures) return 1;
+    float *y = malloc(io.output_bytes);
+    int32_t *lengths = malloc(io.batch * sizeof *lengths);
+    for (uint32_t b = 0; b < io.batch; b++) lengths[b] = with_lengths ? (int32_t)((io.tokens + 1) / 2 - (b % 2)) : (int32_t)io.tokens;
+    if (with_lengths) /* what lies past a sequence's length must not matter */
+        for (uint32_t b = 0; b < io.batch; b++)
+            for (size_t i = (size_t)lengths[b] * io.hidden; i < (size_t)io.tokens * io.hidden; i++)
+                x[b * io.tokens * io.hidden + i] = NAN;
+    double rtol, atol, max_abs = 0;
+    tolerances(&io, &rtol, &atol);
+    long allocs_in_calls = 0;
+    for (int call = 0; call < calls; call++) {
+        long before = g_allocs;
+        EXPECT(colibri_set_input(ctx, x, lengths, io.batch), COLIBRI_OK);
+        EXPECT(colibri_infer(ctx), COLIBRI_OK);
+        EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+        allocs_in_calls += g_allocs - before;
+        size_t bad = 0;
+        for (uint32_t b = 0; b < io.batch; b++)
+            for (size_t i = 0; i < (size_t)io.tokens * io.hidden; i++) {
+                size_t k = b * io.tokens * io.hidden + i;
+                int valid = i < (size_t)lengths[b] * io.hidden;
+                double want = valid ? expected[k] : 0.0, d = fabs((double)y[k] - want);
+                if (!(d <= atol + rtol * fabs(want)) || (!valid && y[k] != 0.0f)) bad++;
+                if (d > max_abs) max_abs = d;
+            }
+        CHECK(bad == 0, "call %d: %zu of %zu outputs differ from the reference (max abs err %g)", call, bad, n, max_abs);
+    }
+    CHECK(allocs_in_calls == 0, "%ld host allocations in %d set_input/infer/get_output calls; allowed: 0",
+          allocs_in_calls, calls);
+    printf("{\"passed\": %s, \"max_abs_err\": %.3g, \"image_kind\": \"%s\", \"integrated\": %d, \"launches\": %u, "
+           "\"allocs_per_call\": %ld, \"calls\": %d, \"device\": \"%s\"}\n", g_failures ? "false" : "true", max_abs,
+           io.image_kind ? "ptx" : "cubin", io.integrated, io.launches, allocs_in_calls / calls, calls, io.device_name);
+    free(x);
+    free(expected);
+    free(y);
+    free(lengths);
+    colibri_free(ctx);
+    return g_failures ? 1 : 0;
+}
+
+/* ---- errors ------------------------------------------------------------------------------------------------------ */
+static int cmd_errors(const char *bundle) {
+    colibri_ctx *ctx = NULL;
+    CHECK(colibri_abi_version() == COLIBRI_ABI_VERSION, "abi %u", colibri_abi_version());
+    CHECK(!strcmp(colibri_status_name(COLIBRI_ERR_INVALID_ARG), "COLIBRI_ERR_INVALID_ARG"), "status name");
+    CHECK(!strcmp(colibri_status_name(42), "COLIBRI_ERR_UNKNOWN"), "unknown status name");
+    CHECK(COLIBRI_OK == 0 && COLIBRI_ERR_INVALID_ARG == 1 && COLIBRI_ERR_BUNDLE == 2 && COLIBRI_ERR_NO_DRIVER == 3 &&
+          COLIBRI_ERR_UNSUPPORTED_DEVICE == 4 && COLIBRI_ERR_CUDA == 5 && COLIBRI_ERR_OUT_OF_MEMORY == 6 &&
+          COLIBRI_ERR_STATE == 7 && COLIBRI_ERR_ABI == 8, "the status codes are stable integers");
+
+    colibri_config cfg = COLIBRI_CONFIG_INIT;
+    cfg.bundle_dir = bundle;
+    EXPECT(colibri_init(NULL, &ctx), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_init(&cfg, NULL), COLIBRI_ERR_INVALID_ARG);
+    colibri_config bad = cfg;
+    bad.struct_size = 8;
+    EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_ABI);
+    CHECK(strstr(colibri_last_error(NULL), "struct_size 8") != NULL, "ABI message: %s", colibri_last_error(NULL));
+    bad = cfg;
+    bad.abi_version = 99;
+    EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_ABI);
+    bad = cfg;
+    bad.flags = 0x80;
+    EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_INVALID_ARG);
+    bad = cfg;
+    bad.bundle_dir = NULL;
+    EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_INVALID_ARG);
+    bad = cfg;
+    bad.bundle_dir = "/nonexistent/bundle";
+    EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_BUNDLE);
+    CHECK(strstr(colibri_last_error(NULL), "/nonexistent/bundle is not a bundle folder") != NULL, "%s",
+          colibri_last_error(NULL));
+    bad = cfg;
+    bad.driver_library = "/nonexistent/libcuda.so.1";
+    EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_NO_DRIVER);
+    CHECK(strstr(colibri_last_error(NULL), "no CUDA driver") != NULL, "%s", colibri_last_error(NULL));
+    bad = cfg;
+    bad.device = 3;
+    EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_NO_DRIVER);
+    CHECK(strstr(colibri_last_error(NULL), "CUDA device 3 does not exist; allowed: 0..0") != NULL, "%s",
+          colibri_last_error(NULL));
+    CHECK(ctx == NULL, "a failed init leaves ctx NULL");
+
+    /* NULL context: every call refuses it */
+    EXPECT(colibri_infer(NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_set_input(NULL, NULL, NULL, 1), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_get_output(NULL, NULL, 0), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_bind(NULL, 0, 0), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_set_stream(NULL, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_io_info(NULL, NULL), COLIBRI_ERR_INVALID_ARG);
+    colibri_free(NULL);
+
+    EXPECT(colibri_init(&cfg, &ctx), COLIBRI_OK);
+    if (!ctx) return 1;
+    colibri_io io;
+    EXPECT(colibri_io_info(ctx, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_io_info(ctx, &io), COLIBRI_OK);
+    const size_t n = (size_t)io.batch * io.tokens * io.hidden;
+    CHECK(io.input_bytes == n * 4 && io.output_bytes == n * 4, "io bytes %zu %zu", io.input_bytes, io.output_bytes);
+    float *x = calloc(n, 4), *y = calloc(n, 4);
+    int32_t *len = calloc(io.batch + 1, 4);
+    for (uint32_t b = 0; b < io.batch; b++) len[b] = (int32_t)io.tokens;
+
+    EXPECT(colibri_infer(ctx), COLIBRI_ERR_STATE); /* no input yet */
+    CHECK(strstr(colibri_last_error(ctx), "no input yet") != NULL, "%s", colibri_last_error(ctx));
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_ERR_STATE);
+    EXPECT(colibri_set_input(ctx, NULL, len, io.batch), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_set_input(ctx, x, len, io.batch + 1), COLIBRI_ERR_INVALID_ARG);
+    char want[128];
+    snprintf(want, sizeof want, "n = %u; allowed: %u (the bundle's batch)", io.batch + 1, io.batch);
+    CHECK(strstr(colibri_last_error(ctx), want) != NULL, "%s", colibri_last_error(ctx));
+    EXPECT(colibri_set_input(ctx, x, len, 0), COLIBRI_ERR_INVALID_ARG);
+    len[0] = (int32_t)io.tokens + 1;
+    EXPECT(colibri_set_input(ctx, x, len, io.batch), COLIBRI_ERR_INVALID_ARG);
+    snprintf(want, sizeof want, "input_lengths[0] = %u; allowed: 0..%u", io.tokens + 1, io.tokens);
+    CHECK(strstr(colibri_last_error(ctx), want) != NULL, "%s", colibri_last_error(ctx));
+    len[0] = -1;
+    EXPECT(colibri_set_input(ctx, x, len, io.batch), COLIBRI_ERR_INVALID_ARG);
+    len[0] = (int32_t)io.tokens;
+    x[io.hidden + 1] = INFINITY; /* token 1 */
+    EXPECT(colibri_set_input(ctx, x, len, io.batch), COLIBRI_ERR_INVALID_ARG);
+    CHECK(strstr(colibri_last_error(ctx), "non-finite value (NaN or Inf) at (batch 0, token 1, 1)") != NULL, "%s",
+          colibri_last_error(ctx));
+    EXPECT(colibri_infer(ctx), COLIBRI_ERR_STATE); /* a refused input is no input */
+    len[0] = 1;                                     /* ... but past the length it is ignored */
+    EXPECT(colibri_set_input(ctx, x, len, io.batch), COLIBRI_OK);
+    x[io.hidden + 1] = 0.0f;
+    EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, NULL, io.output_bytes), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes - 4), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes + 4), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK); /* the same input again */
+    EXPECT(colibri_set_stream(ctx, NULL), COLIBRI_OK);
+    colibri_free(ctx);
+    free(x);
+    free(y);
+    free(len);
+    printf("{\"passed\": %s}\n", g_failures ? "false" : "true");
+    return g_failures ? 1 : 0;
+}
+
+/* ---- init -------------------------------------------------------------------------------------------------------- */
+static int cmd_init(const char *bundle, int code, const char *substring) {
+    colibri_config cfg = COLIBRI_CONFIG_INIT;
+    cfg.bundle_dir = bundle;
+    colibri_ctx *ctx = NULL;
+    int rc = colibri_init(&cfg, &ctx);
+    const char *msg = colibri_last_error(NULL);
+    printf("{\"status\": \"%s\", \"code\": %d}\n", colibri_status_name(rc), rc);
+    fprintf(stderr, "message: %s\n", rc ? msg : "");
+    CHECK(rc == code, "colibri_init returned %s, expected %s: %s", colibri_status_name(rc), colibri_status_name(code), msg);
+    if (substring) CHECK(strstr(msg, substring) != NULL, "message \"%s\" lacks \"%s\"", msg, substring);
+    CHECK(rc != 0 || ctx != NULL, "success without a context");
+    CHECK(!strchr(msg, '\n'), "a message is one line");
+    colibri_free(ctx);
+    return g_failures ? 1 : 0;
+}
+
+/* ---- bind: caller device memory and a caller stream --------------------------------------------------------- */
+typedef int (*cu_alloc_t)(unsigned long long *, size_t);
+typedef int (*cu_free_t)(unsigned long long);
+typedef int (*cu_htod_t)(unsigned long long, const void *, size_t);
+typedef int (*cu_dtoh_t)(void *, unsigned long long, size_t);
+typedef int (*cu_stream_create_t)(void **, unsigned);
+typedef int (*cu_stream_t)(void *);
+
+static int cmd_bind(const char *bundle) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    CHECK(lib != NULL, "dlopen libcuda.so.1");
+    if (!lib) return 1;
+    cu_alloc_t mem_alloc = (cu_alloc_t)dlsym(lib, "cuMemAlloc_v2");
+    cu_free_t mem_free = (cu_free_t)dlsym(lib, "cuMemFree_v2");
+    cu_htod_t htod = (cu_htod_t)dlsym(lib, "cuMemcpyHtoD_v2");
+    cu_dtoh_t dtoh = (cu_dtoh_t)dlsym(lib, "cuMemcpyDtoH_v2");
+    cu_stream_create_t stream_create = (cu_stream_create_t)dlsym(lib, "cuStreamCreate");
+    cu_stream_t stream_sync = (cu_stream_t)dlsym(lib, "cuStreamSynchronize");
+    cu_stream_t stream_destroy = (cu_stream_t)dlsym(lib, "cuStreamDestroy_v2");
+    colibri_ctx *ctx = open_ctx(bundle, COLIBRI_FLAG_NO_VERIFY); /* makes the primary context current */
+    if (!ctx) return 1;
+    colibri_io io;
+    colibri_io_info(ctx, &io);
+    size_t nx = 0, ne = 0;
+    float *x = selftest(bundle, "input", &nx), *expected = selftest(bundle, "output", &ne), *y = malloc(io.output_bytes);
+    unsigned long long din = 0, dout = 0;
+    void *stream = NULL;
+    CHECK(mem_alloc(&din, io.input_bytes) == 0 && mem_alloc(&dout, io.output_bytes) == 0, "cuMemAlloc");
+    CHECK(stream_create(&stream, 1) == 0, "cuStreamCreate");
+    CHECK(htod(din, x, io.input_bytes) == 0, "cuMemcpyHtoD");
+    EXPECT(colibri_bind(ctx, din, dout), COLIBRI_OK);
+    EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_ERR_STATE);
+    EXPECT(colibri_set_stream(ctx, stream), COLIBRI_OK);
+    long before = g_allocs;
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    CHECK(g_allocs == before, "bound infer allocated");
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_ERR_STATE);
+    CHECK(stream_sync(stream) == 0, "cuStreamSynchronize");
+    CHECK(dtoh(y, dout, io.output_bytes) == 0, "cuMemcpyDtoH");
+    double rtol, atol;
+    tolerances(&io, &rtol, &atol);
+    size_t bad = 0;
+    for (size_t i = 0; i < ne; i++)
+        if (!(fabs((double)y[i] - expected[i]) <= atol + rtol * fabs(expected[i]))) bad++;
+    CHECK(bad == 0, "bound output: %zu of %zu values differ from the reference", bad, ne);
+    /* unbind: back to the pinned buffers, on the caller's stream (get_output waits for it) */
+    EXPECT(colibri_bind(ctx, 0, 0), COLIBRI_OK);
+    memset(y, 0, io.output_bytes);
+    EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+    bad = 0;
+    for (size_t i = 0; i < ne; i++)
+        if (!(fabs((double)y[i] - expected[i]) <= atol + rtol * fabs(expected[i]))) bad++;
+    CHECK(bad == 0, "unbound output on the caller stream: %zu of %zu values differ", bad, ne);
+    EXPECT(colibri_set_stream(ctx, NULL), COLIBRI_OK);
+    colibri_free(ctx);
+    stream_destroy(stream);
+    mem_free(din);
+    mem_free(dout);
+    free(x);
+    free(expected);
+    free(y);
+    dlclose(lib);
+    printf("{\"passed\": %s}\n", g_failures ? "false" : "true");
+    return g_failures ? 1 : 0;
+}
+
+/* ---- threads ------------------------------------------------------------------------------------------------------ */
+typedef struct worker {
+    const char *bundle;
+    colibri_ctx *shared; /* NULL: open an own context */
+    const float *x, *expected;
+    size_t n;
+    int calls, bad, failed_calls;
+} worker;
+
+static void *work(void *arg) {
+    worker *w = arg;
+    colibri_ctx *ctx = w->shared ? w->shared : open_ctx(w->bundle, COLIBRI_FLAG_NO_VERIFY);
+    if (!ctx) {
+        w->failed_calls++;
+        return NULL;
+    }
+    colibri_io io;
+    colibri_io_info(ctx, &io);
+    float *y = malloc(io.output_bytes);
+    double rtol, atol;
+    tolerances(&io, &rtol, &atol);
+    for (int c = 0; c < w->calls; c++) {
+        /* on a shared context the three calls may interleave with the other thread's: the output is then the other
+           thread's input's, which is the same input here, so the values must still match */
+        if (colibri_set_input(ctx, w->x, NULL, io.batch) || colibri_infer(ctx) ||
+            colibri_get_output(ctx, y, io.output_bytes)) {
+            w->failed_calls++;
+            continue;
+        }
+        for (size_t i = 0; i < w->n; i++)
+            if (!(fabs((double)y[i] - w->expected[i]) <= atol + rtol * fabs(w->expected[i]))) w->bad++;
+    }
+    free(y);
+    if (!w->shared) colibri_free(ctx);
+    return NULL;
+}
+
+static int cmd_threads(const char *bundle) {
+    size_t nx = 0, ne = 0;
+    float *x = selftest(bundle, "input", &nx), *expected = selftest(bundle, "output", &ne);
+    if (!x || !expected) return 1;
+    for (int round = 0; round < 2; round++) {
+        colibri_ctx *shared = round ? open_ctx(bundle, COLIBRI_FLAG_NO_VERIFY) : NULL;
+        worker w[2];
+        pthread_t t[2];
+        for (int i = 0; i < 2; i++) {
+            w[i] = (worker){bundle, shared, x, expected, ne, 2, 0, 0};
+            pthread_create(&t[i], NULL, work, &w[i]);
+        }
+        for (int i = 0; i < 2; i++) {
+            pthread_join(t[i], NULL);
+            CHECK(w[i].failed_calls == 0 && w[i].bad == 0, "%s context, thread %d: %d failed calls, %d wrong values",
+                  round ? "shared" : "own", i, w[i].failed_calls, w[i].bad);
+        }
+        colibri_free(shared);
+    }
+    free(x);
+    free(expected);
+    printf("{\"passed\": %s}\n", g_failures ? "false" : "true");
+    return g_failures ? 1 : 0;
+}
+
+/* ---- fuzz: mutated manifests ------------------------------------------------------------------------------------ */
+static int cmd_fuzz(const char *bundle, int n, unsigned seed) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/manifest.json", bundle);
+    FILE *f = fopen(path, "rb");
+    if (!f) return 1;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *orig = malloc((size_t)size), *mut = malloc((size_t)size);
+    if (fread(orig, 1, (size_t)size, f) != (size_t)size) return 1;
+    fclose(f);
+    colibri_config cfg = COLIBRI_CONFIG_INIT;
+    cfg.bundle_dir = bundle;
+    cfg.flags = COLIBRI_FLAG_NO_VERIFY;
+    int refused = 0;
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1103515245u + 12345u;
+        long at = (long)((seed >> 8) % (unsigned long)size), len = size;
+        memcpy(mut, orig, (size_t)size);
+        if (i % 4 == 3) {
+            len = at; /* truncated */
+        } else {
+            unsigned char v;
+            do {
+                seed = seed * 1103515245u + 12345u;
+                v = (unsigned char)(seed >> 16);
+            } while (v == orig[at]);
+            mut[at] = v;
+        }
+        f = fopen(path, "wb");
+        fwrite(mut, 1, (size_t)len, f);
+        fclose(f);
+        colibri_ctx *ctx = NULL;
+        int rc = colibri_init(&cfg, &ctx);
+        CHECK(rc == COLIBRI_ERR_BUNDLE, "mutation %d (byte %ld%s) gave %s: %s", i, at, len < size ? ", truncated" : "",
+              colibri_status_name(rc), colibri_last_error(NULL));
+        refused += rc == COLIBRI_ERR_BUNDLE;
+        colibri_free(ctx);
+    }
+    f = fopen(path, "wb");
+    fwrite(orig, 1, (size_t)size, f);
+    fclose(f);
+    free(orig);
+    free(mut);
+    printf("{\"passed\": %s, \"refused\": %d, \"mutations\": %d}\n", g_failures ? "false" : "true", refused, n);
+    return g_failures ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) {
+        fprintf(stderr, "usage: colibri_test run|errors|init|bind|threads|fuzz BUNDLE ...\n");
+        return 2;
+    }
+    const char *cmd = argv[1], *bundle = argv[2];
+    if (!strcmp(cmd, "run")) return cmd_run(bundle, argc - 3, argv + 3);
+    if (!strcmp(cmd, "errors")) return cmd_errors(bundle);
+    if (!strcmp(cmd, "init") && argc >= 4) return cmd_init(bundle, atoi(argv[3]), argc >= 5 ? argv[4] : NULL);
+    if (!strcmp(cmd, "bind")) return cmd_bind(bundle);
+    if (!strcmp(cmd, "threads")) return cmd_threads(bundle);
+    if (!strcmp(cmd, "fuzz") && argc >= 5) return cmd_fuzz(bundle, atoi(argv[3]), (unsigned)strtoul(argv[4], NULL, 10));
+    fprintf(stderr, "unknown subcommand %s\n", cmd);
+    return 2;
+}

@@ -1,0 +1,154 @@
+"""Fixtures for the C runtime tests (libcolibri, docs/c_runtime.md) on the fake CUDA driver.
+
+`scripts/c_runtime.sh build DIR` builds the library with AddressSanitizer + UBSan, the fake libcuda.so.1
+(tests/fakecuda/fake_cuda.cpp) and the C test program `colibri_test` (tests/c_runtime/colibri_test.c). When
+COLIBRI_C_BUILD names a folder already built that way (what `scripts/c_runtime.sh test` does), it is used as is.
+Every C program runs in a subprocess whose LD_LIBRARY_PATH starts with that folder, so libcolibri's dlopen finds the
+fake driver; the fake runs the kernels through the CPU emulation of tests/kernels/emulator.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+TESTS = HERE.parent
+ROOT = TESTS.parent
+SHIPPED = ("orin", "a100", "rtx4090", "h200")
+# A model small enough that one emulated forward pass takes well under a second; the shipped profiles keep their
+# arch, dtype, shape (1 x 16), block sizes and aggregation.
+HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 64, 32, 8, 2, 2
+
+sys.path.insert(0, str(TESTS / "kernels"))
+sys.path.insert(0, str(TESTS / "gpu"))
+
+TOOLS = [tool for tool in ("cc", "g++") if shutil.which(tool) is None]
+if TOOLS:
+    pytest.skip(f"the C runtime tests need {' and '.join(TOOLS)} (apt-get install build-essential)",
+                allow_module_level=True)
+if not Path("/usr/include/openssl/evp.h").exists() and not os.environ.get("COLIBRI_C_BUILD"):
+    pytest.skip("libcolibri needs OpenSSL's libcrypto headers (apt-get install libssl-dev; scripts/test.sh does it "
+                "as root)", allow_module_level=True)
+
+
+@pytest.fixture(scope="session")
+def c_build(tmp_path_factory) -> Path:
+    """The folder with colibri_test, libcuda.so.1 (fake) and the libraries."""
+    given = os.environ.get("COLIBRI_C_BUILD")
+    if given and (Path(given) / "colibri_test").exists():
+        return Path(given)
+    out = tmp_path_factory.mktemp("c_runtime")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "c_runtime.sh"), "build", str(out)], capture_output=True,
+                          text=True, check=False, timeout=600)
+    assert done.returncode == 0, f"scripts/c_runtime.sh build failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return out
+
+
+def build_bundle_for(profile: str, out: Path, weights: Path, **changes) -> Path:
+    """A bundle of a shipped profile (with `changes` to its top-level keys / kernels) on the given weights."""
+    from colibri_sdk.bundle.writer import build_bundle
+    from colibri_sdk.profile import Profile, load_profile
+
+    data = copy.deepcopy(load_profile(profile, toolchain=False).data)
+    for key, value in changes.items():
+        if key == "kernels":
+            for name, params in value.items():
+                data["kernels"][name].update(params)
+        else:
+            data[key] = value
+    return build_bundle(Profile.from_dict(data), out, weights, workers=2).path
+
+
+@pytest.fixture(scope="session")
+def small_weights(tmp_path_factory) -> Path:
+    from gpu_support import random_model
+
+    root = tmp_path_factory.mktemp("c_weights")
+    return random_model(root / "model.colibri", layers=LAYERS, experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN,
+                        inter=INTER, seed=5)
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, small_weights) -> dict[str, Path]:
+    """Every shipped profile, plus "tiled": batch 2 x 8, fp32, atomic aggregation, the tiled (not GEMV) kernels."""
+    root = tmp_path_factory.mktemp("c_bundles")
+    made = {name: build_bundle_for(name, root / name, small_weights) for name in SHIPPED}
+    made["tiled"] = build_bundle_for("orin", root / "tiled", small_weights, dtype="fp32", aggregation="atomic",
+                                     shape={"batch": 2, "tokens": 8}, kernels={"small_batch": {"max_pairs": 1}})
+    return made
+
+
+@pytest.fixture(scope="session")
+def emu_libs(bundles) -> dict[str, Path]:
+    """The kernel emulation library for each bundle's compile-time constants."""
+    from emulator import build_library
+
+    return {name: build_library(manifest(path)["kernels"][0]["defines"]) for name, path in bundles.items()}
+
+
+def manifest(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+class CRun:
+    """One run of colibri_test: exit code, output, the JSON of its last stdout line, the fake driver's call log."""
+
+    def __init__(self, done: subprocess.CompletedProcess, log: Path):
+        self.rc, self.stdout, self.stderr = done.returncode, done.stdout, done.stderr
+        lines = self.stdout.strip().splitlines()
+        try:
+            self.result = json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError:
+            self.result = None
+        self.log = log.read_text().splitlines() if log.exists() else []
+
+    def calls(self, name: str) -> list[str]:
+        return [line for line in self.log if line.split(" ", 1)[0] == name]
+
+    def __repr__(self) -> str:
+        return f"rc={self.rc}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-4000:]}"
+
+
+@pytest.fixture
+def run_c(c_build, emu_libs, tmp_path):
+    """run_c(args, kernels="tiled", asan=True, **fake_settings) -> CRun: colibri_test ARGS on the fake driver, built
+    with AddressSanitizer + UBSan (asan=False: the plain build, for the long emulated runs: the sanitizers' fiber
+    support makes the emulated kernels several times slower; the library code they run is the same; `program`: another
+    program of the build folder, e.g. "qc_loop"; `stdin`: bytes for its standard input). `fake_settings` become COLIBRI_FAKE_CUDA_<NAME> variables (cc="7.5", driver=12000, integrated=1,
+    fail="cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY")."""
+    count = [0]
+
+    def run(args: list[str], kernels: str | Path = "tiled", timeout: float = 120, asan: bool = True, program: str = "",
+            stdin: bytes | None = None, **settings) -> CRun:
+        count[0] += 1
+        log = tmp_path / f"calls{count[0]}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(c_build), env.get("LD_LIBRARY_PATH")) if p)
+        env["COLIBRI_FAKE_CUDA_LOG"] = str(log)
+        env["COLIBRI_FAKE_CUDA_KERNELS"] = str(emu_libs[kernels] if kernels in emu_libs else kernels)
+        env["ASAN_OPTIONS"] = "detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=0"
+        env["LSAN_OPTIONS"] = f"suppressions={HERE / 'lsan.supp'}:print_suppressions=0"
+        env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
+        for key, value in settings.items():
+            env[f"COLIBRI_FAKE_CUDA_{key.upper()}"] = str(value)
+        program = program or ("colibri_test" if asan else "colibri_test_plain")
+        cmd = [str(c_build / program), *[str(a) for a in args]]
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, cwd=str(tmp_path), check=False,
+                              input=stdin)
+        done.stdout, done.stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+        return CRun(done, log)
+
+    return run
+
+
+def pytest_report_header(config):
+    return ("tests/c_runtime: libcolibri (C) against a FAKE libcuda.so.1 on the CPU with emulated kernels, under "
+            "AddressSanitizer — not a GPU run")

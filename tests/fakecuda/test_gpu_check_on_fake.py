@@ -1,0 +1,100 @@
+"""scripts/gpu_check.sh end to end on the fake driver (`--fake`: tiny shapes, the kernels on the CPU emulation), so a
+broken check is caught before a GPU window is spent on it.
+
+One run, with the install fallback forced (PYTHONPATH on the source tree) and one driver call made to fail (the
+device-to-device copy): every phase must report, every line must follow the results schema, the failed measurement
+must be a recorded failure while the rest of its phase and the later phases still run, and the numbers that can be
+checked on the emulation are checked (routing on the host agrees with the kernels; the launch plan's output agrees
+with transformers' MixtralSparseMoeBlock on the same device-filled weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")]
+
+PHASES = ["install", "versions", "floor", "layer-max", "layer-min", "layers", "correctness", "transformers"]
+FILES = {"results.jsonl", "stdout.log", "stderr.log", "correctness.log", "table.txt"}
+
+
+@pytest.fixture(scope="module")
+def check_run(fake_driver, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLIBRI_FAKE_CUDA_", "COLIBRI_GPU_CHECK_"))}
+    env.update(PYTHON=sys.executable, COLIBRI_GPU_CHECK_FAKE_LIB=str(fake_driver),
+               COLIBRI_GPU_CHECK_INSTALL="pythonpath", COLIBRI_FAKE_CUDA_FAIL="cuMemcpyDtoDAsync=CUDA_ERROR_UNKNOWN")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--fake", str(out)], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=str(ROOT))
+    lines = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
+    return done, out, lines
+
+
+def test_every_phase_reports_and_the_output_is_small(check_run):
+    done, out, lines = check_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    phases = {l["phase_name"]: l for l in lines if l["phase"] == "check" and l["name"] == "phase"}
+    assert list(phases) == PHASES, phases
+    assert all(p["status"] == "ok" for p in phases.values()), phases
+    assert "pythonpath" in phases["install"]["reason"]
+    assert {p.name for p in out.iterdir()} == FILES  # the device tool returns at most 8 files, no folders needed
+    assert "FAKE DRIVER" in done.stdout and "One layer" in done.stdout and "Phases" in done.stdout
+    assert (out / "table.txt").read_text() in done.stdout
+
+
+def test_lines_follow_the_schema(check_run):
+    _, _, lines = check_run
+    for line in lines:
+        assert {"phase", "name", "status", "time"} <= set(line), line
+        assert line["status"] in ("ok", "skip", "fail"), line
+        if line["status"] != "ok":
+            assert line.get("reason"), line
+    versions = {l["name"]: l for l in lines if l["phase"] == "versions"}
+    assert versions["gpu"]["arch"] == "sm_90" and versions["gpu"]["driver"] == "12.8"
+    assert versions["software"]["nvrtc"].startswith("12.") and versions["software"]["fake_driver"] is True
+    assert versions["software"]["colibri_sdk"] == str(ROOT / "sdk")
+
+
+def test_a_failed_measurement_is_recorded_and_the_phase_goes_on(check_run):
+    _, _, lines = check_run
+    floor = {l["name"]: l for l in lines if l["phase"] == "floor"}
+    assert floor["copy_dtod"]["status"] == "fail"
+    assert floor["copy_dtod"]["reason"] == "CudaError: cuMemcpyDtoDAsync failed: CUDA_ERROR_UNKNOWN"
+    assert floor["read_stream"]["status"] == "ok" and floor["read_stream"]["bytes"] > 0
+
+
+def test_layer_on_every_path_with_per_kernel_times(check_run):
+    _, _, lines = check_run
+    forward = [l for l in lines if l["phase"] == "layer" and l["name"] == "forward"]
+    assert {l["path"] for l in forward} == {"gemv", "tiled"}, forward
+    assert sum(l["default_path"] for l in forward) == 1
+    for f in forward:
+        assert f["status"] == "ok" and f["output_finite"] is True, f
+        assert f["graph_median_us"] > 0 and f["eager_median_us"] > 0 and f["selected_bytes"] > 0
+        # the experts chosen by the host routing are those the routing kernel wrote
+        assert f["selected_experts"] == f["device_selected_experts"], f
+        kernels = [l for l in lines if l["phase"] == "layer" and l["name"] == "kernel" and l["path"] == f["path"]
+                   and l["tokens"] == f["tokens"]]
+        assert [k["index"] for k in kernels] == list(range(f["launches"]))
+        assert all(k["median_us"] > 0 for k in kernels)
+    stack = [l for l in lines if l["phase"] == "layers" and l["name"] == "forward"]
+    assert len(stack) == 1 and stack[0]["layers"] == 2 and stack[0]["launches"] == 2 * forward[0]["launches"]
+
+
+def test_correctness_cases_and_transformers(check_run):
+    _, _, lines = check_run
+    cases = [l for l in lines if l["phase"] == "correctness" and l["name"] == "case"]
+    assert len(cases) == 2 and sum(c["status"] == "ok" for c in cases) == 1, cases
+    (skipped,) = [c for c in cases if c["status"] == "skip"]
+    assert "older than NVRTC 12.9" in skipped["reason"] and "[a100]" in skipped["case"]
+    (block,) = [l for l in lines if l["phase"] == "transformers" and l["name"] == "moe_block"]
+    assert block["status"] == "ok" and block["match"] is True and block["relative_err"] < 1e-2, block

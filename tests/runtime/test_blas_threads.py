@@ -1,0 +1,95 @@
+"""The CPU backend's BLAS thread rule (colibri_sdk.blas): one thread inside decode-sized calls, set and restored
+around each call with threadpoolctl, never for the rest of the process; an explicit thread variable wins."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+from colibri_sdk import blas
+from colibri_sdk.runtime import Runtime
+
+
+def blas_threads_now() -> list[int]:
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
+@pytest.fixture
+def no_thread_variables(monkeypatch):
+    for name in blas.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def two_threads():
+    """Give the BLAS library 2 threads for the test (as on an unconfigured 2-core machine), whatever CI set."""
+    from threadpoolctl import threadpool_limits
+
+    if not blas_threads_now():
+        pytest.skip("NumPy here links no BLAS library that threadpoolctl can see")
+    limiter = threadpool_limits(limits=2, user_api="blas")
+    yield
+    limiter.restore_original_limits()
+
+
+def test_rule(no_thread_variables, monkeypatch):
+    assert blas.threads_for(1) == 1
+    assert blas.threads_for(blas.SMALL_ROWS) == 1
+    assert blas.threads_for(blas.SMALL_ROWS + 1) is None
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    assert blas.threads_for(1) is None  # the user's explicit choice is kept
+
+
+def test_limit_holds_inside_the_call_only(no_thread_variables, two_threads):
+    assert set(blas_threads_now()) == {2}
+    with blas.blas_threads(16) as limit:
+        assert limit == 1 and set(blas_threads_now()) == {1}
+        with blas.blas_threads(4):
+            assert set(blas_threads_now()) == {1}
+        assert set(blas_threads_now()) == {1}  # the inner exit does not restore early
+    assert set(blas_threads_now()) == {2}
+    with blas.blas_threads(blas.SMALL_ROWS + 1) as limit:
+        assert limit is None and set(blas_threads_now()) == {2}
+
+
+def test_overlapping_calls_from_threads_restore_the_original(no_thread_variables, two_threads):
+    """Two threads inside at once share one limit: the first sets it, the last restores it."""
+    entered, release = threading.Barrier(3), threading.Event()
+    limits = []
+
+    def call():
+        with blas.blas_threads(8) as limit:
+            limits.append(limit)
+            entered.wait()
+            release.wait(10)
+
+    workers = [threading.Thread(target=call) for _ in range(2)]
+    for w in workers:
+        w.start()
+    entered.wait()
+    assert blas._depth == 2
+    release.set()
+    for w in workers:
+        w.join(10)
+    assert limits == [1, 1] and blas._depth == 0
+    assert set(blas_threads_now()) == {2}
+
+
+def test_cpu_backend_runs_with_one_thread_and_restores(small_bundle, no_thread_variables, two_threads):
+    seen = []
+    with Runtime.load(small_bundle, backend="cpu", verify=False) as rt:
+        engine = rt._backend._scratch  # the CPU backend's forward pass (sdk/runtime/scratch_engine.py)
+        run = engine.run_into
+
+        def recording(*args):
+            seen.append(blas_threads_now())
+            return run(*args)
+
+        engine.run_into = recording
+        y = rt.infer(np.ones((2, 8, rt.hidden_size), np.float32))
+    assert y.shape == (2, 8, rt.hidden_size)
+    assert seen and set(seen[0]) == {1}
+    assert set(blas_threads_now()) == {2}
