@@ -52,7 +52,7 @@ def convert_and_build(model, folder: Path) -> Path:
     checkpoint, weights = folder / "checkpoint", folder / "mixtral.colibri"
     model.save_pretrained(checkpoint)
     cmd = [sys.executable, "-m", "colibri_sdk", "convert", str(checkpoint), "-o", str(weights), "--dtype", "fp32",
-           "--composition", "sequential", "--no-progress"]
+           "--composition", "sequential", "-q"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")

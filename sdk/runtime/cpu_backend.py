@@ -46,7 +46,7 @@ class CpuBackend:
         self.num_layers = self._file.header.num_layers
         rows = int(np.prod(self.shape))
         self._scratch = ScratchEngine(self._file, rows) if scratch_supports(self._file.header) else None
-        spec = bundle.manifest["profile"].get("capacity")
+        spec = getattr(bundle, "manifest", {}).get("profile", {}).get("capacity")
         self.capacity = None if spec is None else Capacity.from_dict(spec, "manifest profile.capacity")
         self.last_dropped = 0  # pairs dropped by expert capacity in the last call (Runtime.stats)
 
