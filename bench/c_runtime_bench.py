@@ -58,7 +58,7 @@ def main() -> int:
     subprocess.run(["bash", str(ROOT / "scripts" / "c_runtime.sh"), "build", str(build)], check=True,
                    stdout=subprocess.DEVNULL)
     bundle = work / "bundle"
-    subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", args.profile, "-o", str(bundle)],
+    subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", args.profile, "--demo", "-o", str(bundle)],
                    check=True, stdout=subprocess.DEVNULL)
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(build), env.get("LD_LIBRARY_PATH")) if p)

@@ -2,8 +2,12 @@
 //
 // Compile-time constants (sdk/catalog.py `compile_defines`, passed as -D by the build):
 //   COLI_HIDDEN, COLI_INTER        hidden and intermediate size (any value >= 1; tails are handled)
-//   COLI_EXPERTS, COLI_TOPK        experts per layer (<= 256) and experts per token (<= 8, <= COLI_EXPERTS)
+//   COLI_EXPERTS, COLI_TOPK        experts per layer (<= 256) and experts per token (<= COLI_MAX_TOP_K, <= experts)
+//   COLI_MAX_TOP_K                 the SDK's top-k limit (sdk/catalog.py MAX_TOP_K; the code below allows <= 32)
 //   COLI_MAX_TOKENS                batch * tokens of the fixed shape (padded tokens included)
+//   COLI_BATCH, COLI_SEQ_TOKENS    the fixed batch and tokens per sequence (COLI_MAX_TOKENS = their product)
+//   COLI_GEMV                      1: the launch plan takes the GEMV path (small_batch.cu), 0: the tiled path
+//   COLI_TC                        1: the tiled path runs on tensor cores (colibri_gate_up_tc, colibri_down_tc)
 //   COLI_FP16                      1: weights stored as IEEE fp16, 0: fp32. Activations and accumulation: fp32
 //   COLI_ATOMIC_AGG                1: the down kernels atomicAdd into the layer output (order not fixed)
 //                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
@@ -15,7 +19,8 @@
 
 #if !defined(COLI_HIDDEN) || !defined(COLI_INTER) || !defined(COLI_EXPERTS) || !defined(COLI_TOPK) || \
     !defined(COLI_MAX_TOKENS) || !defined(COLI_FP16) || !defined(COLI_ATOMIC_AGG) || !defined(COLI_ROUTING) || \
-    !defined(COLI_RESIDUAL) || !defined(COLI_ROUTING_BLOCK_M)
+    !defined(COLI_RESIDUAL) || !defined(COLI_ROUTING_BLOCK_M) || !defined(COLI_MAX_TOP_K) || !defined(COLI_BATCH) || \
+    !defined(COLI_SEQ_TOKENS) || !defined(COLI_GEMV) || !defined(COLI_TC)
 #error "colibri kernels need the -D constants of sdk/catalog.py compile_defines"
 #endif
 
@@ -32,12 +37,36 @@
 
 static_assert(H_ >= 1 && I_ >= 1, "COLI_HIDDEN and COLI_INTER must be >= 1");
 static_assert(E_ >= 1 && E_ <= 256, "COLI_EXPERTS must be in 1..256");
-static_assert(K_ >= 1 && K_ <= 8 && K_ <= E_, "COLI_TOPK must be in 1..8 and <= COLI_EXPERTS");
+static_assert(COLI_MAX_TOP_K >= 1 && COLI_MAX_TOP_K <= 32, "COLI_MAX_TOP_K must be in 1..32 (one lane per slot)");
+static_assert(K_ >= 1 && K_ <= COLI_MAX_TOP_K && K_ <= E_, "COLI_TOPK must be in 1..COLI_MAX_TOP_K and <= COLI_EXPERTS");
 static_assert(T_ >= 1, "COLI_MAX_TOKENS must be >= 1");
+static_assert(COLI_BATCH * COLI_SEQ_TOKENS == T_, "COLI_MAX_TOKENS must be COLI_BATCH * COLI_SEQ_TOKENS");
 static_assert((long long)PADDED_ < 0x7fffffffLL, "tokens*top_k + experts*(block_m-1) must fit in int32");
 static_assert(BM_ >= 1 && (BM_ & (BM_ - 1)) == 0, "COLI_ROUTING_BLOCK_M must be a power of two");
 
 #define FULL_MASK 0xffffffffu
+
+// Padded tokens: the runtime's input copy writes valid_tokens[b] (int32, b < COLI_BATCH), the number of valid tokens
+// of sequence b (its first ones). Token t = b * COLI_SEQ_TOKENS + i is valid when i < valid_tokens[b]. A padded
+// token selects NO_EXPERT in every slot (weight 0): every kernel skips it, and its output row is its input
+// (residual composition) or zeros.
+#define NO_EXPERT E_
+__device__ __forceinline__ bool token_valid(const int* __restrict__ valid_tokens, int t) {
+    return t % COLI_SEQ_TOKENS < __ldg(valid_tokens + t / COLI_SEQ_TOKENS);
+}
+
+// Weight stream: read once per layer, so it bypasses L1 (activations staged there stay); 16 bytes per lane.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+#ifdef COLI_CPU_EMULATION
+    return __ldg(p);
+#else
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+#endif
+}
 
 #if COLI_FP16
 typedef unsigned short wt;  // IEEE binary16 bits
@@ -85,4 +114,126 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
     return v;
+}
+
+// ---- tensor cores and asynchronous copies (sm_80+) -----------------------------------------------------------------
+// Building blocks of a tensor-core expert path; the CPU emulation implements them in plain C++ (cuda_shim.h).
+//
+// mma_m16n8k16: D = A·B + C for one warp (all 32 lanes), A 16x16 and B 16x8 fp16, C and D 16x8 fp32
+// (PTX `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`). Fragments, as in the PTX ISA ("Matrix fragments for
+// mma.m16n8k16 with floating point type"), lane = 4*g + c (g = lane / 4, c = lane % 4); each a/b word holds two fp16,
+// the lower column (A) or row (B) in the low half:
+//   a[0] = A[g][2c, 2c+1]      a[1] = A[g+8][2c, 2c+1]      a[2] = A[g][2c+8, 2c+9]      a[3] = A[g+8][2c+8, 2c+9]
+//   b[0] = B[2c, 2c+1][g]      b[1] = B[2c+8, 2c+9][g]
+//   c, d: [0] = X[g][2c]  [1] = X[g][2c+1]  [2] = X[g+8][2c]  [3] = X[g+8][2c+1]
+__device__ __forceinline__ void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+#ifdef COLI_CPU_EMULATION
+    coli_emu_mma_m16n8k16(d, a, b, c);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%10, %11, %12, %13};"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+                   "f"(c[3]));
+#endif
+}
+
+// cp_async16: copy 16 bytes global → shared without going through registers (PTX `cp.async.cg.shared.global`, L1
+// bypassed); both addresses 16-byte aligned. cp_async_commit closes a group of copies; cp_async_wait<N>() waits
+// until at most N groups are pending (then a __syncthreads makes the data visible to the block).
+__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
+#ifdef COLI_CPU_EMULATION
+    coli_emu_cp_async16(shared_dst, global_src);
+#else
+    unsigned dst;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(dst) : "l"(shared_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef COLI_CPU_EMULATION
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef COLI_CPU_EMULATION
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// ---- tensor-core tile of the tiled path (COLI_TC) ------------------------------------------------------------------
+// float → fp16 bits, round to nearest even (PTX cvt.rn.f16.f32).
+__device__ __forceinline__ unsigned short float_to_half_bits(float f) {
+#ifdef COLI_CPU_EMULATION
+    return __float_to_half_bits(f);
+#else
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
+}
+
+#define TC_THREADS_ 128  // 4 warps
+#define TC_BN_ 32        // output columns per block: 8 per warp (one n8 tile)
+#define TC_BK_ 64        // reduction elements per shared-memory stage
+#define TC_PITCH_ (TC_BK_ + 8)  // halves per shared row: 16-byte rows, rows spread over banks
+
+// Two fp16 from shared memory as one mma operand word (the lower index in the low half).
+__device__ __forceinline__ unsigned half_pair(const unsigned short* p) {
+    return *reinterpret_cast<const unsigned*>(p);
+}
+
+// acc[m] += A · W_m^T over the whole reduction dimension, for one tile of 16 rows and TC_BN_ columns per block.
+//   A row r (r < 16): src[rows[r] * klen .. + klen) in fp32 (rows[r] < 0: a zero row), split into hi + lo fp16
+//   (hi = fp16(a), lo = fp16(a - hi): the two products carry about 22 bits of a, so the result is close to fp32);
+//   W_m: NMAT fp16 matrices (n_total, klen) row-major, columns n0 .. n0 + TC_BN_ - 1 of the output, copied to shared
+//   memory with cp_async16 (klen a multiple of 8, rows 16-byte aligned).
+// Warp w owns output columns n0 + 8w .. n0 + 8w + 7; acc[m][i] is D[g + 8*(i/2)][2c + i%2] of its 16x8 tile
+// (common.cuh mma_m16n8k16). Every thread of the block calls it (it has barriers).
+template <int NMAT>
+__device__ __forceinline__ void tc_tile(const float* __restrict__ src, const int* rows, const wt* const w[NMAT],
+                                        int n_total, int n0, int klen, float acc[NMAT][4],
+                                        unsigned short (*a_hi)[TC_PITCH_], unsigned short (*a_lo)[TC_PITCH_],
+                                        unsigned short (*ws)[TC_BN_][TC_PITCH_]) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, g = lane / 4, c = lane % 4;
+    for (int k0 = 0; k0 < klen; k0 += TC_BK_) {
+        __syncthreads();  // the previous stage fully used
+        for (int i = tid; i < TC_BN_ * (TC_BK_ / 8); i += TC_THREADS_) {
+            const int r = i / (TC_BK_ / 8), v = (i % (TC_BK_ / 8)) * 8, col = n0 + r, k = k0 + v;
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m) {
+                if (col < n_total && k < klen) {
+                    cp_async16(&ws[m][r][v], w[m] + (size_t)col * klen + k);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) ws[m][r][v + q] = 0;
+                }
+            }
+        }
+        cp_async_commit();
+        for (int i = tid; i < 16 * TC_BK_; i += TC_THREADS_) {
+            const int r = i / TC_BK_, kk = i % TC_BK_, k = k0 + kk;
+            const float a = (rows[r] >= 0 && k < klen) ? __ldg(src + (size_t)rows[r] * klen + k) : 0.0f;
+            const unsigned short hi = float_to_half_bits(a);
+            a_hi[r][kk] = hi;
+            a_lo[r][kk] = float_to_half_bits(a - wt_to_float(hi));
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int kb = 0; kb < TC_BK_; kb += 16) {
+            const unsigned hi[4] = {half_pair(&a_hi[g][kb + 2 * c]), half_pair(&a_hi[g + 8][kb + 2 * c]),
+                                    half_pair(&a_hi[g][kb + 2 * c + 8]), half_pair(&a_hi[g + 8][kb + 2 * c + 8])};
+            const unsigned lo[4] = {half_pair(&a_lo[g][kb + 2 * c]), half_pair(&a_lo[g + 8][kb + 2 * c]),
+                                    half_pair(&a_lo[g][kb + 2 * c + 8]), half_pair(&a_lo[g + 8][kb + 2 * c + 8])};
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m) {
+                const unsigned b[2] = {half_pair(&ws[m][warp * 8 + g][kb + 2 * c]),
+                                       half_pair(&ws[m][warp * 8 + g][kb + 2 * c + 8])};
+                mma_m16n8k16(acc[m], hi, b, acc[m]);
+                mma_m16n8k16(acc[m], lo, b, acc[m]);
+            }
+        }
+    }
 }

@@ -10,8 +10,12 @@
 //
 // colibri_aggregate — grid (tokens), block (COLI_DOWN_THREADS); ordered aggregation only. For token t, column h:
 //       s = pair_out[t*k + 0, h] + pair_out[t*k + 1, h] + ... + pair_out[t*k + k-1, h]     (slots in order)
+//   slots holding NO_EXPERT (padded tokens, routing.cu) add nothing: their pair_out rows are never written.
 //       x_next[t, h] = x[t, h] + s (COLI_RESIDUAL) or s
 //   A fixed summation order: the output is bitwise identical from run to run.
+//
+// colibri_down_tc — grid (blocks, ceil(hidden / 32)), block (128): colibri_down on tensor cores when COLI_TC, tiled
+//   like colibri_gate_up_tc (expert_gate_up.cu) with the act rows split into hi + lo fp16.
 //
 // Limits: routing.block_m * BLOCK_N / THREADS <= 32, (block_m + BLOCK_N) * (BLOCK_K+1) * 4 bytes <= 48 KiB.
 // Any hidden / intermediate size.
@@ -35,11 +39,11 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
     __shared__ int pairs[BM_];
 
     const int b = blockIdx.x;
-    const int e = block_experts[b];
+    const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
     const int n0 = blockIdx.y * BN_;
     const int tid = threadIdx.x;
-    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = sorted_pairs[b * BM_ + m];
+    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = __ldg(sorted_pairs + b * BM_ + m);
     const wt* d_e = down + (size_t)e * H_ * I_;
 
     float acc[ACC_];
@@ -51,11 +55,11 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
         for (int i = tid; i < BM_ * BK_; i += THREADS_) {
             const int m = i / BK_, kk = i % BK_, c = k0 + kk;
             const int p = pairs[m];
-            as[m][kk] = (p >= 0 && c < I_) ? act[(size_t)p * I_ + c] : 0.0f;
+            as[m][kk] = (p >= 0 && c < I_) ? __ldg(act + (size_t)p * I_ + c) : 0.0f;
         }
         for (int i = tid; i < BN_ * BK_; i += THREADS_) {
             const int n = i / BK_, kk = i % BK_, col = n0 + n, c = k0 + kk;
-            ds[n][kk] = (col < H_ && c < I_) ? wt_to_float(d_e[(size_t)col * I_ + c]) : 0.0f;
+            ds[n][kk] = (col < H_ && c < I_) ? wt_to_float(__ldg(d_e + (size_t)col * I_ + c)) : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -78,7 +82,7 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
             const int m = i / BN_, col = n0 + i % BN_;
             const int p = pairs[m];
             if (p >= 0 && col < H_) {
-                const float v = topk_weights[p] * acc[a];
+                const float v = __ldg(topk_weights + p) * acc[a];
 #if COLI_ATOMIC_AGG
                 atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
 #else
@@ -90,12 +94,49 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS_)
-colibri_aggregate(const float* __restrict__ x, const float* __restrict__ pair_out, float* __restrict__ x_next) {
+colibri_aggregate(const float* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ pair_out,
+                  float* __restrict__ x_next) {
+    __shared__ bool routed[K_];
     const int t = blockIdx.x;
+    if (threadIdx.x < K_) routed[threadIdx.x] = __ldg(topk_ids + t * K_ + threadIdx.x) < E_;
+    __syncthreads();
     for (int h = threadIdx.x; h < H_; h += THREADS_) {
         float s = 0.0f;
 #pragma unroll
-        for (int j = 0; j < K_; ++j) s += pair_out[((size_t)t * K_ + j) * H_ + h];
-        x_next[(size_t)t * H_ + h] = COLI_RESIDUAL ? x[(size_t)t * H_ + h] + s : s;
+        for (int j = 0; j < K_; ++j)
+            if (routed[j]) s += __ldg(pair_out + ((size_t)t * K_ + j) * H_ + h);
+        x_next[(size_t)t * H_ + h] = COLI_RESIDUAL ? __ldg(x + (size_t)t * H_ + h) + s : s;
+    }
+}
+
+// colibri_down_tc: colibri_down on tensor cores (common.cuh tc_tile), launched instead of it when COLI_TC.
+extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
+colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
+                const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
+                float* __restrict__ pair_out, float* __restrict__ x_next) {
+    __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
+    __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
+    __shared__ __align__(16) unsigned short ws[1][TC_BN_][TC_PITCH_];
+    __shared__ int pairs[16];
+    const int b = blockIdx.x;
+    const int e = __ldg(block_experts + b);
+    if (e < 0) return;  // the same for the whole block, before any barrier
+    const int n0 = blockIdx.y * TC_BN_;
+    if (threadIdx.x < 16) pairs[threadIdx.x] = __ldg(sorted_pairs + b * 16 + threadIdx.x);
+    const wt* w[1] = {down + (size_t)e * H_ * I_};
+    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    tc_tile<1>(act, pairs, w, H_, n0, I_, acc, a_hi, a_lo, ws);  // act rows are pair indices
+    const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int m = g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = pairs[m];
+        if (p >= 0 && col < H_) {
+            const float v = __ldg(topk_weights + p) * acc[0][i];
+#if COLI_ATOMIC_AGG
+            atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
+#else
+            pair_out[(size_t)p * H_ + col] = v;
+#endif
+        }
     }
 }

@@ -12,6 +12,12 @@
 //   gate, up: (experts, intermediate, hidden) row-major, the layer's slice; x: (tokens, hidden) fp32;
 //   act: (tokens*k, intermediate) fp32. Every act row is written: each pair belongs to exactly one expert.
 //
+// colibri_gate_up_tc — grid (blocks, ceil(intermediate / 32)), block (128): the same on tensor cores, when COLI_TC
+//   (fp16 weights, routing.block_m 16, hidden and intermediate multiples of 8). Warp w computes the 16 x 8 tile of
+//   columns c*32 + 8w .. + 7 with mma.sync m16n8k16 (common.cuh tc_tile): the gate and up tiles of a 64-element
+//   stage are copied to shared memory with cp.async (16 bytes per copy), the x rows split into two fp16 terms
+//   (hi + lo, close to fp32 accuracy; |x| must stay below 65504).
+//
 // Limits: block_m * BLOCK_N / THREADS <= 32 accumulators per thread, (block_m + 2*BLOCK_N) * (BLOCK_K+1) * 4 bytes
 // of static shared memory <= 48 KiB. Any hidden / intermediate size (tails are zero-filled in shared memory).
 #include "common.cuh"
@@ -34,11 +40,11 @@ colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const 
     __shared__ int pairs[BM_];
 
     const int b = blockIdx.x;
-    const int e = block_experts[b];
+    const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
     const int n0 = blockIdx.y * BN_;
     const int tid = threadIdx.x;
-    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = sorted_pairs[b * BM_ + m];
+    for (int m = tid; m < BM_; m += THREADS_) pairs[m] = __ldg(sorted_pairs + b * BM_ + m);
     const wt* g_e = gate + (size_t)e * I_ * H_;
     const wt* u_e = up + (size_t)e * I_ * H_;
 
@@ -51,13 +57,13 @@ colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const 
         for (int i = tid; i < BM_ * BK_; i += THREADS_) {
             const int m = i / BK_, kk = i % BK_, h = k0 + kk;
             const int p = pairs[m];
-            xs[m][kk] = (p >= 0 && h < H_) ? x[(size_t)(p / K_) * H_ + h] : 0.0f;
+            xs[m][kk] = (p >= 0 && h < H_) ? __ldg(x + (size_t)(p / K_) * H_ + h) : 0.0f;
         }
         for (int i = tid; i < BN_ * BK_; i += THREADS_) {
             const int n = i / BK_, kk = i % BK_, col = n0 + n, h = k0 + kk;
             const bool inside = col < I_ && h < H_;
-            gs[n][kk] = inside ? wt_to_float(g_e[(size_t)col * H_ + h]) : 0.0f;
-            us[n][kk] = inside ? wt_to_float(u_e[(size_t)col * H_ + h]) : 0.0f;
+            gs[n][kk] = inside ? wt_to_float(__ldg(g_e + (size_t)col * H_ + h)) : 0.0f;
+            us[n][kk] = inside ? wt_to_float(__ldg(u_e + (size_t)col * H_ + h)) : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -86,5 +92,35 @@ colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const 
             const int p = pairs[m];
             if (p >= 0 && col < I_) act[(size_t)p * I_ + col] = silu(acc_g[a]) * acc_u[a];
         }
+    }
+}
+
+// colibri_gate_up_tc: the same output on tensor cores (common.cuh tc_tile), launched instead of colibri_gate_up when
+// COLI_TC (fp16 weights, routing.block_m 16, hidden and intermediate multiples of 8).
+extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
+colibri_gate_up_tc(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
+                   const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
+                   float* __restrict__ act) {
+    __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
+    __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
+    __shared__ __align__(16) unsigned short ws[2][TC_BN_][TC_PITCH_];
+    __shared__ int pairs[16], rows[16];
+    const int b = blockIdx.x;
+    const int e = __ldg(block_experts + b);
+    if (e < 0) return;  // the same for the whole block, before any barrier
+    const int n0 = blockIdx.y * TC_BN_;
+    if (threadIdx.x < 16) {
+        const int p = __ldg(sorted_pairs + b * 16 + threadIdx.x);
+        pairs[threadIdx.x] = p;
+        rows[threadIdx.x] = p >= 0 ? p / K_ : -1;
+    }
+    const wt* w[2] = {gate + (size_t)e * I_ * H_, up + (size_t)e * I_ * H_};
+    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    tc_tile<2>(x, rows, w, I_, n0, H_, acc, a_hi, a_lo, ws);  // its first barrier orders pairs[] and rows[]
+    const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int m = g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = pairs[m];
+        if (p >= 0 && col < I_) act[(size_t)p * I_ + col] = silu(acc[0][i]) * acc[1][i];
     }
 }

@@ -1,61 +1,121 @@
 // routing.cu: router and the padded expert order of one MoE layer.
 //
-// colibri_routing — grid (tokens), block (COLI_ROUTING_THREADS). One block per token t:
+// colibri_routing — grid (tokens), block (COLI_ROUTING_THREADS). One block per token t; a padded token (common.cuh,
+//   token_valid) writes topk_ids[t, :] = NO_EXPERT (= experts), topk_weights[t, :] = 0 and reads nothing else:
 //   z[e]      = sum_h x[t, h] * router[h, e]                fp32 accumulation; router (hidden, experts), row-major
 //   top-k     the k largest z, larger first, ties towards the lower expert index (warp 0, k arg-max passes)
 //   weights   COLI_ROUTING 0: softmax over the k selected logits; 1: softmax over all experts, then select
 //   writes    topk_ids[t, j] (int32), topk_weights[t, j] (fp32), j = 0..k-1
-//   with COLI_ATOMIC_AGG it also sets the layer output row x_next[t, :] to x[t, :] (residual) or 0, for the down
-//   kernels to atomicAdd into.
-//   Logit partial sums: thread i takes expert i % E and every (THREADS/E)-th hidden index from i / E; the groups
-//   are summed in group order, so the result does not depend on scheduling.
+//   with COLI_ATOMIC_AGG on the tiled path it also sets the layer output row x_next[t, :] to x[t, :] (residual) or 0,
+//   for the down kernels to atomicAdd into (padded tokens included).
+//   Logits: when experts is a multiple of the 16-byte vector (8 fp16 / 4 fp32) and the router is 16-byte aligned,
+//   thread i reads router vectors i, i + THREADS, ... (consecutive lanes, consecutive 16 bytes; a vector holds VEC
+//   experts of one row h); else thread i takes expert i % E and every (THREADS/E)-th row. Either way the partial
+//   sums of each expert are added in thread-group order: the result does not depend on scheduling.
 //
-// colibri_align — grid (1), block (COLI_ROUTING_THREADS). Groups the (token, slot) pairs p = t*k + j by expert into
-// the padded order: expert e owns rows [offsets[e], offsets[e+1]), its count rounded up to block_m rows; the first
-// count rows hold its pairs in increasing p, the rest -1. Tile b (rows b*block_m ..) belongs to block_experts[b], or
-// -1 past the last used row: those tiles exit at once. Sizes are fixed (docs/kernels.md, "Padded expert order"):
+// colibri_align — grid (1), block (COLI_ROUTING_THREADS), tiled path only. Groups the (token, slot) pairs
+//   p = t*k + j of valid tokens by expert into the padded order: expert e owns rows [offsets[e], offsets[e+1]), its
+//   count rounded up to block_m rows; the first count rows hold its pairs in increasing p, the rest -1. Pairs of
+//   padded tokens (NO_EXPERT) are in no expert's rows. Tile b (rows b*block_m ..) belongs to block_experts[b], or
+//   -1 past the last used row: those tiles exit at once. Sizes are fixed (docs/kernels.md, "Padded expert order"):
 //   sorted_pairs (tokens*k + experts*(block_m-1)) int32, block_experts (that / block_m) int32,
 //   expert_counts (experts) int32, expert_offsets (experts+1) int32. Every entry is written on every call.
 //
-// Limits: experts <= 256, top-k <= 8 (common.cuh). Any hidden size.
+// Limits: experts <= 256, top-k <= COLI_MAX_TOP_K (common.cuh). Any hidden size.
 #include "common.cuh"
 
 #define RT_ COLI_ROUTING_THREADS
 static_assert(RT_ % 32 == 0 && RT_ >= 32 && RT_ <= 1024, "COLI_ROUTING_THREADS must be a multiple of 32 in 32..1024");
 // Logit partial-sum groups: THREADS/E groups of E threads when E <= THREADS, else one group looping over experts.
 #define GROUPS_ ((RT_ >= E_) ? (RT_ / E_) : 1)
+// Vector path: VPR_ 16-byte vectors per router row (a power of two), ROWS_ rows read at once; the partial sums
+// are combined per warp (VPR_ < 32) or per thread group (VPR_ >= 32) into VGROUPS_ groups.
+#define VPR_ (E_ / VEC_)
+#define VEC_PATH_ (E_ % VEC_ == 0 && (VPR_ & (VPR_ - 1)) == 0 && RT_ % VPR_ == 0)
+#define ROWS_ (VEC_PATH_ ? RT_ / VPR_ : 1)
+#define VGROUPS_ (!VEC_PATH_ ? 1 : VPR_ < 32 ? RT_ / 32 : RT_ / VPR_)
+#define PART_ ((VGROUPS_ > GROUPS_ ? VGROUPS_ : GROUPS_) * E_)
 
 extern "C" __global__ void __launch_bounds__(RT_)
-colibri_routing(const float* __restrict__ x, const wt* __restrict__ router, int* __restrict__ topk_ids,
-                float* __restrict__ topk_weights, float* __restrict__ x_next) {
-    __shared__ float part[GROUPS_ * E_];
+colibri_routing(const float* __restrict__ x, const wt* __restrict__ router, const int* __restrict__ valid_tokens,
+                int* __restrict__ topk_ids, float* __restrict__ topk_weights, float* __restrict__ x_next) {
+    __shared__ float part[PART_];
     __shared__ float logits[E_];
     __shared__ int sel_id[K_];
     __shared__ float sel_z[K_];
     const int t = blockIdx.x;
     const float* xt = x + (size_t)t * H_;
 
+#if COLI_ATOMIC_AGG && !COLI_GEMV
+    // The layer output row the down kernels add into.
+    float* out = x_next + (size_t)t * H_;
+    for (int h = threadIdx.x; h < H_; h += RT_) out[h] = COLI_RESIDUAL ? __ldg(xt + h) : 0.0f;
+#endif
+    if (!token_valid(valid_tokens, t)) {  // the same for the whole block, before any barrier
+        if (threadIdx.x < K_) {
+            topk_ids[t * K_ + threadIdx.x] = NO_EXPERT;
+            topk_weights[t * K_ + threadIdx.x] = 0.0f;
+        }
+        return;
+    }
+
     // 1. Router logits, fp32 accumulation.
-    if (RT_ >= E_) {
+    if (VEC_PATH_ && (reinterpret_cast<unsigned long long>(router) & 15ull) == 0) {
+        // Row h of the router is VPR_ vectors; thread i always holds experts c..c+VEC_-1, c = (i % VPR_) * VEC_, of
+        // rows i / VPR_, + ROWS_, ... (ROWS_ rows in flight per block).
+        const int c = (threadIdx.x % VPR_) * VEC_;
+        float acc[VEC_];
+#pragma unroll
+        for (int q = 0; q < VEC_; ++q) acc[q] = 0.0f;
+        const uint4* rv = reinterpret_cast<const uint4*>(router) + c / VEC_;
+#pragma unroll 4
+        for (int h = threadIdx.x / VPR_; h < H_; h += ROWS_) {
+            float w[VEC_];
+            unpack16(ld_stream(rv + (size_t)h * VPR_), w);
+            const float xv = __ldg(xt + h);
+#pragma unroll
+            for (int q = 0; q < VEC_; ++q) acc[q] += xv * w[q];
+        }
+        if (VPR_ < 32) {  // lanes l, l ^ VPR_, ... hold the same experts: combine them, a fixed butterfly
+#pragma unroll
+            for (int offset = 16; offset >= (VPR_ < 32 ? VPR_ : 32); offset >>= 1) {
+#pragma unroll
+                for (int q = 0; q < VEC_; ++q) acc[q] += __shfl_xor_sync(FULL_MASK, acc[q], offset);
+            }
+        }
+        if (VPR_ >= 32 || (threadIdx.x & 31) < VPR_) {
+            const int g = VPR_ < 32 ? threadIdx.x / 32 : threadIdx.x / VPR_;
+#pragma unroll
+            for (int q = 0; q < VEC_; ++q) part[g * E_ + c + q] = acc[q];
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < E_; e += RT_) {
+            float z = 0.0f;
+            for (int q = 0; q < VGROUPS_; ++q) z += part[q * E_ + e];
+            logits[e] = z;
+        }
+    } else if (RT_ >= E_) {
         const int e = threadIdx.x % E_;
         const int g = threadIdx.x / E_;
         if (g < GROUPS_) {
             float acc = 0.0f;
-            for (int h = g; h < H_; h += GROUPS_) acc += xt[h] * wt_to_float(router[(size_t)h * E_ + e]);
+            for (int h = g; h < H_; h += GROUPS_) acc += __ldg(xt + h) * wt_to_float(__ldg(router + (size_t)h * E_ + e));
             part[g * E_ + e] = acc;
         }
     } else {
         for (int e = threadIdx.x; e < E_; e += RT_) {
             float acc = 0.0f;
-            for (int h = 0; h < H_; ++h) acc += xt[h] * wt_to_float(router[(size_t)h * E_ + e]);
+            for (int h = 0; h < H_; ++h) acc += __ldg(xt + h) * wt_to_float(__ldg(router + (size_t)h * E_ + e));
             part[e] = acc;
         }
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < E_; e += RT_) {
-        float z = 0.0f;
-        for (int g = 0; g < GROUPS_; ++g) z += part[g * E_ + e];
-        logits[e] = z;
+    if (!(VEC_PATH_ && (reinterpret_cast<unsigned long long>(router) & 15ull) == 0)) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < E_; e += RT_) {
+            float z = 0.0f;
+            for (int g = 0; g < GROUPS_; ++g) z += part[g * E_ + e];
+            logits[e] = z;
+        }
     }
     __syncthreads();
 
@@ -107,12 +167,6 @@ colibri_routing(const float* __restrict__ x, const wt* __restrict__ router, int*
             topk_weights[t * K_ + lane] = expf(sel_z[lane] - z_max) / denom;
         }
     }
-
-#if COLI_ATOMIC_AGG
-    // 3. The layer output row the down kernels add into.
-    float* out = x_next + (size_t)t * H_;
-    for (int h = threadIdx.x; h < H_; h += RT_) out[h] = COLI_RESIDUAL ? xt[h] : 0.0f;
-#endif
 }
 
 extern "C" __global__ void __launch_bounds__(RT_)
@@ -124,7 +178,10 @@ colibri_align(const int* __restrict__ topk_ids, int* __restrict__ expert_counts,
 
     for (int e = tid; e < E_; e += RT_) counts[e] = 0;
     __syncthreads();
-    for (int p = tid; p < PAIRS_; p += RT_) atomicAdd(&counts[topk_ids[p]], 1);  // a count: order-free
+    for (int p = tid; p < PAIRS_; p += RT_) {
+        const int e = __ldg(topk_ids + p);
+        if (e < E_) atomicAdd(&counts[e], 1);  // a count: order-free; NO_EXPERT pairs are skipped
+    }
     __syncthreads();
     if (tid == 0) {
         int offset = 0;
@@ -166,7 +223,7 @@ colibri_align(const int* __restrict__ topk_ids, int* __restrict__ expert_counts,
         int row = offsets[e];
 #pragma unroll 1
         for (int p = 0; p < PAIRS_; ++p) {
-            if (topk_ids[p] == e) sorted_pairs[row++] = p;
+            if (__ldg(topk_ids + p) == e) sorted_pairs[row++] = p;
         }
     }
 }

@@ -1,124 +1,314 @@
 // small_batch.cu: the few-token fast path (decode, camera frames): expert GEMVs bound by memory bandwidth.
-// Used instead of the tiled kernels when tokens*k <= kernels.small_batch.max_pairs (decided by the launch plan).
+// Used instead of align + the tiled kernels when tokens*k <= kernels.small_batch.max_pairs (COLI_GEMV 1, decided by
+// the launch plan). Each block builds the expert order of the valid pairs itself, in shared memory (build_order),
+// from topk_ids: no align kernel, no scratch buffer besides act.
 //
-// colibri_gate_up_gemv — grid (ceil(intermediate / WARPS), experts), block (COLI_SMALL_BATCH_THREADS).
-//   Block (c, e): expert e (no pairs routed to it: the block exits at once), one intermediate row n per warp,
-//   n = c*WARPS + warp. The warp streams row n of gate[e] and of up[e] and dots each with the x rows of the pairs
-//   routed to e, CHUNK pairs per pass (a row is read once per CHUNK pairs):
-//       act[p, n] = silu(gate[e, n, :] . x[p / k, :]) * (up[e, n, :] . x[p / k, :])
-// colibri_down_gemv — grid (ceil(hidden / WARPS), experts), same block. One hidden row n per warp:
-//       v = topk_weights[p] * (down[e, n, :] . act[p, :]);  pair_out[p, n] = v  (ordered)
-//                                                           or atomicAdd(x_next[p / k, n], v)  (COLI_ATOMIC_AGG)
-//   The pairs of expert e are sorted_pairs[expert_offsets[e] .. + expert_counts[e]] (routing.cu, colibri_align).
+// colibri_gate_up_gemv — grid (ceil(intermediate / WARPS), min(experts, tokens*k)), block (COLI_SMALL_BATCH_THREADS).
+//   Block (c, s) takes the s-th expert e selected by a valid token (increasing expert index; slots past the last
+//   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. The hidden dimension is walked
+//   in chunks of CHUNK_ elements: the x rows of up to PASS_ pairs routed to e are staged in shared memory (float4
+//   loads, consecutive lanes on consecutive 16 bytes), then each warp streams row n of gate[e] and of up[e] in one
+//   loop, 16-byte loads (two per row stream per lane in flight, L1 bypassed):
+//       act[p, n] = silu(gate[e, n, :] . x[p / k, :]) * (up[e, n, :] . x[p / k, :])       only pairs p routed to e
+//   An expert with more than PASS_ pairs (8; 4 above 512 threads) streams its rows once per PASS_ pairs.
+// colibri_down_gemv — grid (ceil(hidden / (ROWS*WARPS))), same block; ROWS = 2 (1 above 512 threads). Rows
+//   n0 .. n0 + ROWS*WARPS - 1 of the layer output, ROWS consecutive hidden rows per warp. For every selected expert
+//   in increasing index, the act rows of its pairs are staged like x above and each warp streams its rows of down[e]:
+//       y[p / k, n] += topk_weights[p] * (down[e, n, :] . act[p, :])        (shared memory, one writer per element)
+//   then x_next[t, n] = x[t, n] + y[t, n] (COLI_RESIDUAL) or y[t, n] for every token. The slots of a token are summed
+//   in increasing expert index, a fixed order: bitwise deterministic, no atomics, no aggregate kernel, in both
+//   aggregation modes. Padded tokens (NO_EXPERT) get y = 0.
 //
-// Loads: a weight row is read with 16-byte vector loads (8 fp16 or 4 fp32 per lane) when its address is 16-byte
-// aligned, with a scalar tail; a misaligned row (hidden or intermediate size not a multiple of 16 bytes) is read with
-// scalar loads. Lane sums are combined with an xor butterfly in a fixed order: deterministic bits.
-// Limits: none beyond common.cuh; no shared memory, no block barrier (warps exit independently).
+// Loads: a weight row is read with 16-byte vector loads when its address is 16-byte aligned (hidden and
+// intermediate sizes a multiple of 8 fp16 / 4 fp32), with a scalar tail; else with scalar loads. Lane sums are
+// combined with an xor butterfly in a fixed order: deterministic bits.
+// Limits: common.cuh; tokens * ROWS*WARPS * 4 bytes of output tile <= 16 KiB; the rank step of build_order costs
+// O((tokens*k)^2 / threads) shared-memory reads per block (small for the shapes of this path).
 #include "common.cuh"
 
 #define THREADS_ COLI_SMALL_BATCH_THREADS
 #define WARPS_ (THREADS_ / 32)
-#define CHUNK_ 4
+// Pairs per pass over a weight row (accumulators per row stream) and hidden rows per warp in colibri_down_gemv:
+// blocks of more than 512 threads have 64 registers per thread, so they take half.
+#define PASS_ (THREADS_ > 512 ? 4 : 8)
+#define DOWN_ROWS_ (THREADS_ > 512 ? 1 : 2)
+#define CHUNK_ 512  // elements of the reduction dimension staged per step
+#define TILE_ (WARPS_ * DOWN_ROWS_)
+#define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");
+static_assert(T_ * TILE_ * 4 <= 16 * 1024,
+              "small_batch: batch*tokens * rows per block * 4 bytes must be <= 16 KiB (lower max_pairs or threads)");
 
-// Lane-partial dot products of one weight row (len elements) with CHUNK_ fp32 vectors: acc[j] += row . vec[j].
-__device__ __forceinline__ void row_dot(const wt* __restrict__ row, int len, const float* const vec[CHUNK_],
-                                        float acc[CHUNK_]) {
+// The valid pairs grouped by expert, built by every block from topk_ids (same layout as colibri_align's, without
+// padding rows): expert e's pairs are sorted[offsets[e] .. + counts[e]] in increasing p; used[0..nused) lists the
+// experts with pairs in increasing index.
+struct PairOrder {
+    int ids[PAIRS_];
+    int sorted[PAIRS_];
+    int counts[E_];
+    int offsets[E_];
+    int used[E_];
+    int nused;
+};
+
+// Every thread of the block calls it (it has barriers).
+__device__ __forceinline__ void build_order(const int* __restrict__ topk_ids, PairOrder& o) {
+    const int tid = threadIdx.x;
+    for (int e = tid; e < E_; e += THREADS_) o.counts[e] = 0;
+    for (int p = tid; p < PAIRS_; p += THREADS_) o.ids[p] = __ldg(topk_ids + p);
+    __syncthreads();
+    for (int p = tid; p < PAIRS_; p += THREADS_) {
+        const int e = o.ids[p];
+        if (e < E_) atomicAdd(&o.counts[e], 1);  // a count: order-free; NO_EXPERT pairs are skipped
+    }
+    __syncthreads();
+    if (tid < 32) {  // exclusive scans over experts of counts and of (count > 0); lane l takes EPL_ experts
+        const int lane = tid;
+        int sum = 0, nz = 0;
+        for (int i = 0; i < EPL_; ++i) {
+            const int e = lane * EPL_ + i;
+            if (e < E_) {
+                sum += o.counts[e];
+                nz += o.counts[e] > 0;
+            }
+        }
+        int incl_sum = sum, incl_nz = nz;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int a = __shfl_up_sync(FULL_MASK, incl_sum, offset);
+            const int b = __shfl_up_sync(FULL_MASK, incl_nz, offset);
+            if (lane >= offset) {
+                incl_sum += a;
+                incl_nz += b;
+            }
+        }
+        int run = incl_sum - sum, slot = incl_nz - nz;
+        for (int i = 0; i < EPL_; ++i) {
+            const int e = lane * EPL_ + i;
+            if (e < E_) {
+                o.offsets[e] = run;
+                run += o.counts[e];
+                if (o.counts[e] > 0) o.used[slot++] = e;
+            }
+        }
+        if (lane == 31) o.nused = incl_nz;
+    }
+    __syncthreads();
+    for (int p = tid; p < PAIRS_; p += THREADS_) {
+        const int e = o.ids[p];
+        if (e < E_) {
+            int rank = 0;
+#pragma unroll 1
+            for (int q = 0; q < p; ++q) rank += o.ids[q] == e;
+            o.sorted[o.offsets[e] + rank] = p;
+        }
+    }
+    __syncthreads();
+}
+
+// Valid (token, slot) pairs of this call: k * the valid tokens of every sequence.
+__device__ __forceinline__ int valid_pairs(const int* __restrict__ valid_tokens) {
+    int n = 0;
+    for (int b = 0; b < COLI_BATCH; ++b) {
+        const int v = __ldg(valid_tokens + b);
+        n += v < 0 ? 0 : v > COLI_SEQ_TOKENS ? COLI_SEQ_TOKENS : v;
+    }
+    return n * K_;
+}
+
+// Stage rows src[rows[j]] [c0, c0 + len) for j < cnt into stage[j][0 .. len), float4 loads where aligned.
+__device__ __forceinline__ void stage_rows(const float* __restrict__ src, int row_len, const int* rows, int cnt,
+                                           int c0, int len, float (*stage)[CHUNK_]) {
+    if (row_len % 4 == 0) {  // every row and every chunk start is 16-byte aligned (the buffer is 256-byte aligned)
+        const int per_row = (len + 3) / 4;
+        for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
+            const int j = i / per_row, c = (i % per_row) * 4;
+            const float* row = src + (size_t)rows[j] * row_len + c0;
+            if (c + 4 <= len) {
+                const float4 v = __ldg(reinterpret_cast<const float4*>(row + c));
+                stage[j][c] = v.x;
+                stage[j][c + 1] = v.y;
+                stage[j][c + 2] = v.z;
+                stage[j][c + 3] = v.w;
+            } else {
+                for (int q = c; q < len; ++q) stage[j][q] = __ldg(row + q);
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < cnt * len; i += THREADS_) {
+            const int j = i / len, c = i % len;
+            stage[j][c] = __ldg(src + (size_t)rows[j] * row_len + c0 + c);
+        }
+    }
+}
+
+// acc[j] += w[0..VEC_) . stage[j][h .. h+VEC_) for the pairs j < cnt.
+__device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage)[CHUNK_], int h, int cnt,
+                                        float acc[PASS_]) {
+#pragma unroll
+    for (int j = 0; j < PASS_; ++j) {
+        if (j < cnt) {
+            float a = acc[j];
+#pragma unroll
+            for (int q = 0; q < VEC_; ++q) a += w[q] * stage[j][h + q];
+            acc[j] = a;
+        }
+    }
+}
+
+// Lane partials of NROWS weight rows (row[r] + [0, len), a chunk) against the staged vectors: two 16-byte loads per
+// row in flight per lane, then the FMAs.
+template <int NROWS>
+__device__ __forceinline__ void chunk_dot(const wt* const row[NROWS], int len, const float (*stage)[CHUNK_], int cnt,
+                                          float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
+    bool aligned = true;
+#pragma unroll
+    for (int r = 0; r < NROWS; ++r) aligned &= (reinterpret_cast<unsigned long long>(row[r]) & 15ull) == 0;
     int scalar_from = 0;
-    if ((reinterpret_cast<unsigned long long>(row) & 15ull) == 0) {
+    if (aligned) {
         const int nvec = len / VEC_;
-        const uint4* rv = reinterpret_cast<const uint4*>(row);
-#pragma unroll 2
-        for (int v = lane; v < nvec; v += 32) {
-            float w[VEC_];
-            unpack16(__ldg(rv + v), w);
-            const int h = v * VEC_;
+        // Two vectors per row and lane per step (v and v + 32): all loads of a step are issued before its FMAs.
+        for (int v = lane; v < nvec; v += 64) {
+            const bool second = v + 32 < nvec;
+            uint4 raw[NROWS][2];
 #pragma unroll
-            for (int j = 0; j < CHUNK_; ++j) {
+            for (int r = 0; r < NROWS; ++r) {
+                raw[r][0] = ld_stream(reinterpret_cast<const uint4*>(row[r]) + v);
+                raw[r][1] = second ? ld_stream(reinterpret_cast<const uint4*>(row[r]) + v + 32) : make_uint4(0, 0, 0, 0);
+            }
 #pragma unroll
-                for (int q = 0; q < VEC_; ++q) acc[j] += w[q] * __ldg(vec[j] + h + q);
+            for (int r = 0; r < NROWS; ++r) {
+                float w[VEC_];
+                unpack16(raw[r][0], w);
+                fma_vec(w, stage, v * VEC_, cnt, acc[r]);
+                if (second) {
+                    unpack16(raw[r][1], w);
+                    fma_vec(w, stage, (v + 32) * VEC_, cnt, acc[r]);
+                }
             }
         }
         scalar_from = nvec * VEC_;
     }
     for (int h = scalar_from + lane; h < len; h += 32) {
-        const float w = wt_to_float(row[h]);
 #pragma unroll
-        for (int j = 0; j < CHUNK_; ++j) acc[j] += w * __ldg(vec[j] + h);
+        for (int r = 0; r < NROWS; ++r) {
+            const float w = wt_to_float(__ldg(row[r] + h));
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j)
+                if (j < cnt) acc[r][j] += w * stage[j][h];
+        }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS_)
+extern "C" __global__ void __launch_bounds__(THREADS_, 1)
 colibri_gate_up_gemv(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
-                     const int* __restrict__ expert_counts, const int* __restrict__ expert_offsets,
-                     const int* __restrict__ sorted_pairs, float* __restrict__ act) {
-    const int e = blockIdx.y;
-    const int count = expert_counts[e];
-    const int n = blockIdx.x * WARPS_ + threadIdx.x / 32;
-    if (count == 0 || n >= I_) return;  // uniform per warp; no barriers in this kernel
-    const int first = expert_offsets[e];
-    const wt* g_row = gate + ((size_t)e * I_ + n) * H_;
-    const wt* u_row = up + ((size_t)e * I_ + n) * H_;
+                     const int* __restrict__ valid_tokens, const int* __restrict__ topk_ids, float* __restrict__ act) {
+    __shared__ PairOrder order;
+    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ int tokens[PASS_];
+    const int slot = blockIdx.y;
+    if (slot >= valid_pairs(valid_tokens)) return;  // at most one expert per valid pair; uniform, before any barrier
+    build_order(topk_ids, order);
+    if (slot >= order.nused) return;  // uniform
+    const int e = order.used[slot], count = order.counts[e], first = order.offsets[e];
+    const int warp = threadIdx.x / 32, n = blockIdx.x * WARPS_ + warp;
+    const bool has_row = n < I_;  // warps past the last row still take part in the barriers
+    const size_t row_at = ((size_t)e * I_ + (has_row ? n : 0)) * H_;
 
-    for (int c0 = 0; c0 < count; c0 += CHUNK_) {
-        int pair[CHUNK_];
-        const float* vec[CHUNK_];
+    for (int g0 = 0; g0 < count; g0 += PASS_) {
+        const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
+        __syncthreads();  // tokens[] of the previous pass fully used
+        if ((int)threadIdx.x < cnt) tokens[threadIdx.x] = order.sorted[first + g0 + threadIdx.x] / K_;
+        float acc[2][PASS_];
 #pragma unroll
-        for (int j = 0; j < CHUNK_; ++j) {
-            // Past the last pair, repeat pair c0: computed, never stored.
-            pair[j] = sorted_pairs[first + (c0 + j < count ? c0 + j : c0)];
-            vec[j] = x + (size_t)(pair[j] / K_) * H_;
+        for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
+        for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
+            const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
+            __syncthreads();  // tokens[] written; the previous chunk fully used
+            stage_rows(x, H_, tokens, cnt, h0, len, stage);
+            __syncthreads();
+            if (has_row) {
+                const wt* chunk[2] = {gate + row_at + h0, up + row_at + h0};
+                chunk_dot<2>(chunk, len, stage, cnt, acc);
+            }
         }
-        float g[CHUNK_], u[CHUNK_];
+        if (has_row) {  // uniform per warp
 #pragma unroll
-        for (int j = 0; j < CHUNK_; ++j) g[j] = u[j] = 0.0f;
-        row_dot(g_row, H_, vec, g);
-        row_dot(u_row, H_, vec, u);
-#pragma unroll
-        for (int j = 0; j < CHUNK_; ++j) {
-            const float gs = warp_sum(g[j]), us = warp_sum(u[j]);
-            if ((threadIdx.x & 31) == 0 && c0 + j < count) act[(size_t)pair[j] * I_ + n] = silu(gs) * us;
+            for (int j = 0; j < PASS_; ++j) {
+                if (j < cnt) {
+                    const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
+                    if ((threadIdx.x & 31) == 0) act[(size_t)order.sorted[first + g0 + j] * I_ + n] = silu(g) * u;
+                }
+            }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS_)
-colibri_down_gemv(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
-                  const int* __restrict__ expert_counts, const int* __restrict__ expert_offsets,
-                  const int* __restrict__ sorted_pairs, float* __restrict__ pair_out, float* __restrict__ x_next) {
-    const int e = blockIdx.y;
-    const int count = expert_counts[e];
-    const int n = blockIdx.x * WARPS_ + threadIdx.x / 32;
-    if (count == 0 || n >= H_) return;  // uniform per warp; no barriers in this kernel
-    const int first = expert_offsets[e];
-    const wt* d_row = down + ((size_t)e * H_ + n) * I_;
+extern "C" __global__ void __launch_bounds__(THREADS_, 1)
+colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, const wt* __restrict__ down,
+                  const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+                  float* __restrict__ x_next) {
+    __shared__ PairOrder order;
+    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ int pairs[PASS_];
+    __shared__ float y[T_][TILE_];
+    const int n0 = blockIdx.x * TILE_;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < T_ * TILE_; i += THREADS_) y[i / TILE_][i % TILE_] = 0.0f;
+    build_order(topk_ids, order);  // its barriers also order the zero fill above before the updates below
 
-    for (int c0 = 0; c0 < count; c0 += CHUNK_) {
-        int pair[CHUNK_];
-        const float* vec[CHUNK_];
+    const int n_first = n0 + warp * DOWN_ROWS_;  // the warp's rows: n_first .. n_first + DOWN_ROWS_ - 1
+    const bool any_row = n_first < H_;
+
+    for (int s = 0; s < order.nused; ++s) {
+        const int e = order.used[s], count = order.counts[e], first = order.offsets[e];
+        for (int g0 = 0; g0 < count; g0 += PASS_) {
+            const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
+            __syncthreads();  // pairs[] of the previous pass fully used
+            if ((int)threadIdx.x < cnt) pairs[threadIdx.x] = order.sorted[first + g0 + threadIdx.x];
+            float acc[DOWN_ROWS_][PASS_];
 #pragma unroll
-        for (int j = 0; j < CHUNK_; ++j) {
-            pair[j] = sorted_pairs[first + (c0 + j < count ? c0 + j : c0)];
-            vec[j] = act + (size_t)pair[j] * I_;
-        }
-        float d[CHUNK_];
+            for (int r = 0; r < DOWN_ROWS_; ++r)
 #pragma unroll
-        for (int j = 0; j < CHUNK_; ++j) d[j] = 0.0f;
-        row_dot(d_row, I_, vec, d);
+                for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
+            for (int c0 = 0; c0 < I_; c0 += CHUNK_) {
+                const int len = I_ - c0 < CHUNK_ ? I_ - c0 : CHUNK_;
+                __syncthreads();
+                stage_rows(act, I_, pairs, cnt, c0, len, stage);
+                __syncthreads();
+                if (any_row) {
+                    const wt* chunk[DOWN_ROWS_];
 #pragma unroll
-        for (int j = 0; j < CHUNK_; ++j) {
-            const float s = warp_sum(d[j]);
-            if ((threadIdx.x & 31) == 0 && c0 + j < count) {
-                const float v = topk_weights[pair[j]] * s;
-#if COLI_ATOMIC_AGG
-                atomicAdd(&x_next[(size_t)(pair[j] / K_) * H_ + n], v);
-#else
-                pair_out[(size_t)pair[j] * H_ + n] = v;
-#endif
+                    for (int r = 0; r < DOWN_ROWS_; ++r)
+                        chunk[r] = down + ((size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first)) * I_ + c0;
+                    chunk_dot<DOWN_ROWS_>(chunk, len, stage, cnt, acc);
+                }
             }
+            if (any_row) {  // uniform per warp
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) {
+                    if (j < cnt) {
+#pragma unroll
+                        for (int r = 0; r < DOWN_ROWS_; ++r) {
+                            const float v = warp_sum(acc[r][j]);
+                            if (lane == 0 && n_first + r < H_) {
+                                const int p = pairs[j];
+                                y[p / K_][warp * DOWN_ROWS_ + r] += __ldg(topk_weights + p) * v;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < T_ * TILE_; i += THREADS_) {
+        const int t = i / TILE_, n = n0 + i % TILE_;
+        if (n < H_) {
+            const size_t at = (size_t)t * H_ + n;
+            x_next[at] = (COLI_RESIDUAL ? __ldg(x + at) : 0.0f) + y[t][i % TILE_];
         }
     }
 }

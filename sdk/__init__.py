@@ -22,6 +22,7 @@ from .errors import (  # noqa: E402
     DeployError,
     FormatError,
     InputError,
+    NonFiniteOutputError,
     ProfileError,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "DeployError",
     "FormatError",
     "InputError",
+    "NonFiniteOutputError",
     "ProfileError",
 ]

@@ -54,6 +54,11 @@ class Param:
 
 THREADS = Param("threads", 32, 1024, multiple_of=32, doc="threads per block")
 
+# The most experts per token (top-k) the kernels are compiled for (kernels/common.cuh static_asserts it through
+# COLI_MAX_TOP_K). `convert` and `build` refuse a model above it, naming this limit, before anything is written or
+# compiled.
+MAX_TOP_K = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
@@ -86,7 +91,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
         "gate_up",
         "expert_gate_up.cu",
-        ("colibri_gate_up",),
+        ("colibri_gate_up", "colibri_gate_up_tc"),
         (
             THREADS,
             Param("block_n", 16, 256, power_of_two=True, doc="intermediate columns per tile"),
@@ -96,7 +101,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
         "down",
         "expert_down.cu",
-        ("colibri_down", "colibri_aggregate"),
+        ("colibri_down", "colibri_aggregate", "colibri_down_tc"),
         (
             THREADS,
             Param("block_n", 16, 256, power_of_two=True, doc="hidden columns per tile"),
@@ -107,7 +112,8 @@ KERNELS: tuple[KernelSpec, ...] = (
         "small_batch",
         "small_batch.cu",
         ("colibri_gate_up_gemv", "colibri_down_gemv"),
-        (THREADS, Param("max_pairs", 1, 4096, doc="tokens*top_k at or below this take the GEMV fast path")),
+        (THREADS, Param("max_pairs", 1, 4096, doc="tokens*top_k at or below this take the GEMV path (the GEMV / "
+                        "tiled crossover)")),
     ),
 )
 
@@ -127,7 +133,10 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         header: the weights' `colibri_sdk.format.Header`.
 
     Returns:
-        {"COLI_HIDDEN", "COLI_INTER", "COLI_EXPERTS", "COLI_TOPK", "COLI_MAX_TOKENS" (batch * tokens),
+        {"COLI_HIDDEN", "COLI_INTER", "COLI_EXPERTS", "COLI_TOPK", "COLI_MAX_TOP_K" (MAX_TOP_K),
+         "COLI_MAX_TOKENS" (batch * tokens), "COLI_BATCH", "COLI_SEQ_TOKENS" (the fixed batch and tokens),
+         "COLI_GEMV" (1 = the launch plan takes the GEMV path, `Sizes.small_batch`),
+         "COLI_TC" (1 = the tiled path runs on tensor cores, `Sizes.tensor_core`),
          "COLI_FP16" (1 = fp16 storage, fp32 accumulation; 0 = fp32), "COLI_ATOMIC_AGG" (1 = atomicAdd aggregation),
          "COLI_ROUTING" (format routing code), "COLI_RESIDUAL" (1 = residual composition)}
         plus "COLI_<KERNEL>_<PARAM>" for every `kernels.<kernel>.<param>` of the profile, upper-cased
@@ -139,7 +148,12 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         "COLI_INTER": header.intermediate_size,
         "COLI_EXPERTS": header.num_experts,
         "COLI_TOPK": header.top_k,
+        "COLI_MAX_TOP_K": MAX_TOP_K,
         "COLI_MAX_TOKENS": shape["batch"] * shape["tokens"],
+        "COLI_BATCH": shape["batch"],
+        "COLI_SEQ_TOKENS": shape["tokens"],
+        "COLI_GEMV": 1 if sizes(profile, header).small_batch else 0,
+        "COLI_TC": 1 if sizes(profile, header).tensor_core else 0,
         "COLI_FP16": 1 if profile["dtype"] == "fp16" else 0,
         "COLI_ATOMIC_AGG": 1 if profile["aggregation"] == "atomic" else 0,
         "COLI_ROUTING": header.routing,
@@ -156,6 +170,7 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
 # outcome: one launch sequence serves every input, so it can be captured once into a CUDA Graph.
 
 FLOAT32_BYTES = 4
+TC_BLOCK_M, TC_THREADS, TC_BLOCK_N = 16, 128, 32  # the tensor-core tile (common.cuh tc_tile): rows, threads, columns
 INT32_BYTES = 4
 
 
@@ -170,6 +185,8 @@ class Sizes:
         padded: tokens * top_k + experts * (block_m - 1), the most rows the padded expert order can need.
         blocks: padded // block_m, the most tiles of block_m rows it can need.
         small_batch: True when pairs <= `kernels.small_batch.max_pairs`: the GEMV kernels replace the tiled ones.
+        tensor_core: tiled path with fp16 weights, block_m 16 and hidden and intermediate multiples of 8: the
+            tensor-core kernels (colibri_gate_up_tc, colibri_down_tc) replace colibri_gate_up and colibri_down.
     """
 
     tokens: int
@@ -178,6 +195,7 @@ class Sizes:
     padded: int
     blocks: int
     small_batch: bool
+    tensor_core: bool = False
 
 
 def sizes(profile: dict, header) -> Sizes:
@@ -186,6 +204,7 @@ def sizes(profile: dict, header) -> Sizes:
     pairs = tokens * header.top_k
     block_m = profile["kernels"]["routing"]["block_m"]
     padded = pairs + header.num_experts * (block_m - 1)
+    small = pairs <= profile["kernels"]["small_batch"]["max_pairs"]
     # sum_e ceil(c_e / block_m) <= (pairs + experts*(block_m-1)) / block_m, and the left side is an integer.
     return Sizes(
         tokens=tokens,
@@ -193,7 +212,9 @@ def sizes(profile: dict, header) -> Sizes:
         block_m=block_m,
         padded=padded,
         blocks=padded // block_m,
-        small_batch=pairs <= profile["kernels"]["small_batch"]["max_pairs"],
+        small_batch=small,
+        tensor_core=(not small and profile["dtype"] == "fp16" and block_m == TC_BLOCK_M
+                     and header.hidden_size % 8 == 0 and header.intermediate_size % 8 == 0),
     )
 
 
@@ -203,13 +224,16 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
     The weights are not listed: they are one more buffer holding the .colibri data after the header, byte for byte.
 
         x0, x1           (tokens, hidden) float32   activations; layer l reads x{l%2} and writes x{(l+1)%2}
-        topk_ids         (tokens, top_k) int32      selected experts, largest logit first
-        topk_weights     (tokens, top_k) float32    routing weights
+        valid_tokens     (batch,) int32             valid tokens of each sequence, written by the input copy
+        topk_ids         (tokens, top_k) int32      selected experts, largest logit first; `experts` (NO_EXPERT)
+                                                    in every slot of a padded token
+        topk_weights     (tokens, top_k) float32    routing weights (0 for padded tokens)
+        act              (pairs, intermediate) float32   silu(gate) * up per pair (rows of padded tokens unwritten)
+      tiled path only (`Sizes.small_batch` False):
         expert_counts    (experts,) int32           (token, slot) pairs per expert
         expert_offsets   (experts + 1,) int32       start of each expert's rows in the padded order
         sorted_pairs     (padded,) int32            pair index token*top_k+slot per row, -1 for padding rows
         block_experts    (blocks,) int32            expert of each tile of block_m rows, -1 for unused tiles
-        act              (pairs, intermediate) float32   silu(gate) * up per pair
         pair_out         (pairs, hidden) float32    routing weight * down per pair (ordered aggregation only)
     """
     s = sizes(profile, header)
@@ -217,22 +241,33 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
     buffers = {
         "x0": s.tokens * h * FLOAT32_BYTES,
         "x1": s.tokens * h * FLOAT32_BYTES,
+        "valid_tokens": profile["shape"]["batch"] * INT32_BYTES,
         "topk_ids": s.pairs * INT32_BYTES,
         "topk_weights": s.pairs * FLOAT32_BYTES,
-        "expert_counts": e * INT32_BYTES,
-        "expert_offsets": (e + 1) * INT32_BYTES,
-        "sorted_pairs": s.padded * INT32_BYTES,
-        "block_experts": s.blocks * INT32_BYTES,
         "act": s.pairs * i * FLOAT32_BYTES,
     }
-    if profile["aggregation"] == "ordered":
-        buffers["pair_out"] = s.pairs * h * FLOAT32_BYTES
+    if not s.small_batch:
+        buffers.update(
+            expert_counts=e * INT32_BYTES,
+            expert_offsets=(e + 1) * INT32_BYTES,
+            sorted_pairs=s.padded * INT32_BYTES,
+            block_experts=s.blocks * INT32_BYTES,
+        )
+        if profile["aggregation"] == "ordered":
+            buffers["pair_out"] = s.pairs * h * FLOAT32_BYTES
     return buffers
 
 
 def io_buffers(header) -> dict[str, str]:
-    """Which buffers the input is copied into and the output copied out of: {"input": "x0", "output": "x0"|"x1"}."""
-    return {"input": "x0", "output": f"x{header.num_layers % 2}"}
+    """The buffers the runtime's copies use: {"input": "x0", "output": "x0"|"x1", "valid_tokens": "valid_tokens"}.
+
+    Before the first launch (inside the captured graph), the input copy writes the input (batch*tokens, hidden)
+    float32 into "input" and the valid-token counts into "valid_tokens": (batch,) int32, entry b the number of
+    valid tokens of sequence b (its first ones; 0..tokens). Row t = b*tokens + i is valid when i < entry b; the
+    other rows are padding: they select no expert, and their output rows are the input rows (residual composition)
+    or zeros. After the last launch the output copy reads "output".
+    """
+    return {"input": "x0", "output": f"x{header.num_layers % 2}", "valid_tokens": "valid_tokens"}
 
 
 def _buf(name: str) -> dict:
@@ -264,33 +299,60 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def down_gemv_rows(threads: int) -> int:
+    """Hidden rows per block of colibri_down_gemv: 2 per warp, 1 above 512 threads (small_batch.cu DOWN_ROWS_)."""
+    return (threads // 32) * (1 if threads > 512 else 2)
+
+
 def launch_plan(profile: dict, header) -> list[dict]:
     """The kernel launches of one forward pass, in order.
 
     Each launch is {"layer", "kernel" (KERNELS name), "symbol", "grid" [x, y, z], "block" [x, y, z],
-    "shared_bytes" (dynamic shared memory; the kernels use static shared memory only, so 0), "args"}, where each
-    argument is a pointer: {"kind": "buffer", "name"} (a `device_buffers` entry), {"kind": "weights", "tensor",
-    "layer", "offset"} (byte offset into the weights buffer, which holds the .colibri data after the header) or
-    {"kind": "null"}. The input is copied into `io_buffers(header)["input"]` before the first launch and the output
-    copied out of `io_buffers(header)["output"]` after the last.
+    "shared_bytes" (dynamic shared memory; the kernels use static shared memory only, so 0), "args"}. The argument
+    kinds, each one kernel parameter, a pointer:
+        {"kind": "buffer", "name": N}      the `device_buffers` entry N
+        {"kind": "weights", "tensor", "layer", "offset"}   weights buffer + offset bytes (the buffer holds the
+                                           .colibri data after the header; tensor and layer name what it points at)
+        {"kind": "null"}                   a null pointer
+    The runtime's input copy writes `io_buffers(header)["input"]` and `["valid_tokens"]` before the first launch;
+    the output is copied out of `io_buffers(header)["output"]` after the last.
 
-    Per layer: routing → align → gate/up → down → aggregate (ordered aggregation only). When tokens*top_k is at
-    most `kernels.small_batch.max_pairs`, the GEMV kernels of small_batch.cu replace the tiled gate/up and down.
+    Per layer, GEMV path (tokens*top_k <= `kernels.small_batch.max_pairs`): routing → gate/up GEMV → down GEMV (the
+    aggregation folded in), 3 launches. Tiled path: routing → align → gate/up → down → aggregate (ordered
+    aggregation only), 5 or 4 launches.
     """
     s = sizes(profile, header)
     k = profile["kernels"]
     e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
     ordered = profile["aggregation"] == "ordered"
+    valid = _buf("valid_tokens")
     plan = []
     for layer in range(header.num_layers):
         x, x_next = _buf(f"x{layer % 2}"), _buf(f"x{(layer + 1) % 2}")
-        pair_out = _buf("pair_out") if ordered else {"kind": "null"}
         plan.append(
             _launch(
                 layer, "routing", "colibri_routing", (s.tokens, 1, 1), k["routing"]["threads"],
-                [x, _weights(header, "router", layer), _buf("topk_ids"), _buf("topk_weights"), x_next],
+                [x, _weights(header, "router", layer), valid, _buf("topk_ids"), _buf("topk_weights"), x_next],
             )
         )
+        gate, up, down = (_weights(header, kind, layer) for kind in ("gate_proj", "up_proj", "down_proj"))
+        if s.small_batch:
+            threads = k["small_batch"]["threads"]
+            warps = threads // 32
+            plan.append(
+                _launch(
+                    layer, "small_batch", "colibri_gate_up_gemv", (_ceil_div(i, warps), min(e, s.pairs), 1),
+                    threads, [x, gate, up, valid, _buf("topk_ids"), _buf("act")],
+                )
+            )
+            plan.append(
+                _launch(
+                    layer, "small_batch", "colibri_down_gemv", (_ceil_div(h, down_gemv_rows(threads)), 1, 1), threads,
+                    [x, _buf("act"), down, _buf("topk_ids"), _buf("topk_weights"), x_next],
+                )
+            )
+            continue
+        pair_out = _buf("pair_out") if ordered else {"kind": "null"}
         plan.append(
             _launch(
                 layer, "routing", "colibri_align", (1, 1, 1), k["routing"]["threads"],
@@ -298,42 +360,24 @@ def launch_plan(profile: dict, header) -> list[dict]:
                  _buf("block_experts")],
             )
         )
-        gate, up, down = (_weights(header, kind, layer) for kind in ("gate_proj", "up_proj", "down_proj"))
-        if s.small_batch:
-            warps = k["small_batch"]["threads"] // 32
-            routed = [_buf("expert_counts"), _buf("expert_offsets"), _buf("sorted_pairs")]
-            plan.append(
-                _launch(
-                    layer, "small_batch", "colibri_gate_up_gemv", (_ceil_div(i, warps), e, 1),
-                    k["small_batch"]["threads"], [x, gate, up, *routed, _buf("act")],
-                )
-            )
-            plan.append(
-                _launch(
-                    layer, "small_batch", "colibri_down_gemv", (_ceil_div(h, warps), e, 1),
-                    k["small_batch"]["threads"],
-                    [_buf("act"), down, _buf("topk_weights"), *routed, pair_out, x_next],
-                )
-            )
+        tiles = [_buf("sorted_pairs"), _buf("block_experts")]
+        if s.tensor_core:
+            gate_up_launch = ("colibri_gate_up_tc", (s.blocks, _ceil_div(i, TC_BLOCK_N), 1), TC_THREADS)
+            down_launch = ("colibri_down_tc", (s.blocks, _ceil_div(h, TC_BLOCK_N), 1), TC_THREADS)
         else:
-            tiles = [_buf("sorted_pairs"), _buf("block_experts")]
-            plan.append(
-                _launch(
-                    layer, "gate_up", "colibri_gate_up", (s.blocks, _ceil_div(i, k["gate_up"]["block_n"]), 1),
-                    k["gate_up"]["threads"], [x, gate, up, *tiles, _buf("act")],
-                )
-            )
-            plan.append(
-                _launch(
-                    layer, "down", "colibri_down", (s.blocks, _ceil_div(h, k["down"]["block_n"]), 1),
-                    k["down"]["threads"], [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next],
-                )
-            )
+            gate_up_launch = ("colibri_gate_up", (s.blocks, _ceil_div(i, k["gate_up"]["block_n"]), 1),
+                              k["gate_up"]["threads"])
+            down_launch = ("colibri_down", (s.blocks, _ceil_div(h, k["down"]["block_n"]), 1), k["down"]["threads"])
+        plan.append(_launch(layer, "gate_up", *gate_up_launch, [x, gate, up, *tiles, _buf("act")]))
+        plan.append(
+            _launch(layer, "down", *down_launch,
+                    [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next])
+        )
         if ordered:
             plan.append(
                 _launch(
                     layer, "down", "colibri_aggregate", (s.tokens, 1, 1), k["down"]["threads"],
-                    [x, _buf("pair_out"), x_next],
+                    [x, _buf("topk_ids"), _buf("pair_out"), x_next],
                 )
             )
     return plan

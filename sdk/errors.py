@@ -10,6 +10,7 @@ one-line message and a non-zero exit code; anything else escaping the library is
     ├── CompileError       NVRTC compilation, cubin checks, resource limits
     ├── BundleError        bundles: manifest, checksums, self-test
     ├── InputError         bad input to the runtime or the reference engine
+    ├── NonFiniteOutputError  a forward pass produced NaN/Inf from finite input (names the first such layer)
     ├── CudaError          a failed CUDA driver call (call name + CUDA error name)
     ├── BackendError       no usable backend (no driver, no device, arch mismatch)
     └── DeployError        pushing bundles to devices over SSH
@@ -44,6 +45,25 @@ class BundleError(ColibriError):
 
 class InputError(ColibriError, ValueError):
     """An input array has the wrong shape, dtype, layout or values for the model or bundle."""
+
+
+class NonFiniteOutputError(ColibriError):
+    """A forward pass gave NaN or Inf at a valid position although the input there was finite (e.g. activations
+    of 1e19 overflow float32 inside an expert).
+
+    Attributes:
+        layer: the first layer whose output is non-finite for the first bad token, as the CPU reference engine
+            (float32, the bundle's weights) finds it; None when the reference gives finite values there (then the
+            backend's own result is wrong).
+        position: (batch, token) of the first bad position.
+        count: how many valid positions have a non-finite output.
+    """
+
+    def __init__(self, message: str, layer: int | None, position: tuple[int, int], count: int):
+        super().__init__(message)
+        self.layer = layer
+        self.position = position
+        self.count = count
 
 
 class BackendError(ColibriError):

@@ -13,6 +13,10 @@ for byte its own canonical form, the digest matches, every listed file has its s
 no file the manifest does not list. So a changed byte anywhere, in manifest.json too, is refused with the file's
 name. (This detects corruption and edits; it is not a signature: whoever can rewrite the files can recompute it.)
 
+A bundle is read only through what is inside its folder (`paths`: no symbolic link anywhere below it), its manifest
+is strict JSON that follows the schema (`manifest`), and `verify` also checks the weights' header against the
+manifest and their values for NaN/Inf (docs/build.md, "Reading rules").
+
 Device side: needs NumPy and the standard library only.
 """
 
@@ -20,59 +24,36 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
-from pathlib import Path, PurePosixPath
+import stat
+from pathlib import Path
 
 import numpy as np
 
 from ..errors import BundleError, FormatError
 from ..format import Header
-from ..profile import AGGREGATIONS, DTYPES, MAX_TOKENS
+from ..format.constants import HEADER_SIZE, KINDS as TENSOR_KINDS
+from .manifest import (  # noqa: F401 (re-exported: the writer and the deploy import them from here)
+    DIGEST_KEY,
+    HEADER_FIELDS,
+    HEADER_KEYS,
+    KINDS,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    OPTIONAL_KEYS,
+    REQUIRED_KEYS,
+    RESOURCE_KEYS,
+    SCHEMA_VERSION,
+    canonical_json,
+    check_relative,
+    check_schema,
+    control_character,
+    manifest_digest,
+    parse_manifest,
+)
+from .paths import LINK_RULE, check_inside, kind_of, open_inside, read_manifest
 
-SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # a manifest is a few KB; anything near this is not one
-DIGEST_KEY = "manifest_sha256"
-KINDS = ("cubin", "ptx")
-
-# Top-level manifest keys and their JSON types. `launch` may be absent (a catalogue without a launch plan).
-REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
-    "schema_version": int,
-    "sdk_version": str,
-    "arch": str,
-    "compute_capability": list,
-    "nvrtc_version": str,
-    "min_driver": int,
-    "dtype": str,
-    "shape": dict,
-    "aggregation": str,
-    "profile": dict,
-    "weights": dict,
-    "kernels": list,
-    "selftest": dict,
-    "files": list,
-    DIGEST_KEY: str,
-}
-# `buffers` (scratch buffer name → bytes) and `io_buffers` ({"input", "output"[, "valid_tokens"]} → buffer name) are
-# what the C runtime (sdk/libcolibri) allocates and copies through; the Python backend derives them from the catalogue.
-OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list, "buffers": dict, "io_buffers": dict}
-# weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
-HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
-# kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.aot.nvrtc), all integers.
-RESOURCE_KEYS = ("registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes")
 _CHUNK = 1 << 20
-
-
-def canonical_json(data: dict) -> bytes:
-    """The one serialisation of a manifest: sorted keys, 2-space indent, ASCII, trailing newline."""
-    return (json.dumps(data, sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False) + "\n").encode("ascii")
-
-
-def manifest_digest(manifest: dict) -> str:
-    """sha256 (hex) of the canonical JSON of `manifest` without its `manifest_sha256` key."""
-    body = {k: v for k, v in manifest.items() if k != DIGEST_KEY}
-    return hashlib.sha256(canonical_json(body)).hexdigest()
 
 
 def file_sha256(path: Path, progress=None) -> str:
@@ -86,14 +67,52 @@ def file_sha256(path: Path, progress=None) -> str:
     return digest.hexdigest()
 
 
-def check_relative(path: str, what: str) -> PurePosixPath:
-    """A manifest path must be relative, POSIX, and stay inside the bundle."""
-    if not isinstance(path, str) or not path:
-        raise BundleError(f"{what}: path {path!r}; allowed: a non-empty relative POSIX path")
-    pure = PurePosixPath(path)
-    if pure.is_absolute() or ".." in pure.parts or "\\" in path or str(pure) != path:
-        raise BundleError(f"{what}: path {path!r}; allowed: a normalised relative path inside the bundle")
-    return pure
+def _float_ranges(header: Header) -> list[tuple[int, int, np.dtype]]:
+    """(start, end, dtype) byte ranges of a .colibri file's float tensor blocks (format layout: Header)."""
+    ranges = []
+    for kind in TENSOR_KINDS:
+        start = header.block_offset(kind)
+        ranges.append((start, start + header.block_elements(kind) * header.itemsize, header.np_dtype))
+    return ranges
+
+
+def _first_nonfinite(chunk: bytes, chunk_start: int, ranges) -> int | None:
+    """File offset of the first NaN/Inf element of `chunk` (which starts at file offset chunk_start), or None."""
+    end = chunk_start + len(chunk)
+    for lo, hi, dtype in ranges:
+        a, b = max(lo, chunk_start), min(hi, end)
+        if a >= b:
+            continue
+        a += (-(a - lo)) % dtype.itemsize  # align to an element of this block
+        b -= (b - lo) % dtype.itemsize
+        if a >= b:
+            continue
+        # NaN and Inf are the IEEE 754 patterns with every exponent bit set: an integer mask test runs ~10x faster
+        # than np.isfinite on float16 (about 2 GB/s here, so the scan costs far less than the sha256 beside it).
+        info = np.finfo(dtype)
+        exponent = ((1 << info.nexp) - 1) << info.nmant
+        bits = np.frombuffer(chunk, dtype=dtype.str.replace("f", "u"), count=(b - a) // dtype.itemsize,
+                             offset=a - chunk_start)
+        special = (bits & exponent) == exponent
+        if special.any():
+            return a + int(np.argmax(special)) * dtype.itemsize
+    return None
+
+
+def _check_header_matches(recorded: dict, actual: dict, rel: str) -> None:
+    """The manifest's weights.header must equal the weights file's header (every field; `version` where recorded).
+
+    Raises:
+        BundleError: naming the first field that differs (in HEADER_KEYS order) and both values.
+    """
+    for key in HEADER_KEYS:
+        if key == "version" and key not in recorded:
+            continue
+        if recorded.get(key) != actual[key]:
+            raise BundleError(
+                f"{rel}: header {key} = {actual[key]}, but the manifest's weights.header.{key} = {recorded.get(key)}; "
+                "the weights do not belong to this manifest"
+            )
 
 
 class Bundle:
@@ -119,54 +138,51 @@ class Bundle:
     def open(cls, path: str | os.PathLike, verify: bool = True) -> "Bundle":
         """Open a bundle folder.
 
+        Always checked (nothing is read through a link): manifest.json is a regular file inside the folder, strict
+        JSON (no NaN/Infinity, no duplicate key), follows the schema; every path field is a normalised relative
+        path without control characters; kernel images, weights and self-test files are listed in `files`; and
+        every listed path is a regular file below real folders of the bundle (lstat, no symbolic link).
+
         Args:
             path: the bundle folder.
-            verify: also check every file's size and sha256, the manifest's digest and canonical form, and that
-                no unlisted file is present (reads every byte once). The schema is always checked.
+            verify: also check the manifest's canonical form and digest, every file's size and sha256, that no
+                unlisted file, link or special file is present, that the weights file's header equals the
+                manifest's `weights.header`, and that the weights hold no NaN/Inf (reads every byte once).
 
         Raises:
-            BundleError: no such folder, no or unreadable manifest.json, unknown schema_version, a missing or
-                mistyped key, or (verify=True) a file whose size or sha256 differs, naming the file.
+            BundleError: any violation, naming the file or key.
         """
         root = Path(path)
         if not root.is_dir():
             raise BundleError(f"{root} is not a bundle folder (no such directory)")
-        manifest_path = root / MANIFEST
-        if manifest_path.exists() and not manifest_path.is_file():
-            raise BundleError(f"{manifest_path}: not a regular file; the manifest must be a JSON file")
-        if manifest_path.is_file() and manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise BundleError(
-                f"{manifest_path}: {manifest_path.stat().st_size:,} bytes; allowed: at most {MAX_MANIFEST_BYTES:,}"
-            )
-        try:
-            raw = manifest_path.read_bytes()
-        except OSError as exc:
-            raise BundleError(f"{manifest_path}: cannot read the manifest: {exc.strerror}") from exc
-        try:
-            manifest = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            detail = str(exc) if len(str(exc)) <= 200 else str(exc)[:197] + "..."
-            raise BundleError(f"{manifest_path}: not valid JSON ({detail}); the file was changed or truncated") from exc
-        if not isinstance(manifest, dict):
-            raise BundleError(f"{manifest_path}: top level is {type(manifest).__name__}; allowed: a JSON object")
-        check_schema(manifest, str(manifest_path))
+        raw = read_manifest(root)
+        where = str(root / MANIFEST)
+        manifest = parse_manifest(raw, where)
+        check_schema(manifest, where)
         bundle = cls(root, manifest)
+        for entry in manifest["files"]:
+            check_inside(root, entry["path"])
         if verify:
             bundle.verify(raw)
         return bundle
 
     def verify(self, raw_manifest: bytes | None = None, progress=None) -> None:
-        """Check the manifest's canonical form and digest, then every listed file's size and sha256.
+        """Check the manifest's canonical form and digest, the folder's contents, then every listed file's size and
+        sha256; the weights' header against the manifest's and their values for NaN/Inf.
+
+        Args:
+            raw_manifest: manifest.json's bytes as `open` read them (None: read them again, by the same rules).
+            progress: optional `progress(step, done_bytes, total_bytes)`, called with step "sha256" after each
+                chunk while the files are hashed.
 
         Args:
             progress: optional `progress(step, done_bytes, total_bytes)` (colibri_sdk.bundle.writer.Progress),
                 called with step "sha256" while the files are hashed.
 
         Raises:
-            BundleError: naming the first file that differs, is missing, or is not listed.
+            BundleError: naming the first file that differs, is missing, is a link, is not listed, or holds NaN/Inf.
         """
-        manifest_path = self.path / MANIFEST
-        raw = manifest_path.read_bytes() if raw_manifest is None else raw_manifest
+        raw = read_manifest(self.path) if raw_manifest is None else raw_manifest
         if raw != canonical_json(self.manifest):
             raise BundleError(
                 f"{MANIFEST}: not in canonical form (sorted keys, 2-space indent, trailing newline); "
@@ -178,7 +194,9 @@ class Bundle:
                 f"{MANIFEST}: content sha256 {expected} differs from the recorded {DIGEST_KEY} "
                 f"{self.manifest[DIGEST_KEY]}; the manifest was changed after the build"
             )
-        listed = set()
+        listed = {entry["path"] for entry in self.manifest["files"]}
+        self._check_contents(self.path, "", listed)
+        weights = self.manifest["weights"]["file"]
         total, done = sum(entry["size"] for entry in self.manifest["files"]), [0]
 
         def advance(n: int) -> None:
@@ -187,22 +205,65 @@ class Bundle:
 
         for entry in self.manifest["files"]:
             rel = entry["path"]
-            listed.add(rel)
-            full = self.path / rel
-            if full.is_symlink() or not full.is_file():
-                raise BundleError(f"{rel}: listed in the manifest but missing (or not a regular file)")
-            size = full.stat().st_size
-            if size != entry["size"]:
-                raise BundleError(f"{rel}: {size} bytes; the manifest records {entry['size']}")
-            digest = file_sha256(full, advance if progress is not None else None)
+            with open_inside(self.path, rel) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size != entry["size"]:
+                    raise BundleError(f"{rel}: {size} bytes; the manifest records {entry['size']}")
+                digest = self._hash(fh, rel, rel == weights, advance if progress is not None else None)
             if digest != entry["sha256"]:
                 raise BundleError(f"{rel}: sha256 {digest} differs from the manifest's {entry['sha256']}")
-        for full in sorted(self.path.rglob("*")):
-            if full.is_dir() and not full.is_symlink():
-                continue
-            rel = full.relative_to(self.path).as_posix()
-            if rel != MANIFEST and rel not in listed:
-                raise BundleError(f"{rel}: not listed in the manifest; a bundle holds only the files it lists")
+
+    def _check_contents(self, folder: Path, prefix: str, listed: set[str]) -> None:
+        """Walk the folder without following links: every entry is a real folder or a listed regular file."""
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            raise BundleError(f"{prefix or '.'}: cannot list the folder: {exc.strerror}") from None
+        for entry in entries:
+            rel = prefix + entry.name
+            shown = repr(rel) if control_character(rel) is not None else rel
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                self._check_contents(Path(entry.path), rel + "/", listed)
+            elif stat.S_ISLNK(mode):
+                raise BundleError(f"{shown}: a symbolic link; {LINK_RULE}")
+            elif not stat.S_ISREG(mode):
+                raise BundleError(f"{shown}: {kind_of(mode)}; a bundle holds only regular files and folders")
+            elif rel != MANIFEST and rel not in listed:
+                raise BundleError(f"{shown}: not listed in the manifest; a bundle holds only the files it lists")
+
+    def _hash(self, fh, rel: str, weights: bool, progress=None) -> str:
+        """sha256 of an open file; for the weights also the header against the manifest and a NaN/Inf scan."""
+        digest = hashlib.sha256()
+        ranges = None
+        if weights:
+            head = fh.read(HEADER_SIZE)
+            digest.update(head)
+            if progress is not None:
+                progress(len(head))
+            self._check_weights_header(head, rel)
+            ranges = _float_ranges(Header.unpack(head))
+        offset = fh.tell()
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+            if ranges is not None:
+                bad = _first_nonfinite(chunk, offset, ranges)
+                if bad is not None:
+                    raise BundleError(
+                        f"{rel}: a NaN or Inf weight at byte offset {bad}; allowed: finite weights (the file was "
+                        "damaged, or the checkpoint holds non-finite values)"
+                    )
+            offset += len(chunk)
+        return digest.hexdigest()
+
+    def _check_weights_header(self, head: bytes, rel: str) -> None:
+        try:
+            actual = dataclasses.asdict(Header.unpack(head))
+        except FormatError as exc:
+            raise BundleError(f"{rel}: {exc}") from None
+        _check_header_matches(self.manifest["weights"]["header"], actual, rel)
 
     # ---- accessors --------------------------------------------------------------------------------------------
     @property
@@ -246,23 +307,27 @@ class Bundle:
 
     @property
     def weights_path(self) -> Path:
-        return self.path / self.manifest["weights"]["file"]
+        """The weights file, after `check_inside` (a regular file, no link on its path).
+
+        Raises:
+            BundleError: it is missing, a link, or not a regular file.
+        """
+        return check_inside(self.path, self.manifest["weights"]["file"])
 
     def open_weights(self):
         """The weights as a `colibri_sdk.format.ColibriFile` (mmap, read-only)."""
         from ..format import ColibriFile
 
-        weights = ColibriFile(self.weights_path)
-        recorded = self.manifest["weights"]["header"]
-        actual = dataclasses.asdict(weights.header)
-        differ = sorted(k for k in HEADER_FIELDS if recorded[k] != actual[k])
-        if differ:
+        try:
+            weights = ColibriFile(self.weights_path)
+        except FormatError as exc:
+            raise BundleError(f"{self.manifest['weights']['file']}: {exc}") from None
+        try:
+            _check_header_matches(self.manifest["weights"]["header"], dataclasses.asdict(weights.header),
+                                  self.manifest["weights"]["file"])
+        except BundleError:
             weights.close()
-            key = differ[0]
-            raise BundleError(
-                f"{self.manifest['weights']['file']}: header {key} = {actual[key]}, but the manifest's "
-                f"weights.header.{key} = {recorded[key]}; the weights do not belong to this manifest"
-            )
+            raise
         return weights
 
     def kernel(self, name: str) -> dict:
@@ -298,11 +363,11 @@ class Bundle:
         entry = self.manifest["selftest"]
         arrays = []
         for key in ("input", "output"):
-            full = self.path / entry[key]
-            try:
-                array = np.load(full, allow_pickle=False)
-            except (OSError, ValueError, MemoryError) as exc:
-                raise BundleError(f"{entry[key]}: cannot load the self-test {key}: {exc}") from exc
+            with open_inside(self.path, entry[key]) as fh:
+                try:
+                    array = np.load(fh, allow_pickle=False)
+                except (OSError, ValueError, MemoryError, EOFError) as exc:
+                    raise BundleError(f"{entry[key]}: cannot load the self-test {key}: {exc}") from None
             if not isinstance(array, np.ndarray) or array.dtype != np.float32:
                 what = f"dtype {array.dtype}" if isinstance(array, np.ndarray) else f"a {type(array).__name__}"
                 raise BundleError(f"{entry[key]}: the self-test {key} is {what}; allowed: a float32 .npy array")
@@ -310,96 +375,15 @@ class Bundle:
         return arrays[0], arrays[1], float(entry["rtol"]), float(entry["atol"])
 
     def _read(self, rel: str) -> bytes:
-        try:
-            return (self.path / rel).read_bytes()
-        except OSError as exc:
-            raise BundleError(f"{rel}: cannot read: {exc.strerror}") from exc
+        with open_inside(self.path, rel) as fh:
+            try:
+                return fh.read()
+            except OSError as exc:
+                raise BundleError(f"{rel}: cannot read: {exc.strerror}") from None
 
     def __repr__(self) -> str:
         b, t = self.shape
         return f"Bundle({str(self.path)!r}, arch={self.arch}, dtype={self.dtype}, shape=({b}, {t}))"
-
-
-# ---- schema -------------------------------------------------------------------------------------------------------
-def _type_name(t) -> str:
-    return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
-
-
-def _expect(value, t, key: str, where: str) -> None:
-    ok = isinstance(value, t) and not (isinstance(value, bool) and t in (int, float, (int, float)))
-    if not ok:
-        raise BundleError(f"{where}: {key} = {value!r}; allowed: {_type_name(t)}")
-
-
-def check_schema(manifest: dict, where: str = MANIFEST) -> None:
-    """Check keys and types of a manifest (not the files).
-
-    Raises:
-        BundleError: unknown schema_version, missing, unknown or mistyped key, naming it.
-    """
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise BundleError(f"{where}: schema_version = {version!r}; this SDK reads schema_version {SCHEMA_VERSION}")
-    for key, t in REQUIRED_KEYS.items():
-        if key not in manifest:
-            raise BundleError(f"{where}: missing key {key!r}")
-        _expect(manifest[key], t, key, where)
-    for key, t in OPTIONAL_KEYS.items():
-        if key in manifest:
-            _expect(manifest[key], t, key, where)
-    unknown = sorted(set(manifest) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
-    if unknown:
-        raise BundleError(f"{where}: unknown keys {unknown}; allowed: {sorted({**REQUIRED_KEYS, **OPTIONAL_KEYS})}")
-    if manifest["dtype"] not in DTYPES:
-        raise BundleError(f"{where}: dtype = {manifest['dtype']!r}; allowed: {DTYPES}")
-    if manifest["aggregation"] not in AGGREGATIONS:
-        raise BundleError(f"{where}: aggregation = {manifest['aggregation']!r}; allowed: {AGGREGATIONS}")
-    cc = manifest["compute_capability"]
-    if len(cc) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in cc):
-        raise BundleError(f"{where}: compute_capability = {cc!r}; allowed: [major, minor] integers")
-    for key in ("batch", "tokens"):
-        _expect(manifest["shape"].get(key), int, f"shape.{key}", where)
-        if not 1 <= manifest["shape"][key] <= MAX_TOKENS:
-            raise BundleError(f"{where}: shape.{key} = {manifest['shape'][key]}; allowed: 1..{MAX_TOKENS}")
-    if manifest["shape"]["batch"] * manifest["shape"]["tokens"] > MAX_TOKENS:
-        raise BundleError(
-            f"{where}: shape batch*tokens = {manifest['shape']['batch'] * manifest['shape']['tokens']}; "
-            f"allowed: at most {MAX_TOKENS}"
-        )
-    _expect(manifest["weights"].get("file"), str, "weights.file", where)
-    _expect(manifest["weights"].get("header"), dict, "weights.header", where)
-    check_relative(manifest["weights"]["file"], f"{where}: weights.file")
-    for key in HEADER_FIELDS:
-        _expect(manifest["weights"]["header"].get(key), int, f"weights.header.{key}", where)
-    for i, kernel in enumerate(manifest["kernels"]):
-        _expect(kernel, dict, f"kernels[{i}]", where)
-        for key, t in (("name", str), ("source", str), ("symbols", list), ("cubin", str), ("ptx", str),
-                       ("defines", dict), ("resources", dict)):
-            _expect(kernel.get(key), t, f"kernels[{i}].{key}", where)
-        for kind in KINDS:
-            check_relative(kernel[kind], f"{where}: kernels[{i}].{kind}")
-        for symbol, resources in kernel["resources"].items():
-            _expect(resources, dict, f"kernels[{i}].resources.{symbol}", where)
-            for key in RESOURCE_KEYS:
-                _expect(resources.get(key), int, f"kernels[{i}].resources.{symbol}.{key}", where)
-    for key, t in (("input", str), ("output", str), ("rtol", (int, float)), ("atol", (int, float))):
-        _expect(manifest["selftest"].get(key), t, f"selftest.{key}", where)
-    for key in ("input", "output"):
-        check_relative(manifest["selftest"][key], f"{where}: selftest.{key}")
-    for i, entry in enumerate(manifest["files"]):
-        _expect(entry, dict, f"files[{i}]", where)
-        for key, t in (("path", str), ("sha256", str), ("size", int)):
-            _expect(entry.get(key), t, f"files[{i}].{key}", where)
-        check_relative(entry["path"], f"{where}: files[{i}].path")
-    for name, size in manifest.get("buffers", {}).items():
-        _expect(size, int, f"buffers.{name}", where)
-    for key, name in manifest.get("io_buffers", {}).items():
-        _expect(name, str, f"io_buffers.{key}", where)
-    paths = [e["path"] for e in manifest["files"]]
-    if paths != sorted(set(paths)):
-        raise BundleError(f"{where}: files must be sorted by path without duplicates")
-    if MANIFEST in paths:
-        raise BundleError(f"{where}: files lists {MANIFEST}; it covers every file except the manifest itself")
 
 
 # ---- inspect ------------------------------------------------------------------------------------------------------

@@ -171,6 +171,22 @@ def prepare_weights(source: Path, dtype: str, target: Path, progress: Progress =
     return out, ""
 
 
+def check_top_k(weights: Path) -> None:
+    """Refuse weights whose top-k exceeds what the kernels are compiled for, before anything is copied or compiled.
+
+    Raises:
+        CompileError: top_k > catalog.MAX_TOP_K, naming both.
+        FormatError: the file is not a valid .colibri file.
+    """
+    with ColibriFile(weights) as f:
+        top_k = f.header.top_k
+    if top_k > catalog.MAX_TOP_K:
+        raise CompileError(
+            f"{weights}: top_k = {top_k}; allowed: 1..{catalog.MAX_TOP_K} (MAX_TOP_K, the most experts per token the "
+            "kernels are compiled for)"
+        )
+
+
 # ---- self-test ------------------------------------------------------------------------------------------------------
 class _RowChunks:
     """Row chunks of a .colibri file's tensors as float64, each chunk read through a mapping opened and closed for
@@ -551,7 +567,8 @@ def build_bundle(
             weights ("weights", "sha256", "self-test"); see `Progress`.
 
     Raises:
-        CompileError: NVRTC, the cubin's SM, spills, shared memory or the launch plan.
+        CompileError: top_k above catalog.MAX_TOP_K (before compiling), NVRTC, the cubin's SM, spills, shared
+            memory or the launch plan.
         FormatError: unreadable weights or fp16 overflow while converting.
         BundleError: `out` exists and is not a bundle (or holds files its manifest does not list), or is a bundle
             and `force` is False; has no file name, or its parent folder cannot be created; the archive path is
@@ -570,6 +587,7 @@ def build_bundle(
         from ..format.support import check_kernel_support
 
         check_kernel_support(weights, profile.name)
+        check_top_k(Path(weights))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         manifest, kernels, source_dtype = _write_contents(

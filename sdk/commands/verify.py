@@ -1,5 +1,6 @@
 """`colibri-sdk verify BUNDLE [--backend auto|cpu|cuda] [--no-selftest]`: check a bundle's schema and every file's
-size and sha256 (manifest.json included), then run its self-test on a backend (docs/build.md)."""
+size and sha256 (manifest.json included), the reading rules (no links, listed files only) and that the weights are
+finite, then run its self-test on a backend (docs/build.md, "Reading rules")."""
 
 from __future__ import annotations
 

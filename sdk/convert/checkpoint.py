@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConvertError
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -137,8 +140,21 @@ class Checkpoint:
         return config
 
     def _shards(self) -> dict[Path, set[str] | None]:
-        """Shard path → the tensor names the index assigns to it (None: a single file, no index)."""
+        """Shard path → the tensor names the index assigns to it (None: a single file, no index).
+
+        With both model.safetensors and an index present, model.safetensors is read, as transformers'
+        `from_pretrained` does for a local folder (modeling_utils `_get_resolved_checkpoint_files`: the single file
+        is tried before the index), with a warning naming both files.
+        """
         index_path = self.folder / INDEX_FILE
+        single = self.folder / SINGLE_FILE
+        if single.is_file():
+            if index_path.is_file():
+                logger.warning(
+                    "%s: both %s and %s exist; reading %s, as transformers' from_pretrained does (remove one of "
+                    "them if the index is the checkpoint you mean)", self.folder, SINGLE_FILE, INDEX_FILE, SINGLE_FILE
+                )
+            return {single: None}
         if index_path.is_file():
             try:
                 weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
@@ -159,9 +175,6 @@ class Checkpoint:
                 if not shard.is_file():
                     raise ConvertError(f"{index_path} names shard {shard.name!r}, which is not in {self.folder}")
             return dict(shards)
-        single = self.folder / SINGLE_FILE
-        if single.is_file():
-            return {single: None}
         if any(self.folder.glob("*.bin")) or any(self.folder.glob("*.pt")):
             raise ConvertError(
                 f"{self.folder}: only PyTorch .bin/.pt weights found; this converter reads safetensors "

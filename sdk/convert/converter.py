@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..catalog import MAX_TOP_K
 from ..errors import ConvertError, FormatError
 from ..format import ColibriWriter, Header, HeaderV2, QuantizedTensor, quantize_rtn
 from ..format.constants import (
@@ -227,9 +228,9 @@ def convert(
         A ConvertReport.
 
     Raises:
-        ConvertError: unsupported model or feature (naming the model type first, with what would work),
-            missing/extra/mis-shaped tensor, source dtype, fp16 overflow (naming the tensor and the count),
-            non-finite weights, unwritable output.
+        ConvertError: unsupported model or feature (naming the model type first, with what would work), top-k
+            above catalog.MAX_TOP_K, missing/extra/mis-shaped tensor, source dtype, fp16 overflow (naming the tensor
+            and the count), non-finite weights, unwritable output.
     """
     modes = {name: code for code, name in COMPOSITION_NAMES.items()}
     if composition not in modes:
@@ -244,6 +245,7 @@ def convert(
     start = time.perf_counter()
     model = open_model(folder)
     try:
+        check_top_k(model.spec)
         _refuse_overwriting_source(model, output)
         storage = choose_storage(model, dtype, group_size)
         header = build_header(model.spec, storage, modes[composition])
@@ -267,6 +269,22 @@ def convert(
         left_out=model.layout.left_out,
         notes=model.spec.notes,
     )
+
+
+def check_top_k(spec: ModelSpec) -> None:
+    """Refuse a model routing more experts per token than the kernels are compiled for (catalog.MAX_TOP_K), before
+    anything is written.
+
+    Raises:
+        ConvertError: naming the config key, the value and the limit.
+    """
+    if spec.top_k > MAX_TOP_K:
+        key = spec.keys.get("top_k", "num_experts_per_tok")
+        source = "GGUF" if "." in key else "config.json"  # GGUF keys are "<arch>.expert_used_count"
+        raise ConvertError(
+            f"{spec.family}: {source} {key} = {spec.top_k}; allowed: 1..{MAX_TOP_K} (MAX_TOP_K, the most experts per "
+            "token the kernels are compiled for)"
+        )
 
 
 def _refuse_overwriting_source(model: Model, output: Path) -> None:

@@ -408,6 +408,10 @@ def model_spec(config: dict) -> ModelSpec:
             missing or out-of-range size key, inconsistent routing keys, or top_k > num_experts.
     """
     family = config.get("model_type")
+    if not isinstance(family, str):  # a list or an object would not even be a dict key
+        raise ConvertError(
+            f"config.json model_type = {family!r:.80}; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if family in REFUSED_MODEL_TYPES:
         raise ConvertError(f"{family}: {REFUSED_MODEL_TYPES[family]}")
     if family not in _PARSERS:

@@ -21,6 +21,7 @@ from ..format.constants import COMPOSITION_RESIDUAL
 from .scratch_engine import ScratchEngine
 from ..capacity import Capacity
 from .scratch_engine import supports as scratch_supports
+from .padding import check_valid_tokens
 
 
 class CpuBackend:
@@ -50,25 +51,38 @@ class CpuBackend:
         self.capacity = None if spec is None else Capacity.from_dict(spec, "manifest profile.capacity")
         self.last_dropped = 0  # pairs dropped by expert capacity in the last call (Runtime.stats)
 
-    def infer_padded(self, x: np.ndarray) -> np.ndarray:
+    def infer_padded(self, x: np.ndarray, valid_tokens=None) -> np.ndarray:
         """One forward pass at the fixed shape.
 
         Args:
             x: float32, C-contiguous, (batch, tokens, hidden) at the bundle's fixed batch and tokens. The caller
                 (Runtime) has validated it.
+            valid_tokens: (batch,) ints 0..tokens, the valid (first) tokens of each sequence; None: all.
 
         Returns:
-            float32 (batch, tokens, hidden), a new array.
+            float32 (batch, tokens, hidden), a new array. As on the GPU, only valid rows are computed; a padded row
+            is its input row (residual composition) or zeros.
 
         Raises:
             BackendError: the backend is closed.
+            InputError: valid_tokens of another shape or out of range.
         """
         if self._engine is None:
             raise BackendError("the CPU backend is closed; load the bundle again")
+        batch, tokens = self.shape
+        counts = check_valid_tokens(valid_tokens, batch, tokens)
         # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
-        rows = x.reshape(-1, self.hidden_size)
-        with blas_threads(rows.shape[0]):
-            return self._engine.run(rows).reshape(x.shape)
+        if (counts == tokens).all():
+            rows = x.reshape(-1, self.hidden_size)
+            with blas_threads(rows.shape[0]):
+                return self._engine.run(rows).reshape(x.shape)
+        mask = np.arange(tokens)[None, :] < counts[:, None]  # (batch, tokens)
+        out = x.copy() if self._file.header.composition == 1 else np.zeros_like(x)
+        if mask.any():
+            rows = np.ascontiguousarray(x[mask])
+            with blas_threads(rows.shape[0]):
+                out[mask] = self._engine.run(rows)
+        return out
 
     def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_rows=None,
                    capacity: bool = True) -> None:

@@ -11,7 +11,8 @@ At load (docs/runtime-cuda.md):
      MADV_DONTNEED, posix_fadvise POSIX_FADV_DONTNEED) so the weights are not resident twice.
   4. Every scratch buffer of `catalog.device_buffers` is allocated once; input and output live in pinned host memory.
   5. The whole forward pass (input copy, every layer's launches, output copy) is captured once into a CUDA Graph.
-Per call: copy x into the pinned input, cuGraphLaunch, one cuStreamSynchronize, copy the pinned output out. Eager
+Per call: copy x and the valid-token counts into pinned memory, cuGraphLaunch (its first nodes copy both to the
+device: `catalog.io_buffers`), one cuStreamSynchronize, copy the pinned output out. Eager
 mode enqueues the same copies and launches without the graph. A lock serialises calls; `close()` frees everything.
 """
 
@@ -30,6 +31,7 @@ from ..errors import BackendError, InputError
 from ..format.constants import HEADER_SIZE
 from ..driver_version import format_driver_version
 from .driver import check
+from .padding import check_valid_tokens
 
 UPLOAD_CHUNK = 64 << 20  # bytes per weight upload step
 POISON_WORD = 0x7FC00000  # a float32 quiet NaN; as int32 a large positive value no kernel accepts as an index
@@ -213,7 +215,10 @@ class CudaBackend:
         self._launch_layers = [int(launch["layer"]) for launch in plan]  # per-layer calls run a sub-range
         batch, tokens = self.shape
         self._io_bytes = batch * tokens * self.hidden * 4
-        self._in_ptr, self._in = self._pinned(self._io_bytes)
+        # The pinned input holds x, then the (batch,) int32 valid-token counts.
+        self._in_ptr, pinned_in = self._pinned(self._io_bytes + batch * 4)
+        self._in, self._valid = pinned_in[: self._io_bytes], pinned_in[self._io_bytes :].view(np.int32)
+        self._valid[:] = tokens
         self._out_ptr, self._out = self._pinned(self._io_bytes)
         if not self.eager:
             self._capture()
@@ -249,7 +254,7 @@ class CudaBackend:
         cu, stream = self._cu, self._res.stream
         size = self.header.data_size
         dst = self._alloc(size)
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # the path was checked by Bundle (no links)
         try:
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             try:
@@ -274,8 +279,12 @@ class CudaBackend:
             n = min(UPLOAD_CHUNK, size - offset)
             start = HEADER_SIZE + offset
             chunk = np.frombuffer(mapping, dtype=np.uint8, count=n, offset=start)
-            check(cu.cuMemcpyHtoD(cu.CUdeviceptr(dst + offset), chunk.ctypes.data, n), "cuMemcpyHtoD")
-            del chunk
+            try:
+                check(cu.cuMemcpyHtoD(cu.CUdeviceptr(dst + offset), chunk.ctypes.data, n), "cuMemcpyHtoD")
+            finally:
+                # Release the view even when the copy fails: an exported buffer would make mapping.close() raise
+                # BufferError and hide the CudaError.
+                del chunk
             end = (start + n) // page * page if offset + n < size else len(mapping)
             if end > dropped:
                 mapping.madvise(mmap.MADV_DONTNEED, dropped, end - dropped)
@@ -341,6 +350,9 @@ class CudaBackend:
         cu, stream = self._cu, self._res.stream
         check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self._buffers[self._io["input"]]), self._in_ptr, self._io_bytes,
                                    stream), "cuMemcpyHtoDAsync")
+        if "valid_tokens" in self._io and self._io["valid_tokens"] in self._buffers:
+            check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self._buffers[self._io["valid_tokens"]]),
+                                       self._in_ptr + self._io_bytes, self._valid.nbytes, stream), "cuMemcpyHtoDAsync")
         for function, grid, block, shared, params, _ in self._launches:
             check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0), "cuLaunchKernel")
         check(cu.cuMemcpyDtoHAsync(self._out_ptr, cu.CUdeviceptr(self._buffers[self._io["output"]]), self._io_bytes,
@@ -358,17 +370,20 @@ class CudaBackend:
         res.graph = check(cu.cuStreamEndCapture(res.stream), "cuStreamEndCapture")
         res.graph_exec = check(cu.cuGraphInstantiate(res.graph, 0), "cuGraphInstantiate")
 
-    def infer_padded(self, x: np.ndarray) -> np.ndarray:
+    def infer_padded(self, x: np.ndarray, valid_tokens=None) -> np.ndarray:
         """Run the bundle on one input at the fixed shape.
 
         Args:
             x: float32 C-contiguous (batch, tokens, hidden) at exactly the bundle's fixed shape.
+            valid_tokens: (batch,) ints 0..tokens, the valid (first) tokens of each sequence; None: all. Padded
+                tokens select no expert and cost no expert weight traffic (docs/kernels.md, "Padded tokens").
 
         Returns:
-            float32 (batch, tokens, hidden), a new array.
+            float32 (batch, tokens, hidden), a new array; a padded row is its input row (residual composition) or
+            zeros.
 
         Raises:
-            InputError: another shape, dtype or layout.
+            InputError: another shape, dtype or layout; valid_tokens of another shape or out of range.
             BackendError: the backend is closed.
             CudaError: a driver call failed (e.g. a kernel fault reported by cuStreamSynchronize).
         """
@@ -377,12 +392,14 @@ class CudaBackend:
         if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != expected or not x.flags.c_contiguous:
             got = f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}".strip()
             raise InputError(f"infer_padded takes a C-contiguous float32 array of shape {expected}; got {got}")
+        counts = check_valid_tokens(valid_tokens, batch, tokens)
         cu = self._cu
         with self._lock:
             if self._res.released:
                 raise BackendError("this CUDA backend is closed; load the bundle again")
             check(cu.cuCtxSetCurrent(self._res.ctx), "cuCtxSetCurrent")
             self._in[:] = x.reshape(-1).view(np.uint8)
+            self._valid[:] = counts
             if self.eager:
                 self._enqueue()
             else:

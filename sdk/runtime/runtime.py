@@ -21,11 +21,11 @@ import weakref
 
 import numpy as np
 
-from ..errors import BackendError, BundleError, InputError
+from ..errors import BackendError, BundleError, InputError, NonFiniteOutputError
 from .stats import RuntimeStats, StatsRecorder
 
 BACKENDS = ("auto", "cuda", "cpu")
-INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # either byte order; converted to native float32
 
 # Notices (the CPU fallback of "auto") are logged here, never printed; `colibri-sdk` shows them on stderr.
 log = logging.getLogger(__name__)
@@ -259,7 +259,8 @@ class Runtime:
         """Run the model on one input.
 
         Args:
-            x: float32 or float16, C-contiguous, finite at the valid positions; (batch, tokens, hidden) with
+            x: float32 or float16 (either byte order, e.g. ">f4"; converted to native float32 on the way in),
+                C-contiguous, finite at the valid positions; (batch, tokens, hidden) with
                 1 <= batch <= the fixed batch and 1 <= tokens <= the fixed tokens, or (tokens, hidden) for one
                 sequence. On the CUDA backend also a device array exposing `__cuda_array_interface__` (CuPy,
                 PyTorch; float32, C-contiguous), read on `stream` with no host round trip (docs/runtime-cuda.md).
@@ -282,6 +283,8 @@ class Runtime:
                 hidden size; batch or tokens above the fixed shape (or zero); non-contiguous; NaN/Inf at a valid
                 position; lengths of the wrong shape or type, negative, or above the input's tokens; `out` of the
                 wrong type, dtype, shape or layout.
+            NonFiniteOutputError: the output holds NaN/Inf at a valid position (e.g. finite inputs of 1e19 overflow
+                float32 inside an expert); it names the position and the first layer whose output is non-finite.
             BackendError: the runtime is closed; a device array on the CPU backend.
         """
         return self._call(x, input_lengths, out, 0, self.num_layers, stream)
@@ -356,7 +359,8 @@ class Runtime:
             return self._call_device(x, input_lengths, out, start, stop, stream)
         if stream is not None:
             raise InputError("stream is for device arrays (__cuda_array_interface__); a NumPy input takes none")
-        with self._lock:
+        # Overflow inside the forward pass is reported below as one NonFiniteOutputError, never as NumPy warnings.
+        with self._lock, np.errstate(over="ignore", invalid="ignore"):
             if not self._finalizer.alive:
                 raise BackendError("this Runtime is closed; load the bundle again")
             began = time.perf_counter()
@@ -373,7 +377,8 @@ class Runtime:
             elif hasattr(self._backend, "run_layers"):
                 self._backend.run_layers(padded, result, start, stop)
             elif (start, stop) == (0, self.num_layers):  # a backend of the one-call contract (whole model only)
-                np.copyto(result, self._backend.infer_padded(padded))
+                counts = np.asarray(self._valid_counts(x3, lengths), dtype=np.int32)
+                np.copyto(result, self._backend.infer_padded(padded, valid_tokens=counts))
             else:
                 raise BackendError(f"backend {self.backend_name!r} runs the whole model only; layers {start}..{stop}")
             if out3 is None:
@@ -382,6 +387,9 @@ class Runtime:
             if lengths is not None:
                 for b, n in enumerate(lengths):
                     out3[b, n:] = 0.0
+            # One pass over the output into preallocated flags (no allocation per call).
+            if not np.isfinite(out3, out=self._finite[:batch, :tokens]).all():
+                raise self._nonfinite_output(x3, out3)
             self._stats.record(time.perf_counter() - began, (batch, tokens), getattr(self._backend, "last_dropped", 0))
         return out if out is not None else out3.reshape(np.shape(x))
 
@@ -439,6 +447,38 @@ class Runtime:
             self._stats.record(time.perf_counter() - began, (src.batch, src.tokens), 0)
         return out
 
+    def _nonfinite_output(self, x3: np.ndarray, out: np.ndarray) -> NonFiniteOutputError:
+        """The error for an output with NaN/Inf: where, how many, and the first layer whose output is non-finite
+        for the first bad token, found by re-running that one token through the CPU reference engine (float32,
+        the bundle's weights; tokens are independent in a MoE layer, so one token suffices)."""
+        from ..format.constants import COMPOSITION_RESIDUAL
+        from ..reference import ReferenceEngine
+
+        bad = np.argwhere(~np.isfinite(out).all(axis=-1))
+        b, t = (int(v) for v in bad[0])
+        layer = None
+        with self.bundle.open_weights() as weights, np.errstate(over="ignore", invalid="ignore"):
+            engine = ReferenceEngine(weights, compute_dtype=np.float32)
+            state = np.asarray(x3[b, t : t + 1], dtype=np.float32)
+            residual = weights.header.composition == COMPOSITION_RESIDUAL
+            for index in range(weights.header.num_layers):
+                y = engine.layer(index, state)
+                state = state + y if residual else y
+                if not np.isfinite(state).all():
+                    layer = index
+                    break
+            magnitude = float(np.abs(x3[b, t]).max())
+        where = f"{len(bad)} valid position{'s' if len(bad) != 1 else ''}, first at (batch {b}, token {t})"
+        if layer is None:
+            cause = (f"the CPU reference engine gives finite values for that token, so the {self.backend_name} "
+                     "backend's result is wrong")
+        else:
+            cause = (f"layer {layer} is the first whose output is non-finite (the largest |input| there is "
+                     f"{magnitude:.3g}; float32's largest value is 3.4e38)")
+        return NonFiniteOutputError(
+            f"the output is non-finite (NaN or Inf) at {where}, from a finite input: {cause}", layer, (b, t), len(bad)
+        )
+
     def _check_input(self, x, input_lengths):
         """Validate x and input_lengths; return x as (batch, tokens, hidden) and lengths (batch,) or None."""
         fixed_batch, fixed_tokens = self.shape
@@ -453,8 +493,8 @@ class Runtime:
                 "input is a masked array; the mask would be ignored: pass np.asarray(x.filled(0)) and mark padding "
                 "with input_lengths"
             )
-        if x.dtype not in INPUT_DTYPES:
-            raise InputError(f"input dtype {x.dtype}; allowed: float32, float16")
+        if x.dtype.newbyteorder("=") not in INPUT_DTYPES:
+            raise InputError(f"input dtype {x.dtype}; allowed: float32, float16 (little- or big-endian)")
         if x.ndim not in (2, 3):
             raise InputError(f"input shape {x.shape}; expected {expected}")
         if x.shape[-1] != hidden:
@@ -540,6 +580,9 @@ class Runtime:
         self._dropless = True  # the stored reference output is dropless; expert capacity applies on top of it
         try:
             actual = self.infer(np.ascontiguousarray(x, dtype=np.float32))
+        except NonFiniteOutputError:  # a failed self-test is returned, not raised
+            inf = float("inf")
+            return SelfTestResult(False, inf, inf, float(rtol), float(atol), self.backend_name)
         finally:
             self._dropless = False
         return compare(actual, np.asarray(expected, dtype=np.float32), rtol, atol, self.backend_name)

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from c_runtime_support import SHIPPED, manifest  # noqa: E402,F401
+
 HERE = Path(__file__).parent
 TESTS = HERE.parent
 ROOT = TESTS.parent
-SHIPPED = ("orin", "a100", "rtx4090", "h200")
 # A model small enough that one emulated forward pass takes well under a second; the shipped profiles keep their
 # arch, dtype, shape (1 x 16), block sizes and aggregation.
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 64, 32, 8, 2, 2
@@ -92,10 +94,6 @@ def emu_libs(bundles) -> dict[str, Path]:
     from emulator import build_library
 
     return {name: build_library(manifest(path)["kernels"][0]["defines"]) for name, path in bundles.items()}
-
-
-def manifest(bundle: Path) -> dict:
-    return json.loads((bundle / "manifest.json").read_text())
 
 
 class CRun:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import SHIPPED, manifest
+from c_runtime_support import SHIPPED, manifest
 
 from colibri_sdk.bundle.reader import canonical_json, manifest_digest
 
@@ -61,7 +61,7 @@ def test_shipped_profile_bundle_as_the_cli_builds_it(run_c, tmp_path, name):
     from emulator import build_library
 
     bundle = tmp_path / name
-    subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", name, "-o", str(bundle)], check=True,
+    subprocess.run([sys.executable, "-m", "colibri_sdk", "build", "--profile", name, "--demo", "-o", str(bundle)], check=True,
                    capture_output=True)
     m = manifest(bundle)
     major, minor = m["compute_capability"]

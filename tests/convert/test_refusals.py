@@ -195,15 +195,18 @@ def test_pytorch_bin_only(mixtral_copy, tmp_path):
 
 
 def test_index_names_missing_shard(mixtral_copy, tmp_path):
+    (mixtral_copy / "model.safetensors").rename(mixtral_copy / "model-00001-of-00002.safetensors")
     index = {"weight_map": {PREFIX + "gate.weight": "model-00002-of-00002.safetensors"}}
     (mixtral_copy / "model.safetensors.index.json").write_text(json.dumps(index))
     refused(mixtral_copy, tmp_path, r"names shard 'model-00002-of-00002\.safetensors', which is not in")
 
 
 def test_index_places_tensor_in_wrong_shard(mixtral_copy, tmp_path):
-    index = {"weight_map": {PREFIX + "gate.weight": "model.safetensors", "lm_head.bias": "model.safetensors"}}
+    shard = "model-00001-of-00001.safetensors"
+    (mixtral_copy / "model.safetensors").rename(mixtral_copy / shard)
+    index = {"weight_map": {PREFIX + "gate.weight": shard, "lm_head.bias": shard}}
     (mixtral_copy / "model.safetensors.index.json").write_text(json.dumps(index))
-    refused(mixtral_copy, tmp_path, r"places 'lm_head\.bias' in model\.safetensors, which does not contain it")
+    refused(mixtral_copy, tmp_path, r"places 'lm_head\.bias' in model-00001-of-00001\.safetensors, which does not")
 
 
 def test_corrupt_safetensors(mixtral_copy, tmp_path):

@@ -237,5 +237,5 @@ def test_remote_dir_that_is_a_file_is_named_and_left_alone(tmp_path, sshd, known
 def test_inventory_with_a_duplicate_key_is_refused(tmp_path):
     inventory = tmp_path / "lines.yaml"
     inventory.write_text("hosts:\n  - host: root@127.0.0.1\n    port: 22\n    port: 2222\n")
-    with pytest.raises(DeployError, match=r"inventory .*lines\.yaml: duplicate key 'port' at line 4 \(first at line 3\)"):
+    with pytest.raises(DeployError, match=r"inventory .*lines\.yaml:4:5: duplicate key 'port' at line 4 \(first at line 3\)"):
         load_inventory(inventory, Target(host="127.0.0.1"))

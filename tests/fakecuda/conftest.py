@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-HERE = Path(__file__).parent
-TESTS = HERE.parent
-ROOT = TESTS.parent
+sys.path.insert(0, str(Path(__file__).parent))
+from fakecuda_support import HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS  # noqa: E402,F401
+
 CXX = shutil.which("g++")
 
 sys.path.insert(0, str(TESTS / "kernels"))
@@ -30,9 +30,6 @@ sys.path.insert(0, str(TESTS / "gpu"))
 from emulator import build_library
 from gpu_support import random_model
 
-# The bundle of most tests: the Orin profile (sm_87, min_driver 12.2) at 4 tokens, a 2-layer model small enough that
-# one emulated forward pass takes well under a second.
-TOKENS, HIDDEN, INTER = 4, 64, 32
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import HIDDEN, TOKENS
+from fakecuda_support import HIDDEN, TOKENS
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import HIDDEN, TOKENS
+from fakecuda_support import HIDDEN, TOKENS
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")
 

@@ -12,7 +12,7 @@ import shutil
 import sys
 
 import pytest
-from conftest import HERE, ROOT, TESTS
+from fakecuda_support import HERE, ROOT, TESTS
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")
 

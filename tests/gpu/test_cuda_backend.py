@@ -19,14 +19,15 @@ from gpu_support import build, profile_for_this_gpu, random_model, reference
 pytestmark = pytest.mark.gpu
 
 # name: (model kwargs, profile overrides). GEMV path when batch*tokens*top_k <= small_batch.max_pairs.
+TILED = {"small_batch": {"max_pairs": 1}}
 CASES = {
     "t1-e8-k2-fp16-gemv": (dict(experts=8, top_k=2), dict(shape={"batch": 1, "tokens": 1})),
     "t4-e16-k1-fp32-gemv-odd": (dict(experts=16, top_k=1, hidden=100, inter=75),
                                 dict(dtype="fp32", shape={"batch": 1, "tokens": 4})),
     "t16-e64-k4-fp16-tiled-odd": (dict(experts=64, top_k=4, hidden=130, inter=97, routing=1),
-                                  dict(shape={"batch": 1, "tokens": 16})),
+                                  dict(shape={"batch": 1, "tokens": 16}, kernels=TILED)),
     "t64-e8-k2-fp32-tiled-seq": (dict(layers=2, experts=8, top_k=2, hidden=96, inter=160, composition=0),
-                                 dict(dtype="fp32", shape={"batch": 1, "tokens": 64})),
+                                 dict(dtype="fp32", shape={"batch": 1, "tokens": 64}, kernels=TILED)),
     "t64-e64-k4-fp16-tiled-atomic": (dict(experts=64, top_k=4, hidden=128, inter=64),
                                      dict(aggregation="atomic", shape={"batch": 1, "tokens": 64})),
     "t8-e16-k4-fp16-gemv-atomic": (dict(experts=16, top_k=4, hidden=72, inter=200),
@@ -34,7 +35,8 @@ CASES = {
     "t3-e64-k1-fp32-gemv-bm1": (dict(experts=64, top_k=1, hidden=64, inter=33, routing=1),
                                 dict(dtype="fp32", shape={"batch": 1, "tokens": 3}, kernels={"routing": {"block_m": 1}})),
     "t33-e16-k2-fp16-tiled-bm32": (dict(layers=2, experts=16, top_k=2, hidden=72, inter=200),
-                                   dict(shape={"batch": 1, "tokens": 33}, kernels={"routing": {"block_m": 32}})),
+                                   dict(shape={"batch": 1, "tokens": 33},
+                                        kernels={"routing": {"block_m": 32}, **TILED})),
     "t64-e8-k4-fp16-gemv-many": (dict(experts=8, top_k=4, hidden=136, inter=80),
                                  dict(shape={"batch": 1, "tokens": 64}, kernels={"small_batch": {"max_pairs": 4096}})),
     "b2t5-e8-k2-fp32-tiled": (dict(experts=8, top_k=2, hidden=48, inter=40),

@@ -38,6 +38,10 @@ CACHE = Path(tempfile.gettempdir()) / "colibri-kernel-emu"
 ALIGN = 256  # bytes: cuMemAlloc's alignment, so the GEMV picks the same vector/scalar path as on the GPU
 GUARD = 4096  # bytes of canary before and after every buffer
 CANARY_WORD = 0x7FC0CAFE  # a float32 NaN that no kernel writes
+# Address classes of the access model (emu/cuda_shim.h kClasses): weights, activations, other scratch, unregistered.
+ACCESS_CLASSES = 4
+ACCESS_CLASS_NAMES = ("weights", "activations", "other", "unregistered")
+ACTIVATION_BUFFERS = ("x0", "x1", "act", "pair_out")
 
 
 class EmulationError(RuntimeError):
@@ -126,6 +130,23 @@ class EmulationLibrary:
         self._lib.coli_emu_half_to_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong]
         self._lib.coli_emu_half_to_float.restype = None
 
+    def access_regions(self, regions: list[tuple[int, int, int]]) -> None:
+        """Set the access model's address classes: (start address, size in bytes, class 0..ACCESS_CLASSES-2)."""
+        self._lib.coli_emu_access_region(0, -1, 0)
+        for start, size, cls in regions:
+            self._lib.coli_emu_access_region(ctypes.c_ulonglong(start), ctypes.c_longlong(size), cls)
+
+    def access_enable(self, on: bool) -> None:
+        """Record (or stop recording) the warp-level global loads of the following launches."""
+        self._lib.coli_emu_access_enable(1 if on else 0)
+
+    def access_read(self) -> np.ndarray:
+        """(classes, 4) uint64: instructions, sectors touched, minimum sectors, bytes requested since the last read
+        (then reset). Class ACCESS_CLASSES-1 holds addresses outside every registered region."""
+        out = np.zeros((ACCESS_CLASSES, 4), dtype=np.uint64)
+        self._lib.coli_emu_access_read(out.ctypes.data_as(ctypes.POINTER(ctypes.c_ulonglong)))
+        return out
+
     def function(self, symbol: str):
         fn = getattr(self._lib, f"coli_emu_launch_{symbol}")
         fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint), ctypes.c_void_p]
@@ -213,14 +234,46 @@ class EmulatedDevice:
         for region in self.buffers.values():
             region.view(np.uint32)[:] = POISON_WORD
 
-    def run(self, x: np.ndarray, schedule: str = "increasing", seed: int = 0) -> np.ndarray:
-        """The forward pass: x (tokens, hidden) float32 → (tokens, hidden) float32, a new array."""
+    def _load_input(self, x: np.ndarray, valid_tokens) -> tuple:
+        """The runtime's input copy: x into the input buffer and, where the plan has one, the valid-token counts
+        (catalog.io_buffers "valid_tokens"; None: every token valid)."""
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(self.sizes.tokens, self.header.hidden_size)
-        self.lib.set_schedule(schedule, seed)
         self.buffers[self.io["input"]].view(np.float32)[:] = x.reshape(-1)
+        if "valid_tokens" in self.io:
+            batch, tokens = self.profile["shape"]["batch"], self.profile["shape"]["tokens"]
+            counts = np.full(batch, tokens, dtype=np.int32) if valid_tokens is None else np.asarray(valid_tokens)
+            self.buffers[self.io["valid_tokens"]].view(np.int32)[:] = counts.astype(np.int32)
+        return x.shape
+
+    def run(self, x: np.ndarray, schedule: str = "increasing", seed: int = 0, valid_tokens=None) -> np.ndarray:
+        """The forward pass: x (tokens, hidden) float32 → (tokens, hidden) float32, a new array.
+        valid_tokens: (batch,) ints, the valid tokens of each sequence (None: all)."""
+        self.lib.set_schedule(schedule, seed)
+        shape = self._load_input(x, valid_tokens)
         for function, grid, block, _shared, params, _values in self._launches:
             self.lib.launch(function, grid, block, params.ctypes.data)
-        return self.buffers[self.io["output"]].view(np.float32).reshape(x.shape).copy()
+        return self.buffers[self.io["output"]].view(np.float32).reshape(shape).copy()
+
+    def run_recorded(self, x: np.ndarray, valid_tokens=None) -> list[tuple[dict, np.ndarray]]:
+        """The forward pass with the access model on: [(launch of the plan, (classes, 4) load totals)] in launch
+        order (EmulationLibrary.access_read). Weights are class 0, the buffers of ACTIVATION_BUFFERS class 1, every
+        other scratch buffer class 2."""
+        regions = [(self.weights.address, self.weights.size, 0)]
+        for name, region in self.buffers.items():
+            regions.append((region.address, region.size, 1 if name in ACTIVATION_BUFFERS else 2))
+        self.lib.access_regions(regions)
+        self.lib.set_schedule("increasing", 0)
+        self._load_input(x, valid_tokens)
+        out = []
+        self.lib.access_read()
+        self.lib.access_enable(True)
+        try:
+            for launch, (function, grid, block, _shared, params, _values) in zip(self.plan, self._launches):
+                self.lib.launch(function, grid, block, params.ctypes.data)
+                out.append((launch, self.lib.access_read()))
+        finally:
+            self.lib.access_enable(False)
+        return out
 
     def buffer(self, name: str, dtype) -> np.ndarray:
         """A copy of scratch buffer `name` as `dtype`."""

@@ -27,6 +27,11 @@ CONFIGS = {
     "few-pairs": (dict(hidden=64, inter=33, experts=64, top_k=1, dtype="fp32"),
                   {"dtype": "fp32", "shape": {"batch": 1, "tokens": 3}, "kernels_routing": {"block_m": 1}}),
     "max-experts": (dict(hidden=4096, inter=14336, experts=256, top_k=8, dtype="fp16", routing=1), {}),
+    # top-k at the limit (MAX_TOP_K 16): GEMV path with 256 pairs, and the tiled path
+    "top-k-16-gemv": (dict(hidden=2048, inter=768, experts=128, top_k=16, dtype="fp16"),
+                      {"kernels_small_batch": {"max_pairs": 256}}),
+    "top-k-16-tiled": (dict(hidden=2048, inter=768, experts=128, top_k=16, dtype="fp16"),
+                       {"kernels_small_batch": {"max_pairs": 1}}),
 }
 
 
@@ -49,6 +54,7 @@ def profile_with(base: dict, overrides: dict) -> dict:
     p = copy.deepcopy(base)
     overrides = dict(overrides)
     p["kernels"]["routing"].update(overrides.pop("kernels_routing", {}))
+    p["kernels"]["small_batch"].update(overrides.pop("kernels_small_batch", {}))
     p.update(overrides)
     return p
 
@@ -56,7 +62,8 @@ def profile_with(base: dict, overrides: dict) -> dict:
 @pytest.mark.parametrize(
     "arch,config",
     [(a, "demo-fp16") for a in ARCHS] + [(a, "odd-fp32") for a in ARCHS]
-    + [("sm_87", "odd-fp16-atomic"), ("sm_90", "max-experts"), ("sm_80", "few-pairs"), ("sm_90", "few-pairs")],
+    + [("sm_87", "odd-fp16-atomic"), ("sm_90", "max-experts"), ("sm_80", "few-pairs"), ("sm_90", "few-pairs")]
+    + [(a, c) for a in ("sm_87", "sm_90") for c in ("top-k-16-gemv", "top-k-16-tiled")],
 )
 def test_compiles_without_spills(orin_profile, arch, config):
     header_kwargs, overrides = CONFIGS[config]
@@ -89,6 +96,13 @@ def test_too_many_accumulators_is_a_compile_error(orin_profile):
         compile_source(source, "expert_gate_up.cu", "sm_87", defines, [catalog.kernel_dir()])
 
 
+def test_top_k_above_the_limit_is_a_compile_error(orin_profile):
+    defines = catalog.compile_defines(orin_profile, make_header(experts=64, top_k=catalog.MAX_TOP_K + 1))
+    source = (catalog.kernel_dir() / "routing.cu").read_text()
+    with pytest.raises(CompileError, match=r"COLI_TOPK must be in 1..COLI_MAX_TOP_K"):
+        compile_source(source, "routing.cu", "sm_87", defines, [catalog.kernel_dir()])
+
+
 def test_missing_defines_name_the_catalogue(orin_profile):
     source = (catalog.kernel_dir() / "routing.cu").read_text()
     with pytest.raises(CompileError, match=r"(?s)routing.cu.*common.cuh.*need the -D constants of sdk/catalog.py compile_defines"):
@@ -103,3 +117,16 @@ def test_sources_open_with_a_description():
         assert "grid (" in head and "Limits" in head, f"{spec.source}: header comment lacks grid mapping or limits"
         for symbol in spec.symbols:
             assert symbol in head, f"{spec.source}: {symbol} not described in the header comment"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_core_wrappers_compile(orin_profile, arch):
+    """common.cuh's mma_m16n8k16 and cp_async16 (used by tests/kernels/mma_tile.cu) are valid PTX for every arch."""
+    from pathlib import Path
+
+    source = (Path(__file__).parent / "mma_tile.cu").read_text()
+    defines = catalog.compile_defines(orin_profile, make_header())
+    out = compile_source(source, "mma_tile.cu", arch, defines, [catalog.kernel_dir()])
+    assert b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in out.ptx and b"cp.async.cg.shared.global" in out.ptx
+    r = out.resources["mma_tile"]
+    assert r["spill_store_bytes"] == 0 and r["stack_bytes"] == 0, r

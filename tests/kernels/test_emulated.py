@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,16 +25,18 @@ from colibri_sdk.runtime.cuda_backend import POISON_WORD
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to compile the kernels for the CPU")
 
-from emulator import EmulatedDevice, EmulationError, EmulationLibrary, build_library  # noqa: E402
+from emulator import EmulatedDevice, EmulationError, EmulationLibrary, Region, build_library  # noqa: E402
 
 MARGIN = 1e-4  # router logit gap below which fp32 may legitimately pick another expert than float64
 RTOL = 1e-4  # of the largest |reference| value of the token: fp32 accumulation against float64, same weights
 
 
 def make_profile(orin: dict, *, batch=1, tokens=16, dtype="fp16", aggregation="ordered", kernels=None) -> dict:
-    """The Orin profile with another shape, dtype, aggregation and kernel parameters, validated."""
+    """The Orin profile with another shape, dtype, aggregation and kernel parameters (small_batch.max_pairs 32
+    unless given), validated."""
     data = copy.deepcopy(orin)
     data.update(dtype=dtype, aggregation=aggregation, shape={"batch": batch, "tokens": tokens})
+    data["kernels"]["small_batch"]["max_pairs"] = 32
     for name, params in (kernels or {}).items():
         data["kernels"][name].update(params)
     return Profile.from_dict(data, toolchain=False).data
@@ -88,13 +91,25 @@ def expected_order(ids: np.ndarray, experts: int, block_m: int, padded: int, blo
     return counts, offsets, sorted_pairs, block_experts
 
 
-def run_checked(device: EmulatedDevice, x: np.ndarray, **schedule) -> np.ndarray:
-    """Poison every scratch buffer, run, and check nothing is left unwritten and no guard was overwritten."""
+# Per-pair rows: those of padded tokens are never written (no expert computes them) and never read.
+PAIR_ROWS = ("act", "pair_out")
+
+
+def run_checked(device: EmulatedDevice, x: np.ndarray, valid_tokens=None, **schedule) -> np.ndarray:
+    """Poison every scratch buffer, run, and check nothing is left unwritten (but the per-pair rows of padded
+    tokens) and no guard was overwritten."""
     device.poison()
-    y = device.run(x, **schedule)
+    y = device.run(x, valid_tokens=valid_tokens, **schedule)
     assert device.damaged_guards() == [], "out-of-bounds writes next to these buffers"
+    s, h = device.sizes, device.header
+    shape = device.profile["shape"]
+    counts = np.full(shape["batch"], shape["tokens"]) if valid_tokens is None else np.asarray(valid_tokens)
+    valid = (np.arange(shape["tokens"])[None, :] < counts[:, None]).reshape(-1)
     for name in device.buffers:
-        left = int((device.buffer(name, np.uint32) == POISON_WORD).sum())
+        words = device.buffer(name, np.uint32)
+        if name in PAIR_ROWS:
+            words = words.reshape(s.pairs, -1)[np.repeat(valid, h.top_k)]
+        left = int((words == POISON_WORD).sum())
         assert left == 0, f"{name}: {left} entries not written by the forward pass"
     return y
 
@@ -134,6 +149,15 @@ CASES = [
      dict(experts=256, top_k=8, hidden=40, inter=24, seed=8)),
     ("tiled-fp16-atomic-block_m4-seq", dict(tokens=16, aggregation="atomic", kernels={"routing": {"block_m": 4}}),
      dict(layers=2, experts=16, top_k=4, hidden=40, inter=24, composition=0, seed=5)),
+    # top-k 16 (Qwen3-Next-style routing of 10 fits under the limit), both paths
+    ("gemv-fp16-k16-64experts", dict(tokens=4, kernels={"small_batch": {"max_pairs": 128}}),
+     dict(experts=64, top_k=16, hidden=40, inter=24, routing=1, seed=12)),
+    ("tiled-fp16-k16-32experts", dict(tokens=8), dict(experts=32, top_k=16, hidden=40, inter=24, seed=13)),
+    # more pairs per expert than one pass takes (8), and 1024-thread blocks (4 pairs per pass, one down row per warp)
+    ("gemv-fp32-1024-threads-passes", dict(tokens=12, dtype="fp32", kernels={"small_batch": {"threads": 1024}}),
+     dict(experts=3, top_k=2, hidden=40, inter=24, dtype="fp32", seed=15)),
+    # a hidden size of three staging chunks (512 + 512 + 8, 16-byte aligned rows) and an odd intermediate size
+    ("gemv-fp16-three-chunks", dict(tokens=2), dict(experts=8, top_k=2, hidden=1032, inter=37, seed=16)),
 ]
 
 
@@ -165,6 +189,9 @@ def test_routing_and_padded_order(case):
     ref_ids, ref_weights = case["routes"][-1]
     np.testing.assert_array_equal(ids[stable], ref_ids[stable])
     np.testing.assert_allclose(weights[stable], ref_weights[stable], rtol=1e-5, atol=1e-6)
+    if s.small_batch:  # the GEMV kernels build the expert order in shared memory: no buffers to compare
+        assert "sorted_pairs" not in device.buffers
+        return
     counts, offsets, sorted_pairs, block_experts = expected_order(ids, h.num_experts, s.block_m, s.padded, s.blocks)
     np.testing.assert_array_equal(device.buffer("expert_counts", np.int32), counts)
     np.testing.assert_array_equal(device.buffer("expert_offsets", np.int32), offsets)
@@ -297,3 +324,131 @@ def test_emulation_exposes_a_missing_barrier(broken_library):
 def test_emulation_refuses_undefined_behaviour(broken_library, symbol, message):
     with pytest.raises(EmulationError, match=message):
         launch_one(broken_library, symbol, 64)
+
+
+# ---- padded tokens ------------------------------------------------------------------------------------------------
+PADDED_CASES = [
+    # (id, profile kwargs, model kwargs, valid tokens per sequence)
+    ("gemv-sequential-layers", dict(batch=2, tokens=8), dict(layers=2, experts=16, top_k=4, composition=0), [8, 1]),
+    ("tiled-ordered", dict(batch=2, tokens=16), dict(experts=8, top_k=2, seed=1), [5, 16]),
+    ("tiled-atomic-sequential", dict(batch=2, tokens=16, aggregation="atomic"),
+     dict(layers=2, experts=8, top_k=2, composition=0, seed=2), [0, 7]),
+]
+
+
+@pytest.mark.parametrize("name,profile_kwargs,model_kwargs,valid", PADDED_CASES, ids=[c[0] for c in PADDED_CASES])
+def test_padded_tokens_select_no_expert(orin_profile, tmp_path, name, profile_kwargs, model_kwargs, valid):
+    """Valid rows match the reference run on the valid rows alone; padded rows are the input (residual) or zeros,
+    route to NO_EXPERT (= experts) with weight 0, and their per-pair rows are never written."""
+    profile = make_profile(orin_profile, **profile_kwargs)
+    path = make_model(tmp_path / "m.colibri", **model_kwargs)
+    device = EmulatedDevice(profile, path)
+    s, h = device.sizes, device.header
+    batch, tokens = profile["shape"]["batch"], profile["shape"]["tokens"]
+    mask = (np.arange(tokens)[None, :] < np.asarray(valid)[:, None]).reshape(-1)
+    x = np.random.default_rng(21).standard_normal((s.tokens, h.hidden_size)).astype(np.float32)
+    y = run_checked(device, x, valid_tokens=valid)
+    ref, _, stable = reference(path, x[mask])
+    assert_close(y[mask], ref, stable)
+    padded = ~mask
+    expected = x[padded] if h.composition == 1 else np.zeros_like(x[padded])
+    np.testing.assert_array_equal(y[padded], expected)
+    ids = device.buffer("topk_ids", np.int32).reshape(s.tokens, h.top_k)
+    assert (ids[padded] == h.num_experts).all() and (ids[mask] < h.num_experts).all()
+    assert (device.buffer("topk_weights", np.float32).reshape(s.tokens, h.top_k)[padded] == 0).all()
+    if not s.small_batch:
+        counts = device.buffer("expert_counts", np.int32)
+        assert counts.sum() == mask.sum() * h.top_k, "padded pairs counted in the padded expert order"
+
+
+def test_padded_tokens_read_no_expert_weights(orin_profile, tmp_path):
+    """Access model: one valid token in a 16-token bundle reads the router and its k experts' weights, nothing
+    more (weight bytes within 5 % of the selected experts', the bench/kernel_access.py goal)."""
+    from colibri_sdk.format import ColibriFile
+
+    hidden, inter, experts, top_k = 64, 48, 8, 2
+    path = make_model(tmp_path / "m.colibri", experts=experts, top_k=top_k, hidden=hidden, inter=inter)
+    device = EmulatedDevice(make_profile(orin_profile, tokens=16), path)
+    x = np.zeros((16, hidden), dtype=np.float32)
+    x[0] = np.random.default_rng(3).standard_normal(hidden)
+    records = device.run_recorded(x, valid_tokens=[1])
+    weight_bytes = 32 * sum(int(stats[0][1]) for _, stats in records)  # class 0 = weights, column 1 = sectors
+    with ColibriFile(path) as f:
+        logits = x[0].astype(np.float64) @ f.router(0).astype(np.float64)
+    chosen = len(set(np.argsort(-logits)[:top_k]))
+    selected = 2 * (hidden * experts + chosen * 3 * hidden * inter)
+    assert selected <= weight_bytes <= 1.05 * selected, (weight_bytes, selected)
+
+
+# ---- the access model itself ----------------------------------------------------------------------------------------
+ACCESS = r"""
+#include "common.cuh"
+// 32 lanes, consecutive floats: 128 bytes, 4 sectors
+extern "C" __global__ void coalesced(const float* in, float* out) { out[threadIdx.x] = __ldg(in + threadIdx.x); }
+// 32 lanes, floats 32 bytes apart: 128 bytes in 32 sectors
+extern "C" __global__ void strided(const float* in, float* out) { out[threadIdx.x] = __ldg(in + 8 * threadIdx.x); }
+// 32 lanes, one float: 4 bytes, 1 sector
+extern "C" __global__ void broadcast(const float* in, float* out) { out[threadIdx.x] = __ldg(in); }
+// 32 lanes, 16 bytes each, consecutive: 512 bytes, 16 sectors; lanes >= 16 run a second load (a divergent
+// instruction of 16 lanes: 256 bytes, 8 sectors)
+extern "C" __global__ void vectors(const float* in, float* out) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(in) + threadIdx.x);
+    float s = v.x + v.y + v.z + v.w;
+    if (threadIdx.x >= 16) s += __ldg(reinterpret_cast<const float4*>(in) + 64 + threadIdx.x).x;
+    out[threadIdx.x] = s;
+}
+"""
+
+
+@pytest.mark.parametrize("symbol,expected", [
+    ("coalesced", [1, 4, 4, 128]), ("strided", [1, 32, 4, 128]), ("broadcast", [1, 1, 1, 4]),
+    ("vectors", [2, 24, 24, 768]),
+])
+def test_access_model_counts_warp_loads_in_sectors(orin_profile, tmp_path_factory, symbol, expected):
+    """(instructions, sectors touched, minimum sectors, bytes) of one warp, in address class 0."""
+    folder = tmp_path_factory.mktemp("access")
+    (folder / "common.cuh").write_text((catalog.kernel_dir() / "common.cuh").read_text())
+    (folder / "access.cu").write_text(ACCESS)
+    defines = catalog.compile_defines(make_profile(orin_profile), Header(1, 8, 2, 40, 24, dtype=1))
+    lib = EmulationLibrary(build_library(defines, folder, [("access.cu", ("coalesced", "strided", "broadcast",
+                                                                          "vectors"))]))
+    region = Region(4096 * 4)  # 256-byte aligned, as cuMemAlloc
+    region.view(np.float32)[:] = np.arange(4096, dtype=np.float32)
+    out = np.zeros(32, dtype=np.float32)
+    lib.access_regions([(region.address, region.size, 0)])
+    pointers = np.array([region.address, out.ctypes.data], dtype=np.uint64)
+    params = np.array([pointers.ctypes.data, pointers.ctypes.data + 8], dtype=np.uint64)
+    lib.access_read()
+    lib.access_enable(True)
+    try:
+        lib.launch(lib.function(symbol), (1, 1, 1), (32, 1, 1), params.ctypes.data)
+    finally:
+        lib.access_enable(False)
+    stats = lib.access_read()
+    assert stats[0].tolist() == expected
+    assert stats[1:].sum() == 0
+
+
+# ---- tensor-core building blocks (common.cuh mma_m16n8k16, cp_async16) ----------------------------------------------
+def test_mma_fragments_and_cp_async_follow_the_documented_layout(orin_profile, tmp_path_factory):
+    """tests/kernels/mma_tile.cu builds the fragments as common.cuh documents them (the PTX ISA layout) from tiles
+    copied with cp_async16; D = A·B + C equals NumPy's product on fp16 values (exact products, fp32 sums)."""
+    folder = tmp_path_factory.mktemp("mma")
+    (folder / "common.cuh").write_text((catalog.kernel_dir() / "common.cuh").read_text())
+    (folder / "mma_tile.cu").write_text((Path(__file__).parent / "mma_tile.cu").read_text())
+    defines = catalog.compile_defines(make_profile(orin_profile), Header(1, 8, 2, 40, 24, dtype=1))
+    lib = EmulationLibrary(build_library(defines, folder, [("mma_tile.cu", ("mma_tile",))]))
+    rng = np.random.default_rng(30)
+    a = rng.standard_normal((16, 16)).astype(np.float16)
+    b = rng.standard_normal((16, 8)).astype(np.float16)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    regions = [Region(n) for n in (512, 256, 512, 512)]
+    regions[0].view(np.float16)[:] = a.reshape(-1)
+    regions[1].view(np.float16)[:] = b.T.reshape(-1)  # column-major B: B[k][n] at n*16 + k
+    regions[2].view(np.float32)[:] = c.reshape(-1)
+    pointers = np.array([r.address for r in regions], dtype=np.uint64)
+    params = np.array([pointers.ctypes.data + 8 * i for i in range(4)], dtype=np.uint64)
+    lib.launch(lib.function("mma_tile"), (1, 1, 1), (32, 1, 1), params.ctypes.data)
+    d = regions[3].view(np.float32).reshape(16, 8)
+    want = a.astype(np.float64) @ b.astype(np.float64) + c
+    np.testing.assert_allclose(d, want, rtol=1e-6, atol=1e-5)

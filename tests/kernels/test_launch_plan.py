@@ -13,7 +13,7 @@ from colibri_sdk.format.constants import HEADER_SIZE
 
 from kernel_support import make_header
 
-SIGNATURE = re.compile(r'extern "C" __global__ void __launch_bounds__\(\w+\)\s*(\w+)\(([^)]*)\)', re.S)
+SIGNATURE = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\)\s*(\w+)\(([^)]*)\)', re.S)
 
 
 def kernel_parameters() -> dict[str, list[str]]:
@@ -40,8 +40,23 @@ def expected_parameter(arg: dict, layer: int) -> str:
     return name
 
 
+def test_tiled_path_takes_tensor_cores_where_it_can(orin_profile):
+    """fp16, block_m 16, hidden and intermediate multiples of 8: tensor-core kernels; else the scalar tiles."""
+    profile = copy.deepcopy(orin_profile)
+    profile["shape"] = {"batch": 1, "tokens": 64}
+    symbols = lambda header: [l["symbol"] for l in catalog.launch_plan(profile, header)][2:4]  # noqa: E731
+    assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4)) == ["colibri_gate_up_tc", "colibri_down_tc"]
+    assert symbols(make_header(hidden=100, inter=512, experts=8, top_k=4)) == ["colibri_gate_up", "colibri_down"]
+    profile["kernels"]["routing"]["block_m"] = 32
+    assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4)) == ["colibri_gate_up", "colibri_down"]
+    profile["kernels"]["routing"]["block_m"] = 16
+    profile["dtype"] = "fp32"
+    assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4, dtype="fp32")) == [
+        "colibri_gate_up", "colibri_down"]
+
+
 CASES = [
-    ({}, dict(layers=4)),  # the demo sizes at the Orin shape: GEMV path (32 pairs <= max_pairs 32)
+    ({}, dict(layers=4)),  # the demo sizes at the Orin shape: GEMV path (32 pairs <= max_pairs 128)
     ({"shape": {"batch": 2, "tokens": 64}}, dict(layers=3, experts=64, top_k=4, hidden=100, inter=75)),  # tiled
     ({"aggregation": "atomic"}, dict(layers=2, experts=16, top_k=1)),
     ({"aggregation": "atomic", "shape": {"batch": 1, "tokens": 64}}, dict(layers=1, experts=256, top_k=8, dtype="fp32")),
@@ -57,7 +72,8 @@ def test_plan_binds_every_parameter(orin_profile, overrides, header_kwargs):
     buffers = catalog.device_buffers(profile, header)
     plan = catalog.launch_plan(profile, header)
     specs = {k.name: k for k in catalog.KERNELS}
-    per_layer = 4 if profile["aggregation"] == "atomic" else 5
+    small = catalog.sizes(profile, header).small_batch
+    per_layer = 3 if small else 4 if profile["aggregation"] == "atomic" else 5
     assert len(plan) == per_layer * header.num_layers
     for launch in plan:
         symbol, layer = launch["symbol"], launch["layer"]
@@ -71,7 +87,8 @@ def test_plan_binds_every_parameter(orin_profile, overrides, header_kwargs):
                 expert = None if arg["tensor"] == "router" else 0
                 assert arg["offset"] == header.tensor_offset(arg["tensor"], arg["layer"], expert) - HEADER_SIZE
                 assert arg["layer"] == layer
-        assert launch["block"][0] == profile["kernels"][launch["kernel"]]["threads"]
+        tc = symbol.endswith("_tc")  # the tensor-core tile has a fixed block
+        assert launch["block"][0] == (catalog.TC_THREADS if tc else profile["kernels"][launch["kernel"]]["threads"])
         assert launch["block"][1:] == [1, 1] and launch["shared_bytes"] == 0
     assert plan[-1]["args"][-1] == {"kind": "buffer", "name": catalog.io_buffers(header)["output"]}
 
@@ -90,6 +107,7 @@ def test_grids_cover_the_outputs(orin_profile, overrides, header_kwargs):
         gx, gy, gz = launch["grid"]
         assert gz == 1
         s = launch["symbol"]
+        pairs = tokens * header.top_k
         if s in ("colibri_routing", "colibri_aggregate"):
             assert (gx, gy) == (tokens, 1)
         elif s == "colibri_align":
@@ -98,12 +116,17 @@ def test_grids_cover_the_outputs(orin_profile, overrides, header_kwargs):
             assert gx == padded // block_m and (gy - 1) * k["gate_up"]["block_n"] < i <= gy * k["gate_up"]["block_n"]
         elif s == "colibri_down":
             assert gx == padded // block_m and (gy - 1) * k["down"]["block_n"] < h <= gy * k["down"]["block_n"]
-        elif s == "colibri_gate_up_gemv":
+        elif s in ("colibri_gate_up_tc", "colibri_down_tc"):
+            n = i if s == "colibri_gate_up_tc" else h
+            assert block_m == catalog.TC_BLOCK_M and gx == padded // block_m
+            assert (gy - 1) * catalog.TC_BLOCK_N < n <= gy * catalog.TC_BLOCK_N
+        elif s == "colibri_gate_up_gemv":  # one row per warp; a slot per expert that valid pairs can select
             warps = k["small_batch"]["threads"] // 32
-            assert gy == e and (gx - 1) * warps < i <= gx * warps
-        elif s == "colibri_down_gemv":
-            warps = k["small_batch"]["threads"] // 32
-            assert gy == e and (gx - 1) * warps < h <= gx * warps
+            assert gy == min(e, pairs) and (gx - 1) * warps < i <= gx * warps
+        elif s == "colibri_down_gemv":  # two rows per warp (one above 512 threads), every expert in each block
+            threads = k["small_batch"]["threads"]
+            rows = threads // 32 * (2 if threads <= 512 else 1)
+            assert gy == 1 and (gx - 1) * rows < h <= gx * rows
         else:
             pytest.fail(f"unexpected symbol {s}")
 
@@ -112,7 +135,7 @@ def test_buffer_sizes(orin_profile):
     profile = copy.deepcopy(orin_profile)
     profile["shape"] = {"batch": 2, "tokens": 24}
     header = make_header(hidden=100, inter=75, experts=64, top_k=8)
-    b = catalog.device_buffers(profile, header)
+    b = catalog.device_buffers(profile, header)  # 384 pairs > max_pairs: the tiled path
     tokens, pairs, block_m = 48, 48 * 8, profile["kernels"]["routing"]["block_m"]
     assert b["sorted_pairs"] == 4 * (pairs + 64 * (block_m - 1))
     assert b["block_experts"] == 4 * ((pairs + 64 * (block_m - 1)) // block_m)
@@ -120,8 +143,21 @@ def test_buffer_sizes(orin_profile):
     assert b["act"] == pairs * 75 * 4 and b["pair_out"] == pairs * 100 * 4
     assert b["topk_ids"] == b["topk_weights"] == pairs * 4
     assert b["expert_counts"] == 64 * 4 and b["expert_offsets"] == 65 * 4
+    assert b["valid_tokens"] == 2 * 4
     profile["aggregation"] = "atomic"
     assert "pair_out" not in catalog.device_buffers(profile, header)
+    profile["shape"] = {"batch": 2, "tokens": 4}  # 64 pairs: the GEMV path needs no padded order, no pair_out
+    gemv = catalog.device_buffers(profile, header)
+    assert sorted(gemv) == ["act", "topk_ids", "topk_weights", "valid_tokens", "x0", "x1"]
+
+
+def test_io_buffers_name_scratch_buffers(orin_profile):
+    """The runtime's copies target buffers that exist: input, output and the valid-token counts (batch,) int32."""
+    header = make_header(layers=3)
+    io = catalog.io_buffers(header)
+    assert io == {"input": "x0", "output": "x1", "valid_tokens": "valid_tokens"}
+    buffers = catalog.device_buffers(orin_profile, header)
+    assert buffers[io["valid_tokens"]] == orin_profile["shape"]["batch"] * 4
 
 
 def padded_order(topk_ids: np.ndarray, experts: int, block_m: int) -> tuple[np.ndarray, int]:

@@ -105,3 +105,12 @@ def test_output_without_a_file_name(tmp_path, capsys, output):
     assert "is not a file path; allowed: a path ending in a file name" in cli_error(
         capsys, "convert", str(folder), "-o", output
     )
+
+
+@pytest.mark.parametrize("model_type", [[1, 2], {"a": 1}, None, 7])
+def test_model_type_that_is_not_a_string(tmp_path, capsys, model_type):
+    """Found by bench/fuzz.py: a list or an object as model_type raised TypeError (unhashable) from the family
+    lookup."""
+    folder = write_checkpoint(tmp_path / "ckpt", model_type=model_type)
+    err = cli_error(capsys, "convert", str(folder), "-o", str(tmp_path / "m.colibri"))
+    assert f"config.json model_type = {model_type!r}; allowed: mixtral, " in err, err

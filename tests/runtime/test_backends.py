@@ -85,8 +85,8 @@ def test_auto_takes_cuda_when_it_loads(small_bundle, monkeypatch, capsys):
         def __init__(self, bundle, eager=False):
             calls.append(("init", eager))
 
-        def infer_padded(self, x):
-            calls.append(("infer", x.shape, x.dtype, x.flags.c_contiguous))
+        def infer_padded(self, x, valid_tokens=None):
+            calls.append(("infer", x.shape, x.dtype, x.flags.c_contiguous, list(valid_tokens)))
             seen.append(x.copy())
             return np.full(x.shape, 7.0, np.float32)
 
@@ -102,7 +102,9 @@ def test_auto_takes_cuda_when_it_loads(small_bundle, monkeypatch, capsys):
     assert y.shape == (3, 64) and np.all(y == 7.0)
     assert z.shape == (2, 5, 64) and np.all(z[0, :2] == 7.0) and np.all(z[0, 2:] == 0) and np.all(z[1] == 0)
     padded = ("infer", (2, 8, 64), np.dtype(np.float32), True)
-    assert calls == [("init", True), padded, padded, ("close",)]
+    # The valid tokens of each sequence travel with the padded input: 3 of sequence 0 (none of sequence 1), then
+    # the lengths given.
+    assert calls == [("init", True), (*padded, [3, 0]), (*padded, [2, 0]), ("close",)]
     # What the backend saw: the input, zeros elsewhere (the second call's staging holds nothing of the first).
     first = np.zeros((2, 8, 64), np.float32)
     first[0, :3] = 1

@@ -13,6 +13,9 @@
 //   - the schedule is chosen per launch (coli_emu_set_schedule): fibers in increasing order, decreasing order, or a
 //     fresh pseudo-random order every round; blocks likewise. Results of the ordered aggregation must not depend
 //     on it; a missing barrier usually does;
+//   - global loads through `__ldg` are recorded when the access model is on (coli_emu_access_enable): the k-th
+//     execution of one load site by each lane of a warp is one warp-level instruction; its 32-byte sectors and
+//     requested bytes are summed per address class (bench/kernel_access.py, docs/kernels.md "Access model");
 //   - strict rules, each an error of the launch rather than a hang: a __syncthreads must be reached by every
 //     thread of the block, a full-mask warp operation by all 32 lanes (a thread that exited before counts as
 //     missing), and a state where no fiber can move is a deadlock. A segmentation fault inside a kernel is
@@ -29,7 +32,10 @@
 #include <cmath>
 #include <sys/mman.h>
 #include <ucontext.h>
+#include <algorithm>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #define COLI_CPU_EMULATION 1
 
@@ -38,6 +44,7 @@
 #define __device__ static
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static __attribute__((section("coli_shared"), aligned(16)))
 // __restrict__ is a g++ extension already.
 
@@ -47,6 +54,7 @@ struct dim3 { unsigned int x, y, z; };
 struct __attribute__((aligned(16))) uint4 { unsigned int x, y, z, w; };
 struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
 struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
 
 // Set by the scheduler before every switch into a fiber.
 inline uint3 threadIdx, blockIdx;
@@ -273,6 +281,77 @@ inline bool run_block() {
     return true;
 }
 
+// ---- access model: warp-level global loads → 32-byte sectors ---------------------------------------------------
+// Address classes: registered regions (coli_emu_access_region) carry a class 0..kClasses-2; any other address
+// (shared memory, the stack) falls in the last class.
+constexpr int kClasses = 4;
+struct AccessStats {
+    unsigned long long instructions, sectors, min_sectors, bytes;
+};
+struct InstrKey {
+    uintptr_t site;
+    uint32_t warp, occurrence;
+    bool operator==(const InstrKey& o) const { return site == o.site && warp == o.warp && occurrence == o.occurrence; }
+};
+struct InstrKeyHash {
+    size_t operator()(const InstrKey& k) const {
+        return std::hash<uintptr_t>()(k.site) ^ (size_t(k.warp) << 40) ^ (size_t(k.occurrence) * 0x9E3779B97F4A7C15ull);
+    }
+};
+struct AccessRegion {
+    uintptr_t lo, hi;
+    int cls;
+};
+struct Access {
+    bool on = false;
+    std::vector<AccessRegion> regions;
+    AccessStats stats[kClasses] = {};
+    // per (site, thread): executions so far in this block; per instruction: the lanes' (address, bytes)
+    std::unordered_map<uint64_t, uint32_t> seen;
+    std::unordered_map<InstrKey, std::vector<std::pair<uintptr_t, uint32_t>>, InstrKeyHash> pending;
+};
+inline Access acc_model;
+
+inline int access_class(uintptr_t a) {
+    for (const AccessRegion& r : acc_model.regions)
+        if (a >= r.lo && a < r.hi) return r.cls;
+    return kClasses - 1;
+}
+
+// The site is this call's return address: __ldg is inlined, so each load site in a kernel calls from its own place.
+__attribute__((noinline)) inline void record_load(const void* p, uint32_t bytes) {
+    const uintptr_t site = uintptr_t(__builtin_return_address(0));
+    const uint64_t who = (uint64_t(site) << 11) ^ uint64_t(g.current);
+    const uint32_t occurrence = acc_model.seen[who]++;
+    acc_model.pending[InstrKey{site, uint32_t(g.current / 32), occurrence}].emplace_back(uintptr_t(p), bytes);
+}
+
+// One warp-level instruction per pending entry: sectors touched, the distinct bytes its lanes asked for.
+inline void flush_accesses() {
+    std::vector<uintptr_t> sectors;
+    for (auto& [key, lanes] : acc_model.pending) {
+        std::sort(lanes.begin(), lanes.end());
+        sectors.clear();
+        unsigned long long bytes = 0;
+        uintptr_t covered = 0;  // bytes below this address are counted already
+        for (const auto& [a, n] : lanes) {
+            const uintptr_t lo = a > covered ? a : covered, hi = a + n;
+            if (hi > lo) bytes += hi - lo;
+            if (hi > covered) covered = hi;
+            for (uintptr_t s = a >> 5; s <= (a + n - 1) >> 5; ++s) sectors.push_back(s);
+        }
+        std::sort(sectors.begin(), sectors.end());
+        const size_t touched = size_t(std::unique(sectors.begin(), sectors.end()) - sectors.begin());
+        AccessStats& st = acc_model.stats[access_class(lanes.front().first)];
+        st.instructions += 1;
+        st.sectors += touched;
+        st.min_sectors += (bytes + 31) / 32;
+        st.bytes += bytes;
+    }
+    acc_model.pending.clear();
+    acc_model.seen.clear();
+}
+
 inline void on_fault(int, siginfo_t* info, void*) {
     g.fault_addr = info->si_addr;
     siglongjmp(g.fault_jump, 1);
@@ -329,6 +408,7 @@ inline int launch(const char* symbol, void (*thunk)(void**), const unsigned* gri
             const long long b = order[int(i)];
             blockIdx = {unsigned(b % grid[0]), unsigned(b / grid[0] % grid[1]), unsigned(b / grid[0] / grid[1])};
             if (!run_block()) rc = 1;
+            if (acc_model.on) flush_accesses();
         }
     }
     sigaction(SIGSEGV, &old_segv, nullptr);
@@ -390,6 +470,13 @@ inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
     });
 }
 template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return coli_emu::exchange(mask, v, [&](int lane) {
+        const int src = lane - int(delta);
+        return src >= (lane & ~(width - 1)) ? src : lane;
+    });
+}
+template <class T>
 inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
     return coli_emu::exchange(mask, v, [&](int lane) { return (lane & ~(width - 1)) + (src_lane & (width - 1)); });
 }
@@ -400,12 +487,34 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p
 inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
 inline int atomicMax(int* p, int v) { const int old = *p; *p = old > v ? old : v; return old; }
 
+// A global load: recorded by the access model when it is on (always inlined, so that each load site of a kernel
+// calls record_load from its own address).
 template <class T>
-inline T __ldg(const T* p) { return *p; }
+__attribute__((always_inline)) inline T __ldg(const T* p) {
+    if (coli_emu::acc_model.on) coli_emu::record_load(p, sizeof(T));
+    return *p;
+}
 
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __half_bits_to_float(unsigned short h) { return coli_emu::half_bits_to_float(h); }
+// float32 → IEEE binary16 bits, round to nearest even (as cvt.rn.f16.f32): overflow to inf, NaN kept quiet.
+inline unsigned short __float_to_half_bits(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, absx = x & 0x7fffffffu;
+    if (absx > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((absx >> 13) & 0x3ffu));  // NaN
+    if (absx >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+    if (absx < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+        const float a = std::fabs(f) * 16777216.0f;  // units of 2^-24; exact (a power of two scale)
+        return uint16_t(sign | uint32_t(std::nearbyint(a)));  // the default rounding mode: nearest even
+    }
+    const uint32_t mant = absx & 0x7fffffu, exp = (absx >> 23) - 112u;  // rebias 127 → 15
+    uint32_t h = (exp << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // carries into the exponent correctly
+    return uint16_t(sign | h);
+}
 
 // Exported entry point of one kernel: int coli_emu_launch_<symbol>(grid[3], block[3], params).
 #define COLI_EMU_EXPORT(symbol)                                                                                 \
@@ -413,3 +522,50 @@ inline float __half_bits_to_float(unsigned short h) { return coli_emu::half_bits
         const unsigned* grid, const unsigned* block, void** params) {                                          \
         return coli_emu::launch(#symbol, coli_emu::thunk<symbol>, grid, block, params);                        \
     }
+
+// ---- tensor cores and asynchronous copies (common.cuh mma_m16n8k16, cp_async16) ----------------------------------
+// mma: every lane deposits its fragments, the warp meets, each lane computes its four D entries from the whole A
+// and B (fp16 → float exactly, products summed in k order 0..15 in float, then + C: the GPU's internal order and
+// precision are not specified, so results may differ in the last bits), the warp meets again before the slots are
+// reused.
+namespace coli_emu {
+inline uint32_t mma_a[kWarps][32][4], mma_b[kWarps][32][2];
+
+inline float mma_half(uint32_t word, int high) { return half_bits_to_float(uint16_t(high ? word >> 16 : word & 0xffffu)); }
+
+inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+    const int warp = g.current / 32, lane = g.current % 32;
+    for (int i = 0; i < 4; ++i) mma_a[warp][lane][i] = a[i];
+    for (int i = 0; i < 2; ++i) mma_b[warp][lane][i] = b[i];
+    warp_barrier(0xffffffffu);
+    // A[row][col] and B[k][col] from the fragments of the lanes that hold them.
+    auto A = [&](int row, int col) {
+        const int gg = row % 8, cc = (col % 8) / 2, reg = (row >= 8) + 2 * (col >= 8);
+        return mma_half(mma_a[warp][4 * gg + cc][reg], col & 1);
+    };
+    auto B = [&](int k, int col) {
+        const int cc = (k % 8) / 2, reg = k >= 8;
+        return mma_half(mma_b[warp][4 * col + cc][reg], k & 1);
+    };
+    const int gg = lane / 4, cc = lane % 4;
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = gg + 8 * (i / 2), col = 2 * cc + (i % 2);
+        float s = 0.0f;
+        for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
+        out[i] = s + c[i];
+    }
+    warp_barrier(0xffffffffu);
+    for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
+}  // namespace coli_emu
+
+inline void coli_emu_mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+    coli_emu::mma_m16n8k16(d, a, b, c);
+}
+// The copy happens at once (a load the access model records, a 16-byte shared store); commit and wait do nothing.
+__attribute__((always_inline)) inline void coli_emu_cp_async16(void* dst, const void* src) {
+    const uint4 v = __ldg(static_cast<const uint4*>(src));
+    std::memcpy(dst, &v, 16);
+}

@@ -23,3 +23,29 @@ COLI_EMU_API void coli_emu_half_to_float(const unsigned short* in, unsigned int*
         std::memcpy(&out[i], &f, 4);
     }
 }
+
+// ---- access model (cuda_shim.h): loads through __ldg, per address class -------------------------------------------
+// Register [lo, lo + size) as address class `cls` (0..kClasses-2); a negative size clears every region.
+COLI_EMU_API void coli_emu_access_region(unsigned long long lo, long long size, int cls) {
+    if (size < 0) {
+        coli_emu::acc_model.regions.clear();
+        return;
+    }
+    coli_emu::acc_model.regions.push_back({uintptr_t(lo), uintptr_t(lo + size), cls});
+}
+
+// Turn recording on (1) or off (0) for the following launches.
+COLI_EMU_API void coli_emu_access_enable(int on) { coli_emu::acc_model.on = on != 0; }
+
+// Copy the totals since the last read into out[kClasses][4] (instructions, sectors, min_sectors, bytes), then reset.
+COLI_EMU_API int coli_emu_access_read(unsigned long long* out) {
+    for (int c = 0; c < coli_emu::kClasses; ++c) {
+        const coli_emu::AccessStats& s = coli_emu::acc_model.stats[c];
+        out[4 * c] = s.instructions;
+        out[4 * c + 1] = s.sectors;
+        out[4 * c + 2] = s.min_sectors;
+        out[4 * c + 3] = s.bytes;
+        coli_emu::acc_model.stats[c] = {};
+    }
+    return coli_emu::kClasses;
+}
