@@ -131,6 +131,10 @@ SCHEMA: dict = {
     "kernels": _kernel_schema(),
     "aggregation": _choice(AGGREGATIONS),
     "allow_spills": Leaf((bool,), allowed="true or false"),
+    "top_k": _int(1, 256, "experts per token in place of the model's own k (docs/build.md, \"Top-k override\")",
+                  required=False),
+    "capacity": Leaf((dict,), allowed="a mapping {factor, mode: hard|soft, policy: score|position}", required=False),
+    "streams": _int(1, 64, "calls Runtime.submit keeps in flight (default 1)", required=False),
 }
 
 
@@ -165,7 +169,11 @@ def _validate(data, schema: dict, path: str, source: str) -> None:
 
 
 def _check_limits(data: dict, source: str) -> None:
-    """Cross-key checks: the shape's size, shared memory against the arch's hardware limits."""
+    """Cross-key checks: the shape's size, shared memory against the arch's hardware limits, expert capacity."""
+    if "capacity" in data:
+        from .capacity import Capacity
+
+        Capacity.from_dict(data["capacity"], f"{source}: capacity")
     shape = data["shape"]
     if shape["batch"] * shape["tokens"] > MAX_TOKENS:
         raise ProfileError(

@@ -186,9 +186,15 @@ class ReferenceEngine:
             writes one, so the file was corrupted or written by something else).
     """
 
-    def __init__(self, model: ColibriFile | str | os.PathLike, compute_dtype=np.float32, check_overflow: bool = True):
+    def __init__(
+        self, model: ColibriFile | str | os.PathLike, compute_dtype=np.float32, capacity=None,
+        check_overflow: bool = True,
+    ):
         self.check_overflow = check_overflow
         self.file = model if isinstance(model, ColibriFile) else ColibriFile(model)
+        # Expert capacity (colibri_sdk.capacity.Capacity, None = dropless): `valid` (tokens,) bool marks the rows
+        # that are real tokens; `dropped` counts the pairs dropped since the last `run`.
+        self.capacity, self.valid, self.dropped = capacity, None, 0
         self.header: Header = self.file.header
         try:
             self.compute_dtype = np.dtype(compute_dtype)
@@ -254,6 +260,7 @@ class ReferenceEngine:
             (tokens, hidden) in the compute dtype, a new array.
         """
         residual = self.header.composition == COMPOSITION_RESIDUAL
+        self.dropped = 0
         for layer in range(self.header.num_layers):
             y = self.layer(layer, h)
             if residual:
@@ -324,8 +331,15 @@ class ReferenceEngine:
         """One MoE layer on x (tokens, hidden) in the compute dtype → (tokens, hidden)."""
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is raised below, with its layer
             indices, weights = self.route(layer, x)
+            if self.capacity is not None:
+                from .capacity import apply_capacity
+
+                indices, dropped = apply_capacity(
+                    indices, weights, self.header.num_experts, self.capacity, self.valid
+                )
+                self.dropped += dropped
             out = np.zeros_like(x)
-            for expert in np.unique(indices):
+            for expert in np.unique(indices[indices >= 0]):  # a pair dropped by capacity has expert -1
                 tokens, slots = np.nonzero(indices == expert)
                 y = self.expert(layer, int(expert), x[tokens])
                 # Each (token, expert) pair occurs once, so this scatter has no duplicate indices.

@@ -41,6 +41,7 @@ from ..format.constants import COMPOSITION_RESIDUAL, DTYPE_CODES
 from ..format.writer import tensor_order
 from ..aot.kernels import CompiledKernel, compile_catalog
 from ..aot.nvrtc import nvrtc_version
+from .top_k import apply_top_k
 from ..blas import blas_threads
 from ..reference import silu, topk_route
 
@@ -343,12 +344,15 @@ def make_manifest(
     root: Path,
     selftest: dict,
     digests: dict[str, str] | None = None,
+    model_top_k: int | None = None,
 ) -> dict:
     """The manifest for the files already written under `root` (everything except manifest.json).
 
     Args:
         digests: sha256 already computed, by relative path (the weights, hashed while copied); the other files
             are hashed here.
+        model_top_k: the source model's own k, recorded as `weights.model_top_k` (it differs from the header's
+            top_k under a top-k override, sdk/bundle/top_k.py).
     """
     major, minor = nvrtc_version()
     pdict = profile.to_dict()
@@ -369,7 +373,8 @@ def make_manifest(
         "shape": dict(pdict["shape"]),
         "aggregation": profile.aggregation,
         "profile": pdict,
-        "weights": {"file": WEIGHTS_FILE, "header": dataclasses.asdict(header)},
+        "weights": {"file": WEIGHTS_FILE, "header": dataclasses.asdict(header),
+                    "model_top_k": header.top_k if model_top_k is None else int(model_top_k)},
         "kernels": [_kernel_entry(k, profile.arch) for k in kernels],
         "launch": plan,
         "buffers": catalog.device_buffers(pdict, header),
@@ -421,6 +426,11 @@ def _write_contents(
         if not digests[WEIGHTS_FILE]:
             digests[WEIGHTS_FILE] = sha256_with_progress(target, progress)
             steps.done("weights: sha256")
+    model_top_k = header.top_k
+    overridden = apply_top_k(target, header, profile.to_dict().get("top_k"), profile.source)
+    if overridden is not header:  # the header bytes changed: the digest taken while copying is stale
+        header = overridden
+        digests[WEIGHTS_FILE] = sha256_with_progress(target, progress)
     kernels = compile_catalog(profile, header, kernel_dir, workers=workers)
     plan = catalog.launch_plan(profile.to_dict(), header)
     check_launch_plan(plan, kernels, profile)
@@ -437,7 +447,7 @@ def _write_contents(
     rtol, atol = SELFTEST_TOLERANCE[profile.dtype]
     selftest = {"input": "selftest/input.npy", "output": "selftest/output.npy", "rtol": rtol, "atol": atol,
                 "seed": seed}
-    manifest = make_manifest(profile, header, kernels, plan, root, selftest, digests)
+    manifest = make_manifest(profile, header, kernels, plan, root, selftest, digests, model_top_k)
     (root / MANIFEST).write_bytes(canonical_json(manifest))
     steps.done("manifest: written")
     return manifest, kernels, source_dtype

@@ -19,6 +19,14 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", help="the bundle folder (default: bundles/<profile>)")
     p.add_argument("--force", action="store_true", help="replace an earlier bundle (and its .tar) at the output")
     p.add_argument("--archive", action="store_true", help="also write <output>.tar (reproducible)")
+    p.add_argument("--capacity-factor", type=float, metavar="F",
+                   help="expert capacity C = ceil(tokens*k*F/experts) per expert and call (docs/runtime.md; CPU "
+                   "backend only, the CUDA backend refuses such a bundle)")
+    p.add_argument("--capacity-mode", choices=("hard", "soft"), help="with --capacity-factor; default hard")
+    p.add_argument("--capacity-policy", choices=("score", "position"),
+                   help="with --capacity-factor: which pairs an expert keeps first; default score")
+    p.add_argument("--top-k", type=int, metavar="K",
+                   help="experts per token in place of the model's own k (recorded in the manifest; docs/build.md)")
     # --kernels DIR: compile the kernel sources of another folder (kernel development); not in --help.
     p.add_argument("--kernels", metavar="DIR", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -32,6 +40,20 @@ def run(args) -> int:
 
     start = time.perf_counter()
     profile = load_profile(args.profile)
+    overrides = {}
+    if args.top_k is not None:
+        overrides["top_k"] = args.top_k
+    if args.capacity_factor is not None:
+        overrides["capacity"] = {"factor": args.capacity_factor, "mode": args.capacity_mode or "hard",
+                                 "policy": args.capacity_policy or "score"}
+    elif args.capacity_mode or args.capacity_policy:
+        from ..errors import ProfileError
+
+        raise ProfileError("--capacity-mode / --capacity-policy need --capacity-factor F")
+    if overrides:
+        from ..profile import Profile
+
+        profile = Profile.from_dict({**profile.to_dict(), **overrides}, profile.source)
     out = Path(args.output) if args.output else Path("bundles") / profile.stem
     with StepBars(quiet=args.quiet, desc_prefix="build: ") as bars:
         result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive,
@@ -51,6 +73,12 @@ def run(args) -> int:
     if result.converted:
         print(f"  dtype: the weights are stored as {result.source_dtype}; converted to the profile's {m['dtype']}"
               + (" (every value rounded to fp16)" if m["dtype"] == "fp16" else ""))
+    if m["weights"].get("model_top_k", h["top_k"]) != h["top_k"]:
+        print(f"  top-k override: {h['top_k']} experts per token (the model's own k is {m['weights']['model_top_k']})")
+    if m["profile"].get("capacity"):
+        c = m["profile"]["capacity"]
+        print(f"  expert capacity: factor {c['factor']:g}, {c.get('mode', 'hard')}, policy {c.get('policy', 'score')}"
+              " (CPU backend; the CUDA backend refuses this bundle: its kernels are dropless)")
     print(format_resources(m["kernels"]))
     total = sum(f["size"] for f in m["files"])
     print(f"  {len(m['files'])} files + manifest, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass")

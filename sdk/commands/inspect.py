@@ -48,6 +48,10 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     """
     bundle = Bundle.open(path, verify=False)
     info = bundle_summary(bundle)
+    m = bundle.manifest
+    info["top_k"] = {"bundle": m["weights"]["header"].get("top_k"),
+                     "model": m["weights"].get("model_top_k", m["weights"]["header"].get("top_k"))}
+    info["capacity"] = m["profile"].get("capacity")  # None: dropless
     if as_json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
@@ -63,6 +67,12 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
         ("min driver", f"CUDA {format_driver_version(m['min_driver'])} ({m['min_driver']})"),
         ("launches", info["launches"]),
     ]
+    model_k, k = m["weights"].get("model_top_k"), m["weights"]["header"].get("top_k")
+    if model_k is not None and model_k != k:
+        rows.append(("top-k", f"{k} (override; the model's own k is {model_k})"))
+    cap = m["profile"].get("capacity")
+    rows.append(("capacity", "dropless" if not cap else
+                 f"factor {cap['factor']:g}, {cap.get('mode', 'hard')}, policy {cap.get('policy', 'score')}"))
     for key, value in rows:
         print(f"  {key:<14} {value}")
     try:

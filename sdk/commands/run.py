@@ -1,5 +1,6 @@
 """`colibri-sdk run BUNDLE [--input IN.npy] [--output OUT.npy] [--backend auto|cuda|cpu] [--iters N] [--eager]
-[--lengths N ...]`: run a bundle on one input, write the output, print the backend and the latency per call."""
+[--lengths N ...] [--json]`: run a bundle on one input, write the output, print the backend and the latency per call
+(as text, or with --json as one JSON object holding `Runtime.stats()` too)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def register(sub) -> None:
     p.add_argument("--lengths", type=int, nargs="+", metavar="N", help="per-sequence lengths, one per batch row")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input (default: 0)")
     p.add_argument("--no-verify", action="store_true", help="skip the size and sha256 check of every file at load")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (bundle, backend, shape, load, first call, latency, Runtime.stats())")
     p.set_defaults(func=run)
 
 
@@ -105,9 +108,13 @@ def run(args) -> int:
             start = time.perf_counter()
             rt.infer(x, input_lengths=args.lengths)
             times.append(time.perf_counter() - start)
+        if args.json:
+            return print_json(run_report(rt, args, source, x, first, times, load_seconds), args.output, y)
         mode = {"cpu": "NumPy"}.get(rt.backend_name, "eager launches" if args.eager else "CUDA Graph replay")
         print(f"bundle   {rt.bundle.path}  ({rt.dtype}, batch {batch} x tokens {tokens}, hidden {rt.hidden_size})")
         print(f"backend  {rt.backend_name} ({mode})")
+        if rt.top_k != rt.model_top_k:
+            print(f"top-k    {rt.top_k} (build override; the model's own k is {rt.model_top_k})")
         print(f"load     {load_seconds * 1e3:.1f} ms" + ("" if args.no_verify else " (with checksums)"))
         print(f"input    {source}  {x.dtype} {tuple(x.shape)}" + (f"  lengths {args.lengths}" if args.lengths else ""))
         stats = latency_ms(times)
@@ -120,3 +127,36 @@ def run(args) -> int:
         save_output(args.output, y)
         print(f"output   {args.output}  {y.dtype} {tuple(y.shape)}")
     return 0
+
+
+def print_json(report: dict, output: str | None, y) -> int:
+    """Write the output (if asked), add it to the report, print the report as one JSON line; exit code 0."""
+    import json
+
+    if output:
+        save_output(output, y)
+        report["output"] = {"path": output, "dtype": str(y.dtype), "shape": list(y.shape)}
+    print(json.dumps(report, sort_keys=True))
+    return 0
+
+
+def run_report(rt, args, source: str, x, first: float, times: list[float], load_seconds: float) -> dict:
+    """The `run --json` object: what the text output prints, plus `Runtime.stats().as_dict()` under "stats"."""
+    batch, tokens = rt.shape
+    return {
+        "bundle": str(rt.bundle.path),
+        "dtype": rt.dtype,
+        "shape": {"batch": batch, "tokens": tokens},
+        "hidden_size": rt.hidden_size,
+        "top_k": rt.top_k,
+        "model_top_k": rt.model_top_k,
+        "backend": rt.backend_name,
+        "eager": bool(args.eager),
+        "load_ms": load_seconds * 1e3,
+        "verified": not args.no_verify,
+        "input": {"source": source, "dtype": str(x.dtype), "shape": list(x.shape), "lengths": args.lengths},
+        "first_ms": first * 1e3,
+        "iters": args.iters,
+        "latency_ms": latency_ms(times),
+        "stats": rt.stats().as_dict(),
+    }

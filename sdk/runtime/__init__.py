@@ -5,5 +5,6 @@ docs/runtime.md.
 """
 
 from .runtime import BACKENDS, Runtime, SelfTestResult, available_backends, cuda_status
+from .stats import RuntimeStats
 
-__all__ = ["BACKENDS", "Runtime", "SelfTestResult", "available_backends", "cuda_status"]
+__all__ = ["BACKENDS", "Runtime", "RuntimeStats", "SelfTestResult", "available_backends", "cuda_status"]

@@ -17,6 +17,10 @@ import numpy as np
 from ..blas import blas_threads
 from ..errors import BackendError
 from ..reference import ReferenceEngine
+from ..format.constants import COMPOSITION_RESIDUAL
+from .scratch_engine import ScratchEngine
+from ..capacity import Capacity
+from .scratch_engine import supports as scratch_supports
 from .padding import check_valid_tokens
 
 
@@ -41,6 +45,12 @@ class CpuBackend:
         # The runtime checks each call's output once and names the first non-finite layer (NonFiniteOutputError).
         self._engine = ReferenceEngine(self._file, compute_dtype=np.float32, check_overflow=False)
         self.hidden_size = self._file.header.hidden_size
+        self.num_layers = self._file.header.num_layers
+        rows = int(np.prod(self.shape))
+        self._scratch = ScratchEngine(self._file, rows) if scratch_supports(self._file.header) else None
+        spec = getattr(bundle, "manifest", {}).get("profile", {}).get("capacity")
+        self.capacity = None if spec is None else Capacity.from_dict(spec, "manifest profile.capacity")
+        self.last_dropped = 0  # pairs dropped by expert capacity in the last call (Runtime.stats)
 
     def infer_padded(self, x: np.ndarray, valid_tokens=None) -> np.ndarray:
         """One forward pass at the fixed shape.
@@ -75,9 +85,45 @@ class CpuBackend:
                 out[mask] = self._engine.run(rows)
         return out
 
+    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_rows=None,
+                   capacity: bool = True) -> None:
+        """Layers start..stop-1 (composed as the model composes them) into the caller's buffer.
+
+        Args:
+            x: float32, C-contiguous, (batch, tokens, hidden) at the fixed shape (validated by Runtime).
+            out: float32, C-contiguous, x's shape; overwritten. With preallocated scratch (`scratch_engine`) this
+                allocates no activation- or weight-sized array; other formats run the reference engine.
+            start, stop: 0 <= start < stop <= num_layers (validated by Runtime).
+            valid_rows: (batch * tokens,) bool, the rows that are real tokens (expert capacity counts only those);
+                None: all.
+            capacity: False runs dropless even where the bundle sets a capacity (the self-test).
+
+        Raises:
+            BackendError: the backend is closed.
+        """
+        if self._engine is None:
+            raise BackendError("the CPU backend is closed; load the bundle again")
+        flat_x, flat_out = x.reshape(-1, self.hidden_size), out.reshape(-1, self.hidden_size)
+        engine = self._scratch if self._scratch is not None else self._engine
+        engine.capacity = self.capacity if capacity else None
+        engine.valid = valid_rows
+        engine.dropped = 0
+        with blas_threads(flat_x.shape[0]):
+            if self._scratch is not None:
+                self._scratch.run_into(flat_x, flat_out, start, stop)
+            else:
+                residual = self._file.header.composition == COMPOSITION_RESIDUAL
+                h = flat_x
+                for layer in range(start, stop):
+                    y = self._engine.layer(layer, h)
+                    h = h + y if residual else y
+                np.copyto(flat_out, h)
+        self.last_dropped = engine.dropped
+
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
             self._file = None
+            self._scratch = None

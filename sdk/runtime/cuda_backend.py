@@ -199,6 +199,11 @@ class CudaBackend:
         with bundle.open_weights() as weights:
             self.header = weights.header
         profile = manifest["profile"]
+        if profile.get("capacity") is not None:  # the kernels are dropless: never ignore a capacity silently
+            raise BackendError(
+                f"the bundle sets expert capacity {profile['capacity']}; the CUDA kernels are dropless: run it on "
+                f"the cpu backend, or build without capacity"
+            )
         self.shape = tuple(bundle.shape)
         self.hidden = self.header.hidden_size
         self._functions = self._load_functions(bundle)
@@ -207,6 +212,7 @@ class CudaBackend:
         self._io = catalog.io_buffers(self.header)
         plan = manifest.get("launch") or catalog.launch_plan(profile, self.header)
         self._launches = [self._prepare(launch) for launch in plan]
+        self._launch_layers = [int(launch["layer"]) for launch in plan]  # per-layer calls run a sub-range
         batch, tokens = self.shape
         self._io_bytes = batch * tokens * self.hidden * 4
         # The pinned input holds x, then the (batch,) int32 valid-token counts.
@@ -400,6 +406,106 @@ class CudaBackend:
                 check(cu.cuGraphLaunch(self._res.graph_exec, self._res.stream), "cuGraphLaunch")
             check(cu.cuStreamSynchronize(self._res.stream), "cuStreamSynchronize")
             return self._out.view(np.float32).reshape(expected).copy()
+
+    # ---- per-layer calls and device-resident I/O (docs/runtime-cuda.md, "Per-layer calls, device I/O") -------
+    def _enqueue_layers(self, start: int, stop: int, stream) -> None:
+        """The launches of layers start..stop-1 on `stream`; they read x{start%2} and leave x{stop%2}."""
+        cu = self._cu
+        for (function, grid, block, shared, params, _), layer in zip(self._launches, self._launch_layers):
+            if start <= layer < stop:
+                check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0),
+                      "cuLaunchKernel")
+
+    def _write_valid_tokens(self, stream, counts) -> None:
+        """Where the launch plan has a `valid_tokens` buffer (`catalog.io_buffers`): entry b = counts[b] (an int
+        for every sequence, or one per sequence; sequences past len(counts) get 0), written on `stream` before a
+        sub-range's or a device call's launches, which do not run the whole-model input copy."""
+        name = self._io.get("valid_tokens")
+        if name not in self._buffers:
+            return
+        cu, fixed_batch = self._cu, self.shape[0]
+        values = [int(counts)] * fixed_batch if np.ndim(counts) == 0 else [int(v) for v in counts]
+        values += [0] * (fixed_batch - len(values))
+        ptr = self._buffers[name]
+        for b, value in enumerate(values):
+            check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr + 4 * b), value, 1, stream), "cuMemsetD32Async")
+
+    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_tokens=None) -> None:
+        """Layers start..stop-1 on a host input at the fixed shape, into `out` (the Runtime's contract).
+
+        The whole model (0..num_layers) replays the CUDA Graph (or the eager launches); a sub-range enqueues that
+        range's launches eagerly: input copy into x{start%2}, the launches, output copy from x{stop%2}.
+
+        Args:
+            x, out: float32 C-contiguous (batch, tokens, hidden) at the fixed shape (validated by Runtime).
+            valid_tokens: (batch,) ints, each sequence's valid tokens, or None (all); used where the launch plan
+                has a `valid_tokens` buffer (padded tokens then select no expert).
+
+        Raises:
+            BackendError: closed. CudaError: a driver call failed.
+        """
+        cu, res = self._cu, self._res
+        with self._lock:
+            if res.released:
+                raise BackendError("this CUDA backend is closed; load the bundle again")
+            check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
+            self._in[:] = x.reshape(-1).view(np.uint8)
+            counts = self.shape[1] if valid_tokens is None else valid_tokens
+            if hasattr(self, "_valid"):  # the pinned valid-token counts the whole-model input copy sends
+                self._valid[:] = counts
+            if start == 0 and stop == self.header.num_layers:
+                if self.eager:
+                    self._enqueue()
+                else:
+                    check(cu.cuGraphLaunch(res.graph_exec, res.stream), "cuGraphLaunch")
+            else:
+                src, dst = self._buffers[f"x{start % 2}"], self._buffers[f"x{stop % 2}"]
+                check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(src), self._in_ptr, self._io_bytes, res.stream),
+                      "cuMemcpyHtoDAsync")
+                self._write_valid_tokens(res.stream, counts)
+                self._enqueue_layers(start, stop, res.stream)
+                check(cu.cuMemcpyDtoHAsync(self._out_ptr, cu.CUdeviceptr(dst), self._io_bytes, res.stream),
+                      "cuMemcpyDtoHAsync")
+            check(cu.cuStreamSynchronize(res.stream), "cuStreamSynchronize")
+            out.reshape(-1).view(np.uint8)[:] = self._out
+
+    def run_device(self, src: int, dst: int, batch: int, tokens: int, start: int, stop: int, stream: int) -> None:
+        """Layers start..stop-1 from device memory to device memory on the caller's stream: no host round trip.
+
+        Args:
+            src, dst: device addresses of C-contiguous float32 (batch, tokens, hidden) arrays (they may be equal).
+            batch, tokens: the arrays' shape, at most the fixed shape; padding rows of the scratch input are zeroed.
+            stream: the caller's CUstream handle; 0 is the legacy default stream, synchronised before returning.
+                On any other stream the call returns once the work is enqueued (the caller synchronises), so the
+                launches can be part of the caller's own stream capture. One Runtime's scratch buffers are shared by
+                its calls: issue a Runtime's device calls on one stream at a time.
+
+        Raises:
+            BackendError: closed. CudaError: a driver call failed.
+        """
+        cu, res = self._cu, self._res
+        fixed_batch, fixed_tokens = self.shape
+        row = self.hidden * 4
+        s = cu.CUstream(stream)
+        with self._lock:
+            if res.released:
+                raise BackendError("this CUDA backend is closed; load the bundle again")
+            check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
+            x_in, x_out = self._buffers[f"x{start % 2}"], self._buffers[f"x{stop % 2}"]
+            if (batch, tokens) != (fixed_batch, fixed_tokens):
+                check(cu.cuMemsetD32Async(cu.CUdeviceptr(x_in), 0, self._io_bytes // 4, s), "cuMemsetD32Async")
+            whole = tokens == fixed_tokens
+            spans = [(0, batch * tokens * row)] if whole else [(b, tokens * row) for b in range(batch)]
+            for b, n in spans:
+                check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(x_in + b * fixed_tokens * row),
+                                           cu.CUdeviceptr(src + b * tokens * row), n, s), "cuMemcpyDtoDAsync")
+            self._write_valid_tokens(s, [tokens] * batch)
+            self._enqueue_layers(start, stop, s)
+            for b, n in spans:
+                check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(dst + b * tokens * row),
+                                           cu.CUdeviceptr(x_out + b * fixed_tokens * row), n, s), "cuMemcpyDtoDAsync")
+            if stream == 0:
+                check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
 
     def poison(self) -> None:
         """Fill every scratch buffer and the pinned output with 0x7FC00000 words (float32 NaN), for tests that

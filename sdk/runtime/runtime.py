@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 
 from ..errors import BackendError, BundleError, InputError, NonFiniteOutputError
+from .stats import RuntimeStats, StatsRecorder
 
 BACKENDS = ("auto", "cuda", "cpu")
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # either byte order; converted to native float32
@@ -164,6 +165,10 @@ class Runtime:
         with Runtime.load("bundles/demo") as rt:
             y = rt.infer(x)                      # x (batch, tokens, hidden) or (tokens, hidden)
             y = rt.infer(x, input_lengths=[5])   # sequence 0 is 5 tokens long; the rest is padding
+            rt.infer(x, out=buf)                 # into the caller's float32 array (no allocation on the CPU)
+            h = rt.layer(l, h)                   # one MoE layer; rt.layers(start, stop, h) a range
+            future = rt.submit(x)                # pipelined: a concurrent.futures.Future, submission order
+            rt.stats().p99_ms                    # latency percentiles, shapes, dropped pairs
 
     Attributes:
         bundle: the open `colibri_sdk.bundle.Bundle`.
@@ -171,6 +176,10 @@ class Runtime:
         shape: the fixed (batch, tokens) the bundle was built for.
         hidden_size: the model's hidden size.
         dtype: the bundle's weight dtype, "fp16" | "fp32".
+        num_layers: the model's MoE layers (`layer`, `layers`).
+        top_k, model_top_k: experts per token the bundle routes to, and the model's own k (they differ under a
+            build's top-k override, docs/build.md).
+        streams: calls `submit` keeps in flight.
         notice: None, or the one line logged when backend="auto" fell back to the CPU ("running on the CPU
             backend: <why>").
         load_seconds: wall time of `load`, in seconds.
@@ -179,7 +188,7 @@ class Runtime:
     same calls one after another.
     """
 
-    def __init__(self, bundle, backend, notice: str | None = None):
+    def __init__(self, bundle, backend, notice: str | None = None, streams: int | None = None):
         self.bundle = bundle
         self._backend = backend
         self.backend_name: str = backend.name
@@ -190,12 +199,28 @@ class Runtime:
         self.notice = notice
         self.load_seconds = 0.0
         self._lock = threading.Lock()
+        self.num_layers: int = int(header["num_layers"])
+        self.top_k: int = int(header["top_k"])  # experts per token the bundle routes to
+        self.model_top_k: int = int(bundle.manifest["weights"].get("model_top_k", self.top_k))  # the model's own k
         self._staging = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
+        self._result = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
+        self._finite = np.zeros(self.shape + (self.hidden_size,), dtype=bool)
+        self._stats = StatsRecorder(self.shape)
+        from .pipeline import check_depth
+
+        default_streams = bundle.manifest["profile"].get("streams", 1)
+        self.streams: int = check_depth(streams if streams is not None else default_streams)
+        self._pipeline = None
+        self._valid_mask = np.zeros(self.shape, dtype=bool)
+        self._dropless = False  # True while self_test runs: the stored reference output is dropless
+        spec = bundle.manifest["profile"].get("capacity")
+        self.capacity = None if spec is None else dict(spec)  # expert capacity the bundle sets (None: dropless)
         self._written = (0, 0)  # the (batch, tokens) corner of _staging the last call wrote
         self._finalizer = weakref.finalize(self, backend.close)
 
     @classmethod
-    def load(cls, bundle_dir: str | os.PathLike, backend: str = "auto", eager: bool = False, verify: bool = True):
+    def load(cls, bundle_dir: str | os.PathLike, backend: str = "auto", eager: bool = False, verify: bool = True,
+             streams: int | None = None):
         """Open a bundle and prepare a backend.
 
         Args:
@@ -207,6 +232,7 @@ class Runtime:
             verify: check every file's size and SHA-256 against the manifest first. This reads every byte of
                 the weights once; pass False for a fast start of a bundle already checked with
                 `colibri-sdk verify`.
+            streams: calls `submit` keeps in flight, 1..64; None: the profile's `streams` (default 1).
 
         Raises:
             BundleError: missing or tampered files, unknown schema.
@@ -221,7 +247,7 @@ class Runtime:
         if notice:
             log.info("%s", notice)
         try:
-            runtime = cls(bundle, engine, notice)
+            runtime = cls(bundle, engine, notice, streams)
         except BaseException:
             engine.close()
             raise
@@ -229,48 +255,197 @@ class Runtime:
         return runtime
 
     # ---- running --------------------------------------------------------------------------------------------
-    def infer(self, x: np.ndarray, input_lengths=None) -> np.ndarray:
+    def infer(self, x, input_lengths=None, out=None, stream=None):
         """Run the model on one input.
 
         Args:
             x: float32 or float16 (either byte order, e.g. ">f4"; converted to native float32 on the way in),
                 C-contiguous, finite at the valid positions; (batch, tokens, hidden) with
                 1 <= batch <= the fixed batch and 1 <= tokens <= the fixed tokens, or (tokens, hidden) for one
-                sequence.
+                sequence. On the CUDA backend also a device array exposing `__cuda_array_interface__` (CuPy,
+                PyTorch; float32, C-contiguous), read on `stream` with no host round trip (docs/runtime-cuda.md).
             input_lengths: optional ints, shape (batch,) — or one int for a (tokens, hidden) input: each sequence's
                 length, 0..tokens. Positions at or past a sequence's length are ignored in the input (their
                 values may be anything) and are zero in the output.
+            out: optional float32 C-contiguous writable array of x's shape (a device array when x is one): the
+                output is written there and `out` is returned. On the CPU backend such a call allocates no
+                activation-sized memory (docs/runtime.md, "Bring your own memory").
+            stream: device I/O only — the caller's CUDA stream (an int handle, a CUstream, or an object with
+                `cuda_stream` / `ptr` / `handle`, as torch.cuda.Stream and cupy.cuda.Stream); the copies and
+                launches are enqueued on it and the call returns without synchronising. None: the legacy default
+                stream, synchronised before returning.
 
         Returns:
-            float32 array of x's shape, owned by the caller.
+            float32 array of x's shape: `out`, or a new array owned by the caller.
 
         Raises:
-            InputError: not a NumPy array; dtype other than float32/float16; wrong rank or hidden size; batch or
-                tokens above the fixed shape (or zero); non-contiguous; NaN/Inf at a valid position; lengths of
-                the wrong shape or type, negative, or above the input's tokens.
+            InputError: not a NumPy array (or device array on CUDA); dtype other than float32/float16; wrong rank or
+                hidden size; batch or tokens above the fixed shape (or zero); non-contiguous; NaN/Inf at a valid
+                position; lengths of the wrong shape or type, negative, or above the input's tokens; `out` of the
+                wrong type, dtype, shape or layout.
             NonFiniteOutputError: the output holds NaN/Inf at a valid position (e.g. finite inputs of 1e19 overflow
                 float32 inside an expert); it names the position and the first layer whose output is non-finite.
-            BackendError: the runtime is closed.
+            BackendError: the runtime is closed; a device array on the CPU backend.
         """
+        return self._call(x, input_lengths, out, 0, self.num_layers, stream)
+
+    def layer(self, index: int, x, input_lengths=None, out=None, stream=None):
+        """Run MoE layer `index` alone: x_{index+1} from x_index, composed as the model composes its layers
+        (sequential: the block's output; residual: x + the block's output — docs/format.md, "Semantics").
+
+        Args and returns as `infer`; index: 0..num_layers-1.
+
+        Raises:
+            InputError: as `infer`, or an index outside 0..num_layers-1.
+        """
+        index = self._check_layer_index(index, "layer", self.num_layers - 1)
+        return self._call(x, input_lengths, out, index, index + 1, stream)
+
+    def layers(self, start: int, stop: int, x, input_lengths=None, out=None, stream=None):
+        """Run layers start..stop-1 (Python range semantics, start < stop) on x; `layers(0, num_layers, x)` equals
+        `infer(x)`. Args and returns as `infer`.
+
+        Raises:
+            InputError: as `infer`, or start/stop outside 0 <= start < stop <= num_layers.
+        """
+        start = self._check_layer_index(start, "start", self.num_layers - 1)
+        stop = self._check_layer_index(stop, "stop", self.num_layers)
+        if stop <= start:
+            raise InputError(f"layer range {start}..{stop}; allowed: start < stop <= {self.num_layers}")
+        return self._call(x, input_lengths, out, start, stop, stream)
+
+    def submit(self, x, input_lengths=None, out=None, timeout: float | None = None):
+        """Queue one `infer` call; returns a concurrent.futures.Future of its result (docs/runtime.md, "Pipelined
+        calls").
+
+        x is validated and copied into one of `streams` slots before submit returns, so the caller may reuse it.
+        At most `streams` calls are queued or running: a further submit waits for the oldest to finish (or raises
+        TimeoutError after `timeout` seconds). Calls run in submission order; each result equals `infer(x)`.
+
+        Args:
+            x, input_lengths, out: as `infer` (NumPy arrays only). With `out`, the future's result is `out`, which
+                must not be read before the future is done.
+            timeout: seconds to wait for a free slot; None waits.
+
+        Returns:
+            concurrent.futures.Future resolving to the output (float32, x's shape) or to the call's error.
+
+        Raises:
+            InputError: as `infer`, raised by submit itself. BackendError: the runtime is closed.
+            TimeoutError: no slot became free within `timeout`.
+        """
+        from .pipeline import Pipeline
+
+        if not self._finalizer.alive:
+            raise BackendError("this Runtime is closed; load the bundle again")
+        if self._pipeline is None:
+            with self._lock:
+                if self._pipeline is None:
+                    self._pipeline = Pipeline(self, self.streams)
+        return self._pipeline.submit(x, input_lengths, out, timeout)
+
+    def _check_layer_index(self, value, name: str, top: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= top:
+            raise InputError(f"{name} {value!r}; allowed: an int 0..{top} (the model has {self.num_layers} layers)")
+        return int(value)
+
+    def stats(self) -> "RuntimeStats":
+        """Latency percentiles and counts of the calls so far (docs/runtime.md, "Stats")."""
+        with self._lock:
+            return self._stats.snapshot()
+
+    def _call(self, x, input_lengths, out, start: int, stop: int, stream):
+        if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__"):
+            return self._call_device(x, input_lengths, out, start, stop, stream)
+        if stream is not None:
+            raise InputError("stream is for device arrays (__cuda_array_interface__); a NumPy input takes none")
         # Overflow inside the forward pass is reported below as one NonFiniteOutputError, never as NumPy warnings.
         with self._lock, np.errstate(over="ignore", invalid="ignore"):
             if not self._finalizer.alive:
                 raise BackendError("this Runtime is closed; load the bundle again")
+            began = time.perf_counter()
             x3, lengths = self._check_input(x, input_lengths)
+            out3 = self._check_out(out, x) if out is not None else None
             batch, tokens, _ = x3.shape
             padded = self._pad(x3, lengths)
-            counts = np.zeros(self.shape[0], dtype=np.int32)
-            counts[:batch] = tokens if lengths is None else lengths
-            y = self._backend.infer_padded(padded, valid_tokens=counts)
-            # infer_padded returns a new float32 array: an input of the fixed shape takes it as it is, a smaller
-            # one copies its corner.
-            out = np.ascontiguousarray(y[:batch, :tokens], dtype=np.float32)
-        if lengths is not None:
-            for b, n in enumerate(lengths):
-                out[b, n:] = 0.0
-        if not np.isfinite(out).all():  # one pass over the output: a few microseconds per call
-            raise self._nonfinite_output(x3, out)
-        return out.reshape(np.shape(x))
+            result = self._result
+            if getattr(self._backend, "capacity", None) is not None:
+                self._backend.run_layers(padded, result, start, stop, valid_rows=self._valid_rows(x3, lengths),
+                                         capacity=not self._dropless)
+            elif self.backend_name == "cuda" and hasattr(self._backend, "run_layers"):
+                self._backend.run_layers(padded, result, start, stop, valid_tokens=self._valid_counts(x3, lengths))
+            elif hasattr(self._backend, "run_layers"):
+                self._backend.run_layers(padded, result, start, stop)
+            elif (start, stop) == (0, self.num_layers):  # a backend of the one-call contract (whole model only)
+                counts = np.asarray(self._valid_counts(x3, lengths), dtype=np.int32)
+                np.copyto(result, self._backend.infer_padded(padded, valid_tokens=counts))
+            else:
+                raise BackendError(f"backend {self.backend_name!r} runs the whole model only; layers {start}..{stop}")
+            if out3 is None:
+                out3 = np.empty((batch, tokens, self.hidden_size), dtype=np.float32)
+            np.copyto(out3, result[:batch, :tokens])
+            if lengths is not None:
+                for b, n in enumerate(lengths):
+                    out3[b, n:] = 0.0
+            # One pass over the output into preallocated flags (no allocation per call).
+            if not np.isfinite(out3, out=self._finite[:batch, :tokens]).all():
+                raise self._nonfinite_output(x3, out3)
+            self._stats.record(time.perf_counter() - began, (batch, tokens), getattr(self._backend, "last_dropped", 0))
+        return out if out is not None else out3.reshape(np.shape(x))
+
+    def _valid_counts(self, x3, lengths) -> list[int]:
+        """(fixed batch,) valid tokens per sequence of the padded input: the input's tokens (or its lengths), 0 for
+        the padding sequences."""
+        batch, tokens, _ = x3.shape
+        counts = [tokens] * batch if lengths is None else list(lengths)
+        return counts + [0] * (self.shape[0] - batch)
+
+    def _valid_rows(self, x3, lengths) -> np.ndarray:
+        """(fixed batch * fixed tokens,) bool: the rows of the padded input that are real tokens."""
+        mask = self._valid_mask
+        mask[:] = False
+        batch, tokens, _ = x3.shape
+        for b in range(batch):
+            mask[b, : tokens if lengths is None else lengths[b]] = True
+        return mask.reshape(-1)
+
+    def _check_out(self, out, x) -> np.ndarray:
+        """Validate a caller's output array; return it as (batch, tokens, hidden)."""
+        if not isinstance(out, np.ndarray):
+            raise InputError(f"out is a {type(out).__name__}; expected a numpy.ndarray of shape {x.shape}, float32")
+        if out.dtype != np.float32:
+            raise InputError(f"out dtype {out.dtype}; allowed: float32")
+        if out.shape != x.shape:
+            raise InputError(f"out shape {out.shape}; expected the input's shape {x.shape}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise InputError(f"out must be C-contiguous and writable (strides {out.strides}, writeable "
+                             f"{out.flags.writeable})")
+        return out if out.ndim == 3 else out[None]
+
+    def _call_device(self, x, input_lengths, out, start: int, stop: int, stream):
+        from .device_io import device_view, stream_handle
+
+        if input_lengths is not None:
+            raise InputError("input_lengths is for NumPy inputs; a device input is all valid positions")
+        if not hasattr(self._backend, "run_device"):
+            raise BackendError(
+                f"a device array (__cuda_array_interface__) needs the cuda backend; this runtime runs on "
+                f"{self.backend_name}: pass a NumPy array"
+            )
+        src = device_view(x, "input", self.shape, self.hidden_size)
+        if out is None:
+            raise InputError("a device input needs out= (a device array of the input's shape, float32)")
+        dst = device_view(out, "out", self.shape, self.hidden_size)
+        if dst.shape != src.shape:
+            raise InputError(f"out shape {dst.shape}; expected the input's shape {src.shape}")
+        handle = stream_handle(stream)
+        with self._lock:
+            if not self._finalizer.alive:
+                raise BackendError("this Runtime is closed; load the bundle again")
+            began = time.perf_counter()
+            self._backend.run_device(src.ptr, dst.ptr, src.batch, src.tokens, start, stop, handle)
+            self._stats.record(time.perf_counter() - began, (src.batch, src.tokens), 0)
+        return out
 
     def _nonfinite_output(self, x3: np.ndarray, out: np.ndarray) -> NonFiniteOutputError:
         """The error for an output with NaN/Inf: where, how many, and the first layer whose output is non-finite
@@ -379,7 +554,8 @@ class Runtime:
             for b, n in enumerate(lengths):
                 staging[b, :n] = x3[b, :n]
         corner = staging[:batch, :tokens]
-        if not np.isfinite(corner).all():
+        finite = np.isfinite(corner, out=self._finite[:batch, :tokens])  # no allocation per call
+        if not finite.all():
             bad = np.argwhere(~np.isfinite(corner).all(axis=-1))
             b, t = (int(v) for v in bad[0])
             raise InputError(
@@ -401,16 +577,22 @@ class Runtime:
         fixed = self.shape + (self.hidden_size,)
         if x.shape != fixed:
             raise BundleError(f"self-test input shape {x.shape}; the bundle's fixed shape is {fixed}")
+        self._dropless = True  # the stored reference output is dropless; expert capacity applies on top of it
         try:
             actual = self.infer(np.ascontiguousarray(x, dtype=np.float32))
         except NonFiniteOutputError:  # a failed self-test is returned, not raised
             inf = float("inf")
             return SelfTestResult(False, inf, inf, float(rtol), float(atol), self.backend_name)
+        finally:
+            self._dropless = False
         return compare(actual, np.asarray(expected, dtype=np.float32), rtol, atol, self.backend_name)
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the backend (device memory, graph, weight mapping). Safe to call more than once."""
+        """Release the backend (device memory, graph, weight mapping). Safe to call more than once. Calls queued by
+        `submit` run first."""
+        if self._pipeline is not None:
+            self._pipeline.close()
         with self._lock:
             self._finalizer()
 

@@ -88,7 +88,7 @@ DELETE = object()
 
 CASES = [
     # (key path, value, expected message)
-    ("colour", "red", r"unknown key 'colour'; allowed keys: \['aggregation', 'allow_spills', 'description', "),
+    ("colour", "red", r"unknown key 'colour'; allowed keys: \['aggregation', 'allow_spills', 'capacity', 'description', "),
     ("target.cores", 8, r"unknown key 'target.cores'; allowed keys in target: \['arch', 'min_driver', 'toolkit', "),
     ("kernels.routing.block_n", 64, r"unknown key 'kernels.routing.block_n'; allowed keys in kernels.routing: \['block_m', 'threads'\]"),
     ("kernels.softmax", {"threads": 32}, r"unknown key 'kernels.softmax'; allowed keys in kernels: \["),

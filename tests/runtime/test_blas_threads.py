@@ -81,14 +81,14 @@ def test_overlapping_calls_from_threads_restore_the_original(no_thread_variables
 def test_cpu_backend_runs_with_one_thread_and_restores(small_bundle, no_thread_variables, two_threads):
     seen = []
     with Runtime.load(small_bundle, backend="cpu", verify=False) as rt:
-        engine = rt._backend._engine
-        run = engine.run
+        engine = rt._backend._scratch  # the CPU backend's forward pass (sdk/runtime/scratch_engine.py)
+        run = engine.run_into
 
-        def recording(h):
+        def recording(*args):
             seen.append(blas_threads_now())
-            return run(h)
+            return run(*args)
 
-        engine.run = recording
+        engine.run_into = recording
         y = rt.infer(np.ones((2, 8, rt.hidden_size), np.float32))
     assert y.shape == (2, 8, rt.hidden_size)
     assert seen and set(seen[0]) == {1}

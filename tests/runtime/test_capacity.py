@@ -1,0 +1,116 @@
+"""Expert capacity (colibri_sdk.capacity): the drop rule by hand, the reference engine and the CPU backend with
+the same semantics, padding excluded, the profile keys and build flags."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from runtime_bundles import write_manifest
+
+from colibri_sdk.capacity import NO_EXPERT, Capacity, apply_capacity
+from colibri_sdk.errors import ProfileError
+from colibri_sdk.format import Header, write_model
+from colibri_sdk.profile import Profile, load_profile
+from colibri_sdk.reference import ReferenceEngine
+from colibri_sdk.runtime import Runtime
+
+X = NO_EXPERT
+# 5 tokens, top-2, 3 experts: expert 0 is every token's first choice.
+IDS = np.array([[0, 1], [0, 2], [0, 1], [0, 2], [0, 1]])
+W = np.array([[0.6, 0.4], [0.9, 0.1], [0.7, 0.3], [0.8, 0.2], [0.55, 0.45]])
+
+
+def test_the_rule_by_hand():
+    # C = ceil(5 * 2 * 0.6 / 3) = 2 pairs per expert.
+    assert Capacity(0.6).limit(5, 2, 3) == 2
+    hard_score, n = apply_capacity(IDS, W, 3, Capacity(0.6, "hard", "score"))
+    # Expert 0 keeps its two largest weights (tokens 1: 0.9, 3: 0.8); expert 1 (tokens 0, 2, 4: 0.4, 0.3, 0.45)
+    # keeps tokens 4 and 0; expert 2 (tokens 1, 3) fits.
+    assert hard_score.tolist() == [[X, 1], [0, 2], [X, X], [0, 2], [X, 1]] and n == 4
+    hard_pos, n = apply_capacity(IDS, W, 3, Capacity(0.6, "hard", "position"))
+    assert hard_pos.tolist() == [[0, 1], [0, 2], [X, 1], [X, 2], [X, X]] and n == 4
+    # Soft: beyond C, first choices (slot 0) stay, up to 2C = 4 pairs: expert 0 keeps 1, 3, then 2, 0 (by weight);
+    # token 4's first choice is the fifth and is dropped; expert 1 is nobody's first choice: as hard.
+    soft, n = apply_capacity(IDS, W, 3, Capacity(0.6, "soft", "score"))
+    assert soft.tolist() == [[0, 1], [0, 2], [0, X], [0, 2], [X, 1]] and n == 2
+    # Padding rows take no capacity and are not counted: tokens 3, 4 are padding → T = 3, C = 2.
+    padded, n = apply_capacity(IDS, W, 3, Capacity(0.6, "hard", "position"), np.array([1, 1, 1, 0, 0], bool))
+    assert padded.tolist() == [[0, 1], [0, 2], [X, 1], [X, X], [X, X]] and n == 1
+    ties, _ = apply_capacity(np.array([[0], [0], [0]]), np.array([[0.5], [0.5], [0.5]]), 2, Capacity(1.0))
+    assert ties.tolist() == [[0], [0], [X]], "equal weights: the lower token index first"
+
+
+def skewed_bundle(folder: Path, capacity: dict | None, composition: int = 1):
+    """3 layers, 6 experts, top-2, hidden 64; the router favours experts 0 and 1 (skewed routing)."""
+    from runtime_bundles import write_bundle
+
+    rng = np.random.default_rng(8)
+    L, E, H, I = 3, 6, 64, 32
+    router = rng.standard_normal((L, H, E))
+    router[:, :, :2] += 0.6
+    header = Header(num_layers=L, num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=0, routing=0,
+                    composition=composition)
+    path = write_model(folder / "m.colibri", header, rng.standard_normal((L, E, I, H)) / 8,
+                       rng.standard_normal((L, E, I, H)) / 8, rng.standard_normal((L, E, H, I)) / 6, router)
+    bundle = write_bundle(folder / "bundle", path, 2, 8)
+    if capacity is not None:
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        manifest["profile"]["capacity"] = capacity
+        write_manifest(bundle, manifest)
+    return bundle, path
+
+
+@pytest.mark.parametrize("mode,policy", [("hard", "score"), ("soft", "position")])
+def test_cpu_backend_equals_the_reference_with_capacity(tmp_path, mode, policy):
+    spec = {"factor": 1.0, "mode": mode, "policy": policy}
+    bundle, path = skewed_bundle(tmp_path, spec)
+    x = np.random.default_rng(3).standard_normal((2, 8, 64)).astype(np.float32)
+    engine = ReferenceEngine(path, compute_dtype=np.float64, capacity=Capacity.from_dict(spec))
+    expected = engine(x)
+    expected_dropped = engine.dropped
+    dropless = ReferenceEngine(path, compute_dtype=np.float64)(x)
+    with Runtime.load(bundle, backend="cpu") as rt:
+        y = rt.infer(x)
+        stats = rt.stats()
+        assert rt.self_test().passed, "the self-test runs dropless"
+        # Padding takes no capacity: 5 valid tokens of sequence 0 only equal the reference on those 5 tokens.
+        short = rt.infer(x[:1, :5])
+    assert expected_dropped > 0 and not np.allclose(expected, dropless, atol=1e-3)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+    assert stats.last_dropped_pairs == expected_dropped == stats.dropped_pairs
+    np.testing.assert_allclose(short, engine(x[:1, :5]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_token_with_every_pair_dropped_passes_through(tmp_path):
+    bundle, _ = skewed_bundle(tmp_path, {"factor": 0.05, "mode": "hard", "policy": "position"})  # C = 1
+    x = np.random.default_rng(4).standard_normal((2, 8, 64)).astype(np.float32)
+    with Runtime.load(bundle, backend="cpu") as rt:
+        y = rt.layer(0, x)
+    # Residual composition; with C = 1 and 6 experts at most 6 pairs are kept: most tokens pass through unchanged.
+    unchanged = np.all(y == x, axis=-1)
+    assert 10 <= int(unchanged.sum()) < 16
+
+
+def test_profile_keys_and_build_flags(capsys, tmp_path):
+    data = copy.deepcopy(load_profile("orin", toolchain=False).data)
+    data["capacity"] = {"factor": 1.25, "mode": "soft", "policy": "position"}
+    assert Profile.from_dict(data, "p.yaml", toolchain=False).data["capacity"]["mode"] == "soft"
+    for bad, message in [
+        ({"factor": 0}, "p.yaml: capacity.factor = 0; allowed: a number in (0, 64]"),
+        ({"factor": 1, "mode": "firm"}, "p.yaml: capacity.mode = 'firm'; allowed: hard, soft"),
+        ({"factor": 1, "policy": "random"}, "p.yaml: capacity.policy = 'random'; allowed: score, position"),
+        ({"factor": 1, "size": 3}, "p.yaml: capacity: unknown keys ['size']; allowed: factor, mode, policy"),
+    ]:
+        data["capacity"] = bad
+        with pytest.raises(ProfileError) as info:
+            Profile.from_dict(data, "p.yaml", toolchain=False)
+        assert str(info.value) == message
+    from colibri_sdk.cli import main
+
+    assert main(["build", "--profile", "orin", "--demo", "--capacity-mode", "soft", "-o", str(tmp_path / "b")]) == 1
+    assert "--capacity-mode / --capacity-policy need --capacity-factor F" in capsys.readouterr().err
