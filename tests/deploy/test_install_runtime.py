@@ -176,7 +176,8 @@ def test_install_runtime_then_verify_uses_the_recorded_venv(tmp_path, target, pr
     assert json.loads((root / "runtime.json").read_text())["python"] == str(venv / "bin" / "python")
     names = sorted(os.listdir(root / "wheels"))
     assert [n.split("-")[0] for n in names if not n.startswith("pip-")] == ["colibri_sdk", "cuda_bindings",
-                                                                            "cuda_pathfinder", "numpy"]
+                                                                            "cuda_pathfinder", "numpy",
+                                                                            "threadpoolctl"]
     probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import colibri_sdk, numpy, cuda.bindings; "
                             "print(colibri_sdk.__file__)"], capture_output=True, text=True)
     assert probe.returncode == 0 and probe.stdout.startswith(str(venv)), probe.stderr
