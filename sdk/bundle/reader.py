@@ -341,7 +341,7 @@ class Bundle:
         except FormatError as exc:
             raise BundleError(f"{self.manifest['weights']['file']}: {exc}") from None
         try:
-            _check_header_matches(self.manifest["weights"]["header"], dataclasses.asdict(weights.header),
+            _check_header_matches(self.manifest["weights"]["header"], header_record(weights.header),
                                   self.manifest["weights"]["file"])
         except BundleError:
             weights.close()
