@@ -71,3 +71,30 @@ def test_build_refuses_quantized_weights_on_the_tiled_shape(tmp_path):
                        r"batch\*tokens\*top_k = 32 pairs, above kernels.small_batch.max_pairs = 16"):
         build_bundle(Profile.from_dict(data, toolchain=False), tmp_path / "bundle", weights=path)
     assert not (tmp_path / "bundle").exists()
+
+
+def test_bundle_scan_reads_only_the_float_blocks_of_a_quantized_file(tmp_path):
+    """int8 codes 127, -1 are the bytes 7F FF: an fp16 NaN pattern, which the scan must not look at; a NaN scale
+    (a float block) is refused."""
+    from colibri_sdk.errors import BundleError
+    from colibri_sdk.format import ColibriFile, QuantizedTensor
+
+    h = HeaderV2(**SIZES, dtype=1, quant=1, group_size=0)
+    rng = np.random.default_rng(1)
+    codes = np.tile(np.array([127, -1], dtype=np.int8), (6, 4))
+    q = [[QuantizedTensor(codes if kind != "down_proj" else codes.reshape(8, 6)[:, :6].copy(),
+                          np.full((rows, 1), 0.01, np.float16), None, cols, 0, 1) for _ in range(4)]
+         for kind, (rows, cols) in [("gate_proj", (6, 8)), ("up_proj", (6, 8)), ("down_proj", (8, 6))]]
+    arrays = {"gate_proj": [q[0]], "up_proj": [q[1]], "down_proj": [q[2]],
+              "router": rng.standard_normal((1, 8, 4)).astype(np.float32)}
+    path = write_arrays(tmp_path / "w.colibri", h, arrays)
+    build_bundle(load_profile("orin", toolchain=False), tmp_path / "bundle", weights=path)
+    bundle = Bundle.open(tmp_path / "bundle")
+    target = tmp_path / "bundle" / bundle.manifest["weights"]["file"]
+    with ColibriFile(target) as f:
+        scale_at = f.header.block_offset("up_proj.scales")
+    data = bytearray(target.read_bytes())
+    data[scale_at : scale_at + 2] = np.array([np.nan], dtype="<f2").tobytes()
+    target.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=rf"a NaN or Inf weight at byte offset {scale_at}"):
+        Bundle.open(tmp_path / "bundle")
