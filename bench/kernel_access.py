@@ -9,8 +9,15 @@ bytes its lanes asked for. Per kernel and in total this prints:
     weight bytes ÷ selected     32 × weight sectors touched ÷ the bytes of the weights the valid tokens need:
                                 the router plus gate, up and down of every expert they select (the floor of a
                                 memory-bound layer); padded tokens select nothing, so they add to the numerator only
+    x-bytes                     the same over the expert kernels only (gate/up and down: codes, scales, zero
+                                points) ÷ the stored bytes of the selected experts (incl. their scales and zero
+                                points): the measure of the int8/int4 storages, whose fp32 router is a larger share
     w-B/instr                   weight bytes per warp-level load instruction (512: 16 bytes in each of 32 lanes)
     launches per layer
+
+Storages: fp16 (v1), and as .colibri v2 with round-to-nearest codes and fp16 scales: int8 per row, int4 group 128,
+int4 group 32 (docs/format.md "Matrix storage"). Quantized weights run on the GEMV path only, so their cases stop
+at 16 tokens.
 
 Shapes (fp16, the shipped h200 profile with `shape.tokens` 16 or 64):
     mixtral/16  the Mixtral-8x7B layer scaled down 16x, ratios kept: hidden 256, intermediate 896, 8 experts, top-2
@@ -38,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
 from colibri_sdk import catalog  # noqa: E402
-from colibri_sdk.format import Header, write_model  # noqa: E402
+from colibri_sdk.format import Header, HeaderV2, write_arrays, write_model  # noqa: E402
+from colibri_sdk.format.constants import QUANT_INT4, QUANT_INT8  # noqa: E402
 from colibri_sdk.profile import Profile, load_profile  # noqa: E402
 from colibri_sdk.reference import ReferenceEngine  # noqa: E402
 from emulator import EmulatedDevice  # noqa: E402
@@ -58,18 +66,30 @@ def profile_for(tokens: int) -> dict:
     return Profile.from_dict(data, toolchain=False).data
 
 
-def make_model(path: Path, hidden: int, inter: int, experts: int, top_k: int, seed: int = 0) -> Path:
+# storage → (quant code, group size); fp16 is a v1 file
+STORAGES = {"fp16": None, "int8": (QUANT_INT8, 0), "int4-g128": (QUANT_INT4, 128), "int4-g32": (QUANT_INT4, 32)}
+EXPERT_SYMBOLS = ("colibri_gate_up_gemv", "colibri_down_gemv", "colibri_gate_up", "colibri_down",
+                  "colibri_gate_up_tc", "colibri_down_tc")
+
+
+def make_model(path: Path, hidden: int, inter: int, experts: int, top_k: int, seed: int = 0,
+               storage: str = "fp16") -> Path:
     rng = np.random.default_rng(seed)
-    header = Header(1, experts, top_k, hidden, inter, dtype=1)
     gate = rng.standard_normal((1, experts, inter, hidden)) / np.sqrt(hidden)
     up = rng.standard_normal((1, experts, inter, hidden)) / np.sqrt(hidden)
     down = rng.standard_normal((1, experts, hidden, inter)) / np.sqrt(inter)
     router = rng.standard_normal((1, hidden, experts)) / np.sqrt(hidden)
-    return write_model(path, header, gate, up, down, router)
+    if STORAGES[storage] is None:
+        return write_model(path, Header(1, experts, top_k, hidden, inter, dtype=1), gate, up, down, router)
+    quant, group = STORAGES[storage]
+    header = HeaderV2(1, experts, top_k, hidden, inter, dtype=1, quant=quant, group_size=group)
+    return write_arrays(path, header, {"gate_proj": gate, "up_proj": up, "down_proj": down, "router": router})
 
 
-def selected_bytes(path: Path, x: np.ndarray) -> int:
-    """Bytes of the router and of the experts the rows of x select (float64 reference routing), fp16."""
+def selected_bytes(path: Path, x: np.ndarray) -> tuple[int, int]:
+    """(router + selected experts, selected experts) stored bytes for the rows of x (float64 reference routing):
+    the router block of the layer and, per selected expert, its gate, up and down tensors with their scale and
+    zero-point tensors, as the file stores them."""
     engine = ReferenceEngine(path, compute_dtype=np.float64)
     try:
         h = engine.header
@@ -77,7 +97,12 @@ def selected_bytes(path: Path, x: np.ndarray) -> int:
     finally:
         engine.close()
     experts = len(np.unique(ids))
-    return 2 * (h.hidden_size * h.num_experts + experts * 3 * h.hidden_size * h.intermediate_size)
+    if isinstance(h, HeaderV2):
+        per_expert = sum(b.tensor_bytes for b in h.blocks() if b.tensor in ("gate_proj", "up_proj", "down_proj"))
+        router = h.block("router").tensor_bytes
+    else:
+        per_expert, router = 2 * 3 * h.hidden_size * h.intermediate_size, 2 * h.hidden_size * h.num_experts
+    return router + experts * per_expert, experts * per_expert
 
 
 def measure(path: Path, valid: int, tokens: int) -> dict:
@@ -90,10 +115,13 @@ def measure(path: Path, valid: int, tokens: int) -> dict:
     per_symbol: dict[str, np.ndarray] = {}
     for launch, stats in records:
         per_symbol[launch["symbol"]] = per_symbol.get(launch["symbol"], 0) + stats.astype(np.int64)
+    selected, experts_selected = selected_bytes(path, x[:valid])
     return {
         "symbols": per_symbol,
         "total": sum(per_symbol.values()),
-        "selected": selected_bytes(path, x[:valid]),
+        "experts": sum(v for k, v in per_symbol.items() if k in EXPERT_SYMBOLS),
+        "selected": selected,
+        "experts_selected": experts_selected,
         "launches": len(records) // device.header.num_layers,
         "path": "gemv" if device.sizes.small_batch else "tiled",
     }
@@ -121,39 +149,50 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object (worst case over tokens 1-16)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--storages", nargs="*", default=list(STORAGES), choices=list(STORAGES))
     args = parser.parse_args(argv)
-    worst = {"weight_sector_efficiency": 1.0, "activation_sector_efficiency": 1.0, "weight_bytes_ratio": 0.0}
+    worst = {"weight_sector_efficiency": 1.0, "activation_sector_efficiency": 1.0, "weight_bytes_ratio": 0.0,
+             "expert_bytes_ratio": 0.0}
     cases = []
-    lines = [f"{'shape':<11} {'tokens':>9} {'path':<5} {'kernel':<22} {'w-sect':>7} {'a-sect':>7} {'w-bytes':>8} "
-             f"{'w-B/instr':>9} {'launch/layer':>12}"]
+    lines = [f"{'shape':<11} {'storage':<9} {'tokens':>6} {'path':<5} {'kernel':<22} {'w-sect':>7} {'a-sect':>7} "
+             f"{'w-bytes':>8} {'x-bytes':>8} {'w-B/instr':>9} {'launch/layer':>12}"]
     with tempfile.TemporaryDirectory() as tmp:
         for shape, dims in SHAPES.items():
             if shape not in args.shapes:
                 continue
-            path = make_model(Path(tmp) / f"{shape.replace('/', '-')}.colibri", **dims)
-            for valid, tokens in CASES:
-                m = measure(path, valid, tokens)
-                label = f"{valid}/{tokens}"
-                for symbol, stats in m["symbols"].items():
-                    w, a, b, bi = row_values(stats, m["selected"])
-                    lines.append(f"{shape:<11} {label:>9} {m['path']:<5} {symbol:<22} {fmt(w):>7} {fmt(a):>7} "
-                                 f"{fmt(b):>8} {fmt1(bi):>9}")
-                w, a, b, bi = row_values(m["total"], m["selected"])
-                lines.append(f"{shape:<11} {label:>9} {m['path']:<5} {'TOTAL':<22} {fmt(w):>7} {fmt(a):>7} "
-                             f"{fmt(b):>8} {fmt1(bi):>9} {m['launches']:>12}")
-                cases.append({"shape": shape, "valid_tokens": valid, "bundle_tokens": tokens, "path": m["path"],
-                              "weight_sector_efficiency": w, "activation_sector_efficiency": a,
-                              "weight_bytes_ratio": b, "launches_per_layer": m["launches"]})
-                if valid <= 16:
-                    worst["weight_sector_efficiency"] = min(worst["weight_sector_efficiency"], w)
-                    worst["activation_sector_efficiency"] = min(worst["activation_sector_efficiency"], a)
-                    worst["weight_bytes_ratio"] = max(worst["weight_bytes_ratio"], b)
+            for storage in args.storages:
+                path = make_model(Path(tmp) / f"{shape.replace('/', '-')}-{storage}.colibri", **dims, storage=storage)
+                for valid, tokens in CASES:
+                    if STORAGES[storage] is not None and tokens > 16:
+                        continue  # the tiled path: quantized weights run on the GEMV path only
+                    m = measure(path, valid, tokens)
+                    label, head = f"{valid}/{tokens}", f"{shape:<11} {storage:<9}"
+                    for symbol, stats in m["symbols"].items():
+                        w, a, b, bi = row_values(stats, m["selected"])
+                        x = ratio(32 * stats[WEIGHTS][SECTORS], m["experts_selected"]) if symbol in EXPERT_SYMBOLS \
+                            else None
+                        lines.append(f"{head} {label:>6} {m['path']:<5} {symbol:<22} {fmt(w):>7} {fmt(a):>7} "
+                                     f"{fmt(b):>8} {fmt(x):>8} {fmt1(bi):>9}")
+                    w, a, b, bi = row_values(m["total"], m["selected"])
+                    x = ratio(32 * m["experts"][WEIGHTS][SECTORS], m["experts_selected"])
+                    lines.append(f"{head} {label:>6} {m['path']:<5} {'TOTAL':<22} {fmt(w):>7} {fmt(a):>7} "
+                                 f"{fmt(b):>8} {fmt(x):>8} {fmt1(bi):>9} {m['launches']:>12}")
+                    cases.append({"shape": shape, "storage": storage, "valid_tokens": valid, "bundle_tokens": tokens,
+                                  "path": m["path"], "weight_sector_efficiency": w, "activation_sector_efficiency": a,
+                                  "weight_bytes_ratio": b, "expert_bytes_ratio": x,
+                                  "launches_per_layer": m["launches"]})
+                    if valid <= 16:
+                        worst["weight_sector_efficiency"] = min(worst["weight_sector_efficiency"], w)
+                        worst["activation_sector_efficiency"] = min(worst["activation_sector_efficiency"], a)
+                        worst["weight_bytes_ratio"] = max(worst["weight_bytes_ratio"], b)
+                        worst["expert_bytes_ratio"] = max(worst["expert_bytes_ratio"], x)
     if args.json:
         print(json.dumps({**worst, "cases": cases}, indent=1))
     else:
         print("\n".join(lines))
         print("worst over tokens 1-16: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
-        print("goals: weight sector efficiency >= 0.95, activation >= 0.80, weight bytes / selected <= 1.05")
+        print("goals: weight sector efficiency >= 0.95, activation >= 0.80, weight bytes / selected <= 1.05 (fp16), "
+              "expert weight bytes / selected experts' stored bytes <= 1.05 (every storage)")
     return 0
 
 

@@ -13,6 +13,11 @@
 //                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
 //   COLI_ROUTING                   0: softmax over the k selected logits, 1: softmax over all, then select
 //   COLI_RESIDUAL                  1: layer output = input + MoE(input), 0: layer output = MoE(input)
+//   COLI_QUANT                     storage of the expert matrices: 0 float (COLI_FP16), 1 int8, 2 int4 (GEMV path
+//                                  only; the router is then float32: COLI_FP16 0). Default 0
+//   COLI_SCALE_FP16                quantized weights: 1 fp16 scales, 0 fp32. Default 0
+//   COLI_GROUP_SIZE                columns per scale group along the reduction dimension (0 = one per row). Default 0
+//   COLI_ZERO_POINTS               1: one int8 zero point per group. Default 0
 //   COLI_<KERNEL>_<PARAM>          the profile's kernels.<kernel>.<param>
 // No CUDA header is included: fp16 is converted with one PTX instruction, so NVRTC needs no include path.
 #pragma once
@@ -22,6 +27,19 @@
     !defined(COLI_RESIDUAL) || !defined(COLI_ROUTING_BLOCK_M) || !defined(COLI_MAX_TOP_K) || !defined(COLI_BATCH) || \
     !defined(COLI_SEQ_TOKENS) || !defined(COLI_GEMV) || !defined(COLI_TC)
 #error "colibri kernels need the -D constants of sdk/catalog.py compile_defines"
+#endif
+
+#ifndef COLI_QUANT
+#define COLI_QUANT 0
+#endif
+#ifndef COLI_SCALE_FP16
+#define COLI_SCALE_FP16 0
+#endif
+#ifndef COLI_GROUP_SIZE
+#define COLI_GROUP_SIZE 0
+#endif
+#ifndef COLI_ZERO_POINTS
+#define COLI_ZERO_POINTS 0
 #endif
 
 #define H_ COLI_HIDDEN
@@ -68,9 +86,8 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 #endif
 }
 
-#if COLI_FP16
-typedef unsigned short wt;  // IEEE binary16 bits
-__device__ __forceinline__ float wt_to_float(wt v) {
+// IEEE binary16 bits → float32 (exact).
+__device__ __forceinline__ float half_to_float(unsigned short v) {
 #ifdef COLI_CPU_EMULATION  // g++ through tests/kernels/emu/cuda_shim.h: no PTX
     return __half_bits_to_float(v);
 #else
@@ -79,6 +96,10 @@ __device__ __forceinline__ float wt_to_float(wt v) {
     return f;
 #endif
 }
+
+#if COLI_FP16
+typedef unsigned short wt;  // IEEE binary16 bits
+__device__ __forceinline__ float wt_to_float(wt v) { return half_to_float(v); }
 #else
 typedef float wt;
 __device__ __forceinline__ float wt_to_float(wt v) { return v; }

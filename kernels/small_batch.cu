@@ -22,6 +22,14 @@
 // Loads: a weight row is read with 16-byte vector loads when its address is 16-byte aligned (hidden and
 // intermediate sizes a multiple of 8 fp16 / 4 fp32), with a scalar tail; else with scalar loads. Lane sums are
 // combined with an xor butterfly in a fixed order: deterministic bits.
+// Quantized weights (COLI_QUANT 1 int8, 2 int4; docs/format.md "Matrix storage"): a row holds codes (int8 bytes, or
+// int4 nibbles q+8 with column 2j in the low nibble of byte j), its scales (one per COLI_GROUP_SIZE columns along
+// the reduction dimension, 0 = one per row, the last group partial) and, with COLI_ZERO_POINTS, int8 zero points,
+// in their own blocks (extra kernel arguments, after the float ones). A lane dequantizes in registers:
+// w = scale * (q - zero), one float32 rounding as the reference; the codes are streamed in 16-byte loads (16 int8
+// or 32 int4 per lane). The scales (and zero points) of a block's rows, one contiguous run per scale block, are
+// staged in shared memory by the whole block (consecutive threads, consecutive entries) when they fit in QS_MAX_
+// entries per matrix; else each lane reads the scale of its vector's group (consecutive lanes, consecutive groups). Scales are fp16 (COLI_SCALE_FP16 1) or fp32; the router of such a file is fp32.
 // Limits: common.cuh; tokens * ROWS*WARPS * 4 bytes of output tile <= 16 KiB; the rank step of build_order costs
 // O((tokens*k)^2 / threads) shared-memory reads per block (small for the shapes of this path).
 #include "common.cuh"
@@ -37,6 +45,28 @@
 #define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");
+#if COLI_QUANT
+#define QEPV_ (COLI_QUANT == 2 ? 32 : 16)  // codes per 16-byte vector
+#define GS_ COLI_GROUP_SIZE
+#define QROW_BYTES_(cols) (COLI_QUANT == 2 ? ((cols) + 1) / 2 : (cols))
+#define QGROUPS_(cols) (GS_ == 0 ? 1 : ((cols) + GS_ - 1) / GS_)
+#define QBYTE_(c) (COLI_QUANT == 2 ? (c) / 2 : (c))  // byte of column c in a row (c even for int4)
+static_assert(COLI_QUANT == 1 || COLI_QUANT == 2, "COLI_QUANT: 0 float, 1 int8, 2 int4");
+static_assert(GS_ == 0 || GS_ == 32 || GS_ == 64 || GS_ == 128, "COLI_GROUP_SIZE: 0 (per row), 32, 64 or 128");
+static_assert(COLI_QUANT == 1 || GS_ != 0, "int4 needs a group size");
+// A 16-byte vector starts at a multiple of QEPV_ columns: it lies inside one group; chunks start on a group.
+static_assert(GS_ % QEPV_ == 0 && CHUNK_ % (GS_ == 0 ? 1 : GS_) == 0, "groups must hold whole vectors and chunks");
+typedef unsigned char ws_t;  // stored weight: code bytes
+#if COLI_SCALE_FP16
+typedef unsigned short st;  // scale: IEEE binary16 bits
+__device__ __forceinline__ float st_to_float(st v) { return half_to_float(v); }
+#else
+typedef float st;
+__device__ __forceinline__ float st_to_float(st v) { return v; }
+#endif
+#else
+typedef wt ws_t;  // stored weight: fp16 bits or fp32
+#endif
 static_assert(T_ * TILE_ * 4 <= 16 * 1024,
               "small_batch: batch*tokens * rows per block * 4 bytes must be <= 16 KiB (lower max_pairs or threads)");
 
@@ -202,9 +232,150 @@ __device__ __forceinline__ void chunk_dot(const wt* const row[NROWS], int len, c
     }
 }
 
+#if COLI_QUANT
+// One quantized weight row: its codes, and its scales and zero points (null without zero points) either staged in
+// shared memory (s_sh, z_sh: the row's groups 0..G-1) or read from global memory (s_gl, z_gl).
+struct QRow {
+    const unsigned char* codes;
+    const float* s_sh;
+    const signed char* z_sh;
+    const st* s_gl;
+    const signed char* z_gl;
+};
+
+__device__ __forceinline__ float q_scale(const QRow& r, int g) {
+    return r.s_sh ? r.s_sh[g] : st_to_float(__ldg(r.s_gl + g));
+}
+__device__ __forceinline__ int q_zero(const QRow& r, int g) {
+    if (!COLI_ZERO_POINTS) return 0;
+    return r.z_sh ? (int)r.z_sh[g] : (int)__ldg(r.z_gl + g);
+}
+
+// Scale staging: the scales (and zero points) of all rows of a block, consecutive rows of one expert, hence one
+// contiguous run of each scale block, are copied to shared memory by the whole block (coalesced) before its rows
+// are streamed, when they fit in QS_MAX_ entries per matrix (decided at compile time); else each lane reads the
+// scale of its vector's group from global memory.
+#ifdef COLI_QUANT_STAGE_MAX  // tests set it to 0 to run the global-scale path
+#define QS_MAX_ COLI_QUANT_STAGE_MAX
+#else
+#define QS_MAX_ 2048
+#endif
+#define QS_GU_ (WARPS_ * QGROUPS_(H_) <= QS_MAX_)    // colibri_gate_up_gemv: WARPS_ rows of gate and of up
+#define QS_DOWN_ (TILE_ * QGROUPS_(I_) <= QS_MAX_)   // colibri_down_gemv: TILE_ rows of down
+#define QS_GU_N_ (QS_GU_ ? WARPS_ * QGROUPS_(H_) : 1)
+#define QS_DOWN_N_ (QS_DOWN_ ? TILE_ * QGROUPS_(I_) : 1)
+
+// Every thread of the block calls it; the caller's next barrier makes the copy visible.
+__device__ __forceinline__ void stage_scales(const st* __restrict__ scales, const signed char* __restrict__ zeros,
+                                             size_t first_row, int nrows, int groups, float* s_sh,
+                                             signed char* z_sh) {
+    const size_t at = first_row * (size_t)groups;
+    for (int i = threadIdx.x; i < nrows * groups; i += THREADS_) {
+        s_sh[i] = st_to_float(__ldg(scales + at + i));
+        if (COLI_ZERO_POINTS) z_sh[i] = __ldg(zeros + at + i);
+    }
+}
+
+// Code of column c of a row (scalar path).
+__device__ __forceinline__ int q_code(const QRow& r, int c) {
+#if COLI_QUANT == 2
+    const unsigned b = __ldg(r.codes + c / 2);
+    return (int)((c & 1) ? b >> 4 : b & 15u) - 8;
+#else
+    return (int)(signed char)__ldg(r.codes + c);
+#endif
+}
+
+// acc[j] += dequantized vector . stage[j][h .. h + QEPV_): the vector holds columns c .. c + QEPV_ - 1 (one group).
+__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const float (*stage)[CHUNK_], int h,
+                                          int cnt, float acc[PASS_]) {
+    const int g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
+    const float s = q_scale(r, g);
+    const int z = q_zero(r, g);
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int b = 0; b < QEPV_; b += 8) {
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int e = b + i;
+#if COLI_QUANT == 2
+            const int q = (int)((w[e / 8] >> (4 * (e % 8))) & 15u) - 8;  // element e: nibble e of the 16 bytes
+#else
+            const int q = (int)(signed char)((w[e / 4] >> (8 * (e % 4))) & 255u);
+#endif
+            f[i] = s * (float)(q - z);
+        }
+#pragma unroll
+        for (int j = 0; j < PASS_; ++j) {
+            if (j < cnt) {
+                float a = acc[j];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) a += f[i] * stage[j][h + b + i];
+                acc[j] = a;
+            }
+        }
+    }
+}
+
+// As chunk_dot for quantized rows: columns c0 .. c0 + len - 1 of each row (c0 a multiple of CHUNK_).
+template <int NROWS>
+__device__ __forceinline__ void chunk_dot_q(const QRow row[NROWS], int c0, int len, const float (*stage)[CHUNK_],
+                                            int cnt, float acc[NROWS][PASS_]) {
+    const int lane = threadIdx.x & 31;
+    bool aligned = true;
+#pragma unroll
+    for (int r = 0; r < NROWS; ++r)
+        aligned &= (reinterpret_cast<unsigned long long>(row[r].codes + QBYTE_(c0)) & 15ull) == 0;
+    int scalar_from = 0;
+    if (aligned) {
+        const int nvec = len / QEPV_;
+        for (int v = lane; v < nvec; v += 64) {
+            const bool second = v + 32 < nvec;
+            uint4 raw[NROWS][2];
+#pragma unroll
+            for (int r = 0; r < NROWS; ++r) {
+                const uint4* p = reinterpret_cast<const uint4*>(row[r].codes + QBYTE_(c0));
+                raw[r][0] = ld_stream(p + v);
+                raw[r][1] = second ? ld_stream(p + v + 32) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int r = 0; r < NROWS; ++r) {
+                q_fma_vec(raw[r][0], row[r], c0 + v * QEPV_, stage, v * QEPV_, cnt, acc[r]);
+                if (second) q_fma_vec(raw[r][1], row[r], c0 + (v + 32) * QEPV_, stage, (v + 32) * QEPV_, cnt, acc[r]);
+            }
+        }
+        scalar_from = nvec * QEPV_;
+    }
+    for (int h = scalar_from + lane; h < len; h += 32) {
+        const int c = c0 + h, g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
+#pragma unroll
+        for (int r = 0; r < NROWS; ++r) {
+            const float w = q_scale(row[r], g) * (float)(q_code(row[r], c) - q_zero(row[r], g));
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j)
+                if (j < cnt) acc[r][j] += w * stage[j][h];
+        }
+    }
+}
+
+// Row `row` of a matrix with `cols` columns; s_sh / z_sh: its staged scales and zero points, or null (global).
+__device__ __forceinline__ QRow q_row(const unsigned char* codes, const st* scales, const signed char* zeros,
+                                      size_t row, int cols, const float* s_sh, const signed char* z_sh) {
+    const size_t g = (size_t)QGROUPS_(cols);
+    return QRow{codes + row * (size_t)QROW_BYTES_(cols), s_sh, COLI_ZERO_POINTS ? z_sh : nullptr, scales + row * g,
+                COLI_ZERO_POINTS ? zeros + row * g : zeros};
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS_, 1)
-colibri_gate_up_gemv(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
-                     const int* __restrict__ valid_tokens, const int* __restrict__ topk_ids, float* __restrict__ act) {
+colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate, const ws_t* __restrict__ up,
+                     const int* __restrict__ valid_tokens, const int* __restrict__ topk_ids, float* __restrict__ act
+#if COLI_QUANT  // the scale and zero-point blocks (zero points: null without them), after the float arguments
+                     , const st* __restrict__ gate_scales, const st* __restrict__ up_scales,
+                     const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
+#endif
+) {
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][CHUNK_];
     __shared__ int tokens[PASS_];
@@ -215,7 +386,27 @@ colibri_gate_up_gemv(const float* __restrict__ x, const wt* __restrict__ gate, c
     const int e = order.used[slot], count = order.counts[e], first = order.offsets[e];
     const int warp = threadIdx.x / 32, n = blockIdx.x * WARPS_ + warp;
     const bool has_row = n < I_;  // warps past the last row still take part in the barriers
-    const size_t row_at = ((size_t)e * I_ + (has_row ? n : 0)) * H_;
+    const size_t row = (size_t)e * I_ + (has_row ? n : 0);
+#if COLI_QUANT
+    __shared__ float qs[2][QS_GU_N_];
+    __shared__ signed char qz[2][COLI_ZERO_POINTS ? QS_GU_N_ : 1];
+    const float* s_sh[2] = {nullptr, nullptr};
+    const signed char* z_sh[2] = {nullptr, nullptr};
+    if (QS_GU_) {  // compile-time
+        const int r0 = blockIdx.x * WARPS_, nrows = I_ - r0 < WARPS_ ? I_ - r0 : WARPS_;
+        constexpr int G = QGROUPS_(H_);
+        stage_scales(gate_scales, gate_zeros, (size_t)e * I_ + r0, nrows, G, qs[0], qz[0]);
+        stage_scales(up_scales, up_zeros, (size_t)e * I_ + r0, nrows, G, qs[1], qz[1]);
+        for (int m = 0; m < 2; ++m) {
+            s_sh[m] = qs[m] + warp * G;
+            z_sh[m] = qz[m] + (COLI_ZERO_POINTS ? warp * G : 0);
+        }
+    }  // visible after the first barrier of the chunk loop below
+    const QRow rows[2] = {q_row(gate, gate_scales, gate_zeros, row, H_, s_sh[0], z_sh[0]),
+                          q_row(up, up_scales, up_zeros, row, H_, s_sh[1], z_sh[1])};
+#else
+    const size_t row_at = row * H_;
+#endif
 
     for (int g0 = 0; g0 < count; g0 += PASS_) {
         const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
@@ -230,8 +421,12 @@ colibri_gate_up_gemv(const float* __restrict__ x, const wt* __restrict__ gate, c
             stage_rows(x, H_, tokens, cnt, h0, len, stage);
             __syncthreads();
             if (has_row) {
+#if COLI_QUANT
+                chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
+#else
                 const wt* chunk[2] = {gate + row_at + h0, up + row_at + h0};
                 chunk_dot<2>(chunk, len, stage, cnt, acc);
+#endif
             }
         }
         if (has_row) {  // uniform per warp
@@ -247,9 +442,13 @@ colibri_gate_up_gemv(const float* __restrict__ x, const wt* __restrict__ gate, c
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS_, 1)
-colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, const wt* __restrict__ down,
+colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, const ws_t* __restrict__ down,
                   const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
-                  float* __restrict__ x_next) {
+                  float* __restrict__ x_next
+#if COLI_QUANT
+                  , const st* __restrict__ down_scales, const signed char* __restrict__ down_zeros
+#endif
+) {
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][CHUNK_];
     __shared__ int pairs[PASS_];
@@ -262,8 +461,19 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
     const int n_first = n0 + warp * DOWN_ROWS_;  // the warp's rows: n_first .. n_first + DOWN_ROWS_ - 1
     const bool any_row = n_first < H_;
 
+#if COLI_QUANT
+    __shared__ float qs[QS_DOWN_N_];
+    __shared__ signed char qz[COLI_ZERO_POINTS ? QS_DOWN_N_ : 1];
+#endif
     for (int s = 0; s < order.nused; ++s) {
         const int e = order.used[s], count = order.counts[e], first = order.offsets[e];
+#if COLI_QUANT
+        if (QS_DOWN_) {  // compile-time; visible after the first barrier of the chunk loop below
+            __syncthreads();  // the previous expert's scales fully used
+            const int nrows = H_ - n0 < TILE_ ? H_ - n0 : TILE_;
+            stage_scales(down_scales, down_zeros, (size_t)e * H_ + n0, nrows, QGROUPS_(I_), qs, qz);
+        }
+#endif
         for (int g0 = 0; g0 < count; g0 += PASS_) {
             const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
             __syncthreads();  // pairs[] of the previous pass fully used
@@ -279,11 +489,23 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                 stage_rows(act, I_, pairs, cnt, c0, len, stage);
                 __syncthreads();
                 if (any_row) {
+#if COLI_QUANT
+                    QRow rows[DOWN_ROWS_];
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r) {
+                        const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
+                        rows[r] = q_row(down, down_scales, down_zeros, (size_t)e * H_ + n, I_,
+                                        QS_DOWN_ ? qs + local * QGROUPS_(I_) : nullptr,
+                                        QS_DOWN_ ? qz + (COLI_ZERO_POINTS ? local * QGROUPS_(I_) : 0) : nullptr);
+                    }
+                    chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
+#else
                     const wt* chunk[DOWN_ROWS_];
 #pragma unroll
                     for (int r = 0; r < DOWN_ROWS_; ++r)
                         chunk[r] = down + ((size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first)) * I_ + c0;
                     chunk_dot<DOWN_ROWS_>(chunk, len, stage, cnt, acc);
+#endif
                 }
             }
             if (any_row) {  // uniform per warp

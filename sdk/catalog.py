@@ -125,6 +125,24 @@ def kernel_dir() -> Path:
     return Path(kernels.__file__).parent
 
 
+def kernel_routing(header) -> int:
+    """The kernels' routing code: the format's, with v2 softmax_topk + norm_topk (renormalised over the k) being
+    topk_softmax (docs/format.md, v2 "Semantics"; HeaderV2.as_v1 makes the same mapping)."""
+    if getattr(header, "norm_topk", 0) and header.routing == 1:
+        return 0
+    return header.routing
+
+
+def quant(header) -> int:
+    """The storage code of the expert matrices (docs/format.md v2 `quant`): 0 float, 1 int8, 2 int4; 0 for v1."""
+    return int(getattr(header, "quant", 0))
+
+
+# Weight kinds the GEMV kernels read for each matrix of a quantized file, in argument order after the float
+# arguments (kernels/small_batch.cu Q_ARGS2_ / Q_ARGS1_): the scales, then the zero points.
+QUANT_SUFFIXES = (".scales", ".zeros")
+
+
 def compile_defines(profile: dict, header) -> dict[str, int]:
     """Compile-time constants (`-D NAME=VALUE`) every kernel source receives.
 
@@ -138,7 +156,12 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
          "COLI_GEMV" (1 = the launch plan takes the GEMV path, `Sizes.small_batch`),
          "COLI_TC" (1 = the tiled path runs on tensor cores, `Sizes.tensor_core`),
          "COLI_FP16" (1 = fp16 storage, fp32 accumulation; 0 = fp32), "COLI_ATOMIC_AGG" (1 = atomicAdd aggregation),
-         "COLI_ROUTING" (format routing code), "COLI_RESIDUAL" (1 = residual composition)}
+         "COLI_ROUTING" (format routing code), "COLI_RESIDUAL" (1 = residual composition),
+         "COLI_QUANT" (expert storage: 0 float, 1 int8, 2 int4; a v1 header: 0), "COLI_GROUP_SIZE" (scale group
+         along the reduction dimension, 0 = per row), "COLI_ZERO_POINTS" (1 = int8 zero points),
+         "COLI_SCALE_FP16" (1 = fp16 scales, the header's `dtype` of a quantized file)}
+        For quantized weights COLI_FP16 is 0 (the router of a v2 file is float32) and the profile's dtype does not
+        apply: the kernels follow the file's storage (docs/kernels.md, "Quantized weights").
         plus "COLI_<KERNEL>_<PARAM>" for every `kernels.<kernel>.<param>` of the profile, upper-cased
         (e.g. COLI_GATE_UP_BLOCK_M).
     """
@@ -154,10 +177,14 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         "COLI_SEQ_TOKENS": shape["tokens"],
         "COLI_GEMV": 1 if sizes(profile, header).small_batch else 0,
         "COLI_TC": 1 if sizes(profile, header).tensor_core else 0,
-        "COLI_FP16": 1 if profile["dtype"] == "fp16" else 0,
+        "COLI_FP16": 0 if quant(header) else (1 if profile["dtype"] == "fp16" else 0),
         "COLI_ATOMIC_AGG": 1 if profile["aggregation"] == "atomic" else 0,
-        "COLI_ROUTING": header.routing,
+        "COLI_ROUTING": kernel_routing(header),
         "COLI_RESIDUAL": header.composition,
+        "COLI_QUANT": quant(header),
+        "COLI_GROUP_SIZE": getattr(header, "group_size", 0) if quant(header) else 0,
+        "COLI_ZERO_POINTS": getattr(header, "zero_points", 0) if quant(header) else 0,
+        "COLI_SCALE_FP16": 1 if quant(header) and header.dtype == 1 else 0,
     }
     for kernel, params in sorted(profile["kernels"].items()):
         for param, value in sorted(params.items()):
@@ -185,7 +212,7 @@ class Sizes:
         padded: tokens * top_k + experts * (block_m - 1), the most rows the padded expert order can need.
         blocks: padded // block_m, the most tiles of block_m rows it can need.
         small_batch: True when pairs <= `kernels.small_batch.max_pairs`: the GEMV kernels replace the tiled ones.
-        tensor_core: tiled path with fp16 weights, block_m 16 and hidden and intermediate multiples of 8: the
+        tensor_core: tiled path with fp16 (never quantized) weights, block_m 16 and hidden and intermediate multiples of 8: the
             tensor-core kernels (colibri_gate_up_tc, colibri_down_tc) replace colibri_gate_up and colibri_down.
     """
 
@@ -213,7 +240,7 @@ def sizes(profile: dict, header) -> Sizes:
         padded=padded,
         blocks=padded // block_m,
         small_batch=small,
-        tensor_core=(not small and profile["dtype"] == "fp16" and block_m == TC_BLOCK_M
+        tensor_core=(not small and not quant(header) and profile["dtype"] == "fp16" and block_m == TC_BLOCK_M
                      and header.hidden_size % 8 == 0 and header.intermediate_size % 8 == 0),
     )
 
@@ -283,6 +310,36 @@ def _weights(header, kind: str, layer: int) -> dict:
     return {"kind": "weights", "tensor": kind, "layer": layer, "offset": offset}
 
 
+def _quant_args(header, kinds: tuple[str, ...], layer: int) -> list[dict]:
+    """The scale blocks of `kinds`, then their zero-point blocks (null without zero points), of one layer; [] for
+    float weights. Each a `weights` pointer like the matrices'."""
+    if not quant(header):
+        return []
+    scales = [_weights(header, kind + QUANT_SUFFIXES[0], layer) for kind in kinds]
+    zeros = [_weights(header, kind + QUANT_SUFFIXES[1], layer) if header.zero_points else {"kind": "null"}
+             for kind in kinds]
+    return scales + zeros
+
+
+def check_path(profile: dict, header) -> None:
+    """Refuse a shape the kernels cannot run for these weights: quantized weights run on the GEMV path only.
+
+    Raises:
+        CompileError: quantized weights and tokens*top_k above kernels.small_batch.max_pairs, naming both.
+    """
+    s = sizes(profile, header)
+    if quant(header) and not s.small_batch:
+        from .errors import CompileError
+
+        name = ("int8", "int4")[quant(header) - 1]
+        raise CompileError(
+            f"{name} weights run on the GEMV path only: this shape has batch*tokens*top_k = {s.pairs} pairs, "
+            f"above kernels.small_batch.max_pairs = {profile['kernels']['small_batch']['max_pairs']}; allowed: "
+            f"pairs <= max_pairs (lower shape.batch/shape.tokens, or raise max_pairs to at least {s.pairs}), or "
+            f"float weights for the tiled path"
+        )
+
+
 def _launch(layer: int, kernel: str, symbol: str, grid, threads: int, args: list[dict]) -> dict:
     return {
         "layer": layer,
@@ -319,8 +376,14 @@ def launch_plan(profile: dict, header) -> list[dict]:
 
     Per layer, GEMV path (tokens*top_k <= `kernels.small_batch.max_pairs`): routing → gate/up GEMV → down GEMV (the
     aggregation folded in), 3 launches. Tiled path: routing → align → gate/up → down → aggregate (ordered
-    aggregation only), 5 or 4 launches.
+    aggregation only), 5 or 4 launches. Quantized weights (GEMV path only): the gate/up launch takes the scale
+    blocks of gate and up, then their zero-point blocks, after its float arguments; the down launch those of down
+    (`weights` pointers; `{"kind": "null"}` for zero points the file does not have).
+
+    Raises:
+        CompileError: quantized weights on a shape that takes the tiled path (`check_path`).
     """
+    check_path(profile, header)
     s = sizes(profile, header)
     k = profile["kernels"]
     e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
@@ -342,13 +405,15 @@ def launch_plan(profile: dict, header) -> list[dict]:
             plan.append(
                 _launch(
                     layer, "small_batch", "colibri_gate_up_gemv", (_ceil_div(i, warps), min(e, s.pairs), 1),
-                    threads, [x, gate, up, valid, _buf("topk_ids"), _buf("act")],
+                    threads, [x, gate, up, valid, _buf("topk_ids"), _buf("act"),
+                              *_quant_args(header, ("gate_proj", "up_proj"), layer)],
                 )
             )
             plan.append(
                 _launch(
                     layer, "small_batch", "colibri_down_gemv", (_ceil_div(h, down_gemv_rows(threads)), 1, 1), threads,
-                    [x, _buf("act"), down, _buf("topk_ids"), _buf("topk_weights"), x_next],
+                    [x, _buf("act"), down, _buf("topk_ids"), _buf("topk_weights"), x_next,
+                     *_quant_args(header, ("down_proj",), layer)],
                 )
             )
             continue

@@ -15,7 +15,7 @@ import unicodedata
 from pathlib import PurePosixPath
 
 from ..errors import BundleError
-from ..format import Header
+from ..format import Header, HeaderV2
 from ..profile import AGGREGATIONS, DTYPES, MAX_TOKENS
 
 SCHEMA_VERSION = 1
@@ -49,6 +49,11 @@ OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list, "buffers": 
 HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
 # Every key of weights.header: the whole header, `version` included; it must equal the weights file's header.
 HEADER_KEYS = tuple(f.name for f in dataclasses.fields(Header))
+# The v2 fields (colibri_sdk.format.HeaderV2; docs/format.md v2 "Header"), recorded for v2 weights only (so the
+# manifests of v1 weights, older ones included, hold HEADER_KEYS alone): the storage (quant, group_size,
+# zero_points) and every other v2 field, floats as JSON numbers and layer_map as a list.
+HEADER_V2_KEYS = tuple(f.name for f in dataclasses.fields(HeaderV2) if f.name not in HEADER_KEYS)
+HEADER_V2_FLOAT_KEYS = ("routed_scaling_factor", "swiglu_limit", "swiglu_alpha")
 # kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.aot.nvrtc), all integers.
 RESOURCE_KEYS = ("registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes")
 _HEX = frozenset("0123456789abcdef")
@@ -216,9 +221,14 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
         _expect(header.get(key), int, f"weights.header.{key}", where)
     if "version" in header:  # bundles of this schema always record it; the weights file's header must match
         _expect(header["version"], int, "weights.header.version", where)
-    unknown = sorted(set(header) - set(HEADER_KEYS))
+    unknown = sorted(set(header) - set(HEADER_KEYS) - set(HEADER_V2_KEYS))
     if unknown:
-        raise BundleError(f"{where}: unknown keys {unknown} in weights.header; allowed: {list(HEADER_KEYS)}")
+        raise BundleError(f"{where}: unknown keys {unknown} in weights.header; allowed: "
+                          f"{list(HEADER_KEYS)} (+ {list(HEADER_V2_KEYS)} for v2 weights)")
+    for key in HEADER_V2_KEYS:
+        if key in header:
+            kind = (int, float) if key in HEADER_V2_FLOAT_KEYS else list if key == "layer_map" else int
+            _expect(header[key], kind, f"weights.header.{key}", where)
     for i, kernel in enumerate(manifest["kernels"]):
         _expect(kernel, dict, f"kernels[{i}]", where)
         for key, t in (("name", str), ("source", str), ("symbols", list), ("cubin", str), ("ptx", str),

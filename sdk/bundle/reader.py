@@ -31,12 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BundleError, FormatError
-from ..format import Header
-from ..format.constants import HEADER_SIZE, KINDS as TENSOR_KINDS
+from ..format import Header, HeaderV2
+from ..format.constants import HEADER_SIZE, KINDS as TENSOR_KINDS, VERSION_2
+from ..format.header_v2 import prefix_size
 from .manifest import (  # noqa: F401 (re-exported: the writer and the deploy import them from here)
     DIGEST_KEY,
     HEADER_FIELDS,
     HEADER_KEYS,
+    HEADER_V2_KEYS,
     KINDS,
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -67,8 +69,21 @@ def file_sha256(path: Path, progress=None) -> str:
     return digest.hexdigest()
 
 
+def header_record(header: Header) -> dict:
+    """The manifest's weights.header of a weights header: the v1 fields (HEADER_KEYS), plus for a v2 header every v2
+    field (HEADER_V2_KEYS; layer_map as a list), so the runtime knows the storage without opening the file."""
+    record = dataclasses.asdict(header)
+    if "layer_map" in record:
+        record["layer_map"] = list(record["layer_map"])
+    return record
+
+
 def _float_ranges(header: Header) -> list[tuple[int, int, np.dtype]]:
-    """(start, end, dtype) byte ranges of a .colibri file's float tensor blocks (format layout: Header)."""
+    """(start, end, dtype) byte ranges of a .colibri file's float tensor blocks (format layout: Header). For a v2
+    file: only its float blocks (float matrices, scales, router, biases, shared gate), never the int8/int4 codes or
+    the zero points, whose bytes may look like any float pattern."""
+    if isinstance(header, HeaderV2):
+        return [(b.offset, b.offset + b.nbytes, b.dtype) for b in header.blocks() if b.dtype.kind == "f"]
     ranges = []
     for kind in TENSOR_KINDS:
         start = header.block_offset(kind)
@@ -105,12 +120,13 @@ def _check_header_matches(recorded: dict, actual: dict, rel: str) -> None:
     Raises:
         BundleError: naming the first field that differs (in HEADER_KEYS order) and both values.
     """
-    for key in HEADER_KEYS:
+    v2_keys = [key for key in HEADER_V2_KEYS if key in recorded or key in actual]
+    for key in (*HEADER_KEYS, *v2_keys):
         if key == "version" and key not in recorded:
             continue
-        if recorded.get(key) != actual[key]:
+        if recorded.get(key) != actual.get(key):
             raise BundleError(
-                f"{rel}: header {key} = {actual[key]}, but the manifest's weights.header.{key} = {recorded.get(key)}; "
+                f"{rel}: header {key} = {actual.get(key)}, but the manifest's weights.header.{key} = {recorded.get(key)}; "
                 "the weights do not belong to this manifest"
             )
 
@@ -238,6 +254,8 @@ class Bundle:
         ranges = None
         if weights:
             head = fh.read(HEADER_SIZE)
+            if len(head) == HEADER_SIZE and int.from_bytes(head[4:6], "little") == VERSION_2:
+                head += fh.read(prefix_size(int.from_bytes(head[6:8], "little")) - HEADER_SIZE)  # the layer map
             digest.update(head)
             if progress is not None:
                 progress(len(head))
@@ -260,7 +278,7 @@ class Bundle:
 
     def _check_weights_header(self, head: bytes, rel: str) -> None:
         try:
-            actual = dataclasses.asdict(Header.unpack(head))
+            actual = header_record(Header.unpack(head))
         except FormatError as exc:
             raise BundleError(f"{rel}: {exc}") from None
         _check_header_matches(self.manifest["weights"]["header"], actual, rel)
@@ -323,7 +341,7 @@ class Bundle:
         except FormatError as exc:
             raise BundleError(f"{self.manifest['weights']['file']}: {exc}") from None
         try:
-            _check_header_matches(self.manifest["weights"]["header"], dataclasses.asdict(weights.header),
+            _check_header_matches(self.manifest["weights"]["header"], header_record(weights.header),
                                   self.manifest["weights"]["file"])
         except BundleError:
             weights.close()

@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import __version__, catalog
 from .reader import (
+    header_record,
     DIGEST_KEY,
     MANIFEST,
     SCHEMA_VERSION,
@@ -146,7 +147,9 @@ def prepare_weights(source: Path, dtype: str, target: Path, progress: Progress =
     with ColibriFile(source) as src:
         header = src.header
     code = DTYPE_CODES[dtype]
-    if header.dtype == code:
+    # Quantized weights are copied as they are: the kernels follow the file's storage (int8/int4 codes, fp16 or fp32
+    # scales); the profile's dtype applies to float weights (docs/kernels.md, "Quantized weights").
+    if header.dtype == code or catalog.quant(header):
         try:
             digest = copy_with_sha256(source, target, progress)
         except OSError as exc:
@@ -198,8 +201,10 @@ class _RowChunks:
             self.header = f.header
 
     def read(self, kind: str, layer: int, expert: int | None, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop-1 of one tensor, float64 (a copy)."""
+        """Rows start..stop-1 of one tensor, float64 (a copy; int8/int4 matrices dequantized exactly)."""
         with ColibriFile(self.path) as f:
+            if catalog.quant(self.header) and kind != "router":
+                return f.weight(kind, layer, expert, rows=np.arange(start, stop)).astype(np.float64)
             view = f.tensor(kind, layer, expert)[start:stop]
             rows = view.astype(np.float64)
             del view
@@ -373,7 +378,7 @@ def make_manifest(
         "shape": dict(pdict["shape"]),
         "aggregation": profile.aggregation,
         "profile": pdict,
-        "weights": {"file": WEIGHTS_FILE, "header": dataclasses.asdict(header),
+        "weights": {"file": WEIGHTS_FILE, "header": header_record(header),
                     "model_top_k": header.top_k if model_top_k is None else int(model_top_k)},
         "kernels": [_kernel_entry(k, profile.arch) for k in kernels],
         "launch": plan,
@@ -420,7 +425,7 @@ def _write_contents(
     else:
         header, digests[WEIGHTS_FILE] = prepare_weights(Path(weights), profile.dtype, target, progress)
         with ColibriFile(weights) as src:
-            source_dtype = PROFILE_DTYPE[src.header.dtype]
+            source_dtype = profile.dtype if catalog.quant(src.header) else PROFILE_DTYPE[src.header.dtype]
         verb = "copied" if source_dtype == profile.dtype else f"converted {source_dtype} → {profile.dtype}"
         steps.done(f"weights: {header.file_size:,} bytes {verb}")
         if not digests[WEIGHTS_FILE]:
@@ -586,7 +591,7 @@ def build_bundle(
     if weights is not None:
         from ..format.support import check_kernel_support
 
-        check_kernel_support(weights, profile.name)
+        check_kernel_support(weights, profile.name, profile.to_dict())
         check_top_k(Path(weights))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:

@@ -1,4 +1,5 @@
-"""The build refuses v2 weights the CUDA kernels cannot run yet, naming what, before compiling anything."""
+"""The build refuses v2 weights the CUDA kernels cannot run yet, naming what, before compiling anything; it builds
+int8/int4 weights that need nothing else (GEMV path)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 from colibri_sdk.bundle.writer import build_bundle
-from colibri_sdk.errors import FormatError
+from colibri_sdk.bundle.reader import Bundle
+from colibri_sdk.errors import CompileError, FormatError
 from colibri_sdk.format import HeaderV2, write_arrays
 from colibri_sdk.profile import load_profile
 
@@ -26,15 +28,14 @@ def v2_file(tmp_path, **fields):
 @pytest.mark.parametrize(
     "fields,match",
     [
-        (dict(dtype=1, quant=2, group_size=128),
-         r"w\.colibri: int4 weights \(group size 128\): the CUDA kernels for profile \S+ do not support it yet; "
-         r"the CPU backend runs them: colibri_sdk\.reference\.ReferenceEngine\("),
         (dict(quant=1, num_shared_experts=1, shared_intermediate_size=4),
-         r"int8 weights \(per row\); shared experts \(1 × 4\): the CUDA kernels for profile \S+ do not support them yet"),
+         r"w\.colibri: shared experts \(1 × 4\): the CUDA kernels for profile \S+ do not support it yet; "
+         r"the CPU backend runs them: colibri_sdk\.reference\.ReferenceEngine\("),
         (dict(routing=2, norm_topk=1), r"sigmoid routing: the CUDA kernels"),
         (dict(routing=0, router_bias=1, expert_bias=1, activation=1, swiglu_limit=7.0, swiglu_alpha=1.702),
          r"a router bias; expert biases; the clamped_swiglu activation: the CUDA kernels"),
-        (dict(), r"a v2 file; the CUDA kernels for profile \S+ read v1 files: it needs nothing beyond v1"),
+        (dict(), r"a v2 file; the CUDA kernels for profile \S+ read float weights from v1 files: it needs nothing "
+                 r"beyond v1"),
     ],
 )
 def test_build_refuses_what_the_kernels_lack(tmp_path, fields, match):
@@ -42,3 +43,58 @@ def test_build_refuses_what_the_kernels_lack(tmp_path, fields, match):
     with pytest.raises(FormatError, match=match):
         build_bundle(load_profile("orin", toolchain=False), tmp_path / "bundle", weights=path)
     assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("fields", [dict(dtype=1, quant=2, group_size=128), dict(dtype=0, quant=1, zero_points=1)],
+                         ids=["int4-g128", "int8-per-row-zeros-fp32-scales"])
+def test_build_takes_quantized_weights_and_records_the_storage(tmp_path, fields):
+    path = v2_file(tmp_path, **fields)
+    build_bundle(load_profile("orin", toolchain=False), tmp_path / "bundle", weights=path)
+    bundle = Bundle.open(tmp_path / "bundle")  # sha256, header against the manifest, NaN/Inf scan of float blocks
+    header = bundle.manifest["weights"]["header"]
+    assert (header["version"], header["quant"], header["group_size"], header["zero_points"]) == (
+        0x0200, fields["quant"], fields.get("group_size", 0), fields.get("zero_points", 0))
+    assert (tmp_path / "bundle" / bundle.manifest["weights"]["file"]).read_bytes() == path.read_bytes()
+    defines = bundle.manifest["kernels"][0]["defines"]
+    assert (defines["COLI_QUANT"], defines["COLI_FP16"], defines["COLI_SCALE_FP16"]) == (fields["quant"], 0,
+                                                                                         fields["dtype"])
+
+
+def test_build_refuses_quantized_weights_on_the_tiled_shape(tmp_path):
+    path = v2_file(tmp_path, dtype=1, quant=2, group_size=32)
+    profile = load_profile("orin", toolchain=False)
+    data = profile.to_dict()
+    data["kernels"]["small_batch"]["max_pairs"] = 16  # 16 tokens x top-2 = 32 pairs: the tiled path
+    from colibri_sdk.profile import Profile
+
+    with pytest.raises(CompileError, match=r"^int4 weights run on the GEMV path only: this shape has "
+                       r"batch\*tokens\*top_k = 32 pairs, above kernels.small_batch.max_pairs = 16"):
+        build_bundle(Profile.from_dict(data, toolchain=False), tmp_path / "bundle", weights=path)
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_bundle_scan_reads_only_the_float_blocks_of_a_quantized_file(tmp_path):
+    """int8 codes 127, -1 are the bytes 7F FF: an fp16 NaN pattern, which the scan must not look at; a NaN scale
+    (a float block) is refused."""
+    from colibri_sdk.errors import BundleError
+    from colibri_sdk.format import ColibriFile, QuantizedTensor
+
+    h = HeaderV2(**SIZES, dtype=1, quant=1, group_size=0)
+    rng = np.random.default_rng(1)
+    codes = np.tile(np.array([127, -1], dtype=np.int8), (6, 4))
+    q = [[QuantizedTensor(codes if kind != "down_proj" else codes.reshape(8, 6)[:, :6].copy(),
+                          np.full((rows, 1), 0.01, np.float16), None, cols, 0, 1) for _ in range(4)]
+         for kind, (rows, cols) in [("gate_proj", (6, 8)), ("up_proj", (6, 8)), ("down_proj", (8, 6))]]
+    arrays = {"gate_proj": [q[0]], "up_proj": [q[1]], "down_proj": [q[2]],
+              "router": rng.standard_normal((1, 8, 4)).astype(np.float32)}
+    path = write_arrays(tmp_path / "w.colibri", h, arrays)
+    build_bundle(load_profile("orin", toolchain=False), tmp_path / "bundle", weights=path)
+    bundle = Bundle.open(tmp_path / "bundle")
+    target = tmp_path / "bundle" / bundle.manifest["weights"]["file"]
+    with ColibriFile(target) as f:
+        scale_at = f.header.block_offset("up_proj.scales")
+    data = bytearray(target.read_bytes())
+    data[scale_at : scale_at + 2] = np.array([np.nan], dtype="<f2").tobytes()
+    target.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=rf"a NaN or Inf weight at byte offset {scale_at}"):
+        Bundle.open(tmp_path / "bundle")

@@ -130,3 +130,40 @@ def test_tensor_core_wrappers_compile(orin_profile, arch):
     assert b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in out.ptx and b"cp.async.cg.shared.global" in out.ptx
     r = out.resources["mma_tile"]
     assert r["spill_store_bytes"] == 0 and r["stack_bytes"] == 0, r
+
+
+# int8 / int4 weights on the GEMV path (COLI_QUANT): (quant, group size, zero points, scale dtype, threads)
+QUANT_CONFIGS = {
+    "int8-per-row-fp16": (1, 0, 0, 1, 256),
+    "int8-g64-zeros-fp32": (1, 64, 1, 0, 256),
+    "int4-g128-fp16": (2, 128, 0, 1, 256),
+    "int4-g32-zeros-fp16-1024": (2, 32, 1, 1, 1024),
+}
+
+
+@pytest.mark.parametrize("config,arch,stage", [(c, "sm_87", "shared") for c in QUANT_CONFIGS]
+                         + [("int4-g32-zeros-fp16-1024", "sm_90", "global"), ("int8-per-row-fp16", "sm_90", "global")])
+def test_quantized_gemv_compiles_without_spills(orin_profile, arch, config, stage):
+    from colibri_sdk.format import HeaderV2
+
+    quant, group, zeros, dtype, threads = QUANT_CONFIGS[config]
+    header = HeaderV2(1, 128, 8, 2048, 768, dtype=dtype, quant=quant, group_size=group, zero_points=zeros)
+    profile = profile_with(orin_profile, {"kernels_small_batch": {"max_pairs": 64, "threads": threads},
+                                          "shape": {"batch": 1, "tokens": 4}})
+    defines = catalog.compile_defines(profile, header)
+    if stage == "global":  # scales read by each lane from global memory, as for rows with too many groups
+        defines["COLI_QUANT_STAGE_MAX"] = 0
+    source = (catalog.kernel_dir() / "small_batch.cu").read_text()
+    out = compile_source(source, "small_batch.cu", arch, defines, [catalog.kernel_dir()])
+    assert b"ld.global.nc.L1::no_allocate.v4.u32" in out.ptx  # 16-byte code loads
+    for symbol in ("colibri_gate_up_gemv", "colibri_down_gemv"):
+        r = out.resources[symbol]
+        assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0 and r["stack_bytes"] == 0, (symbol, r)
+
+
+def test_every_source_compiles_for_int4_weights(orin_profile):
+    """The build compiles the whole catalogue for any weights; with int4 ones the tiled sources still compile."""
+    from colibri_sdk.format import HeaderV2
+
+    header = HeaderV2(1, 8, 2, 256, 512, dtype=1, quant=2, group_size=128)
+    compile_all(orin_profile, header, "sm_87")

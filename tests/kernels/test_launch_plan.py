@@ -16,11 +16,19 @@ from kernel_support import make_header
 SIGNATURE = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\)\s*(\w+)\(([^)]*)\)', re.S)
 
 
-def kernel_parameters() -> dict[str, list[str]]:
-    """{symbol: [parameter names]} parsed from the .cu sources."""
+QUANT_PARAMS = re.compile(r"^#if COLI_QUANT\b.*?^#endif\n", re.S | re.M)
+
+
+def kernel_parameters(quant: bool = False) -> dict[str, list[str]]:
+    """{symbol: [parameter names]} parsed from the .cu sources, with (quant) or without the parameters under
+    `#if COLI_QUANT` (the scale and zero-point blocks of int8/int4 weights)."""
     out = {}
     for spec in catalog.KERNELS:
         text = (catalog.kernel_dir() / spec.source).read_text()
+        if quant:
+            text = re.sub(r"^#(if COLI_QUANT|endif)\b.*\n", "", text, flags=re.M)
+        else:
+            text = QUANT_PARAMS.sub("", text)
         for symbol, params in SIGNATURE.findall(text):
             out[symbol] = [p.split()[-1].lstrip("*") for p in params.split(",")]
     return out
@@ -29,7 +37,7 @@ def kernel_parameters() -> dict[str, list[str]]:
 def expected_parameter(arg: dict, layer: int) -> str:
     """The kernel parameter name a plan argument must bind to."""
     if arg["kind"] == "weights":
-        return arg["tensor"].removesuffix("_proj")
+        return arg["tensor"].replace("_proj", "").replace(".", "_")  # gate_proj.scales → gate_scales
     if arg["kind"] == "null":
         return "pair_out"
     name = arg["name"]
@@ -183,3 +191,23 @@ def test_padded_order_fits_the_fixed_size(orin_profile, experts, top_k, tokens, 
         assert used <= s.padded and used // block_m <= s.blocks and used % block_m == 0
     assert s.padded == tokens * top_k + experts * (block_m - 1)
     assert s.blocks == s.padded // block_m
+
+
+@pytest.mark.parametrize("zeros", [0, 1])
+def test_quantized_plan_binds_every_parameter(orin_profile, zeros):
+    """int4 weights: the GEMV kernels' extra parameters (kernels/small_batch.cu under COLI_QUANT) get the scale and
+    zero-point blocks of the layer, zero points null when the file has none."""
+    from colibri_sdk.format import HeaderV2
+
+    header = HeaderV2(2, 8, 2, 256, 512, dtype=1, quant=2, group_size=64, zero_points=zeros)
+    params = kernel_parameters(quant=True)
+    for launch in catalog.launch_plan(orin_profile, header)[1::3] + catalog.launch_plan(orin_profile, header)[2::3]:
+        symbol, layer = launch["symbol"], launch["layer"]
+        names = [expected_parameter(a, layer) for a in launch["args"]]
+        want = params[symbol]
+        assert len(names) == len(want), (symbol, names, want)
+        for name, param, arg in zip(names, want, launch["args"]):
+            assert name == param or (arg["kind"] == "null" and param.endswith("_zeros") and not zeros), (symbol, names)
+            if arg["kind"] == "weights":
+                assert arg["layer"] == layer
+                assert arg["offset"] == header.tensor_offset(arg["tensor"], layer, 0) - HEADER_SIZE
