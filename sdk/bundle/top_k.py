@@ -20,8 +20,7 @@ from pathlib import Path
 from .. import catalog
 from ..errors import ProfileError
 
-# The kernels' limit on experts per token (common.cuh static_asserts COLI_TOPK); catalog.MAX_TOP_K where defined.
-MAX_TOP_K: int = int(getattr(catalog, "MAX_TOP_K", 8))
+MAX_TOP_K: int = catalog.MAX_TOP_K  # the kernels' limit on experts per token (common.cuh: COLI_MAX_TOP_K)
 
 
 def check_top_k(k, header, source: str = "the profile") -> int:

@@ -42,11 +42,17 @@ INSTALL_TIMEOUT_S = 1800.0  # pip on a Jetson's eMMC: minutes, not seconds
 
 
 def source_tree() -> Path | None:
-    """The colibri-sdk source tree this package runs from (an editable install or a checkout), or None."""
-    root = Path(__file__).resolve().parents[2]
-    pyproject = root / "pyproject.toml"
-    if pyproject.is_file() and 'name = "colibri-sdk"' in pyproject.read_text(encoding="utf-8", errors="replace"):
-        return root
+    """The colibri-sdk source tree to build the device's wheel from, or None: the tree this package runs from (an
+    editable install or a checkout), else the current folder when it is a colibri-sdk checkout (a normal
+    `pip install .` run from the checkout, as the README does)."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        pyproject = root / "pyproject.toml"
+        try:
+            text = pyproject.read_text(encoding="utf-8", errors="replace") if pyproject.is_file() else ""
+        except OSError:
+            continue
+        if 'name = "colibri-sdk"' in text and (root / "sdk" / "__init__.py").is_file():
+            return root
     return None
 
 
@@ -59,7 +65,8 @@ def build_sdk_wheel(out: Path) -> Path:
     """
     root = source_tree()
     if root is None:
-        raise RuntimeInstallError(f"colibri-sdk runs from an installed wheel here, not a source tree: put its wheel "
+        raise RuntimeInstallError(f"colibri-sdk runs from an installed wheel here, not a source tree, and the current "
+                                  f"folder is no colibri-sdk checkout: run from the checkout, or put its wheel "
                                   f"(colibri_sdk-{__version__}-py3-none-any.whl) into --wheels DIR")
     offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline,
