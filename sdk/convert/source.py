@@ -6,6 +6,7 @@ exact float32 or, for pre-quantized sources, as their codes and scales (tensors.
 
 from __future__ import annotations
 
+import abc
 import os
 from pathlib import Path
 
@@ -21,17 +22,19 @@ from .layout import Layout, Source, plan
 MATRIX_KINDS = ("gate_proj", "up_proj", "down_proj", "shared_gate_proj", "shared_up_proj", "shared_down_proj")
 
 
-class Model:
+class Model(abc.ABC):
     """Interface of a conversion source (see HFModel, gguf_model.GGUFModel)."""
 
     spec = None
     layout: Layout
 
+    @abc.abstractmethod
     def read_float(self, source: Source) -> np.ndarray:
-        raise NotImplementedError
+        """The source tensor as exact float32 (rows, cols), dequantized if it is stored quantized."""
 
+    @abc.abstractmethod
     def read_codes(self, source: Source) -> tensors.Codes:
-        raise NotImplementedError
+        """A pre-quantized source's codes and scales as stored (tensors.Codes), for copying without re-quantizing."""
 
     def is_quantized(self, source: Source) -> bool:
         return source.quant is not None
@@ -40,17 +43,21 @@ class Model:
         """The quantized sources of expert matrices, in layout order."""
         return [s for (kind, _, _), s in self.layout.sources.items() if kind in MATRIX_KINDS and self.is_quantized(s)]
 
+    @abc.abstractmethod
     def native_storage(self) -> tuple[int, int, bool] | None:
-        raise NotImplementedError
+        """(quant code, group size, zero points) of a pre-quantized model's own layout, or None for floats."""
 
+    @abc.abstractmethod
     def scales_fit_fp16(self) -> bool:
-        raise NotImplementedError
+        """True when every pre-quantized scale is exactly an fp16 value (else fp32 scales are written)."""
 
+    @abc.abstractmethod
     def source_dtypes(self) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The source's dtypes, for the report (e.g. ("bf16",) or ("int4", "bf16"))."""
 
+    @abc.abstractmethod
     def files(self) -> set[Path]:
-        raise NotImplementedError
+        """The files the conversion reads (an output path among them is refused)."""
 
     def close(self) -> None:
         pass
