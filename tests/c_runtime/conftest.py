@@ -10,7 +10,6 @@ fake driver; the fake runs the kernels through the CPU emulation of tests/kernel
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 import subprocess
@@ -21,6 +20,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from c_runtime_support import SHIPPED, manifest  # noqa: E402,F401
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakecuda"))
+# One run of colibri_test: exit code, output, the JSON of its last stdout line, the fake driver's call log.
+from fakecuda_support import FakeRun as CRun  # noqa: E402
 
 HERE = Path(__file__).parent
 TESTS = HERE.parent
@@ -94,25 +97,6 @@ def emu_libs(bundles) -> dict[str, Path]:
     from emulator import build_library
 
     return {name: build_library(manifest(path)["kernels"][0]["defines"]) for name, path in bundles.items()}
-
-
-class CRun:
-    """One run of colibri_test: exit code, output, the JSON of its last stdout line, the fake driver's call log."""
-
-    def __init__(self, done: subprocess.CompletedProcess, log: Path):
-        self.rc, self.stdout, self.stderr = done.returncode, done.stdout, done.stderr
-        lines = self.stdout.strip().splitlines()
-        try:
-            self.result = json.loads(lines[-1]) if lines else None
-        except json.JSONDecodeError:
-            self.result = None
-        self.log = log.read_text().splitlines() if log.exists() else []
-
-    def calls(self, name: str) -> list[str]:
-        return [line for line in self.log if line.split(" ", 1)[0] == name]
-
-    def __repr__(self) -> str:
-        return f"rc={self.rc}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-4000:]}"
 
 
 @pytest.fixture

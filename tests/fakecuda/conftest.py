@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fakecuda_support import HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS  # noqa: E402,F401
+from fakecuda_support import HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun  # noqa: E402,F401
 
 CXX = shutil.which("g++")
 
@@ -63,27 +63,6 @@ def kernels_lib(tiny_bundle) -> Path:
     from colibri_sdk.bundle import Bundle
 
     return build_library(Bundle.open(tiny_bundle).manifest["kernels"][0]["defines"])
-
-
-class FakeRun:
-    """What one subprocess on the fake driver gave: its exit code, output, the JSON of its last stdout line (if
-    any) and the fake's call log (one line per driver call; lines starting with "!" are the fake's complaints)."""
-
-    def __init__(self, done: subprocess.CompletedProcess, log: Path):
-        self.rc, self.stdout, self.stderr = done.returncode, done.stdout, done.stderr
-        lines = self.stdout.strip().splitlines()
-        try:
-            self.result = json.loads(lines[-1]) if lines else None
-        except json.JSONDecodeError:
-            self.result = None
-        self.log = log.read_text().splitlines() if log.exists() else []
-
-    def calls(self, name: str) -> list[str]:
-        """Log lines of driver call `name` (exact name, e.g. "cuMemcpyHtoD")."""
-        return [line for line in self.log if line.split(" ", 1)[0] == name]
-
-    def __repr__(self) -> str:
-        return f"rc={self.rc}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
 
 
 PRELUDE = """

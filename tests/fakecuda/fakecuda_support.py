@@ -3,6 +3,8 @@ folders, which `conftest` module a plain import finds depends on the order pytes
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -11,3 +13,24 @@ ROOT = TESTS.parent
 # The bundle of most tests: the Orin profile (sm_87, min_driver 12.2) at 4 tokens, a 2-layer model small enough that
 # one emulated forward pass takes well under a second.
 TOKENS, HIDDEN, INTER = 4, 64, 32
+
+
+class FakeRun:
+    """What one subprocess on the fake driver gave: its exit code, output, the JSON of its last stdout line (if
+    any) and the fake's call log (one line per driver call; lines starting with "!" are the fake's complaints)."""
+
+    def __init__(self, done: subprocess.CompletedProcess, log: Path):
+        self.rc, self.stdout, self.stderr = done.returncode, done.stdout, done.stderr
+        lines = self.stdout.strip().splitlines()
+        try:
+            self.result = json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError:
+            self.result = None
+        self.log = log.read_text().splitlines() if log.exists() else []
+
+    def calls(self, name: str) -> list[str]:
+        """Log lines of driver call `name` (exact name, e.g. "cuMemcpyHtoD")."""
+        return [line for line in self.log if line.split(" ", 1)[0] == name]
+
+    def __repr__(self) -> str:
+        return f"rc={self.rc}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
