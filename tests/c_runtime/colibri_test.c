@@ -197,7 +197,10 @@ static int cmd_errors(const char *bundle) {
     bad = cfg;
     bad.driver_library = "/nonexistent/libcuda.so.1";
     EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_NO_DRIVER);
-    CHECK(strstr(colibri_last_error(NULL), "no CUDA driver") != NULL, "%s", colibri_last_error(NULL));
+    CHECK(strstr(colibri_last_error(NULL), "no CUDA driver (/nonexistent/libcuda.so.1: cannot open") != NULL, "%s",
+          colibri_last_error(NULL));
+    CHECK(strstr(colibri_last_error(NULL), "libcuda.so.1: /nonexistent") == NULL, "library named once: %s",
+          colibri_last_error(NULL));
     bad = cfg;
     bad.device = 3;
     EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_NO_DRIVER);
