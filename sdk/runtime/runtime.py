@@ -444,7 +444,8 @@ class Runtime:
                 raise BackendError("this Runtime is closed; load the bundle again")
             began = time.perf_counter()
             self._backend.run_device(src.ptr, dst.ptr, src.batch, src.tokens, start, stop, handle)
-            self._stats.record(time.perf_counter() - began, (src.batch, src.tokens), 0)
+            self._stats.record(time.perf_counter() - began, (src.batch, src.tokens),
+                               getattr(self._backend, "last_dropped", 0))
         return out
 
     def _nonfinite_output(self, x3: np.ndarray, out: np.ndarray) -> NonFiniteOutputError:
