@@ -46,9 +46,10 @@ def reference(weights, x, valid):
     return h, dropped
 
 
-@pytest.mark.parametrize("length", [16, 11])
-def test_the_c_runtime_drops_and_counts_pairs_as_the_reference(run_c, capacity_bundle, tmp_path, length):
+def test_the_c_runtime_drops_and_counts_pairs_as_the_reference(run_c, capacity_bundle, tmp_path):
+    """11 of the 16 tokens valid: padding takes no capacity and its output rows are zero."""
     bundle, lib = capacity_bundle
+    length = 11
     out = tmp_path / "y.f32"
     run = run_c(["dropped", bundle, out, length], kernels=lib)
     assert run.rc == 0 and run.result and run.result["passed"], run
