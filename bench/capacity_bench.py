@@ -16,7 +16,8 @@ run with OPENBLAS_NUM_THREADS=1 on the same N(0, 1) inputs.
 call (the plan), the ptxas report of colibri_capacity (registers, static shared memory, spills; NVRTC, the Orin
 profile's sm_87), and on the CPU emulation of the kernels (tests/kernels/emulator.py, the access model of
 bench/kernel_access.py) the global-load bytes per call of the whole forward pass and of the weights, next to the
-modelled bytes of colibri_capacity's scan, and the dropped pairs the kernels count (capacity_dropped) next to the CPU backend's.
+modelled bytes of colibri_capacity's scan, and the dropped pairs the kernels count (capacity_dropped) next to the
+CPU backend's.
 The emulation counts requested bytes, not GPU time: nothing here ran on a GPU.
 """
 
@@ -143,7 +144,8 @@ def main() -> int:
     if kernel_rows:
         lines += [
             "",
-            "the kernel path without a GPU (NVRTC sm_87 ptxas report; CPU emulation of the kernels, one call on input 0; "
+            "the kernel path without a GPU (NVRTC sm_87 ptxas report; CPU emulation of the kernels, one call on "
+            "input 0; "
             "cap scan B modelled, the other loads counted by the access model):",
             f"{'variant':>10} {'launches':>9} {'cap regs':>9} {'cap smem':>9} {'cap spill':>10} {'cap scan B':>11} "
             f"{'all load B':>11} {'weights B':>10} {'cap/all':>8} {'dropped':>8} {'cpu':>5}",

@@ -13,7 +13,9 @@ At load (docs/runtime-cuda.md):
   5. The whole forward pass (input copy, every layer's launches, output copy) is captured once into a CUDA Graph.
 Per call: copy x and the valid-token counts into pinned memory, cuGraphLaunch (its first nodes copy both to the
 device: `catalog.io_buffers`), one cuStreamSynchronize, copy the pinned output out. Eager
-mode enqueues the same copies and launches without the graph. A lock serialises calls; `close()` frees everything.
+mode enqueues the same copies and launches without the graph. With expert capacity, the per-layer dropped-pair
+counts (`catalog.CAPACITY_DROPPED`) are copied back after the call. A lock serialises calls; `close()` frees
+everything.
 """
 
 from __future__ import annotations
@@ -416,7 +418,8 @@ class CudaBackend:
         """The launches of layers start..stop-1 on `stream`; they read x{start%2} and leave x{stop%2}. `skip`: per
         launch of the plan, True to leave it out (the capacity launches of a dropless run)."""
         cu = self._cu
-        for i, ((function, grid, block, shared, params, _), layer) in enumerate(zip(self._launches, self._launch_layers)):
+        launches = zip(self._launches, self._launch_layers)
+        for i, ((function, grid, block, shared, params, _), layer) in enumerate(launches):
             if start <= layer < stop and not (skip and skip[i]):
                 check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0),
                       "cuLaunchKernel")

@@ -19,8 +19,8 @@ def test_a_capacity_bundle_compiles_and_launches_the_capacity_kernel(tmp_path, c
                           rng.standard_normal((L, E, I, H)), rng.standard_normal((L, E, I, H)),
                           rng.standard_normal((L, E, H, I)), rng.standard_normal((L, H, E)))
     out = tmp_path / "b"
-    assert main(["build", "--profile", "orin", "--weights", str(weights), "--capacity-factor", "0.6", "--capacity-mode", "soft",
-                 "--capacity-policy", "position", "-o", str(out)]) == 0
+    assert main(["build", "--profile", "orin", "--weights", str(weights), "--capacity-factor", "0.6",
+                 "--capacity-mode", "soft", "--capacity-policy", "position", "-o", str(out)]) == 0
     assert "expert capacity: factor 0.6, soft, policy position" in capsys.readouterr().out
     m = json.loads((out / "manifest.json").read_text())
     assert m["profile"]["capacity"] == {"factor": 0.6, "mode": "soft", "policy": "position"}

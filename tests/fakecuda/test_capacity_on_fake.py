@@ -40,7 +40,8 @@ def capacity_bundle(tmp_path_factory):
     router = rng.standard_normal((L, H, E)) / np.sqrt(H)
     router[:, :, :2] += 0.3
     weights = write_model(root / "model.colibri", Header(L, E, 2, H, I, dtype=0, routing=0, composition=1),
-                          rng.standard_normal((L, E, I, H)) / np.sqrt(H), rng.standard_normal((L, E, I, H)) / np.sqrt(H),
+                          rng.standard_normal((L, E, I, H)) / np.sqrt(H),
+                          rng.standard_normal((L, E, I, H)) / np.sqrt(H),
                           rng.standard_normal((L, E, H, I)) / np.sqrt(I), router)
     data = copy.deepcopy(load_profile("orin", toolchain=False).data)
     data["shape"] = {"batch": 1, "tokens": TOKENS}
