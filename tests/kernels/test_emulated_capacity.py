@@ -155,7 +155,7 @@ def test_the_capacity_defines_give_the_factor_exactly():
 def test_the_kernel_capacity_is_ceil_in_double(orin_profile, tmp_path):
     """C as the kernel computes it, seen through expert 0 when every valid token picks it first (factor 0.8, hard,
     position): it keeps the first C valid tokens. By hand, C = ceil(T * 2 * 0.8 / 6): T 16 → 5; T 15 → 4 (in double
-    30 * 0.8 = 24.0 exactly, so 24.0 / 6 = 4.0); T 5 → 2; T 1 → 1."""
+    30 * 0.8 = 24.0 exactly, so 24.0 / 6 = 4.0); T 5 → 2; T 1 → 1. Soft keeps at most 2C."""
     path = skewed_model(tmp_path / "m.colibri", bias=(1.0, 0.0))
     x = (np.abs(np.random.default_rng(0).standard_normal((16, 48))) + 0.5).astype(np.float32)
     device = device_for(orin_profile, "hard-position-gemv-padded", path)
@@ -167,3 +167,10 @@ def test_the_kernel_capacity_is_ceil_in_double(orin_profile, tmp_path):
         ids = device.buffer("topk_ids", np.int32).reshape(-1, 2)
         assert c == Capacity(0.8).limit(int(mask.sum()), 2, 6)
         np.testing.assert_array_equal(np.flatnonzero(ids[:, 0] == 0), np.flatnonzero(mask)[:c])
+    # Soft: the overflow is bounded. Every valid token's first choice is expert 0, so beyond C it keeps C more of
+    # them (2C in all) and drops the rest: T 16, C 5 → the first 10 valid tokens keep expert 0.
+    spec = {"factor": 0.8, "mode": "soft", "policy": "position"}
+    soft = EmulatedDevice(capacity_profile(orin_profile, spec, 2, 8), path)  # the same library: flags differ
+    soft.run(x, valid_tokens=[8, 8])
+    ids = soft.buffer("topk_ids", np.int32).reshape(-1, 2)
+    np.testing.assert_array_equal(np.flatnonzero(ids[:, 0] == 0), np.arange(10))
