@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import HIDDEN, TOKENS
+from fakecuda_support import HIDDEN, TOKENS
 
 from colibri_sdk.bundle import Bundle
 from colibri_sdk.format.constants import COMPOSITION_RESIDUAL
