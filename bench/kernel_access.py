@@ -191,7 +191,8 @@ def main(argv=None) -> int:
                     lines.append(f"{head} {label:>8} {m['path']:<5} {'TOTAL':<22} {fmt(w):>7} {fmt(a):>7} "
                                  f"{fmt(b):>8} {fmt(x):>8} {fmt1(bi):>9} {m['launches']:>12}")
                     cases.append({"shape": shape, "storage": storage, "valid_tokens": valid, "bundle_tokens": tokens,
-                                  "max_pairs": max_pairs, "path": m["path"], "weight_sector_efficiency": w, "activation_sector_efficiency": a,
+                                  "max_pairs": max_pairs, "path": m["path"], "weight_sector_efficiency": w,
+                                  "activation_sector_efficiency": a,
                                   "weight_bytes_ratio": b, "expert_bytes_ratio": x,
                                   "launches_per_layer": m["launches"]})
                     if STORAGES[storage] is not None and m["path"] == "tiled":
@@ -206,9 +207,11 @@ def main(argv=None) -> int:
         print(json.dumps({**worst, "tiled_quantized": tiled_quant, "cases": cases}, indent=1))
     else:
         print("\n".join(lines))
-        print("worst over tokens 1-16: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
-        print("worst int8/int4 on the tiled (tensor-core) path: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in tiled_quant.items()))
+        if any(c["valid_tokens"] <= 16 for c in cases):
+            print("worst over tokens 1-16: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
+        if any(c["path"] == "tiled" and STORAGES[c["storage"]] is not None for c in cases):
+            print("worst int8/int4 on the tiled (tensor-core) path: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in tiled_quant.items()))
         print("goals: weight sector efficiency >= 0.95, activation >= 0.80, weight bytes / selected <= 1.05 (fp16), "
               "expert weight bytes / selected experts' stored bytes <= 1.05 (every storage)")
     return 0

@@ -13,16 +13,18 @@ CPU backend's time, measured side by side in one run (docs/format.md, "v2").
 4. Speed: the runtime's CPU backend (colibri_sdk.runtime.cpu_backend) at tokens 1 on one layer of
    Qwen3-30B-A3B's expert size (hidden 2048, intermediate 768, 16 experts, top-8), fp16 vs int8 vs int4, calls
    interleaved (median of 20 each), one BLAS thread.
-5. Importers: a 4-layer Qwen3-MoE initialised by transformers (hidden 512, moe_intermediate 384, 16 experts, top-4, renormalised) saved as the pre-quantized checkpoints users download,
-   made with each format's own library, then imported by `colibri_sdk.convert.convert` (no re-quantization):
-   compressed-tensors "pack-quantized" W4A16 (symmetric, group 128, bf16 scales: llm-compressor's W4A16 preset,
-   the checkpoints vLLM serves; `PackedQuantizationCompressor` of the `compressed-tensors` package) and GGUF Q8_0 /
-   Q4_0 (`gguf.quants.quantize`, llama.cpp's 3-D expert tensors). Per importer: file size ÷ the fp16 .colibri of
-   the same model, relative error of each MoE layer vs the fp32 transformers block holding the ORIGINAL weights
-   (as in 2), top-k agreement with the fp32 file (as in 3), and whether every expert matrix dequantizes bit for
-   bit as the library's own dequantization (`decompress`, rounded to the scale dtype as the library computes;
-   `gguf.quants.dequantize`). The checkpoints are built with the helpers of tests/convert (quantized_models.py,
-   gguf_models.py); needs torch, transformers, compressed-tensors and gguf (the `test` and `convert` extras).
+5. Importers: a 4-layer Qwen3-MoE initialised by transformers (hidden 512, moe_intermediate 384, 16 experts,
+   top-4, renormalised) saved as the pre-quantized checkpoints users download, made with each format's own
+   library, then imported by `colibri_sdk.convert.convert` (no re-quantization): compressed-tensors
+   "pack-quantized" W4A16 (symmetric, group 128, bf16 scales: llm-compressor's W4A16 preset, the checkpoints vLLM
+   serves; `PackedQuantizationCompressor` of the `compressed-tensors` package) and GGUF Q8_0 / Q4_0
+   (`gguf.quants.quantize`, llama.cpp's 3-D expert tensors). Per importer: file size ÷ the fp16 .colibri of the
+   same model, relative error of each MoE layer vs the fp32 transformers block holding the ORIGINAL weights (as in
+   2), top-k agreement with the fp32 file (as in 3), and how many expert matrices dequantize bit for bit as the
+   library's own dequantization (compressed-tensors `decompress`: its bf16 result, and its float32 result with the
+   scales widened; `gguf.quants.dequantize`). The checkpoints are built with the helpers of tests/convert
+   (quantized_models.py, gguf_models.py); needs torch, transformers, compressed-tensors and gguf (the `test` and
+   `convert` extras).
 
     python bench/quant_bench.py        # writes bench/results/quant_bench.txt (about a minute)
 """

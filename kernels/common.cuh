@@ -13,8 +13,9 @@
 //                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
 //   COLI_ROUTING                   0: softmax over the k selected logits, 1: softmax over all, then select
 //   COLI_RESIDUAL                  1: layer output = input + MoE(input), 0: layer output = MoE(input)
-//   COLI_QUANT                     storage of the expert matrices: 0 float (COLI_FP16), 1 int8, 2 int4 (GEMV path
-//                                  only; the router is then float32: COLI_FP16 0). Default 0
+//   COLI_QUANT                     storage of the expert matrices: 0 float (COLI_FP16), 1 int8, 2 int4 (read by
+//                                  small_batch.cu and expert_quant_tc.cu; the router is then float32: COLI_FP16 0).
+//                                  Default 0
 //   COLI_SCALE_FP16                quantized weights: 1 fp16 scales, 0 fp32. Default 0
 //   COLI_GROUP_SIZE                columns per scale group along the reduction dimension (0 = one per row). Default 0
 //   COLI_ZERO_POINTS               1: one int8 zero point per group. Default 0
@@ -259,7 +260,7 @@ __device__ __forceinline__ void tc_tile(const float* __restrict__ src, const int
     }
 }
 
-// ---- integer codes → fp16 mma operands (kernels/expert_quant_tc.cu) -------------------------------------------------
+// ---- integer codes → fp16 mma operands (kernels/expert_quant_tc.cu) -----------------------------------------------
 // Marlin's "magic number" dequantization (IST-DASLab/marlin, vLLM csrc/moe/marlin_moe): the fp16 with bits 0x6400 | u
 // is 1024 + u exactly for u in 0..1023, so ORing an unsigned code into the mantissa converts it without a cvt, and
 // one sub.f16x2 of 1024 + offset (+ zero point) leaves the signed value q - zero, exact for |q - zero| <= 1023.

@@ -151,7 +151,8 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
             for (int m = 0; m < NMAT; ++m) {
                 int z = 0;
                 if (COLI_ZERO_POINTS && n0 + brow < NTOT)
-                    z = STAGED ? (int)sh.zeros[m][brow * G + grp] : (int)__ldg(w[m].zeros + (size_t)(n0 + brow) * G + grp);
+                    z = STAGED ? (int)sh.zeros[m][brow * G + grp]
+                               : (int)__ldg(w[m].zeros + (size_t)(n0 + brow) * G + grp);
                 const unsigned bias = bias_pair(1024 + QOFF_ + z);
                 const unsigned char* row = sh.codes[m][brow];
 #if COLI_QUANT == 2  // byte j of the stage: columns 2j (low nibble), 2j + 1
@@ -168,13 +169,11 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
 #pragma unroll
             for (int t = 0; t < MT_; ++t) {
                 if (t < ntiles) {  // uniform
-                    const int r = t * 16;
-                    const unsigned ahi[4] = {half_pair(&sh.a_hi[r + g][kb + 2 * c]), half_pair(&sh.a_hi[r + g + 8][kb + 2 * c]),
-                                             half_pair(&sh.a_hi[r + g][kb + 2 * c + 8]),
-                                             half_pair(&sh.a_hi[r + g + 8][kb + 2 * c + 8])};
-                    const unsigned alo[4] = {half_pair(&sh.a_lo[r + g][kb + 2 * c]), half_pair(&sh.a_lo[r + g + 8][kb + 2 * c]),
-                                             half_pair(&sh.a_lo[r + g][kb + 2 * c + 8]),
-                                             half_pair(&sh.a_lo[r + g + 8][kb + 2 * c + 8])};
+                    const int r = t * 16 + g, col = kb + 2 * c;  // A fragment (common.cuh mma_m16n8k16)
+                    const unsigned ahi[4] = {half_pair(&sh.a_hi[r][col]), half_pair(&sh.a_hi[r + 8][col]),
+                                             half_pair(&sh.a_hi[r][col + 8]), half_pair(&sh.a_hi[r + 8][col + 8])};
+                    const unsigned alo[4] = {half_pair(&sh.a_lo[r][col]), half_pair(&sh.a_lo[r + 8][col]),
+                                             half_pair(&sh.a_lo[r][col + 8]), half_pair(&sh.a_lo[r + 8][col + 8])};
 #pragma unroll
                     for (int m = 0; m < NMAT; ++m) {
                         mma_m16n8k16(part[t][m], ahi, b[m], part[t][m]);
@@ -255,9 +254,9 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_gate_up_qtc(const float* __restrict__ x, const unsigned char* __restrict__ gate,
                     const unsigned char* __restrict__ up, const int* __restrict__ sorted_pairs,
-                    const int* __restrict__ expert_offsets, float* __restrict__ act, const void* __restrict__ gate_scales,
-                    const void* __restrict__ up_scales, const signed char* __restrict__ gate_zeros,
-                    const signed char* __restrict__ up_zeros) {
+                    const int* __restrict__ expert_offsets, float* __restrict__ act,
+                    const void* __restrict__ gate_scales, const void* __restrict__ up_scales,
+                    const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros) {
 #if COLI_QUANT
     const int e = blockIdx.x, start = __ldg(expert_offsets + e), end = __ldg(expert_offsets + e + 1);
     if (start >= end) return;  // an expert without pairs; uniform, before any barrier
