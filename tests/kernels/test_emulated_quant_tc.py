@@ -156,3 +156,28 @@ def test_magic_number_conversion_is_exact_for_every_code(orin_profile, tmp_path)
     halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint16).view(np.float16).astype(np.int64)
     want = np.stack([lo, hi], axis=-1) + 1024 - biases[:, None]
     np.testing.assert_array_equal(halves, want)
+
+
+def test_access_model_reads_each_selected_expert_once(orin_profile, tmp_path):
+    """Access model (bench/kernel_access.py goals): the quantized tensor-core kernels read the selected experts'
+    codes, scales and zero points once (32 x weight sectors within 5 % of their stored bytes) in fully used sectors
+    (minimum sectors / sectors touched >= 0.95). 40 tokens x top-2 over 4 experts: experts with more than one tile
+    of 16 rows, all within one pass of 64."""
+    from emulator import EmulatedDevice
+
+    path = make_quant_model(tmp_path / "m.colibri", quant="int8", group=32, zeros=True, experts=4, hidden=128,
+                            inter=64, seed=9)
+    device = EmulatedDevice(make_profile(orin_profile, tokens=40), path)
+    x = np.random.default_rng(9).standard_normal((40, 128)).astype(np.float32)
+    records = device.run_recorded(x)
+    sectors = sum(int(stats[0][1]) for launch, stats in records if launch["kernel"] == "expert_quant")
+    minimum = sum(int(stats[0][2]) for launch, stats in records if launch["kernel"] == "expert_quant")
+    h = device.header
+    _, routes, _ = reference(path, x)
+    ids = routes[0][0]
+    assert np.bincount(ids.reshape(-1), minlength=4).max() > 16  # some expert spans two 16-row tiles
+    chosen = len(np.unique(ids))
+    per_expert = sum(b.tensor_bytes for b in h.blocks() if b.tensor in ("gate_proj", "up_proj", "down_proj"))
+    selected = chosen * per_expert
+    assert selected <= 32 * sectors <= 1.05 * selected, (32 * sectors, selected)
+    assert minimum / sectors >= 0.95, (minimum, sectors)
