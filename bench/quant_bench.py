@@ -26,7 +26,7 @@ CPU backend's time, measured side by side in one run (docs/format.md, "v2").
    (quantized_models.py, gguf_models.py); needs torch, transformers, compressed-tensors and gguf (the `test` and
    `convert` extras).
 
-    python bench/quant_bench.py        # writes bench/results/quant_bench.txt (about a minute)
+    python bench/quant_bench.py        # writes bench/results/quant_bench.txt (about two minutes)
 """
 
 from __future__ import annotations
@@ -321,7 +321,8 @@ def importers(out: list[str], folder: Path) -> None:
             f"{np.max(errs):>10.2e} {np.mean(same):>11.4f} {np.mean(overlap):>8.4f} {f'{hits}/{total}':>10}"
         )
     out.append("  rel err vs the fp32 block with the original (unquantized) weights; bit-exact: expert matrices whose")
-    out.append("  file dequantization equals the library's (compressed-tensors: rounded to its bf16 compute dtype)")
+    out.append("  file dequantization equals the library's (compressed-tensors: its bf16 result after rounding ours to")
+    out.append("  bf16, and its float32 result with the scales widened; gguf-py: its float32 result)")
 
 
 def main() -> int:
