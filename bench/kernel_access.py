@@ -16,18 +16,23 @@ bytes its lanes asked for. Per kernel and in total this prints:
     launches per layer
 
 Storages: fp16 (v1), and as .colibri v2 with round-to-nearest codes and fp16 scales: int8 per row, int4 group 128,
-int4 group 32 (docs/format.md "Matrix storage"). Quantized weights run on the GEMV path only, so their cases stop
-at 16 tokens.
+int4 group 32 (docs/format.md "Matrix storage"). On the tiled path quantized weights run on the tensor-core kernels
+of kernels/expert_quant_tc.cu (colibri_gate_up_qtc, colibri_down_qtc), which stream each selected expert's codes,
+scales and zero points once per 64 of its pairs; the last line prints their worst x-bytes and weight sector
+efficiency.
 
 Shapes (fp16, the shipped h200 profile with `shape.tokens` 16 or 64):
     mixtral/16  the Mixtral-8x7B layer scaled down 16x, ratios kept: hidden 256, intermediate 896, 8 experts, top-2
                 (full size, 4096 x 14336, takes minutes per case on the emulation)
     qwen3/4     the Qwen3-30B-A3B layer scaled down 4x: hidden 512, intermediate 192, 128 experts, top-8
-Cases: 1, 4 and 16 valid tokens in a 16-token bundle, 64 in a 64-token bundle; padded rows are zeros.
+Cases: 1, 4 and 16 valid tokens in a 16-token bundle, 64 in a 64-token bundle (the GEMV path for the Mixtral shape:
+128 pairs <= max_pairs 128), and 64/64m64: the same with small_batch.max_pairs 64 (the tiled path for both shapes);
+padded rows are zeros. `--tokens 64` runs the 64-token cases only.
 The sector model assumes no cache: a weight sector read by two blocks counts twice (on a GPU L2 may catch it).
 
     python bench/kernel_access.py            # the table
     python bench/kernel_access.py --json     # one object: the worst case over tokens 1-16 of each ratio
+    python bench/kernel_access.py --tokens 64 --storages int8 int4-g128 int4-g32   # the quantized tiled rows
 """
 
 from __future__ import annotations
@@ -55,21 +60,25 @@ SHAPES = {
     "mixtral/16": dict(hidden=256, inter=896, experts=8, top_k=2),
     "qwen3/4": dict(hidden=512, inter=192, experts=128, top_k=8),
 }
-CASES = ((1, 16), (4, 16), (16, 16), (64, 64))  # (valid tokens, bundle tokens)
+# (valid tokens, bundle tokens, small_batch.max_pairs: None = the h200 profile's 128); 64/64 with max_pairs 64 puts
+# the Mixtral shape (128 pairs) on the tiled path too
+CASES = ((1, 16, None), (4, 16, None), (16, 16, None), (64, 64, None), (64, 64, 64))
 WEIGHTS, ACTIVATIONS = 0, 1
 INSTR, SECTORS, MIN_SECTORS, BYTES = range(4)
 
 
-def profile_for(tokens: int) -> dict:
+def profile_for(tokens: int, max_pairs: int | None = None) -> dict:
     data = copy.deepcopy(load_profile("h200", toolchain=False).data)
     data["shape"] = {"batch": 1, "tokens": tokens}
+    if max_pairs is not None:
+        data["kernels"]["small_batch"]["max_pairs"] = max_pairs
     return Profile.from_dict(data, toolchain=False).data
 
 
 # storage → (quant code, group size); fp16 is a v1 file
 STORAGES = {"fp16": None, "int8": (QUANT_INT8, 0), "int4-g128": (QUANT_INT4, 128), "int4-g32": (QUANT_INT4, 32)}
 EXPERT_SYMBOLS = ("colibri_gate_up_gemv", "colibri_down_gemv", "colibri_gate_up", "colibri_down",
-                  "colibri_gate_up_tc", "colibri_down_tc")
+                  "colibri_gate_up_tc", "colibri_down_tc", "colibri_gate_up_qtc", "colibri_down_qtc")
 
 
 def make_model(path: Path, hidden: int, inter: int, experts: int, top_k: int, seed: int = 0,
@@ -105,8 +114,8 @@ def selected_bytes(path: Path, x: np.ndarray) -> tuple[int, int]:
     return router + experts * per_expert, experts * per_expert
 
 
-def measure(path: Path, valid: int, tokens: int) -> dict:
-    device = EmulatedDevice(profile_for(tokens), path)
+def measure(path: Path, valid: int, tokens: int, max_pairs: int | None = None) -> dict:
+    device = EmulatedDevice(profile_for(tokens, max_pairs), path)
     hidden = device.header.hidden_size
     x = np.zeros((tokens, hidden), dtype=np.float32)
     x[:valid] = np.random.default_rng(valid).standard_normal((valid, hidden))
@@ -150,11 +159,14 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object (worst case over tokens 1-16)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--storages", nargs="*", default=list(STORAGES), choices=list(STORAGES))
+    parser.add_argument("--tokens", nargs="*", type=int, default=[c[0] for c in CASES],
+                        choices=[c[0] for c in CASES], help="valid tokens of the cases to run")
     args = parser.parse_args(argv)
     worst = {"weight_sector_efficiency": 1.0, "activation_sector_efficiency": 1.0, "weight_bytes_ratio": 0.0,
              "expert_bytes_ratio": 0.0}
+    tiled_quant = {"weight_sector_efficiency": 1.0, "expert_bytes_ratio": 0.0}  # int8/int4 on the tiled path
     cases = []
-    lines = [f"{'shape':<11} {'storage':<9} {'tokens':>6} {'path':<5} {'kernel':<22} {'w-sect':>7} {'a-sect':>7} "
+    lines = [f"{'shape':<11} {'storage':<9} {'tokens':>8} {'path':<5} {'kernel':<22} {'w-sect':>7} {'a-sect':>7} "
              f"{'w-bytes':>8} {'x-bytes':>8} {'w-B/instr':>9} {'launch/layer':>12}"]
     with tempfile.TemporaryDirectory() as tmp:
         for shape, dims in SHAPES.items():
@@ -162,35 +174,44 @@ def main(argv=None) -> int:
                 continue
             for storage in args.storages:
                 path = make_model(Path(tmp) / f"{shape.replace('/', '-')}-{storage}.colibri", **dims, storage=storage)
-                for valid, tokens in CASES:
-                    if STORAGES[storage] is not None and tokens > 16:
-                        continue  # the tiled path: quantized weights run on the GEMV path only
-                    m = measure(path, valid, tokens)
-                    label, head = f"{valid}/{tokens}", f"{shape:<11} {storage:<9}"
+                for valid, tokens, max_pairs in CASES:
+                    if valid not in args.tokens:
+                        continue
+                    m = measure(path, valid, tokens, max_pairs)
+                    label = f"{valid}/{tokens}" + ("" if max_pairs is None else f"m{max_pairs}")
+                    head = f"{shape:<11} {storage:<9}"
                     for symbol, stats in m["symbols"].items():
                         w, a, b, bi = row_values(stats, m["selected"])
                         x = ratio(32 * stats[WEIGHTS][SECTORS], m["experts_selected"]) if symbol in EXPERT_SYMBOLS \
                             else None
-                        lines.append(f"{head} {label:>6} {m['path']:<5} {symbol:<22} {fmt(w):>7} {fmt(a):>7} "
+                        lines.append(f"{head} {label:>8} {m['path']:<5} {symbol:<22} {fmt(w):>7} {fmt(a):>7} "
                                      f"{fmt(b):>8} {fmt(x):>8} {fmt1(bi):>9}")
                     w, a, b, bi = row_values(m["total"], m["selected"])
                     x = ratio(32 * m["experts"][WEIGHTS][SECTORS], m["experts_selected"])
-                    lines.append(f"{head} {label:>6} {m['path']:<5} {'TOTAL':<22} {fmt(w):>7} {fmt(a):>7} "
+                    lines.append(f"{head} {label:>8} {m['path']:<5} {'TOTAL':<22} {fmt(w):>7} {fmt(a):>7} "
                                  f"{fmt(b):>8} {fmt(x):>8} {fmt1(bi):>9} {m['launches']:>12}")
                     cases.append({"shape": shape, "storage": storage, "valid_tokens": valid, "bundle_tokens": tokens,
-                                  "path": m["path"], "weight_sector_efficiency": w, "activation_sector_efficiency": a,
+                                  "max_pairs": max_pairs, "path": m["path"], "weight_sector_efficiency": w,
+                                  "activation_sector_efficiency": a,
                                   "weight_bytes_ratio": b, "expert_bytes_ratio": x,
                                   "launches_per_layer": m["launches"]})
+                    if STORAGES[storage] is not None and m["path"] == "tiled":
+                        tiled_quant["weight_sector_efficiency"] = min(tiled_quant["weight_sector_efficiency"], w)
+                        tiled_quant["expert_bytes_ratio"] = max(tiled_quant["expert_bytes_ratio"], x)
                     if valid <= 16:
                         worst["weight_sector_efficiency"] = min(worst["weight_sector_efficiency"], w)
                         worst["activation_sector_efficiency"] = min(worst["activation_sector_efficiency"], a)
                         worst["weight_bytes_ratio"] = max(worst["weight_bytes_ratio"], b)
                         worst["expert_bytes_ratio"] = max(worst["expert_bytes_ratio"], x)
     if args.json:
-        print(json.dumps({**worst, "cases": cases}, indent=1))
+        print(json.dumps({**worst, "tiled_quantized": tiled_quant, "cases": cases}, indent=1))
     else:
         print("\n".join(lines))
-        print("worst over tokens 1-16: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
+        if any(c["valid_tokens"] <= 16 for c in cases):
+            print("worst over tokens 1-16: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
+        if any(c["path"] == "tiled" and STORAGES[c["storage"]] is not None for c in cases):
+            print("worst int8/int4 on the tiled (tensor-core) path: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in tiled_quant.items()))
         print("goals: weight sector efficiency >= 0.95, activation >= 0.80, weight bytes / selected <= 1.05 (fp16), "
               "expert weight bytes / selected experts' stored bytes <= 1.05 (every storage)")
     return 0

@@ -13,8 +13,20 @@ CPU backend's time, measured side by side in one run (docs/format.md, "v2").
 4. Speed: the runtime's CPU backend (colibri_sdk.runtime.cpu_backend) at tokens 1 on one layer of
    Qwen3-30B-A3B's expert size (hidden 2048, intermediate 768, 16 experts, top-8), fp16 vs int8 vs int4, calls
    interleaved (median of 20 each), one BLAS thread.
+5. Importers: a 4-layer Qwen3-MoE initialised by transformers (hidden 512, moe_intermediate 384, 16 experts,
+   top-4, renormalised) saved as the pre-quantized checkpoints users download, made with each format's own
+   library, then imported by `colibri_sdk.convert.convert` (no re-quantization): compressed-tensors
+   "pack-quantized" W4A16 (symmetric, group 128, bf16 scales: llm-compressor's W4A16 preset, the checkpoints vLLM
+   serves; `PackedQuantizationCompressor` of the `compressed-tensors` package) and GGUF Q8_0 / Q4_0
+   (`gguf.quants.quantize`, llama.cpp's 3-D expert tensors). Per importer: file size ÷ the fp16 .colibri of the
+   same model, relative error of each MoE layer vs the fp32 transformers block holding the ORIGINAL weights (as in
+   2), top-k agreement with the fp32 file (as in 3), and how many expert matrices dequantize bit for bit as the
+   library's own dequantization (compressed-tensors `decompress`: its bf16 result, and its float32 result with the
+   scales widened; `gguf.quants.dequantize`). The checkpoints are built with the helpers of tests/convert
+   (quantized_models.py, gguf_models.py); needs torch, transformers, compressed-tensors and gguf (the `test` and
+   `convert` extras).
 
-    python bench/quant_bench.py        # writes bench/results/quant_bench.txt (about a minute)
+    python bench/quant_bench.py        # writes bench/results/quant_bench.txt (about two minutes)
 """
 
 from __future__ import annotations
@@ -157,7 +169,7 @@ def accuracy(out: list[str], folder: Path) -> None:
 
 
 class _Bundle:
-    """The part of colibri_sdk.bundle.Bundle the CPU backend uses (the build refuses int8/int4 weights today)."""
+    """The part of colibri_sdk.bundle.Bundle the CPU backend uses (no bundle needs to be built to time it)."""
 
     shape = (1, 1)
 
@@ -206,6 +218,113 @@ def speed(out: list[str], folder: Path) -> None:
         b.close()
 
 
+def importer_model():
+    import torch
+    import transformers
+
+    torch.manual_seed(3)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=512, moe_intermediate_size=384, intermediate_size=1024, num_experts=16, num_experts_per_tok=4,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, norm_topk_prob=True,
+    )
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+def _bit_exact(path: Path, equal) -> tuple[int, int]:
+    """(expert matrices for which `equal(kind, layer, expert, ours)` holds, expert matrices); `ours` is the file's
+    exact float32 dequantization (ColibriFile.weight)."""
+    hits = total = 0
+    with ColibriFile(path) as f:
+        h = f.header
+        for layer in range(h.num_layers):
+            for e in range(h.num_experts):
+                for kind in ("gate_proj", "up_proj", "down_proj"):
+                    total += 1
+                    hits += bool(equal(kind, layer, e, f.weight(kind, layer, e)))
+    return hits, total
+
+
+def importers(out: list[str], folder: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "convert"))
+    import torch
+
+    from colibri_sdk.convert import convert
+
+    from gguf_models import gguf, write_gguf  # the test helpers: checkpoints written by the libraries themselves
+    from quantized_models import decompress, save_pack_quantized
+
+    model = importer_model()
+    layers = model.config.num_hidden_layers
+    x = np.random.default_rng(4).standard_normal((256, 512)).astype(np.float32)
+    blocks = [model.model.layers[i].mlp for i in range(layers)]
+    ckpt = folder / "imp-fp32"
+    model.save_pretrained(ckpt)
+    fp32 = folder / "imp-fp32.colibri"
+    fp16 = folder / "imp-fp16.colibri"
+    convert(ckpt, fp32, dtype="fp32", progress=False)
+    convert(ckpt, fp16, dtype="fp16", progress=False)
+    ref = ReferenceEngine(fp32)
+    states, ref_routes = [x], []
+    for layer in range(layers):
+        ref_routes.append(np.sort(ref.route(layer, states[-1])[0], -1))
+        states.append(states[-1] + ref.layer(layer, states[-1]))
+    with torch.no_grad():
+        hf = [blocks[layer](torch.from_numpy(states[layer])[None])[0].numpy() for layer in range(layers)]
+    rows = []
+
+    tensors, scheme = save_pack_quantized(model, folder / "imp-w4a16", bits=4, group_size=128, symmetric=True,
+                                          scale_dtype=torch.bfloat16)
+    ct_file = folder / "imp-w4a16.colibri"
+    convert(folder / "imp-w4a16", ct_file, progress=False)
+
+    widened = {k: (v.float() if k.endswith("weight_scale") else v) for k, v in tensors.items()}
+
+    def ct_equal(kind, layer, e, ours):
+        """The library's bf16 result bit for bit, and its float32 result with the scales widened."""
+        name = f"model.layers.{layer}.mlp.experts.{e}.{kind}"
+        native = decompress(tensors, name, scheme)
+        return (torch.from_numpy(ours).to(native.dtype).equal(native)
+                and np.array_equal(ours, decompress(widened, name, scheme).numpy()))
+
+    rows.append(("compressed-tensors W4A16 g128 (bf16 scales)", ct_file, ct_equal))
+    for qtype in ("Q8_0", "Q4_0"):
+        written = write_gguf(model, "qwen3", folder / f"imp-{qtype}.gguf", qtype)
+        path = folder / f"imp-{qtype}.colibri"
+        convert(folder / f"imp-{qtype}.gguf", path, progress=False)
+        names = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+        def gguf_equal(kind, layer, e, ours, written=written, names=names):
+            data, kind_ = written[f"blk.{layer}.{names[kind]}.weight"]
+            return np.array_equal(ours, gguf.quants.dequantize(data, kind_)[e])
+
+        rows.append((f"GGUF {qtype} (gguf-py)", path, gguf_equal))
+    out.append("")
+    out.append("5. Importers: a 4-layer Qwen3-MoE (hidden 512, moe_intermediate 384, 16 experts, top-4), transformers")
+    out.append("   init; the pre-quantized checkpoint made by the format's library, imported without re-quantizing")
+    out.append(f"  {'source':<44} {'storage':<16} {'size ÷ fp16':>12} {'rel err':>9} {'max layer':>10} "
+               f"{'top-k same':>11} {'overlap':>8} {'bit-exact':>10}")
+    for label, path, equal in rows:
+        with ColibriFile(path) as f:
+            h = f.header
+        storage = f"{('int8', 'int4')[h.quant - 1]} g{h.group_size} {('fp32', 'fp16')[h.dtype]} sc"
+        eng = ReferenceEngine(ColibriFile(path))
+        errs = [np.linalg.norm(eng.layer(l, states[l]) - hf[l]) / np.linalg.norm(hf[l]) for l in range(layers)]
+        same, overlap, state = [], [], x
+        for layer in range(layers):
+            idx = np.sort(eng.route(layer, state)[0], -1)
+            same.append((idx == ref_routes[layer]).all(-1))
+            overlap.append([len(set(a) & set(b)) / 4 for a, b in zip(idx, ref_routes[layer])])
+            state = state + eng.layer(layer, state)
+        hits, total = _bit_exact(path, equal)
+        out.append(
+            f"  {label:<44} {storage:<16} {path.stat().st_size / fp16.stat().st_size:>12.4f} {np.mean(errs):>9.2e} "
+            f"{np.max(errs):>10.2e} {np.mean(same):>11.4f} {np.mean(overlap):>8.4f} {f'{hits}/{total}':>10}"
+        )
+    out.append("  rel err vs the fp32 block with the original (unquantized) weights; bit-exact: expert matrices whose")
+    out.append("  file dequantization equals the library's (compressed-tensors: its bf16 result after rounding ours to")
+    out.append("  bf16, and its float32 result with the scales widened; gguf-py: its float32 result)")
+
+
 def main() -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out = [
@@ -219,6 +338,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         accuracy(out, Path(tmp))
         speed(out, Path(tmp))
+        importers(out, Path(tmp))
     out.append("")
     out.append(f"total {time.perf_counter() - start:.0f} s")
     text = "\n".join(out) + "\n"

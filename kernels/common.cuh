@@ -13,8 +13,9 @@
 //                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
 //   COLI_ROUTING                   0: softmax over the k selected logits, 1: softmax over all, then select
 //   COLI_RESIDUAL                  1: layer output = input + MoE(input), 0: layer output = MoE(input)
-//   COLI_QUANT                     storage of the expert matrices: 0 float (COLI_FP16), 1 int8, 2 int4 (GEMV path
-//                                  only; the router is then float32: COLI_FP16 0). Default 0
+//   COLI_QUANT                     storage of the expert matrices: 0 float (COLI_FP16), 1 int8, 2 int4 (read by
+//                                  small_batch.cu and expert_quant_tc.cu; the router is then float32: COLI_FP16 0).
+//                                  Default 0
 //   COLI_SCALE_FP16                quantized weights: 1 fp16 scales, 0 fp32. Default 0
 //   COLI_GROUP_SIZE                columns per scale group along the reduction dimension (0 = one per row). Default 0
 //   COLI_ZERO_POINTS               1: one int8 zero point per group. Default 0
@@ -257,4 +258,28 @@ __device__ __forceinline__ void tc_tile(const float* __restrict__ src, const int
             }
         }
     }
+}
+
+// ---- integer codes → fp16 mma operands (kernels/expert_quant_tc.cu) -----------------------------------------------
+// Marlin's "magic number" dequantization (IST-DASLab/marlin, vLLM csrc/moe/marlin_moe): the fp16 with bits 0x6400 | u
+// is 1024 + u exactly for u in 0..1023, so ORing an unsigned code into the mantissa converts it without a cvt, and
+// one sub.f16x2 of 1024 + offset (+ zero point) leaves the signed value q - zero, exact for |q - zero| <= 1023.
+// codes_pair_sub: the mma operand word {u_lo - (bias - 1024), u_hi - (bias - 1024)} (low half first) for u_lo, u_hi
+// in 0..1023 and bias2 both halves the fp16 bits of an integer bias in 1024..2047 (bias_pair).
+__device__ __forceinline__ unsigned bias_pair(int bias) {
+    const unsigned h = float_to_half_bits((float)bias);
+    return h | (h << 16);
+}
+__device__ __forceinline__ unsigned codes_pair_sub(unsigned u_lo, unsigned u_hi, unsigned bias2) {
+    const unsigned magic = u_lo | (u_hi << 16) | 0x64006400u;
+#ifdef COLI_CPU_EMULATION
+    const float b = __half_bits_to_float((unsigned short)(bias2 & 0xffffu));
+    const unsigned lo = __float_to_half_bits(__half_bits_to_float((unsigned short)(magic & 0xffffu)) - b);
+    const unsigned hi = __float_to_half_bits(__half_bits_to_float((unsigned short)(magic >> 16)) - b);
+    return lo | (hi << 16);
+#else
+    unsigned d;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(d) : "r"(magic), "r"(bias2));
+    return d;
+#endif
 }

@@ -68,7 +68,7 @@ class KernelSpec:
         name: profile key under `kernels:` and the base name of the cubin/PTX files in a bundle.
         source: file name in kernels/.
         symbols: the `extern "C" __global__` entry points it defines.
-        params: the tunable parameters the profile must give.
+        params: the tunable parameters the profile must give (none: the kernel has no `kernels.<name>` section).
     """
 
     name: str
@@ -115,6 +115,8 @@ KERNELS: tuple[KernelSpec, ...] = (
         (THREADS, Param("max_pairs", 1, 4096, doc="tokens*top_k at or below this take the GEMV path (the GEMV / "
                         "tiled crossover)")),
     ),
+    # int8/int4 weights on the tiled path (tensor cores): a fixed tile, no profile section (no params).
+    KernelSpec("expert_quant", "expert_quant_tc.cu", ("colibri_gate_up_qtc", "colibri_down_qtc"), ()),
     # Compiled and launched only for a bundle with expert capacity (profile `capacity`, `kernels_for`); it runs
     # with kernels.routing.threads, so it has no profile section of its own.
     KernelSpec("capacity", "capacity.cu", ("colibri_capacity",), ()),
@@ -247,6 +249,8 @@ class Sizes:
         small_batch: True when pairs <= `kernels.small_batch.max_pairs`: the GEMV kernels replace the tiled ones.
         tensor_core: tiled path with fp16 (never quantized) weights, block_m 16 and hidden and intermediate multiples of 8: the
             tensor-core kernels (colibri_gate_up_tc, colibri_down_tc) replace colibri_gate_up and colibri_down.
+        quant_tensor_core: tiled path with int8/int4 weights (any block_m and sizes): colibri_gate_up_qtc and
+            colibri_down_qtc (kernels/expert_quant_tc.cu) replace colibri_gate_up and colibri_down.
     """
 
     tokens: int
@@ -256,6 +260,7 @@ class Sizes:
     blocks: int
     small_batch: bool
     tensor_core: bool = False
+    quant_tensor_core: bool = False
 
 
 def sizes(profile: dict, header) -> Sizes:
@@ -275,6 +280,7 @@ def sizes(profile: dict, header) -> Sizes:
         small_batch=small,
         tensor_core=(not small and not quant(header) and profile["dtype"] == "fp16" and block_m == TC_BLOCK_M
                      and header.hidden_size % 8 == 0 and header.intermediate_size % 8 == 0),
+        quant_tensor_core=not small and bool(quant(header)),
     )
 
 
@@ -361,25 +367,6 @@ def _quant_args(header, kinds: tuple[str, ...], layer: int) -> list[dict]:
     return scales + zeros
 
 
-def check_path(profile: dict, header) -> None:
-    """Refuse a shape the kernels cannot run for these weights: quantized weights run on the GEMV path only.
-
-    Raises:
-        CompileError: quantized weights and tokens*top_k above kernels.small_batch.max_pairs, naming both.
-    """
-    s = sizes(profile, header)
-    if quant(header) and not s.small_batch:
-        from .errors import CompileError
-
-        name = ("int8", "int4")[quant(header) - 1]
-        raise CompileError(
-            f"{name} weights run on the GEMV path only: this shape has batch*tokens*top_k = {s.pairs} pairs, "
-            f"above kernels.small_batch.max_pairs = {profile['kernels']['small_batch']['max_pairs']}; allowed: "
-            f"pairs <= max_pairs (lower shape.batch/shape.tokens, or raise max_pairs to at least {s.pairs}), or "
-            f"float weights for the tiled path"
-        )
-
-
 def _launch(layer: int, kernel: str, symbol: str, grid, threads: int, args: list[dict]) -> dict:
     return {
         "layer": layer,
@@ -417,16 +404,13 @@ def launch_plan(profile: dict, header) -> list[dict]:
 
     Per layer, GEMV path (tokens*top_k <= `kernels.small_batch.max_pairs`): routing → gate/up GEMV → down GEMV (the
     aggregation folded in), 3 launches. Tiled path: routing → align → gate/up → down → aggregate (ordered
-    aggregation only), 5 or 4 launches. Quantized weights (GEMV path only): the gate/up launch takes the scale
-    blocks of gate and up, then their zero-point blocks, after its float arguments; the down launch those of down
-    (`weights` pointers; `{"kind": "null"}` for zero points the file does not have). With expert capacity
-    (profile `capacity`) colibri_capacity follows each routing launch (grid 1, kernels.routing.threads); without
-    it the plan has no capacity launch.
-
-    Raises:
-        CompileError: quantized weights on a shape that takes the tiled path (`check_path`).
+    aggregation only), 5 or 4 launches. Quantized weights: the gate/up launch takes the scale blocks of gate and
+    up, then their zero-point blocks, after its float arguments; the down launch those of down (`weights`
+    pointers; `{"kind": "null"}` for zero points the file does not have). On the tiled path they run
+    colibri_gate_up_qtc / colibri_down_qtc (grid (experts, ceil(columns / 32)), 128 threads), which take
+    expert_offsets in place of block_experts. With expert capacity (profile `capacity`) colibri_capacity follows
+    each routing launch (grid 1, kernels.routing.threads); without it the plan has no capacity launch.
     """
-    check_path(profile, header)
     s = sizes(profile, header)
     k = profile["kernels"]
     e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
@@ -477,17 +461,23 @@ def launch_plan(profile: dict, header) -> list[dict]:
             )
         )
         tiles = [_buf("sorted_pairs"), _buf("block_experts")]
-        if s.tensor_core:
-            gate_up_launch = ("colibri_gate_up_tc", (s.blocks, _ceil_div(i, TC_BLOCK_N), 1), TC_THREADS)
-            down_launch = ("colibri_down_tc", (s.blocks, _ceil_div(h, TC_BLOCK_N), 1), TC_THREADS)
+        if s.quant_tensor_core:
+            tiles = [_buf("sorted_pairs"), _buf("expert_offsets")]
+            gate_up_launch = ("expert_quant", "colibri_gate_up_qtc", (e, _ceil_div(i, TC_BLOCK_N), 1), TC_THREADS)
+            down_launch = ("expert_quant", "colibri_down_qtc", (e, _ceil_div(h, TC_BLOCK_N), 1), TC_THREADS)
+        elif s.tensor_core:
+            gate_up_launch = ("gate_up", "colibri_gate_up_tc", (s.blocks, _ceil_div(i, TC_BLOCK_N), 1), TC_THREADS)
+            down_launch = ("down", "colibri_down_tc", (s.blocks, _ceil_div(h, TC_BLOCK_N), 1), TC_THREADS)
         else:
-            gate_up_launch = ("colibri_gate_up", (s.blocks, _ceil_div(i, k["gate_up"]["block_n"]), 1),
+            gate_up_launch = ("gate_up", "colibri_gate_up", (s.blocks, _ceil_div(i, k["gate_up"]["block_n"]), 1),
                               k["gate_up"]["threads"])
-            down_launch = ("colibri_down", (s.blocks, _ceil_div(h, k["down"]["block_n"]), 1), k["down"]["threads"])
-        plan.append(_launch(layer, "gate_up", *gate_up_launch, [x, gate, up, *tiles, _buf("act")]))
+            down_launch = ("down", "colibri_down", (s.blocks, _ceil_div(h, k["down"]["block_n"]), 1),
+                           k["down"]["threads"])
+        plan.append(_launch(layer, *gate_up_launch, [x, gate, up, *tiles, _buf("act"),
+                                                     *_quant_args(header, ("gate_proj", "up_proj"), layer)]))
         plan.append(
-            _launch(layer, "down", *down_launch,
-                    [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next])
+            _launch(layer, *down_launch, [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next,
+                                          *_quant_args(header, ("down_proj",), layer)])
         )
         if ordered:
             plan.append(

@@ -103,7 +103,7 @@ def _choice(values: tuple[str, ...]) -> Leaf:
 def _kernel_schema() -> dict:
     schema = {}
     for kernel in KERNELS:
-        if kernel.params:  # a kernel without parameters (capacity) has no profile section
+        if kernel.params:  # a kernel without parameters (capacity, expert_quant) has no profile section
             schema[kernel.name] = {p.name: p for p in kernel.params}
     return schema
 

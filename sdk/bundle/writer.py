@@ -591,7 +591,7 @@ def build_bundle(
     if weights is not None:
         from ..format.support import check_kernel_support
 
-        check_kernel_support(weights, profile.name, profile.to_dict())
+        check_kernel_support(weights, profile.name)
         check_top_k(Path(weights))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:

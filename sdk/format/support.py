@@ -25,21 +25,18 @@ def kernel_gaps(header: HeaderV2) -> list[str]:
     return dataclasses.replace(header, quant=QUANT_FLOAT, group_size=0, zero_points=0).v1_gaps()
 
 
-def check_kernel_support(path: str | os.PathLike, profile: str, profile_data: dict | None = None) -> None:
+def check_kernel_support(path: str | os.PathLike, profile: str) -> None:
     """Refuse weights the CUDA kernels cannot run yet.
 
     Args:
         path: the .colibri file given to the build.
         profile: the profile's name, quoted in the error.
-        profile_data: the validated profile as a dict; when given, a quantized file is also checked against the
-            profile's shape (quantized weights run on the GEMV path only: `catalog.check_path`).
 
     Raises:
         FormatError: an unreadable file; or a v2 file naming the features the kernels do not support (shared
             experts, sigmoid routing, biases, ...) and that the CPU backend runs it, or, for a float v2 file holding
-            only v1 features, that the kernels read such models as v1 files.
-        CompileError: int8/int4 weights whose shape (batch*tokens*top_k above kernels.small_batch.max_pairs) would
-            take the tiled path, which has no quantized kernels.
+            only v1 features, that the kernels read such models as v1 files. int8/int4 storage runs on both paths
+            (GEMV and tensor-core tiled), whatever the profile's shape.
     """
     path = Path(path)
     with ColibriFile(path) as f:
@@ -59,7 +56,3 @@ def check_kernel_support(path: str | os.PathLike, profile: str, profile_data: di
             f"{'it' if len(gaps) == 1 else 'them'} yet; the CPU backend runs them: "
             f"colibri_sdk.reference.ReferenceEngine({str(path)!r})"
         )
-    if profile_data is not None:
-        from .. import catalog
-
-        catalog.check_path(profile_data, header)

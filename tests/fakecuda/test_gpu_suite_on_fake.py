@@ -2,8 +2,8 @@
 comparison, graph vs eager, close, the Runtime self-test) is exercised where no GPU exists.
 
 A subset: the cases whose emulated forward passes are fast. Left out (tens of seconds to minutes on the emulator):
-the 1000 replays, the concurrency test, the largest GEMV cases, every shipped profile on the demo model, and the
-integrated-GPU memory test (a 400 MB model)."""
+the 1000 replays, the concurrency test, the largest GEMV cases, every shipped profile on the demo model, the
+integrated-GPU memory test (a 400 MB model), and all but one (tiled, int4) of the quantized bundles."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fakecuda_support import HERE, ROOT, TESTS
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")
 
-SLOW = ["1000", "concurrent", "peak_memory", "shipped_profile", "gemv-many", "gemv-atomic"]
+SLOW = ["1000", "concurrent", "peak_memory", "shipped_profile", "gemv-many", "gemv-atomic", "t4-int4", "t64-int"]
 
 
 def test_gpu_tests_pass_on_the_fake_driver(run_fake, tmp_path):

@@ -45,3 +45,43 @@ def test_int4_bundle_runs_on_the_fake_driver(run_fake, tmp_path):
     x = np.random.default_rng(5).standard_normal((TOKENS, HIDDEN)).astype(np.float32)
     ref, _, stable = reference(weights, x)
     assert_close(np.asarray(run.result["y"], dtype=np.float32), ref, stable)
+
+
+def test_int8_bundle_on_the_tiled_shape_runs_on_the_fake_driver_and_the_cpu_backend(run_fake, tmp_path):
+    """64 tokens x top-4 = 256 pairs > the Orin profile's small_batch.max_pairs 128: the tiled path, int8 weights
+    with zero points on the tensor-core kernels of kernels/expert_quant_tc.cu (emulated), and the CPU backend on the
+    same bundle; both against the float64 reference."""
+    from colibri_sdk.bundle import Bundle
+    from colibri_sdk.bundle.writer import build_bundle
+    from colibri_sdk.profile import Profile, load_profile
+    from colibri_sdk.runtime import Runtime
+    from emulator import build_library
+    from test_emulated import assert_close, reference
+    from test_emulated_quant import make_quant_model
+
+    tokens = 64
+    weights = make_quant_model(tmp_path / "model-int8.colibri", quant="int8", group=64, zeros=True, layers=2,
+                               experts=16, top_k=4, hidden=HIDDEN, inter=48, seed=22)
+    data = copy.deepcopy(load_profile("orin", toolchain=False).data)
+    data["shape"] = {"batch": 1, "tokens": tokens}
+    bundle = build_bundle(Profile.from_dict(data), tmp_path / "bundle", weights, workers=2).path
+    manifest = Bundle.open(bundle).manifest
+    assert manifest["weights"]["header"]["quant"] == 1 and manifest["weights"]["header"]["zero_points"] == 1
+    assert [launch["symbol"] for launch in manifest["launch"] if launch["kernel"] == "expert_quant"] == [
+        "colibri_gate_up_qtc", "colibri_down_qtc"] * 2
+    lib = build_library(manifest["kernels"][0]["defines"])
+    code = f"""
+    from colibri_sdk.runtime import Runtime
+    x = np.random.default_rng(6).standard_normal(({tokens}, {HIDDEN})).astype(np.float32)
+    with Runtime.load({str(bundle)!r}, backend="cuda") as rt:
+        y = rt.infer(x)
+        emit(y=y.tolist(), selftest=bool(rt.self_test().passed), backend=rt.backend_name)
+    """
+    run = run_fake(code, kernels=lib)
+    assert run.rc == 0 and run.result, run
+    assert run.result["backend"] == "cuda" and run.result["selftest"] is True
+    x = np.random.default_rng(6).standard_normal((tokens, HIDDEN)).astype(np.float32)
+    ref, _, stable = reference(weights, x)
+    assert_close(np.asarray(run.result["y"], dtype=np.float32), ref, stable)
+    with Runtime.load(bundle, backend="cpu") as rt:
+        assert_close(rt.infer(x), ref, stable)

@@ -1,5 +1,5 @@
 """The build refuses v2 weights the CUDA kernels cannot run yet, naming what, before compiling anything; it builds
-int8/int4 weights that need nothing else (GEMV path)."""
+int8/int4 weights that need nothing else (GEMV and tiled paths)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from colibri_sdk.bundle.writer import build_bundle
 from colibri_sdk.bundle.reader import Bundle
-from colibri_sdk.errors import CompileError, FormatError
+from colibri_sdk.errors import FormatError
 from colibri_sdk.format import HeaderV2, write_arrays
 from colibri_sdk.profile import load_profile
 
@@ -60,17 +60,17 @@ def test_build_takes_quantized_weights_and_records_the_storage(tmp_path, fields)
                                                                                          fields["dtype"])
 
 
-def test_build_refuses_quantized_weights_on_the_tiled_shape(tmp_path):
+def test_build_takes_quantized_weights_on_the_tiled_shape(tmp_path):
     path = v2_file(tmp_path, dtype=1, quant=2, group_size=32)
     profile = load_profile("orin", toolchain=False)
     data = profile.to_dict()
     data["kernels"]["small_batch"]["max_pairs"] = 16  # 16 tokens x top-2 = 32 pairs: the tiled path
     from colibri_sdk.profile import Profile
 
-    with pytest.raises(CompileError, match=r"^int4 weights run on the GEMV path only: this shape has "
-                       r"batch\*tokens\*top_k = 32 pairs, above kernels.small_batch.max_pairs = 16"):
-        build_bundle(Profile.from_dict(data, toolchain=False), tmp_path / "bundle", weights=path)
-    assert not (tmp_path / "bundle").exists()
+    build_bundle(Profile.from_dict(data, toolchain=False), tmp_path / "bundle", weights=path)
+    launches = Bundle.open(tmp_path / "bundle").manifest["launch"]
+    assert [launch["symbol"] for launch in launches if launch["kernel"] == "expert_quant"] == [
+        "colibri_gate_up_qtc", "colibri_down_qtc"]
 
 
 def test_bundle_scan_reads_only_the_float_blocks_of_a_quantized_file(tmp_path):

@@ -212,15 +212,17 @@ class EmulatedDevice:
         with ColibriFile(weights) as f:
             self.header = f.header
         self.profile = profile
-        self.lib = EmulationLibrary(build_library(catalog.compile_defines(profile, self.header)))
+        self.plan = catalog.launch_plan(profile, self.header)
+        launched = {launch["kernel"] for launch in self.plan}  # only the sources the plan launches are compiled
+        units = [(spec.source, spec.symbols) for spec in catalog.KERNELS if spec.name in launched]
+        self.lib = EmulationLibrary(build_library(catalog.compile_defines(profile, self.header), units=units))
         self.sizes = catalog.sizes(profile, self.header)
         self.buffers = {name: Region(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
         data = Path(weights).read_bytes()[HEADER_SIZE:]
         self.weights = Region(len(data))
         self.weights.bytes[:] = np.frombuffer(data, dtype=np.uint8)
         self.io = catalog.io_buffers(self.header)
-        self.plan = catalog.launch_plan(profile, self.header)
-        symbols = {s for spec in catalog.KERNELS for s in spec.symbols}
+        symbols = {s for _, unit_symbols in units for s in unit_symbols}
         backend = types.SimpleNamespace(
             _buffers={name: r.address for name, r in self.buffers.items()},
             _weights=self.weights.address,

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from colibri_sdk import catalog
-from colibri_sdk.errors import CompileError
 from colibri_sdk.format import ColibriFile, HeaderV2, QuantizedTensor, write_arrays
 from colibri_sdk.format.constants import QUANT_INT4, QUANT_INT8
 
@@ -72,11 +71,14 @@ CASES = [
 
 
 
-def run_case(orin, tmp_path, profile_kwargs, model_kwargs, valid_tokens=None):
+def run_case(orin, tmp_path, profile_kwargs, model_kwargs, valid_tokens=None, path_check=None):
+    """Write the model to tmp_path / "m.colibri", run it emulated (checked) and the reference; `path_check(sizes)`
+    must hold (default: the GEMV path)."""
     profile = make_profile(orin, **profile_kwargs)
     path = make_quant_model(tmp_path / "m.colibri", **model_kwargs)
     device = EmulatedDevice(profile, path)
-    assert device.sizes.small_batch and not device.sizes.tensor_core
+    check = path_check or (lambda s: s.small_batch and not s.tensor_core)
+    assert check(device.sizes), device.sizes
     rng = np.random.default_rng(len(str(model_kwargs)))
     x = rng.standard_normal((device.sizes.tokens, device.header.hidden_size)).astype(np.float32)
     ref, _, stable = reference(path, x)
@@ -132,14 +134,13 @@ def test_plan_without_zero_points_passes_null(orin_profile, tmp_path):
     assert [a["kind"] for a in plan[2]["args"][6:]] == ["weights", "null"]
 
 
-def test_quantized_weights_on_the_tiled_shape_are_refused(orin_profile, tmp_path):
+def test_quantized_weights_on_the_tiled_shape_take_the_quantized_tensor_core_kernels(orin_profile, tmp_path):
     profile = make_profile(orin_profile, tokens=32)  # 64 pairs > max_pairs 32
     path = make_quant_model(tmp_path / "m.colibri", quant="int4", group=128, hidden=128, inter=64)
     with ColibriFile(path) as f:
-        header = f.header
-    with pytest.raises(CompileError, match=r"^int4 weights run on the GEMV path only: this shape has "
-                       r"batch\*tokens\*top_k = 64 pairs, above kernels.small_batch.max_pairs = 32"):
-        catalog.launch_plan(profile, header)
+        plan = catalog.launch_plan(profile, f.header)
+    assert [launch["symbol"] for launch in plan] == ["colibri_routing", "colibri_align", "colibri_gate_up_qtc",
+                                                     "colibri_down_qtc", "colibri_aggregate"]
 
 
 @pytest.mark.parametrize("name", ["int4-g128-zeros-1024-threads", "int8-g64-zeros-partial"])
