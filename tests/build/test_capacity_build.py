@@ -25,8 +25,8 @@ def test_a_capacity_bundle_compiles_and_launches_the_capacity_kernel(tmp_path, c
     m = json.loads((out / "manifest.json").read_text())
     assert m["profile"]["capacity"] == {"factor": 0.6, "mode": "soft", "policy": "position"}
     names = [k["name"] for k in m["kernels"]]
-    assert names == ["routing", "gate_up", "down", "small_batch", "capacity"]
-    cap = m["kernels"][-1]
+    assert names == ["routing", "gate_up", "down", "small_batch", "expert_quant", "capacity"]
+    cap = m["kernels"][names.index("capacity")]
     assert cap["symbols"] == ["colibri_capacity"] and cap["resources"]["colibri_capacity"]["spill_store_bytes"] == 0
     # 0.6 = 5404319552844595 / 2**53 exactly (float.as_integer_ratio)
     assert (cap["defines"]["COLI_CAPACITY_FACTOR_NUM"], cap["defines"]["COLI_CAPACITY_FACTOR_SHIFT"]) == (
