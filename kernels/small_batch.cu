@@ -375,7 +375,14 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
                      , const st* __restrict__ gate_scales, const st* __restrict__ up_scales,
                      const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
 #endif
+#if COLI_EXPERT_BIAS  // float32 (experts, intermediate) of the layer, after the quantized arguments
+                     , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
+#endif
 ) {
+#if !COLI_EXPERT_BIAS
+    const float* gate_bias = nullptr;
+    const float* up_bias = nullptr;
+#endif
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][CHUNK_];
     __shared__ int tokens[PASS_];
@@ -434,7 +441,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
             for (int j = 0; j < PASS_; ++j) {
                 if (j < cnt) {
                     const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
-                    if ((threadIdx.x & 31) == 0) act[(size_t)order.sorted[first + g0 + j] * I_ + n] = silu(g) * u;
+                    if ((threadIdx.x & 31) == 0) act[(size_t)order.sorted[first + g0 + j] * I_ + n] = gate_up_epilogue(g, u, gate_bias, up_bias, e, n);
                 }
             }
         }
@@ -448,7 +455,13 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
 #if COLI_QUANT
                   , const st* __restrict__ down_scales, const signed char* __restrict__ down_zeros
 #endif
+#if COLI_EXPERT_BIAS  // float32 (experts, hidden) of the layer, after the quantized arguments
+                  , const float* __restrict__ down_bias
+#endif
 ) {
+#if !COLI_EXPERT_BIAS
+    const float* down_bias = nullptr;
+#endif
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][CHUNK_];
     __shared__ int pairs[PASS_];
@@ -517,7 +530,8 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                             const float v = warp_sum(acc[r][j]);
                             if (lane == 0 && n_first + r < H_) {
                                 const int p = pairs[j];
-                                y[p / K_][warp * DOWN_ROWS_ + r] += __ldg(topk_weights + p) * v;
+                                y[p / K_][warp * DOWN_ROWS_ + r] +=
+                                    down_epilogue(v, __ldg(topk_weights + p), down_bias, e, n_first + r);
                             }
                         }
                     }
@@ -533,4 +547,174 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             x_next[at] = (COLI_RESIDUAL ? __ldg(x + at) : 0.0f) + y[t][i % TILE_];
         }
     }
+}
+
+// ---- shared experts (COLI_SHARED_EXPERTS S >= 1, each COLI_SHARED_INTER = Is wide) --------------------------------
+// Run for every valid token after the layer's routed output is complete (docs/kernels.md "Shared experts"), with
+// the GEMV loads above; the shared blocks of the layer (docs/format.md v2 "Blocks") hold S experts one after the
+// other, so gate and up are one (S*Is, hidden) matrix and down S matrices (hidden, Is).
+//
+// colibri_shared_gate_up — grid (ceil(S*Is / WARPS)), block (COLI_SMALL_BATCH_THREADS). Row r = s*Is + i per warp:
+//       shared_act[s, t, i] = silu(shared_gate[r, :] . x[t, :]) * (shared_up[r, :] . x[t, :])   every valid t
+//   the valid tokens taken PASS_ at a time (each weight row is streamed once per PASS_ valid tokens); rows of padded
+//   tokens are written 0. shared_act: (S, tokens, Is) float32.
+// colibri_shared_down — grid (ceil(hidden / (ROWS*WARPS))), same block and rows per warp as colibri_down_gemv:
+//       x_next[t, n] += scale_t * (sum_{s=0..S-1} shared_down[s, n, :] . shared_act[s, t, :])    every valid t
+//   scale_t = shared_scale[t] (sigmoid(x . shared_expert_gate), written by colibri_routing; COLI_SHARED_GATE) or 1;
+//   the sum over s in increasing order, one writer per element: bitwise deterministic. Padded tokens are skipped
+//   (their output rows stay the input row or zeros).
+// Quantized shared experts read their scales (and zero points) from global memory (no staging).
+#if COLI_SHARED_EXPERTS
+#define SN_ COLI_SHARED_EXPERTS
+#define SI_ COLI_SHARED_INTER
+#define SROWS_ (SN_ * SI_)
+
+// The valid tokens in increasing order into list[0 .. *n); every thread calls it (it has a barrier).
+__device__ __forceinline__ void valid_token_list(const int* __restrict__ valid_tokens, int* list, int* n) {
+    if (threadIdx.x == 0) {
+        int c = 0;
+        for (int t = 0; t < T_; ++t)
+            if (token_valid(valid_tokens, t)) list[c++] = t;
+        *n = c;
+    }
+    __syncthreads();
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS_, 1)
+colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ gate, const ws_t* __restrict__ up,
+                       const int* __restrict__ valid_tokens, float* __restrict__ shared_act
+#if COLI_QUANT
+                       , const st* __restrict__ gate_scales, const st* __restrict__ up_scales,
+                       const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
+#endif
+) {
+#if COLI_SHARED_EXPERTS
+    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ int tokens[T_];
+    __shared__ int ntokens;
+    valid_token_list(valid_tokens, tokens, &ntokens);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, r = blockIdx.x * WARPS_ + warp;
+    const bool has_row = r < SROWS_;
+    const int s = (has_row ? r : 0) / SI_, i = (has_row ? r : 0) % SI_;
+    if (has_row) {
+        for (int t = lane; t < T_; t += 32)
+            if (!token_valid(valid_tokens, t)) shared_act[((size_t)s * T_ + t) * SI_ + i] = 0.0f;
+    }
+#if COLI_QUANT
+    const QRow rows[2] = {q_row(gate, gate_scales, gate_zeros, has_row ? r : 0, H_, nullptr, nullptr),
+                          q_row(up, up_scales, up_zeros, has_row ? r : 0, H_, nullptr, nullptr)};
+#else
+    const size_t row_at = (size_t)(has_row ? r : 0) * H_;
+#endif
+    for (int g0 = 0; g0 < ntokens; g0 += PASS_) {
+        const int cnt = ntokens - g0 < PASS_ ? ntokens - g0 : PASS_;
+        float acc[2][PASS_];
+#pragma unroll
+        for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
+        for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
+            const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
+            __syncthreads();  // the previous chunk fully used
+            stage_rows(x, H_, tokens + g0, cnt, h0, len, stage);
+            __syncthreads();
+            if (has_row) {
+#if COLI_QUANT
+                chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
+#else
+                const wt* chunk[2] = {gate + row_at + h0, up + row_at + h0};
+                chunk_dot<2>(chunk, len, stage, cnt, acc);
+#endif
+            }
+        }
+        if (has_row) {  // uniform per warp
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j) {
+                if (j < cnt) {
+                    const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);  // plain SwiGLU, no biases
+                    if (lane == 0) shared_act[((size_t)s * T_ + tokens[g0 + j]) * SI_ + i] = silu(g) * u;
+                }
+            }
+        }
+    }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS_, 1)
+colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict__ down,
+                    const int* __restrict__ valid_tokens, const float* __restrict__ shared_scale,
+                    float* __restrict__ x_next
+#if COLI_QUANT
+                    , const st* __restrict__ down_scales, const signed char* __restrict__ down_zeros
+#endif
+) {
+#if COLI_SHARED_EXPERTS
+    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ int tokens[T_];
+    __shared__ int ntokens;
+    valid_token_list(valid_tokens, tokens, &ntokens);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int n_first = blockIdx.x * TILE_ + warp * DOWN_ROWS_;  // the warp's rows: n_first .. + DOWN_ROWS_ - 1
+    const bool any_row = n_first < H_;
+    for (int g0 = 0; g0 < ntokens; g0 += PASS_) {
+        const int cnt = ntokens - g0 < PASS_ ? ntokens - g0 : PASS_;
+        float total[DOWN_ROWS_][PASS_];
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS_; ++r)
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j) total[r][j] = 0.0f;
+        for (int s = 0; s < SN_; ++s) {
+            float acc[DOWN_ROWS_][PASS_];
+#pragma unroll
+            for (int r = 0; r < DOWN_ROWS_; ++r)
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
+            for (int c0 = 0; c0 < SI_; c0 += CHUNK_) {
+                const int len = SI_ - c0 < CHUNK_ ? SI_ - c0 : CHUNK_;
+                __syncthreads();
+                stage_rows(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, c0, len, stage);
+                __syncthreads();
+                if (any_row) {
+#if COLI_QUANT
+                    QRow rows[DOWN_ROWS_];
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r) {
+                        const int n = n_first + r < H_ ? n_first + r : n_first;
+                        rows[r] = q_row(down, down_scales, down_zeros, (size_t)s * H_ + n, SI_, nullptr, nullptr);
+                    }
+                    chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
+#else
+                    const wt* chunk[DOWN_ROWS_];
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r)
+                        chunk[r] = down + ((size_t)s * H_ + (n_first + r < H_ ? n_first + r : n_first)) * SI_ + c0;
+                    chunk_dot<DOWN_ROWS_>(chunk, len, stage, cnt, acc);
+#endif
+                }
+            }
+            if (any_row) {  // every lane ends with the same sums
+#pragma unroll
+                for (int r = 0; r < DOWN_ROWS_; ++r)
+#pragma unroll
+                    for (int j = 0; j < PASS_; ++j)
+                        if (j < cnt) total[r][j] += warp_sum(acc[r][j]);
+            }
+        }
+        if (any_row && lane == 0) {
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j) {
+                if (j < cnt) {
+                    const int t = tokens[g0 + j];
+                    const float scale = COLI_SHARED_GATE ? __ldg(shared_scale + t) : 1.0f;
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r) {
+                        if (n_first + r < H_) {
+                            const size_t at = (size_t)t * H_ + n_first + r;
+                            x_next[at] = x_next[at] + scale * total[r][j];
+                        }
+                    }
+                }
+            }
+        }
+    }
+#endif
 }
