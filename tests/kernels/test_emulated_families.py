@@ -72,7 +72,8 @@ def reference_v2(path, x: np.ndarray):
         stable &= selection_margin(logits, h, correction) >= MARGIN
         logits_per_layer.append((logits, correction))
         routes.append(engine.route(layer, flat))
-        flat = flat + engine.layer(layer, flat)
+        y = engine.layer(layer, flat)
+        flat = flat + y if h.composition == 1 else y
     engine.close()
     return flat, routes, stable, logits_per_layer
 
