@@ -10,6 +10,7 @@
 //   loads, consecutive lanes on consecutive 16 bytes), then each warp streams row n of gate[e] and of up[e] in one
 //   loop, 16-byte loads (two per row stream per lane in flight, L1 bypassed):
 //       act[p, n] = silu(gate[e, n, :] . x[p / k, :]) * (up[e, n, :] . x[p / k, :])       only pairs p routed to e
+//   (with biases and the clamped SwiGLU when the file has them: common.cuh gate_up_epilogue)
 //   An expert with more than PASS_ pairs (8; 4 above 512 threads) streams its rows once per PASS_ pairs.
 // colibri_down_gemv — grid (ceil(hidden / (ROWS*WARPS))), same block; ROWS = 2 (1 above 512 threads). Rows
 //   n0 .. n0 + ROWS*WARPS - 1 of the layer output, ROWS consecutive hidden rows per warp. For every selected expert
@@ -18,6 +19,11 @@
 //   then x_next[t, n] = x[t, n] + y[t, n] (COLI_RESIDUAL) or y[t, n] for every token. The slots of a token are summed
 //   in increasing expert index, a fixed order: bitwise deterministic, no atomics, no aggregate kernel, in both
 //   aggregation modes. Padded tokens (NO_EXPERT) get y = 0.
+//
+// colibri_shared_gate_up, colibri_shared_down — the shared experts of a v2 file (COLI_SHARED_EXPERTS), over every
+//   valid token after the routed output: described at their definitions, at the end of this file.
+// The expert epilogue (biases, clamped SwiGLU; common.cuh gate_up_epilogue / down_epilogue) follows COLI_EXPERT_BIAS
+//   and COLI_ACTIVATION; the bias blocks are extra arguments after the quantized ones.
 //
 // Loads: a weight row is read with 16-byte vector loads when its address is 16-byte aligned (hidden and
 // intermediate sizes a multiple of 8 fp16 / 4 fp32), with a scalar tail; else with scalar loads. Lane sums are
@@ -582,11 +588,11 @@ __device__ __forceinline__ void valid_token_list(const int* __restrict__ valid_t
 #endif
 
 extern "C" __global__ void __launch_bounds__(THREADS_, 1)
-colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ gate, const ws_t* __restrict__ up,
+colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ shared_gate, const ws_t* __restrict__ shared_up,
                        const int* __restrict__ valid_tokens, float* __restrict__ shared_act
 #if COLI_QUANT
-                       , const st* __restrict__ gate_scales, const st* __restrict__ up_scales,
-                       const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
+                       , const st* __restrict__ shared_gate_scales, const st* __restrict__ shared_up_scales,
+                       const signed char* __restrict__ shared_gate_zeros, const signed char* __restrict__ shared_up_zeros
 #endif
 ) {
 #if COLI_SHARED_EXPERTS
@@ -602,8 +608,8 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ gat
             if (!token_valid(valid_tokens, t)) shared_act[((size_t)s * T_ + t) * SI_ + i] = 0.0f;
     }
 #if COLI_QUANT
-    const QRow rows[2] = {q_row(gate, gate_scales, gate_zeros, has_row ? r : 0, H_, nullptr, nullptr),
-                          q_row(up, up_scales, up_zeros, has_row ? r : 0, H_, nullptr, nullptr)};
+    const QRow rows[2] = {q_row(shared_gate, shared_gate_scales, shared_gate_zeros, has_row ? r : 0, H_, nullptr, nullptr),
+                          q_row(shared_up, shared_up_scales, shared_up_zeros, has_row ? r : 0, H_, nullptr, nullptr)};
 #else
     const size_t row_at = (size_t)(has_row ? r : 0) * H_;
 #endif
@@ -621,7 +627,7 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ gat
 #if COLI_QUANT
                 chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
 #else
-                const wt* chunk[2] = {gate + row_at + h0, up + row_at + h0};
+                const wt* chunk[2] = {shared_gate + row_at + h0, shared_up + row_at + h0};
                 chunk_dot<2>(chunk, len, stage, cnt, acc);
 #endif
             }
@@ -640,11 +646,11 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ gat
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS_, 1)
-colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict__ down,
+colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict__ shared_down,
                     const int* __restrict__ valid_tokens, const float* __restrict__ shared_scale,
                     float* __restrict__ x_next
 #if COLI_QUANT
-                    , const st* __restrict__ down_scales, const signed char* __restrict__ down_zeros
+                    , const st* __restrict__ shared_down_scales, const signed char* __restrict__ shared_down_zeros
 #endif
 ) {
 #if COLI_SHARED_EXPERTS
@@ -679,14 +685,14 @@ colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict
 #pragma unroll
                     for (int r = 0; r < DOWN_ROWS_; ++r) {
                         const int n = n_first + r < H_ ? n_first + r : n_first;
-                        rows[r] = q_row(down, down_scales, down_zeros, (size_t)s * H_ + n, SI_, nullptr, nullptr);
+                        rows[r] = q_row(shared_down, shared_down_scales, shared_down_zeros, (size_t)s * H_ + n, SI_, nullptr, nullptr);
                     }
                     chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
 #else
                     const wt* chunk[DOWN_ROWS_];
 #pragma unroll
                     for (int r = 0; r < DOWN_ROWS_; ++r)
-                        chunk[r] = down + ((size_t)s * H_ + (n_first + r < H_ ? n_first + r : n_first)) * SI_ + c0;
+                        chunk[r] = shared_down + ((size_t)s * H_ + (n_first + r < H_ ? n_first + r : n_first)) * SI_ + c0;
                     chunk_dot<DOWN_ROWS_>(chunk, len, stage, cnt, acc);
 #endif
                 }
