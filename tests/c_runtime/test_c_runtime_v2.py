@@ -10,6 +10,8 @@ from c_runtime_support import manifest
 from conftest import build_bundle_for
 from test_emulated_families import DEEPSEEK_V3, GPT_OSS, QWEN2, make_v2_model
 
+pytestmark = pytest.mark.slow  # two bundle builds and emulated runs under the sanitizers
+
 CASES = {
     # int8 g32 experts and shared experts, sigmoid + correction bias + groups + scaling, shared gate, expert biases,
     # clamped SwiGLU: the GEMV path

@@ -190,6 +190,7 @@ FAMILY_HEADERS = {
 }
 
 
+@pytest.mark.slow  # 16 NVRTC compiles, about 35 s on 2 cores
 @pytest.mark.parametrize("family", list(FAMILY_HEADERS))
 def test_family_kernels_compile_without_spills(orin_profile, family):
     """Every catalogue source compiles (NVRTC, sm_87) for the real sizes of each v2 family, every entry point
