@@ -19,6 +19,22 @@
 //   COLI_SCALE_FP16                quantized weights: 1 fp16 scales, 0 fp32. Default 0
 //   COLI_GROUP_SIZE                columns per scale group along the reduction dimension (0 = one per row). Default 0
 //   COLI_ZERO_POINTS               1: one int8 zero point per group. Default 0
+//   v2 model features (docs/kernels.md "Model features"; every one defaults to "none"):
+//   COLI_ROUTER_F32                1: the router (and every bias) is float32 whatever COLI_FP16 (a v2 file). Default 0
+//   COLI_ROUTING                   2: sigmoid scores (v2 sigmoid_topk), the k selected scores as weights
+//   COLI_NORM_TOPK                 1: renormalise the k weights, w / (sum + 1e-20) (routing 1, 2). Default 0
+//   COLI_N_GROUP, COLI_TOPK_GROUP  group-limited selection: the experts form N_GROUP groups of consecutive experts,
+//                                  only the TOPK_GROUP best groups are eligible. Default 1, 1 (no limit)
+//   COLI_GROUP_SCORE               a group's score: 1 its largest selection score, 2 the sum of its two largest
+//   COLI_ROUTER_BIAS               1: a float32 (experts,) bias added to the logits. Default 0
+//   COLI_CORRECTION_BIAS           1: a float32 (experts,) bias added to the sigmoid scores for selection only
+//   COLI_ROUTED_SCALING_BITS       the float32 bits of routed_scaling_factor (multiplies the weights). Default 1.0
+//   COLI_EXPERT_BIAS               1: float32 biases on the routed experts' gate, up (experts, I) and down (experts, H)
+//   COLI_ACTIVATION                0 SwiGLU, 1 the clamped SwiGLU of gpt-oss with COLI_SWIGLU_LIMIT_BITS and
+//                                  COLI_SWIGLU_ALPHA_BITS (float32 bits). Default 0
+//   COLI_SHARED_EXPERTS            shared experts per layer (0: none), each COLI_SHARED_INTER wide, run for every
+//                                  valid token (small_batch.cu colibri_shared_*). Default 0
+//   COLI_SHARED_GATE               1: the shared experts' sum is scaled by sigmoid(x . shared_expert_gate). Default 0
 //   COLI_<KERNEL>_<PARAM>          the profile's kernels.<kernel>.<param>
 // No CUDA header is included: fp16 is converted with one PTX instruction, so NVRTC needs no include path.
 #pragma once
@@ -42,6 +58,63 @@
 #ifndef COLI_ZERO_POINTS
 #define COLI_ZERO_POINTS 0
 #endif
+
+#ifndef COLI_ROUTER_F32
+#define COLI_ROUTER_F32 0
+#endif
+#ifndef COLI_NORM_TOPK
+#define COLI_NORM_TOPK 0
+#endif
+#ifndef COLI_N_GROUP
+#define COLI_N_GROUP 1
+#endif
+#ifndef COLI_TOPK_GROUP
+#define COLI_TOPK_GROUP 1
+#endif
+#ifndef COLI_GROUP_SCORE
+#define COLI_GROUP_SCORE 0
+#endif
+#ifndef COLI_ROUTER_BIAS
+#define COLI_ROUTER_BIAS 0
+#endif
+#ifndef COLI_CORRECTION_BIAS
+#define COLI_CORRECTION_BIAS 0
+#endif
+#ifndef COLI_ROUTED_SCALING_BITS
+#define COLI_ROUTED_SCALING_BITS 0x3f800000u  // 1.0f
+#endif
+#ifndef COLI_EXPERT_BIAS
+#define COLI_EXPERT_BIAS 0
+#endif
+#ifndef COLI_ACTIVATION
+#define COLI_ACTIVATION 0
+#endif
+#ifndef COLI_SWIGLU_LIMIT_BITS
+#define COLI_SWIGLU_LIMIT_BITS 0u
+#endif
+#ifndef COLI_SWIGLU_ALPHA_BITS
+#define COLI_SWIGLU_ALPHA_BITS 0u
+#endif
+#ifndef COLI_SHARED_EXPERTS
+#define COLI_SHARED_EXPERTS 0
+#endif
+#ifndef COLI_SHARED_INTER
+#define COLI_SHARED_INTER 0
+#endif
+#ifndef COLI_SHARED_GATE
+#define COLI_SHARED_GATE 0
+#endif
+static_assert(COLI_ROUTING >= 0 && COLI_ROUTING <= 2, "COLI_ROUTING: 0 topk_softmax, 1 softmax_topk, 2 sigmoid_topk");
+static_assert(COLI_N_GROUP >= 1 && COLI_EXPERTS % COLI_N_GROUP == 0, "COLI_N_GROUP must divide COLI_EXPERTS");
+static_assert(COLI_TOPK_GROUP >= 1 && COLI_TOPK_GROUP <= COLI_N_GROUP, "COLI_TOPK_GROUP must be in 1..COLI_N_GROUP");
+static_assert(COLI_N_GROUP == 1 || COLI_GROUP_SCORE == 1 || COLI_GROUP_SCORE == 2,
+              "COLI_GROUP_SCORE must be 1 (max) or 2 (top-two sum) with COLI_N_GROUP > 1");
+static_assert(COLI_GROUP_SCORE != 2 || COLI_EXPERTS / COLI_N_GROUP >= 2, "top-two group score: >= 2 experts per group");
+static_assert(COLI_TOPK <= COLI_TOPK_GROUP * (COLI_EXPERTS / COLI_N_GROUP), "COLI_TOPK exceeds the eligible experts");
+static_assert(!COLI_CORRECTION_BIAS || COLI_ROUTING == 2, "COLI_CORRECTION_BIAS needs sigmoid routing (2)");
+static_assert(COLI_ACTIVATION == 0 || COLI_ACTIVATION == 1, "COLI_ACTIVATION: 0 SwiGLU, 1 clamped SwiGLU");
+static_assert((COLI_SHARED_EXPERTS == 0) == (COLI_SHARED_INTER == 0), "COLI_SHARED_EXPERTS and COLI_SHARED_INTER");
+static_assert(!COLI_SHARED_GATE || COLI_SHARED_EXPERTS, "COLI_SHARED_GATE needs shared experts");
 
 #define H_ COLI_HIDDEN
 #define I_ COLI_INTER
@@ -129,6 +202,43 @@ __device__ __forceinline__ void unpack16(uint4 raw, float out[VEC_]) {
 // silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); for very negative g, exp overflows to inf and the result is -0,
 // the exact limit (as sdk/reference.py `silu`).
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// ---- the expert epilogues (docs/format.md "Semantics v2"; every expert kernel uses these) ------------------------
+// The activation of a routed expert on its gate and up projections g, u (biases included):
+//   COLI_ACTIVATION 0: silu(g) * u
+//   COLI_ACTIVATION 1: g = min(g, limit), u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1)
+//                      (gpt-oss, transformers GptOssExperts._apply_gate; NaN propagates as in the reference)
+__device__ __forceinline__ float expert_activation(float g, float u) {
+#if COLI_ACTIVATION == 1
+    const float limit = __uint_as_float(COLI_SWIGLU_LIMIT_BITS), alpha = __uint_as_float(COLI_SWIGLU_ALPHA_BITS);
+    g = g > limit ? limit : g;
+    u = u > limit ? limit : (u < -limit ? -limit : u);
+    return g * (1.0f / (1.0f + expf(-(g * alpha)))) * (u + 1.0f);
+#else
+    return silu(g) * u;
+#endif
+}
+
+// act[p, n] of routed expert e from the raw dot products g = gate[e, n] . x, u = up[e, n] . x:
+// the gate and up biases (float32 (experts, intermediate), COLI_EXPERT_BIAS; null otherwise), then the activation.
+__device__ __forceinline__ float gate_up_epilogue(float g, float u, const float* __restrict__ gate_bias,
+                                                  const float* __restrict__ up_bias, int e, int n) {
+#if COLI_EXPERT_BIAS
+    g += __ldg(gate_bias + (size_t)e * COLI_INTER + n);
+    u += __ldg(up_bias + (size_t)e * COLI_INTER + n);
+#endif
+    return expert_activation(g, u);
+}
+
+// The contribution of routed expert e to output column n: weight * (down[e, n] . act + down_bias[e, n]) (the bias
+// float32 (experts, hidden), COLI_EXPERT_BIAS; null otherwise), as the reference: w_j * y_e.
+__device__ __forceinline__ float down_epilogue(float v, float weight, const float* __restrict__ down_bias, int e,
+                                               int n) {
+#if COLI_EXPERT_BIAS
+    v += __ldg(down_bias + (size_t)e * COLI_HIDDEN + n);
+#endif
+    return weight * v;
+}
 
 // Sum over the 32 lanes of a warp by an xor butterfly: a fixed order, and every lane ends with the same bits
 // (each step adds two values in both lanes, and float addition is commutative).

@@ -7,6 +7,8 @@
 //   COLI_ATOMIC_AGG 0: pair_out[p, n] = v   (every pair_out row is written: each pair belongs to one expert)
 //   COLI_ATOMIC_AGG 1: atomicAdd(x_next[p / k, n], v); x_next was set by colibri_routing; pair_out is unused (null)
 //   down: (experts, hidden, intermediate) row-major, the layer's slice; act: (tokens*k, intermediate) fp32.
+//   With COLI_EXPERT_BIAS, v = topk_weights[p] * (sum + down_bias[e, n]) (an extra argument; common.cuh
+//   down_epilogue).
 //
 // colibri_aggregate — grid (tokens), block (COLI_DOWN_THREADS); ordered aggregation only. For token t, column h:
 //       s = pair_out[t*k + 0, h] + pair_out[t*k + 1, h] + ... + pair_out[t*k + k-1, h]     (slots in order)
@@ -33,7 +35,14 @@ static_assert((BM_ + BN_) * (BK_ + 1) * 4 <= 48 * 1024,
 extern "C" __global__ void __launch_bounds__(THREADS_)
 colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
              const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts, float* __restrict__ pair_out,
-             float* __restrict__ x_next) {
+             float* __restrict__ x_next
+#if COLI_EXPERT_BIAS  // float32 (experts, hidden) of the layer
+             , const float* __restrict__ down_bias
+#endif
+) {
+#if !COLI_EXPERT_BIAS
+    const float* down_bias = nullptr;
+#endif
     __shared__ float as[BM_][BK_ + 1];
     __shared__ float ds[BN_][BK_ + 1];
     __shared__ int pairs[BM_];
@@ -82,7 +91,7 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
             const int m = i / BN_, col = n0 + i % BN_;
             const int p = pairs[m];
             if (p >= 0 && col < H_) {
-                const float v = __ldg(topk_weights + p) * acc[a];
+                const float v = down_epilogue(acc[a], __ldg(topk_weights + p), down_bias, e, col);
 #if COLI_ATOMIC_AGG
                 atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
 #else
@@ -113,7 +122,14 @@ colibri_aggregate(const float* __restrict__ x, const int* __restrict__ topk_ids,
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
                 const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
-                float* __restrict__ pair_out, float* __restrict__ x_next) {
+                float* __restrict__ pair_out, float* __restrict__ x_next
+#if COLI_EXPERT_BIAS
+                , const float* __restrict__ down_bias
+#endif
+) {
+#if !COLI_EXPERT_BIAS
+    const float* down_bias = nullptr;
+#endif
     __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short ws[1][TC_BN_][TC_PITCH_];
@@ -131,7 +147,7 @@ colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, cons
     for (int i = 0; i < 4; ++i) {
         const int m = g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = pairs[m];
         if (p >= 0 && col < H_) {
-            const float v = __ldg(topk_weights + p) * acc[0][i];
+            const float v = down_epilogue(acc[0][i], __ldg(topk_weights + p), down_bias, e, col);
 #if COLI_ATOMIC_AGG
             atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
 #else

@@ -11,6 +11,8 @@
 //   order, so every output has fixed bits whatever the tile it lands in.
 //   gate, up: (experts, intermediate, hidden) row-major, the layer's slice; x: (tokens, hidden) fp32;
 //   act: (tokens*k, intermediate) fp32. Every act row is written: each pair belongs to exactly one expert.
+//   With COLI_EXPERT_BIAS / COLI_ACTIVATION the epilogue adds gate_bias[e, n], up_bias[e, n] (extra arguments) and
+//   applies the clamped SwiGLU (common.cuh gate_up_epilogue), as every expert kernel does.
 //
 // colibri_gate_up_tc — grid (blocks, ceil(intermediate / 32)), block (128): the same on tensor cores, when COLI_TC
 //   (fp16 weights, routing.block_m 16, hidden and intermediate multiples of 8). Warp w computes the 16 x 8 tile of
@@ -33,7 +35,15 @@ static_assert((BM_ + 2 * BN_) * (BK_ + 1) * 4 <= 48 * 1024,
 
 extern "C" __global__ void __launch_bounds__(THREADS_)
 colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
-                const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts, float* __restrict__ act) {
+                const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts, float* __restrict__ act
+#if COLI_EXPERT_BIAS  // float32 (experts, intermediate) of the layer
+                , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
+#endif
+) {
+#if !COLI_EXPERT_BIAS
+    const float* gate_bias = nullptr;
+    const float* up_bias = nullptr;
+#endif
     __shared__ float xs[BM_][BK_ + 1];  // +1: rows start in different banks
     __shared__ float gs[BN_][BK_ + 1];
     __shared__ float us[BN_][BK_ + 1];
@@ -90,7 +100,7 @@ colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const 
         if (i < BM_ * BN_) {
             const int m = i / BN_, col = n0 + i % BN_;
             const int p = pairs[m];
-            if (p >= 0 && col < I_) act[(size_t)p * I_ + col] = silu(acc_g[a]) * acc_u[a];
+            if (p >= 0 && col < I_) act[(size_t)p * I_ + col] = gate_up_epilogue(acc_g[a], acc_u[a], gate_bias, up_bias, e, col);
         }
     }
 }
@@ -100,7 +110,15 @@ colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const 
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_gate_up_tc(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
                    const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
-                   float* __restrict__ act) {
+                   float* __restrict__ act
+#if COLI_EXPERT_BIAS
+                   , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
+#endif
+) {
+#if !COLI_EXPERT_BIAS
+    const float* gate_bias = nullptr;
+    const float* up_bias = nullptr;
+#endif
     __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short ws[2][TC_BN_][TC_PITCH_];
@@ -121,6 +139,6 @@ colibri_gate_up_tc(const float* __restrict__ x, const wt* __restrict__ gate, con
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int m = g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = pairs[m];
-        if (p >= 0 && col < I_) act[(size_t)p * I_ + col] = silu(acc[0][i]) * acc[1][i];
+        if (p >= 0 && col < I_) act[(size_t)p * I_ + col] = gate_up_epilogue(acc[0][i], acc[1][i], gate_bias, up_bias, e, col);
     }
 }

@@ -5,9 +5,10 @@
 // points are empty and never launched.
 //
 // colibri_gate_up_qtc — grid (experts, ceil(intermediate / 32)), block (128):
-//     act[p, n] = silu(sum_h x[p / k, h] * Wg[e, n, h]) * (sum_h x[p / k, h] * Wu[e, n, h])
+//     act[p, n] = act_fn(sum_h x[p / k, h] * Wg[e, n, h] + bg[e, n], sum_h x[p / k, h] * Wu[e, n, h] + bu[e, n])
+//       (common.cuh gate_up_epilogue: SwiGLU or the clamped SwiGLU; biases with COLI_EXPERT_BIAS)
 // colibri_down_qtc — grid (experts, ceil(hidden / 32)), block (128):
-//     v = topk_weights[p] * sum_i act[p, i] * Wd[e, n, i];  pair_out[p, n] = v (ordered) | atomicAdd(x_next) (atomic)
+//     v = topk_weights[p] * (sum_i act[p, i] * Wd[e, n, i] + bd[e, n]);  pair_out[p, n] = v (ordered) | atomicAdd(x_next) (atomic)
 //   with W[e, n, c] = scale[e, n, g] * (q[e, n, c] - zero[e, n, g]), g = c / COLI_GROUP_SIZE (0: one per row).
 //   Block (e, j) takes expert e (no rows: it exits) and output columns n0 = 32j .. n0 + 31; warp w owns columns
 //   n0 + 8w .. + 7 (one n8 tile of mma.sync m16n8k16). The expert's rows of the padded order (routing.cu
@@ -250,13 +251,23 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
 #endif  // COLI_QUANT
 
 // Arguments as colibri_gate_up_tc but expert_offsets (experts + 1) in place of block_experts, then the scale
-// blocks of gate and up and their zero-point blocks (null without zero points), as the GEMV kernels take them.
+// blocks of gate and up and their zero-point blocks (null without zero points), as the GEMV kernels take them, then
+// the gate and up biases (COLI_EXPERT_BIAS; absent from the launch otherwise). The epilogue (biases, SwiGLU or
+// clamped SwiGLU) is common.cuh gate_up_epilogue, as in every expert kernel.
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_gate_up_qtc(const float* __restrict__ x, const unsigned char* __restrict__ gate,
                     const unsigned char* __restrict__ up, const int* __restrict__ sorted_pairs,
                     const int* __restrict__ expert_offsets, float* __restrict__ act,
                     const void* __restrict__ gate_scales, const void* __restrict__ up_scales,
-                    const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros) {
+                    const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
+#if COLI_EXPERT_BIAS
+                    , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
+#endif
+) {
+#if !COLI_EXPERT_BIAS
+    const float* gate_bias = nullptr;
+    const float* up_bias = nullptr;
+#endif
 #if COLI_QUANT
     const int e = blockIdx.x, start = __ldg(expert_offsets + e), end = __ldg(expert_offsets + e + 1);
     if (start >= end) return;  // an expert without pairs; uniform, before any barrier
@@ -269,18 +280,26 @@ colibri_gate_up_qtc(const float* __restrict__ x, const unsigned char* __restrict
          COLI_ZERO_POINTS ? up_zeros + first * G : nullptr}};
     qtc_expert<2, H_, I_, true>(x, w, sorted_pairs, start, end, blockIdx.y * TC_BN_,
                                 [&](int p, int col, const float (&a)[2][4], int i) {
-                                    act[(size_t)p * I_ + col] = silu(a[0][i]) * a[1][i];
+                                    act[(size_t)p * I_ + col] =
+                                        gate_up_epilogue(a[0][i], a[1][i], gate_bias, up_bias, e, col);
                                 });
 #endif
 }
 
 // Arguments as colibri_down_tc but expert_offsets in place of block_experts, then the down scale and zero-point
-// blocks.
+// blocks, then the down bias (COLI_EXPERT_BIAS); common.cuh down_epilogue.
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_down_qtc(const float* __restrict__ act, const unsigned char* __restrict__ down,
                  const float* __restrict__ topk_weights, const int* __restrict__ sorted_pairs,
                  const int* __restrict__ expert_offsets, float* __restrict__ pair_out, float* __restrict__ x_next,
-                 const void* __restrict__ down_scales, const signed char* __restrict__ down_zeros) {
+                 const void* __restrict__ down_scales, const signed char* __restrict__ down_zeros
+#if COLI_EXPERT_BIAS
+                 , const float* __restrict__ down_bias
+#endif
+) {
+#if !COLI_EXPERT_BIAS
+    const float* down_bias = nullptr;
+#endif
 #if COLI_QUANT
     const int e = blockIdx.x, start = __ldg(expert_offsets + e), end = __ldg(expert_offsets + e + 1);
     if (start >= end) return;  // uniform, before any barrier
@@ -290,7 +309,8 @@ colibri_down_qtc(const float* __restrict__ act, const unsigned char* __restrict_
                              COLI_ZERO_POINTS ? down_zeros + first * G : nullptr}};
     qtc_expert<1, I_, H_, false>(act, w, sorted_pairs, start, end, blockIdx.y * TC_BN_,
                                  [&](int p, int col, const float (&a)[1][4], int i) {
-                                     const float v = __ldg(topk_weights + p) * a[0][i];
+                                     const float v = down_epilogue(a[0][i], __ldg(topk_weights + p), down_bias, e,
+                                                                   col);
 #if COLI_ATOMIC_AGG
                                      atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
 #else

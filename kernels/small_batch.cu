@@ -10,6 +10,7 @@
 //   loads, consecutive lanes on consecutive 16 bytes), then each warp streams row n of gate[e] and of up[e] in one
 //   loop, 16-byte loads (two per row stream per lane in flight, L1 bypassed):
 //       act[p, n] = silu(gate[e, n, :] . x[p / k, :]) * (up[e, n, :] . x[p / k, :])       only pairs p routed to e
+//   (with biases and the clamped SwiGLU when the file has them: common.cuh gate_up_epilogue)
 //   An expert with more than PASS_ pairs (8; 4 above 512 threads) streams its rows once per PASS_ pairs.
 // colibri_down_gemv — grid (ceil(hidden / (ROWS*WARPS))), same block; ROWS = 2 (1 above 512 threads). Rows
 //   n0 .. n0 + ROWS*WARPS - 1 of the layer output, ROWS consecutive hidden rows per warp. For every selected expert
@@ -18,6 +19,11 @@
 //   then x_next[t, n] = x[t, n] + y[t, n] (COLI_RESIDUAL) or y[t, n] for every token. The slots of a token are summed
 //   in increasing expert index, a fixed order: bitwise deterministic, no atomics, no aggregate kernel, in both
 //   aggregation modes. Padded tokens (NO_EXPERT) get y = 0.
+//
+// colibri_shared_gate_up, colibri_shared_down — the shared experts of a v2 file (COLI_SHARED_EXPERTS), over every
+//   valid token after the routed output: described at their definitions, at the end of this file.
+// The expert epilogue (biases, clamped SwiGLU; common.cuh gate_up_epilogue / down_epilogue) follows COLI_EXPERT_BIAS
+//   and COLI_ACTIVATION; the bias blocks are extra arguments after the quantized ones.
 //
 // Loads: a weight row is read with 16-byte vector loads when its address is 16-byte aligned (hidden and
 // intermediate sizes a multiple of 8 fp16 / 4 fp32), with a scalar tail; else with scalar loads. Lane sums are
@@ -375,7 +381,14 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
                      , const st* __restrict__ gate_scales, const st* __restrict__ up_scales,
                      const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
 #endif
+#if COLI_EXPERT_BIAS  // float32 (experts, intermediate) of the layer, after the quantized arguments
+                     , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
+#endif
 ) {
+#if !COLI_EXPERT_BIAS
+    const float* gate_bias = nullptr;
+    const float* up_bias = nullptr;
+#endif
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][CHUNK_];
     __shared__ int tokens[PASS_];
@@ -434,7 +447,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
             for (int j = 0; j < PASS_; ++j) {
                 if (j < cnt) {
                     const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
-                    if ((threadIdx.x & 31) == 0) act[(size_t)order.sorted[first + g0 + j] * I_ + n] = silu(g) * u;
+                    if ((threadIdx.x & 31) == 0) act[(size_t)order.sorted[first + g0 + j] * I_ + n] = gate_up_epilogue(g, u, gate_bias, up_bias, e, n);
                 }
             }
         }
@@ -448,7 +461,13 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
 #if COLI_QUANT
                   , const st* __restrict__ down_scales, const signed char* __restrict__ down_zeros
 #endif
+#if COLI_EXPERT_BIAS  // float32 (experts, hidden) of the layer, after the quantized arguments
+                  , const float* __restrict__ down_bias
+#endif
 ) {
+#if !COLI_EXPERT_BIAS
+    const float* down_bias = nullptr;
+#endif
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][CHUNK_];
     __shared__ int pairs[PASS_];
@@ -517,7 +536,8 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                             const float v = warp_sum(acc[r][j]);
                             if (lane == 0 && n_first + r < H_) {
                                 const int p = pairs[j];
-                                y[p / K_][warp * DOWN_ROWS_ + r] += __ldg(topk_weights + p) * v;
+                                y[p / K_][warp * DOWN_ROWS_ + r] +=
+                                    down_epilogue(v, __ldg(topk_weights + p), down_bias, e, n_first + r);
                             }
                         }
                     }
@@ -533,4 +553,174 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             x_next[at] = (COLI_RESIDUAL ? __ldg(x + at) : 0.0f) + y[t][i % TILE_];
         }
     }
+}
+
+// ---- shared experts (COLI_SHARED_EXPERTS S >= 1, each COLI_SHARED_INTER = Is wide) --------------------------------
+// Run for every valid token after the layer's routed output is complete (docs/kernels.md "Shared experts"), with
+// the GEMV loads above; the shared blocks of the layer (docs/format.md v2 "Blocks") hold S experts one after the
+// other, so gate and up are one (S*Is, hidden) matrix and down S matrices (hidden, Is).
+//
+// colibri_shared_gate_up — grid (ceil(S*Is / WARPS)), block (COLI_SMALL_BATCH_THREADS). Row r = s*Is + i per warp:
+//       shared_act[s, t, i] = silu(shared_gate[r, :] . x[t, :]) * (shared_up[r, :] . x[t, :])   every valid t
+//   the valid tokens taken PASS_ at a time (each weight row is streamed once per PASS_ valid tokens); rows of padded
+//   tokens are written 0. shared_act: (S, tokens, Is) float32.
+// colibri_shared_down — grid (ceil(hidden / (ROWS*WARPS))), same block and rows per warp as colibri_down_gemv:
+//       x_next[t, n] += scale_t * (sum_{s=0..S-1} shared_down[s, n, :] . shared_act[s, t, :])    every valid t
+//   scale_t = shared_scale[t] (sigmoid(x . shared_expert_gate), written by colibri_routing; COLI_SHARED_GATE) or 1;
+//   the sum over s in increasing order, one writer per element: bitwise deterministic. Padded tokens are skipped
+//   (their output rows stay the input row or zeros).
+// Quantized shared experts read their scales (and zero points) from global memory (no staging).
+#if COLI_SHARED_EXPERTS
+#define SN_ COLI_SHARED_EXPERTS
+#define SI_ COLI_SHARED_INTER
+#define SROWS_ (SN_ * SI_)
+
+// The valid tokens in increasing order into list[0 .. *n); every thread calls it (it has a barrier).
+__device__ __forceinline__ void valid_token_list(const int* __restrict__ valid_tokens, int* list, int* n) {
+    if (threadIdx.x == 0) {
+        int c = 0;
+        for (int t = 0; t < T_; ++t)
+            if (token_valid(valid_tokens, t)) list[c++] = t;
+        *n = c;
+    }
+    __syncthreads();
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS_, 1)
+colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ shared_gate, const ws_t* __restrict__ shared_up,
+                       const int* __restrict__ valid_tokens, float* __restrict__ shared_act
+#if COLI_QUANT
+                       , const st* __restrict__ shared_gate_scales, const st* __restrict__ shared_up_scales,
+                       const signed char* __restrict__ shared_gate_zeros, const signed char* __restrict__ shared_up_zeros
+#endif
+) {
+#if COLI_SHARED_EXPERTS
+    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ int tokens[T_];
+    __shared__ int ntokens;
+    valid_token_list(valid_tokens, tokens, &ntokens);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, r = blockIdx.x * WARPS_ + warp;
+    const bool has_row = r < SROWS_;
+    const int s = (has_row ? r : 0) / SI_, i = (has_row ? r : 0) % SI_;
+    if (has_row) {
+        for (int t = lane; t < T_; t += 32)
+            if (!token_valid(valid_tokens, t)) shared_act[((size_t)s * T_ + t) * SI_ + i] = 0.0f;
+    }
+#if COLI_QUANT
+    const QRow rows[2] = {q_row(shared_gate, shared_gate_scales, shared_gate_zeros, has_row ? r : 0, H_, nullptr, nullptr),
+                          q_row(shared_up, shared_up_scales, shared_up_zeros, has_row ? r : 0, H_, nullptr, nullptr)};
+#else
+    const size_t row_at = (size_t)(has_row ? r : 0) * H_;
+#endif
+    for (int g0 = 0; g0 < ntokens; g0 += PASS_) {
+        const int cnt = ntokens - g0 < PASS_ ? ntokens - g0 : PASS_;
+        float acc[2][PASS_];
+#pragma unroll
+        for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
+        for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
+            const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
+            __syncthreads();  // the previous chunk fully used
+            stage_rows(x, H_, tokens + g0, cnt, h0, len, stage);
+            __syncthreads();
+            if (has_row) {
+#if COLI_QUANT
+                chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
+#else
+                const wt* chunk[2] = {shared_gate + row_at + h0, shared_up + row_at + h0};
+                chunk_dot<2>(chunk, len, stage, cnt, acc);
+#endif
+            }
+        }
+        if (has_row) {  // uniform per warp
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j) {
+                if (j < cnt) {
+                    const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);  // plain SwiGLU, no biases
+                    if (lane == 0) shared_act[((size_t)s * T_ + tokens[g0 + j]) * SI_ + i] = silu(g) * u;
+                }
+            }
+        }
+    }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS_, 1)
+colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict__ shared_down,
+                    const int* __restrict__ valid_tokens, const float* __restrict__ shared_scale,
+                    float* __restrict__ x_next
+#if COLI_QUANT
+                    , const st* __restrict__ shared_down_scales, const signed char* __restrict__ shared_down_zeros
+#endif
+) {
+#if COLI_SHARED_EXPERTS
+    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ int tokens[T_];
+    __shared__ int ntokens;
+    valid_token_list(valid_tokens, tokens, &ntokens);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int n_first = blockIdx.x * TILE_ + warp * DOWN_ROWS_;  // the warp's rows: n_first .. + DOWN_ROWS_ - 1
+    const bool any_row = n_first < H_;
+    for (int g0 = 0; g0 < ntokens; g0 += PASS_) {
+        const int cnt = ntokens - g0 < PASS_ ? ntokens - g0 : PASS_;
+        float total[DOWN_ROWS_][PASS_];
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS_; ++r)
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j) total[r][j] = 0.0f;
+        for (int s = 0; s < SN_; ++s) {
+            float acc[DOWN_ROWS_][PASS_];
+#pragma unroll
+            for (int r = 0; r < DOWN_ROWS_; ++r)
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
+            for (int c0 = 0; c0 < SI_; c0 += CHUNK_) {
+                const int len = SI_ - c0 < CHUNK_ ? SI_ - c0 : CHUNK_;
+                __syncthreads();
+                stage_rows(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, c0, len, stage);
+                __syncthreads();
+                if (any_row) {
+#if COLI_QUANT
+                    QRow rows[DOWN_ROWS_];
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r) {
+                        const int n = n_first + r < H_ ? n_first + r : n_first;
+                        rows[r] = q_row(shared_down, shared_down_scales, shared_down_zeros, (size_t)s * H_ + n, SI_, nullptr, nullptr);
+                    }
+                    chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
+#else
+                    const wt* chunk[DOWN_ROWS_];
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r)
+                        chunk[r] = shared_down + ((size_t)s * H_ + (n_first + r < H_ ? n_first + r : n_first)) * SI_ + c0;
+                    chunk_dot<DOWN_ROWS_>(chunk, len, stage, cnt, acc);
+#endif
+                }
+            }
+            if (any_row) {  // every lane ends with the same sums
+#pragma unroll
+                for (int r = 0; r < DOWN_ROWS_; ++r)
+#pragma unroll
+                    for (int j = 0; j < PASS_; ++j)
+                        if (j < cnt) total[r][j] += warp_sum(acc[r][j]);
+            }
+        }
+        if (any_row && lane == 0) {
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j) {
+                if (j < cnt) {
+                    const int t = tokens[g0 + j];
+                    const float scale = COLI_SHARED_GATE ? __ldg(shared_scale + t) : 1.0f;
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r) {
+                        if (n_first + r < H_) {
+                            const size_t at = (size_t)t * H_ + n_first + r;
+                            x_next[at] = x_next[at] + scale * total[r][j];
+                        }
+                    }
+                }
+            }
+        }
+    }
+#endif
 }

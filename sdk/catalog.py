@@ -9,6 +9,7 @@ the standard library: it is imported on the device.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from pathlib import Path
 
 
@@ -111,7 +112,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
         "small_batch",
         "small_batch.cu",
-        ("colibri_gate_up_gemv", "colibri_down_gemv"),
+        ("colibri_gate_up_gemv", "colibri_down_gemv", "colibri_shared_gate_up", "colibri_shared_down"),
         (THREADS, Param("max_pairs", 1, 4096, doc="tokens*top_k at or below this take the GEMV path (the GEMV / "
                         "tiled crossover)")),
     ),
@@ -159,11 +160,32 @@ def kernel_dir() -> Path:
 
 
 def kernel_routing(header) -> int:
-    """The kernels' routing code: the format's, with v2 softmax_topk + norm_topk (renormalised over the k) being
-    topk_softmax (docs/format.md, v2 "Semantics"; HeaderV2.as_v1 makes the same mapping)."""
-    if getattr(header, "norm_topk", 0) and header.routing == 1:
+    """The kernels' routing code: the format's (0 topk_softmax, 1 softmax_topk, 2 sigmoid_topk), with v2
+    softmax_topk + norm_topk (renormalised over the k) and no group limit being topk_softmax (docs/format.md, v2
+    "Semantics"; HeaderV2.as_v1 makes the same mapping). With a group limit the selection needs the softmax scores
+    themselves (a top-two group sum is not monotonic in the logits), so it stays 1 with COLI_NORM_TOPK."""
+    if getattr(header, "norm_topk", 0) and header.routing == 1 and getattr(header, "n_group", 1) == 1:
         return 0
     return header.routing
+
+
+def is_v2(header) -> bool:
+    """True for a v2 (0x0200) header (colibri_sdk.format.HeaderV2; duck-typed: this module imports no package)."""
+    return hasattr(header, "layer_map")
+
+
+def weights_fp16(profile: dict, header) -> bool:
+    """True when the expert matrices the kernels read are fp16: a v1 file is converted to the profile's dtype by the
+    build; a v2 file is copied as it is, so its own storage counts (quantized: False)."""
+    if is_v2(header):
+        return not quant(header) and header.dtype == 1
+    return profile["dtype"] == "fp16"
+
+
+def float_bits(value: float) -> int:
+    """The float32 bit pattern of `value`, as an integer (how a float reaches the kernels as a -D constant;
+    common.cuh reads it back with __uint_as_float)."""
+    return struct.unpack("<I", struct.pack("<f", float(value)))[0]
 
 
 def quant(header) -> int:
@@ -192,9 +214,18 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
          "COLI_ROUTING" (format routing code), "COLI_RESIDUAL" (1 = residual composition),
          "COLI_QUANT" (expert storage: 0 float, 1 int8, 2 int4; a v1 header: 0), "COLI_GROUP_SIZE" (scale group
          along the reduction dimension, 0 = per row), "COLI_ZERO_POINTS" (1 = int8 zero points),
-         "COLI_SCALE_FP16" (1 = fp16 scales, the header's `dtype` of a quantized file)}
-        For quantized weights COLI_FP16 is 0 (the router of a v2 file is float32) and the profile's dtype does not
-        apply: the kernels follow the file's storage (docs/kernels.md, "Quantized weights").
+         "COLI_SCALE_FP16" (1 = fp16 scales, the header's `dtype` of a quantized file),
+         the v2 model features (docs/kernels.md "Model features"; their "none" values for a v1 header):
+         "COLI_ROUTER_F32" (1 = a v2 file: router and biases float32), "COLI_NORM_TOPK" (1 = renormalise the k
+         weights), "COLI_N_GROUP", "COLI_TOPK_GROUP", "COLI_GROUP_SCORE" (1 max, 2 top-two sum), "COLI_ROUTER_BIAS",
+         "COLI_CORRECTION_BIAS" (1 = the block exists), "COLI_ROUTED_SCALING_BITS" (float32 bits of
+         routed_scaling_factor; 0x3f800000 = 1.0), "COLI_EXPERT_BIAS" (1 = gate/up/down biases), "COLI_ACTIVATION"
+         (0 SwiGLU, 1 clamped SwiGLU), "COLI_SWIGLU_LIMIT_BITS", "COLI_SWIGLU_ALPHA_BITS" (float32 bits),
+         "COLI_SHARED_EXPERTS" (S, 0 = none), "COLI_SHARED_INTER" (their width), "COLI_SHARED_GATE" (1 = sigmoid
+         gate)}
+        A v2 file is copied into the bundle as it is and the profile's dtype does not apply: the kernels follow
+        the file's storage (COLI_FP16 = its fp16 float matrices; 0 for int8/int4: docs/kernels.md, "Quantized
+        weights"); its router is float32 (COLI_ROUTER_F32).
         plus "COLI_<KERNEL>_<PARAM>" for every `kernels.<kernel>.<param>` of the profile, upper-cased
         (e.g. COLI_GATE_UP_BLOCK_M),
         plus, for a profile with `capacity`, the constants of `capacity_defines`.
@@ -211,7 +242,7 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         "COLI_SEQ_TOKENS": shape["tokens"],
         "COLI_GEMV": 1 if sizes(profile, header).small_batch else 0,
         "COLI_TC": 1 if sizes(profile, header).tensor_core else 0,
-        "COLI_FP16": 0 if quant(header) else (1 if profile["dtype"] == "fp16" else 0),
+        "COLI_FP16": 1 if weights_fp16(profile, header) else 0,
         "COLI_ATOMIC_AGG": 1 if profile["aggregation"] == "atomic" else 0,
         "COLI_ROUTING": kernel_routing(header),
         "COLI_RESIDUAL": header.composition,
@@ -220,11 +251,35 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         "COLI_ZERO_POINTS": getattr(header, "zero_points", 0) if quant(header) else 0,
         "COLI_SCALE_FP16": 1 if quant(header) and header.dtype == 1 else 0,
     }
+    defines.update(feature_defines(header))
     for kernel, params in sorted(profile["kernels"].items()):
         for param, value in sorted(params.items()):
             defines[f"COLI_{kernel.upper()}_{param.upper()}"] = int(value)
     defines.update(capacity_defines(profile.get("capacity")))
     return defines
+
+
+def feature_defines(header) -> dict[str, int]:
+    """The v2 model-feature constants of `compile_defines` (all "none" for a v1 header)."""
+    v2 = is_v2(header)
+    get = lambda name, default=0: getattr(header, name, default) if v2 else default  # noqa: E731
+    return {
+        "COLI_ROUTER_F32": 1 if v2 else 0,
+        "COLI_NORM_TOPK": 1 if get("norm_topk") and kernel_routing(header) != 0 else 0,
+        "COLI_N_GROUP": get("n_group", 1),
+        "COLI_TOPK_GROUP": get("topk_group", 1),
+        "COLI_GROUP_SCORE": get("group_score"),
+        "COLI_ROUTER_BIAS": get("router_bias"),
+        "COLI_CORRECTION_BIAS": get("correction_bias"),
+        "COLI_ROUTED_SCALING_BITS": float_bits(get("routed_scaling_factor", 1.0)),
+        "COLI_EXPERT_BIAS": get("expert_bias"),
+        "COLI_ACTIVATION": get("activation"),
+        "COLI_SWIGLU_LIMIT_BITS": float_bits(get("swiglu_limit", 0.0)),
+        "COLI_SWIGLU_ALPHA_BITS": float_bits(get("swiglu_alpha", 0.0)),
+        "COLI_SHARED_EXPERTS": get("num_shared_experts"),
+        "COLI_SHARED_INTER": get("shared_intermediate_size"),
+        "COLI_SHARED_GATE": get("shared_gate"),
+    }
 
 
 # ---- fixed-shape sizes, buffers and the launch plan ------------------------------------------------------------
@@ -278,7 +333,7 @@ def sizes(profile: dict, header) -> Sizes:
         padded=padded,
         blocks=padded // block_m,
         small_batch=small,
-        tensor_core=(not small and not quant(header) and profile["dtype"] == "fp16" and block_m == TC_BLOCK_M
+        tensor_core=(not small and weights_fp16(profile, header) and block_m == TC_BLOCK_M
                      and header.hidden_size % 8 == 0 and header.intermediate_size % 8 == 0),
         quant_tensor_core=not small and bool(quant(header)),
     )
@@ -305,6 +360,9 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
         capacity_rank    (2 * pairs,) int32         each pair's rank in its expert's priority order, then keep flags
         capacity_dropped (layers,) int32            pairs dropped by layer l's capacity in the latest call
                                                     (CAPACITY_DROPPED; the runtime sums the layers it ran)
+      shared experts only (v2 num_shared_experts S >= 1, width Is):
+        shared_act       (S, tokens, Is) float32    silu(gate) * up of each shared expert per token (0 for padded)
+        shared_scale     (tokens,) float32          sigmoid(x . shared_expert_gate) per token (shared_gate only)
     """
     s = sizes(profile, header)
     e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
@@ -328,6 +386,11 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
     if profile.get("capacity") is not None:
         buffers["capacity_rank"] = 2 * s.pairs * INT32_BYTES
         buffers[CAPACITY_DROPPED] = header.num_layers * INT32_BYTES
+    shared = getattr(header, "num_shared_experts", 0)
+    if shared:
+        buffers["shared_act"] = shared * s.tokens * header.shared_intermediate_size * FLOAT32_BYTES
+        if header.shared_gate:
+            buffers["shared_scale"] = s.tokens * FLOAT32_BYTES
     return buffers
 
 
@@ -347,11 +410,16 @@ def _buf(name: str) -> dict:
     return {"kind": "buffer", "name": name}
 
 
+# Per-layer tensors of a file (no expert index): the router and the float32 vectors of a v2 file.
+PER_LAYER_KINDS = ("router", "router_bias", "correction_bias", "gate_bias", "up_bias", "down_bias",
+                   "shared_expert_gate")
+
+
 def _weights(header, kind: str, layer: int) -> dict:
     """A pointer into the weights buffer: the layer's first tensor of `kind` (experts follow contiguously)."""
     from .format.constants import HEADER_SIZE
 
-    expert = None if kind == "router" else 0
+    expert = None if kind in PER_LAYER_KINDS else 0
     offset = header.tensor_offset(kind, layer, expert) - HEADER_SIZE
     return {"kind": "weights", "tensor": kind, "layer": layer, "offset": offset}
 
@@ -404,12 +472,17 @@ def launch_plan(profile: dict, header) -> list[dict]:
 
     Per layer, GEMV path (tokens*top_k <= `kernels.small_batch.max_pairs`): routing → gate/up GEMV → down GEMV (the
     aggregation folded in), 3 launches. Tiled path: routing → align → gate/up → down → aggregate (ordered
-    aggregation only), 5 or 4 launches. Quantized weights: the gate/up launch takes the scale blocks of gate and
-    up, then their zero-point blocks, after its float arguments; the down launch those of down (`weights`
-    pointers; `{"kind": "null"}` for zero points the file does not have). On the tiled path they run
-    colibri_gate_up_qtc / colibri_down_qtc (grid (experts, ceil(columns / 32)), 128 threads), which take
-    expert_offsets in place of block_experts. With expert capacity (profile `capacity`) colibri_capacity follows
-    each routing launch (grid 1, kernels.routing.threads); without it the plan has no capacity launch.
+    aggregation only), 5 or 4 launches; with shared experts, colibri_shared_gate_up and colibri_shared_down
+    follow (2 more launches, both paths). v2 features add `weights` arguments at the end of a launch's list, each
+    only when the file has it: colibri_routing router_bias, correction_bias, shared_expert_gate + the shared_scale
+    buffer; the gate/up kernels gate_bias, up_bias and the down kernels down_bias (after any quantized
+    arguments); the shared kernels take the shared blocks (and, quantized, their scale and zero-point blocks).
+    Quantized weights: the gate/up launch takes the scale blocks of gate and up, then their zero-point blocks,
+    after its float arguments; the down launch those of down (`weights` pointers; `{"kind": "null"}` for zero
+    points the file does not have). On the tiled path they run colibri_gate_up_qtc / colibri_down_qtc (grid
+    (experts, ceil(columns / 32)), 128 threads), which take expert_offsets in place of block_experts. With expert
+    capacity (profile `capacity`) colibri_capacity follows each routing launch (grid 1, kernels.routing.threads);
+    without it the plan has no capacity launch.
     """
     s = sizes(profile, header)
     k = profile["kernels"]
@@ -422,7 +495,8 @@ def launch_plan(profile: dict, header) -> list[dict]:
         plan.append(
             _launch(
                 layer, "routing", "colibri_routing", (s.tokens, 1, 1), k["routing"]["threads"],
-                [x, _weights(header, "router", layer), valid, _buf("topk_ids"), _buf("topk_weights"), x_next],
+                [x, _weights(header, "router", layer), valid, _buf("topk_ids"), _buf("topk_weights"), x_next,
+                 *_routing_feature_args(header, layer)],
             )
         )
         if profile.get("capacity") is not None:
@@ -434,6 +508,8 @@ def launch_plan(profile: dict, header) -> list[dict]:
                 )
             )
         gate, up, down = (_weights(header, kind, layer) for kind in ("gate_proj", "up_proj", "down_proj"))
+        gate_up_bias, down_bias = _bias_args(header, ("gate_bias", "up_bias"), layer), _bias_args(
+            header, ("down_bias",), layer)
         if s.small_batch:
             threads = k["small_batch"]["threads"]
             warps = threads // 32
@@ -441,16 +517,17 @@ def launch_plan(profile: dict, header) -> list[dict]:
                 _launch(
                     layer, "small_batch", "colibri_gate_up_gemv", (_ceil_div(i, warps), min(e, s.pairs), 1),
                     threads, [x, gate, up, valid, _buf("topk_ids"), _buf("act"),
-                              *_quant_args(header, ("gate_proj", "up_proj"), layer)],
+                              *_quant_args(header, ("gate_proj", "up_proj"), layer), *gate_up_bias],
                 )
             )
             plan.append(
                 _launch(
                     layer, "small_batch", "colibri_down_gemv", (_ceil_div(h, down_gemv_rows(threads)), 1, 1), threads,
                     [x, _buf("act"), down, _buf("topk_ids"), _buf("topk_weights"), x_next,
-                     *_quant_args(header, ("down_proj",), layer)],
+                     *_quant_args(header, ("down_proj",), layer), *down_bias],
                 )
             )
+            plan.extend(_shared_launches(profile, header, layer, s))
             continue
         pair_out = _buf("pair_out") if ordered else {"kind": "null"}
         plan.append(
@@ -474,10 +551,11 @@ def launch_plan(profile: dict, header) -> list[dict]:
             down_launch = ("down", "colibri_down", (s.blocks, _ceil_div(h, k["down"]["block_n"]), 1),
                            k["down"]["threads"])
         plan.append(_launch(layer, *gate_up_launch, [x, gate, up, *tiles, _buf("act"),
-                                                     *_quant_args(header, ("gate_proj", "up_proj"), layer)]))
+                                                     *_quant_args(header, ("gate_proj", "up_proj"), layer),
+                                                     *gate_up_bias]))
         plan.append(
             _launch(layer, *down_launch, [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next,
-                                          *_quant_args(header, ("down_proj",), layer)])
+                                          *_quant_args(header, ("down_proj",), layer), *down_bias])
         )
         if ordered:
             plan.append(
@@ -486,4 +564,42 @@ def launch_plan(profile: dict, header) -> list[dict]:
                     [x, _buf("topk_ids"), _buf("pair_out"), x_next],
                 )
             )
+        plan.extend(_shared_launches(profile, header, layer, s))
     return plan
+
+
+def _routing_feature_args(header, layer: int) -> list[dict]:
+    """colibri_routing's v2 arguments after its v1 ones (kernels/routing.cu): router_bias, correction_bias, then
+    shared_expert_gate and the shared_scale buffer, each only when the file has it."""
+    args = [_weights(header, kind, layer) for kind in ("router_bias", "correction_bias") if getattr(header, kind, 0)]
+    if getattr(header, "shared_gate", 0):
+        args += [_weights(header, "shared_expert_gate", layer), _buf("shared_scale")]
+    return args
+
+
+def _bias_args(header, kinds: tuple[str, ...], layer: int) -> list[dict]:
+    """The expert-bias blocks `kinds` of one layer (float32 (experts, I or H)), or [] without expert biases."""
+    if not getattr(header, "expert_bias", 0):
+        return []
+    return [_weights(header, kind, layer) for kind in kinds]
+
+
+def _shared_launches(profile: dict, header, layer: int, s: Sizes) -> list[dict]:
+    """The shared experts of one layer, after its routed output is complete (kernels/small_batch.cu
+    colibri_shared_gate_up, colibri_shared_down; docs/kernels.md "Shared experts"); [] without shared experts."""
+    shared = getattr(header, "num_shared_experts", 0)
+    if not shared:
+        return []
+    threads = profile["kernels"]["small_batch"]["threads"]
+    x, x_next, valid = _buf(f"x{layer % 2}"), _buf(f"x{(layer + 1) % 2}"), _buf("valid_tokens")
+    rows = shared * header.shared_intermediate_size
+    scale = _buf("shared_scale") if header.shared_gate else {"kind": "null"}
+    kinds = ("shared_gate_proj", "shared_up_proj", "shared_down_proj")
+    gate, up, down = (_weights(header, kind, layer) for kind in kinds)
+    return [
+        _launch(layer, "small_batch", "colibri_shared_gate_up", (_ceil_div(rows, threads // 32), 1, 1), threads,
+                [x, gate, up, valid, _buf("shared_act"), *_quant_args(header, kinds[:2], layer)]),
+        _launch(layer, "small_batch", "colibri_shared_down",
+                (_ceil_div(header.hidden_size, down_gemv_rows(threads)), 1, 1), threads,
+                [_buf("shared_act"), down, valid, scale, x_next, *_quant_args(header, kinds[2:], layer)]),
+    ]

@@ -142,6 +142,44 @@ def route_v2(
     return indices, weights
 
 
+def selection_margin(
+    logits: np.ndarray, header: HeaderV2, correction_bias: np.ndarray | None = None
+) -> np.ndarray:
+    """The smallest gap, per token, at the boundaries the selection of `route_v2` decides: between the
+    topk_group-th and the next group score (group-limited routing), and between the k-th and the next selection
+    score among the eligible experts. A backend whose scores differ from these by less than half the gap selects
+    the same experts (the build's self-test and the kernel tests use it to avoid near-ties).
+
+    Args:
+        logits, header, correction_bias: as `route_v2`.
+
+    Returns:
+        (tokens,) gaps in the logits' dtype; inf where a boundary does not exist (k = every eligible expert).
+    """
+    if header.routing == ROUTING_TOPK_SOFTMAX:
+        choice = logits
+    else:
+        scores = softmax(logits) if header.routing == ROUTING_SOFTMAX_TOPK else sigmoid(logits)
+        choice = scores if correction_bias is None else scores + correction_bias.astype(scores.dtype)
+    tokens, experts = choice.shape
+    margin = np.full(tokens, np.inf, dtype=choice.dtype)
+    if header.n_group > 1:
+        grouped = choice.reshape(tokens, header.n_group, experts // header.n_group)
+        top2 = -np.sort(-grouped, axis=-1)[:, :, :2]
+        gscore = top2[:, :, 0] if header.group_score == GROUP_SCORE_MAX else top2[:, :, 0] + top2[:, :, 1]
+        ordered = -np.sort(-gscore, axis=-1)
+        if header.topk_group < header.n_group:
+            margin = np.minimum(margin, ordered[:, header.topk_group - 1] - ordered[:, header.topk_group])
+        keep = np.argsort(-gscore, axis=-1, kind="stable")[:, : header.topk_group]
+        mask = np.zeros((tokens, header.n_group), bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        choice = np.where(np.repeat(mask, experts // header.n_group, axis=1), choice, -np.inf)
+    ordered = -np.sort(-choice, axis=-1)
+    if header.top_k < experts and np.isfinite(ordered[:, header.top_k]).all():
+        margin = np.minimum(margin, ordered[:, header.top_k - 1] - ordered[:, header.top_k])
+    return margin
+
+
 def clamped_swiglu(gate: np.ndarray, up: np.ndarray, limit: float, alpha: float) -> np.ndarray:
     """gpt-oss's activation (transformers `GptOssExperts._apply_gate`): gate = min(gate, limit),
     up = clip(up, -limit, limit), gate · sigmoid(alpha · gate) · (up + 1)."""

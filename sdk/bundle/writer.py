@@ -37,7 +37,7 @@ from .reader import (
     manifest_digest,
 )
 from ..errors import BundleError, CompileError, FormatError
-from ..format import ColibriFile, ColibriWriter, Header
+from ..format import ColibriFile, ColibriWriter, Header, HeaderV2
 from ..format.constants import COMPOSITION_RESIDUAL, DTYPE_CODES
 from ..format.writer import tensor_order
 from ..aot.kernels import CompiledKernel, compile_catalog
@@ -147,9 +147,10 @@ def prepare_weights(source: Path, dtype: str, target: Path, progress: Progress =
     with ColibriFile(source) as src:
         header = src.header
     code = DTYPE_CODES[dtype]
-    # Quantized weights are copied as they are: the kernels follow the file's storage (int8/int4 codes, fp16 or fp32
-    # scales); the profile's dtype applies to float weights (docs/kernels.md, "Quantized weights").
-    if header.dtype == code or catalog.quant(header):
+    # v2 weights are copied as they are: the kernels follow the file's storage (fp16/fp32 matrices, int8/int4 codes
+    # with fp16 or fp32 scales); the profile's dtype applies to v1 weights (docs/kernels.md, "Quantized weights",
+    # "Model features").
+    if header.dtype == code or catalog.is_v2(header):
         try:
             digest = copy_with_sha256(source, target, progress)
         except OSError as exc:
@@ -246,6 +247,8 @@ def reference_with_margin(
         (output float64 of x's shape, margin).
     """
     h = weights.header
+    if _needs_v2_semantics(h):
+        return _reference_v2(weights.path, x, progress, step)
     state = x.reshape(-1, h.hidden_size).astype(np.float64)
     expert_bytes = sum(int(np.prod(h.shape(k))) for k in ("gate_proj", "up_proj", "down_proj")) * h.itemsize
     total, done = h.num_layers * h.num_experts * expert_bytes, 0
@@ -266,6 +269,42 @@ def reference_with_margin(
             done += expert_bytes
             progress(step, done, total)
         state = state + y if h.composition == COMPOSITION_RESIDUAL else y
+    return state.reshape(x.shape), margin
+
+
+def _needs_v2_semantics(header: Header) -> bool:
+    """True for a v2 header with routing or expert features beyond v1 (the int8/int4 storage alone is read by the
+    chunked v1 path above, which dequantizes exactly)."""
+    if not isinstance(header, HeaderV2):
+        return False
+    return bool(dataclasses.replace(header, quant=0, group_size=0, zero_points=0).v1_gaps()) or bool(header.norm_topk)
+
+
+def _reference_v2(
+    path: Path, x: np.ndarray, progress: Progress = _no_progress, step: str = "self-test"
+) -> tuple[np.ndarray, float]:
+    """`reference_with_margin` for a file with v2 features: the reference engine in float64 (docs/format.md
+    "Semantics v2"; it reads one expert at a time), the margin taken at every selection boundary
+    (`colibri_sdk.reference.selection_margin`: group scores and the k-th score)."""
+    from ..reference import ReferenceEngine, selection_margin
+
+    engine = ReferenceEngine(path, compute_dtype=np.float64, check_overflow=False)
+    try:
+        h = engine.header
+        state = x.reshape(-1, h.hidden_size).astype(np.float64)
+        margin = np.inf
+        progress(step, 0, h.num_layers)
+        for layer in range(h.num_layers):
+            logits = state @ engine.file.router(layer).astype(np.float64)
+            if h.router_bias:
+                logits = logits + engine.file.vector("router_bias", layer).astype(np.float64)
+            correction = engine.file.vector("correction_bias", layer) if h.correction_bias else None
+            margin = min(margin, float(selection_margin(logits, h, correction).min()))
+            y = engine.layer(layer, state)
+            state = state + y if h.composition == COMPOSITION_RESIDUAL else y
+            progress(step, layer + 1, h.num_layers)
+    finally:
+        engine.close()
     return state.reshape(x.shape), margin
 
 
@@ -425,7 +464,7 @@ def _write_contents(
     else:
         header, digests[WEIGHTS_FILE] = prepare_weights(Path(weights), profile.dtype, target, progress)
         with ColibriFile(weights) as src:
-            source_dtype = profile.dtype if catalog.quant(src.header) else PROFILE_DTYPE[src.header.dtype]
+            source_dtype = profile.dtype if catalog.is_v2(src.header) else PROFILE_DTYPE[src.header.dtype]
         verb = "copied" if source_dtype == profile.dtype else f"converted {source_dtype} → {profile.dtype}"
         steps.done(f"weights: {header.file_size:,} bytes {verb}")
         if not digests[WEIGHTS_FILE]:

@@ -1,42 +1,42 @@
 """What each consumer of a .colibri file runs (docs/format.md, "What reads and runs v2").
 
 The reader, the writer, the reference engine and the CPU backend run every v1 and v2 file. The CUDA kernels run
-v1 files (fp16/fp32 SwiGLU experts, routing topk_softmax / softmax_topk) and v2 files whose experts are int8 or
-int4 (any group size, zero points or not) and that need nothing else beyond v1, on the GEMV path
-(kernels/small_batch.cu; docs/kernels.md, "Quantized weights"): the build refuses every other v2 file, naming the
-features its kernels lack.
+every v1 file and every v2 file: float (fp16/fp32) or int8/int4 experts, the routing variants (softmax or sigmoid
+scores, top-k order, renormalisation, correction bias, group-limited top-k, routed scaling, router bias), expert
+biases, the clamped SwiGLU and shared experts (docs/kernels.md, "Model features"), on the GEMV path and on the
+tiled path (tensor cores for fp16 and for int8/int4). A v2 file is copied into the bundle as it is (its own
+storage; the profile's dtype applies to v1 files).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
-from ..errors import FormatError
-from .constants import QUANT_FLOAT
 from .header_v2 import HeaderV2
 from .reader import ColibriFile
 
 
 def kernel_gaps(header: HeaderV2) -> list[str]:
-    """The features of a v2 header the CUDA kernels lack, as short phrases ([] = the kernels run it): everything
-    `HeaderV2.v1_gaps` names but the int8/int4 storage of the experts."""
-    return dataclasses.replace(header, quant=QUANT_FLOAT, group_size=0, zero_points=0).v1_gaps()
+    """The features of a v2 header the CUDA kernels lack, as short phrases ([] = the kernels run it).
+
+    Every feature of the v2 format has kernels now (docs/kernels.md, "Model features"), so this is [] for every
+    valid header; it stays the one place a future format feature without kernels is named.
+    """
+    return []
 
 
 def check_kernel_support(path: str | os.PathLike, profile: str) -> None:
-    """Refuse weights the CUDA kernels cannot run yet.
+    """Refuse weights the CUDA kernels cannot run.
 
     Args:
         path: the .colibri file given to the build.
         profile: the profile's name, quoted in the error.
 
     Raises:
-        FormatError: an unreadable file; or a v2 file naming the features the kernels do not support (shared
-            experts, sigmoid routing, biases, ...) and that the CPU backend runs it, or, for a float v2 file holding
-            only v1 features, that the kernels read such models as v1 files. int8/int4 storage runs on both paths
-            (GEMV and tensor-core tiled), whatever the profile's shape.
+        FormatError: an unreadable file; or a v2 file naming the features the kernels do not support
+            (`kernel_gaps`; none today). int8/int4 storage runs on both paths (GEMV and tensor-core tiled), whatever
+            the profile's shape.
     """
     path = Path(path)
     with ColibriFile(path) as f:
@@ -44,13 +44,9 @@ def check_kernel_support(path: str | os.PathLike, profile: str) -> None:
     if not isinstance(header, HeaderV2):
         return
     gaps = kernel_gaps(header)
-    if not gaps and header.quant == QUANT_FLOAT:
-        raise FormatError(
-            f"{path}: a v2 file; the CUDA kernels for profile {profile} read float weights from v1 files: it needs "
-            f"nothing beyond v1, so write it as v1 (colibri_sdk.format.HeaderV2.as_v1 gives the header; "
-            f"`colibri-sdk convert` writes v1 for such models)"
-        )
     if gaps:
+        from ..errors import FormatError
+
         raise FormatError(
             f"{path}: {'; '.join(gaps)}: the CUDA kernels for profile {profile} do not support "
             f"{'it' if len(gaps) == 1 else 'them'} yet; the CPU backend runs them: "

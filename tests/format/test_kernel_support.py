@@ -1,5 +1,5 @@
-"""The build refuses v2 weights the CUDA kernels cannot run yet, naming what, before compiling anything; it builds
-int8/int4 weights that need nothing else (GEMV and tiled paths)."""
+"""The build takes every v2 file the CUDA kernels run (all features of the format), copied as it is, including
+int8/int4 weights on a shape that takes the tiled path (the tensor-core quantized kernels)."""
 
 from __future__ import annotations
 
@@ -26,23 +26,33 @@ def v2_file(tmp_path, **fields):
 
 
 @pytest.mark.parametrize(
-    "fields,match",
+    "fields,defines",
     [
         (dict(quant=1, num_shared_experts=1, shared_intermediate_size=4),
-         r"w\.colibri: shared experts \(1 × 4\): the CUDA kernels for profile \S+ do not support it yet; "
-         r"the CPU backend runs them: colibri_sdk\.reference\.ReferenceEngine\("),
-        (dict(routing=2, norm_topk=1), r"sigmoid routing: the CUDA kernels"),
-        (dict(routing=0, router_bias=1, expert_bias=1, activation=1, swiglu_limit=7.0, swiglu_alpha=1.702),
-         r"a router bias; expert biases; the clamped_swiglu activation: the CUDA kernels"),
-        (dict(), r"a v2 file; the CUDA kernels for profile \S+ read float weights from v1 files: it needs nothing "
-                 r"beyond v1"),
+         dict(COLI_QUANT=1, COLI_SHARED_EXPERTS=1, COLI_SHARED_INTER=4, COLI_SHARED_GATE=0)),
+        (dict(routing=2, norm_topk=1, n_group=2, topk_group=1, group_score=2, correction_bias=1,
+              routed_scaling_factor=2.5),
+         dict(COLI_ROUTING=2, COLI_NORM_TOPK=1, COLI_N_GROUP=2, COLI_TOPK_GROUP=1, COLI_GROUP_SCORE=2,
+              COLI_CORRECTION_BIAS=1, COLI_ROUTED_SCALING_BITS=0x40200000)),
+        (dict(dtype=1, routing=0, router_bias=1, expert_bias=1, activation=1, swiglu_limit=7.0, swiglu_alpha=1.702),
+         dict(COLI_FP16=1, COLI_ROUTER_BIAS=1, COLI_EXPERT_BIAS=1, COLI_ACTIVATION=1,
+              COLI_SWIGLU_LIMIT_BITS=0x40E00000)),
+        (dict(), dict(COLI_FP16=0, COLI_ROUTER_F32=1, COLI_SHARED_EXPERTS=0)),
     ],
+    ids=["int8-shared", "sigmoid-groups-correction-scaling", "gpt-oss-biases-clamp-fp16", "float-v1-features"],
 )
-def test_build_refuses_what_the_kernels_lack(tmp_path, fields, match):
+def test_build_takes_v2_features_as_they_are(tmp_path, fields, defines):
+    """Every v2 feature builds (the kernels run them: docs/kernels.md "Model features"); the file is copied byte
+    for byte, whatever the profile's dtype, and the compile-time constants carry the features."""
     path = v2_file(tmp_path, **fields)
-    with pytest.raises(FormatError, match=match):
-        build_bundle(load_profile("orin", toolchain=False), tmp_path / "bundle", weights=path)
-    assert not (tmp_path / "bundle").exists()
+    build_bundle(load_profile("orin", toolchain=False), tmp_path / "bundle", weights=path)
+    bundle = Bundle.open(tmp_path / "bundle")
+    assert (tmp_path / "bundle" / bundle.manifest["weights"]["file"]).read_bytes() == path.read_bytes()
+    recorded = bundle.manifest["weights"]["header"]
+    for key, value in fields.items():
+        assert recorded[key] == pytest.approx(value), key
+    compiled = bundle.manifest["kernels"][0]["defines"]
+    assert {key: compiled[key] for key in defines} == defines
 
 
 @pytest.mark.parametrize("fields", [dict(dtype=1, quant=2, group_size=128), dict(dtype=0, quant=1, zero_points=1)],

@@ -167,3 +167,44 @@ def test_every_source_compiles_for_int4_weights(orin_profile):
 
     header = HeaderV2(1, 8, 2, 256, 512, dtype=1, quant=2, group_size=128)
     compile_all(orin_profile, header, "sm_87")
+
+
+# The v2 families at their real sizes (config.json of each model): (header fields, batch x tokens of the shape).
+FAMILY_HEADERS = {
+    # Qwen1.5-MoE-A2.7B: 60 experts, top-4, hidden 2048, moe_intermediate 1408, one shared expert of 5632, gated
+    "qwen2moe-int4-g128": (dict(num_experts=60, top_k=4, hidden_size=2048, intermediate_size=1408, routing=1,
+                                quant=2, group_size=128, dtype=1, num_shared_experts=1,
+                                shared_intermediate_size=5632, shared_gate=1), 4),
+    # DeepSeek-V2-Lite: 64 experts, top-6, hidden 2048, 1408, 2 shared (stored as one of 2816), softmax, no groups
+    "deepseek_v2_lite-fp16": (dict(num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1408, routing=1,
+                                   dtype=1, num_shared_experts=1, shared_intermediate_size=2816), 16),
+    # DeepSeek-V3-style router on 256 experts: sigmoid + correction bias, 8 groups keep 4, top-two sum, top-8
+    "deepseek_v3-router-int8": (dict(num_experts=256, top_k=8, hidden_size=2048, intermediate_size=512, routing=2,
+                                     norm_topk=1, n_group=8, topk_group=4, group_score=2, correction_bias=1,
+                                     routed_scaling_factor=2.5, quant=1, group_size=0, dtype=1,
+                                     num_shared_experts=1, shared_intermediate_size=512), 4),
+    # gpt-oss-20b: 32 experts, top-4, hidden 2880, intermediate 2880, biases, clamped SwiGLU
+    "gpt_oss_20b-fp16": (dict(num_experts=32, top_k=4, hidden_size=2880, intermediate_size=2880, routing=0,
+                              router_bias=1, expert_bias=1, activation=1, swiglu_limit=7.0, swiglu_alpha=1.702,
+                              dtype=1), 64),
+}
+
+
+@pytest.mark.slow  # 16 NVRTC compiles, about 35 s on 2 cores
+@pytest.mark.parametrize("family", list(FAMILY_HEADERS))
+def test_family_kernels_compile_without_spills(orin_profile, family):
+    """Every catalogue source compiles (NVRTC, sm_87) for the real sizes of each v2 family, every entry point
+    without register spills or a stack frame: the feature epilogues, the group-limited router and the shared
+    kernels fit in registers like the kernels without them."""
+    from colibri_sdk.format import HeaderV2
+
+    fields, tokens = FAMILY_HEADERS[family]
+    header = HeaderV2(num_layers=1, **fields)
+    profile = profile_with(orin_profile, {"shape": {"batch": 1, "tokens": tokens}})
+    defines = catalog.compile_defines(profile, header)
+    for spec in catalog.KERNELS:
+        source = (catalog.kernel_dir() / spec.source).read_text()
+        out = compile_source(source, spec.source, "sm_87", defines, [catalog.kernel_dir()])
+        for symbol in spec.symbols:
+            r = out.resources[symbol]
+            assert r["spill_store_bytes"] == 0 and r["stack_bytes"] == 0, (spec.source, symbol, r)

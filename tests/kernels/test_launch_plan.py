@@ -16,22 +16,33 @@ from kernel_support import make_header
 SIGNATURE = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\)\s*(\w+)\(([^)]*)\)', re.S)
 
 
-QUANT_PARAMS = re.compile(r"^#if COLI_QUANT\b.*?^#endif\n", re.S | re.M)
+# A parameter block of a v2 feature in a kernel signature: `#if COLI_<FEATURE>` ... `#endif`.
+FEATURE_PARAMS = re.compile(r"^#if (COLI_\w+)\b[^\n]*\n(.*?)^#endif\n", re.S | re.M)
 
 
-def kernel_parameters(quant: bool = False) -> dict[str, list[str]]:
+def kernel_parameters(quant: bool = False, features: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """{symbol: [parameter names]} parsed from the .cu sources, with (quant) or without the parameters under
-    `#if COLI_QUANT` (the scale and zero-point blocks of int8/int4 weights)."""
+    `#if COLI_QUANT` (the scale and zero-point blocks of int8/int4 weights), and with the parameters under
+    `#if COLI_<F>` for each F in `features` (e.g. "COLI_EXPERT_BIAS"), without those of the others."""
     out = {}
+    enabled = set(features) | ({"COLI_QUANT"} if quant else set())
     for spec in catalog.KERNELS:
         text = (catalog.kernel_dir() / spec.source).read_text()
-        if quant:
-            text = re.sub(r"^#(if COLI_QUANT|endif)\b.*\n", "", text, flags=re.M)
-        else:
-            text = QUANT_PARAMS.sub("", text)
-        for symbol, params in SIGNATURE.findall(text):
+        for symbol, params in SIGNATURE.findall(_signatures(text, enabled)):
             out[symbol] = [p.split()[-1].lstrip("*") for p in params.split(",")]
     return out
+
+
+def _signatures(text: str, enabled: set[str]) -> str:
+    """The sources with each `#if COLI_X` parameter block of a signature kept (X enabled) or dropped."""
+    def one(match):
+        start = text.rfind('extern "C"', 0, match.start())
+        in_signature = start >= 0 and ") {" not in text[start : match.start()]
+        if not in_signature:
+            return match.group(0)
+        return match.group(2) if match.group(1) in enabled else ""
+
+    return FEATURE_PARAMS.sub(one, text)
 
 
 def expected_parameter(arg: dict, layer: int) -> str:
@@ -211,3 +222,51 @@ def test_quantized_plan_binds_every_parameter(orin_profile, zeros):
             if arg["kind"] == "weights":
                 assert arg["layer"] == layer
                 assert arg["offset"] == header.tensor_offset(arg["tensor"], layer, 0) - HEADER_SIZE
+
+
+V2_FEATURES = dict(routing=2, norm_topk=1, n_group=2, topk_group=1, group_score=2, correction_bias=1,
+                   routed_scaling_factor=2.5, router_bias=1, expert_bias=1, activation=1, swiglu_limit=7.0,
+                   swiglu_alpha=1.702, num_shared_experts=2, shared_intermediate_size=48, shared_gate=1)
+
+
+@pytest.mark.parametrize("quant,tokens", [(0, 4), (0, 128), (1, 4)], ids=["float-gemv", "float-tiled", "int8-gemv"])
+def test_v2_feature_plan_binds_every_parameter(orin_profile, quant, tokens):
+    """Every v2 feature at once: each launch binds exactly the parameters its kernel takes under the feature
+    constants the header sets (biases, shared gate, shared blocks and, quantized, their scales), in order; shared
+    experts add two launches per layer after the routed output."""
+    from colibri_sdk.format import HeaderV2
+
+    profile = copy.deepcopy(orin_profile)
+    profile["shape"] = {"batch": 1, "tokens": tokens}
+    header = HeaderV2(2, 8, 2, 64, 32, dtype=1, quant=quant, group_size=32 if quant else 0, **V2_FEATURES)
+    defines = catalog.compile_defines(profile, header)
+    features = tuple(name for name in ("COLI_ROUTER_BIAS", "COLI_CORRECTION_BIAS", "COLI_SHARED_GATE",
+                                       "COLI_EXPERT_BIAS") if defines[name])
+    assert len(features) == 4
+    params = kernel_parameters(quant=bool(quant), features=features)
+    plan = catalog.launch_plan(profile, header)
+    buffers = catalog.device_buffers(profile, header)
+    assert buffers["shared_act"] == 2 * tokens * 48 * 4 and buffers["shared_scale"] == tokens * 4
+    small = catalog.sizes(profile, header).small_batch
+    assert small == (tokens == 4)
+    assert len(plan) == (5 if small else 7) * header.num_layers
+    for layer in range(header.num_layers):
+        symbols = [launch["symbol"] for launch in plan if launch["layer"] == layer]
+        assert symbols[-2:] == ["colibri_shared_gate_up", "colibri_shared_down"]
+    for launch in plan:
+        symbol, layer = launch["symbol"], launch["layer"]
+        names = [expected_parameter(a, layer) for a in launch["args"]]
+        # zero points are null: the file has none
+        names = [p if a["kind"] == "null" and p.endswith("_zeros") else n
+                 for n, p, a in zip(names, params[symbol], launch["args"])] + names[len(params[symbol]):]
+        assert names == params[symbol], f"layer {layer} {symbol}: plan binds {names}, source takes {params[symbol]}"
+        for arg in launch["args"]:
+            if arg["kind"] == "weights":
+                expert = None if arg["tensor"] in catalog.PER_LAYER_KINDS else 0
+                assert arg["offset"] == header.tensor_offset(arg["tensor"], layer, expert) - HEADER_SIZE
+            elif arg["kind"] == "buffer":
+                assert arg["name"] in buffers
+    rows = catalog.down_gemv_rows(profile["kernels"]["small_batch"]["threads"])
+    shared = [launch for launch in plan if launch["symbol"].startswith("colibri_shared")]
+    assert shared[0]["grid"] == [-(-2 * 48 // (profile["kernels"]["small_batch"]["threads"] // 32)), 1, 1]
+    assert shared[1]["grid"] == [-(-64 // rows), 1, 1]

@@ -7,7 +7,8 @@
  *     bundle, without control characters; files sorted and unique; kernel images and the weights listed files;
  *   - every listed file has its recorded size and (verify) sha256; (verify) no unlisted file and no finite-only
  *     violation (NaN/Inf) in the weights;
- *   - the weights' 64-byte .colibri v1 header (docs/format.md) equals the manifest's weights.header.
+ *   - the weights' 64-byte .colibri header (v1 or v2, docs/format.md) equals the manifest's weights.header; a v2
+ *     file's size follows from its block layout, and only its float blocks are scanned for NaN/Inf.
  * Plus what only this runtime needs: a launch plan, buffers and io_buffers (written by the build). */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -362,6 +363,105 @@ static int nonfinite(const unsigned char *data, size_t n, uint64_t offset, int i
     return 0;
 }
 
+/* ---- the v2 layout (docs/format.md, v2 "Blocks" and "Sizes"; colibri_sdk.format.HeaderV2.blocks) ---------------- */
+/* The u16 fields at header offsets 22..50, in order (the manifest's weights.header keys of a v2 file). */
+static const char *V2_FIELDS[] = {"quant", "group_size", "zero_points", "norm_topk", "n_group", "topk_group",
+                                  "group_score", "router_bias", "correction_bias", "num_shared_experts",
+                                  "shared_intermediate_size", "shared_gate", "expert_bias", "activation",
+                                  "num_model_layers"};
+enum { V2_QUANT, V2_GROUP, V2_ZEROS, V2_NORM, V2_NGROUP, V2_TOPKGROUP, V2_GSCORE, V2_RBIAS, V2_CBIAS, V2_SHARED,
+       V2_SHARED_I, V2_SHARED_GATE, V2_EBIAS, V2_ACT, V2_MODEL_LAYERS, V2_N };
+#define MAX_FLOAT_RANGES 32
+
+typedef struct v2_layout {
+    uint64_t file_size;
+    int n;                                   /* float blocks (matrices of quant 0, scales, router, biases, gate) */
+    uint64_t lo[MAX_FLOAT_RANGES], hi[MAX_FLOAT_RANGES];
+    int itemsize[MAX_FLOAT_RANGES];
+} v2_layout;
+
+static uint64_t align64(uint64_t x) { return (x + 63) / 64 * 64; }
+
+static void v2_add(v2_layout *out, uint64_t *offset, uint64_t nbytes, int float_itemsize) {
+    *offset = align64(*offset);
+    if (float_itemsize && out->n < MAX_FLOAT_RANGES) {
+        out->lo[out->n] = *offset;
+        out->hi[out->n] = *offset + nbytes;
+        out->itemsize[out->n++] = float_itemsize;
+    }
+    *offset += nbytes;
+}
+
+/* gate, up (rows, cols) and down (cols, rows) of `count` experts per layer, each with its scale and zero blocks. */
+static void v2_matrices(v2_layout *out, uint64_t *offset, const uint64_t *v, uint64_t L, uint64_t count,
+                        uint64_t inter, uint64_t hidden, int s) {
+    const uint64_t shapes[3][2] = {{inter, hidden}, {inter, hidden}, {hidden, inter}};
+    for (int m = 0; m < 3; m++) {
+        const uint64_t rows = shapes[m][0], cols = shapes[m][1];
+        const uint64_t row_bytes = v[V2_QUANT] == 0 ? cols * s : v[V2_QUANT] == 1 ? cols : (cols + 1) / 2;
+        const uint64_t groups = v[V2_GROUP] == 0 ? 1 : (cols + v[V2_GROUP] - 1) / v[V2_GROUP];
+        v2_add(out, offset, L * count * rows * row_bytes, v[V2_QUANT] == 0 ? s : 0);
+        if (v[V2_QUANT]) v2_add(out, offset, L * count * rows * groups * s, s);
+        if (v[V2_ZEROS]) v2_add(out, offset, L * count * rows * groups, 0);
+    }
+}
+
+/* The blocks of a v2 file from its sizes (L, E, H, I, dtype) and V2_FIELDS values. */
+static void v2_layout_of(uint64_t L, uint64_t E, uint64_t H, uint64_t I, uint64_t dtype, const uint64_t *v,
+                         v2_layout *out) {
+    const int s = dtype == 1 ? 2 : 4;
+    uint64_t offset = align64(64 + 2 * L);
+    out->n = 0;
+    v2_matrices(out, &offset, v, L, E, I, H, s);
+    v2_add(out, &offset, L * H * E * 4, 4); /* router */
+    if (v[V2_RBIAS]) v2_add(out, &offset, L * E * 4, 4);
+    if (v[V2_CBIAS]) v2_add(out, &offset, L * E * 4, 4);
+    if (v[V2_EBIAS]) {
+        v2_add(out, &offset, L * E * I * 4, 4);
+        v2_add(out, &offset, L * E * I * 4, 4);
+        v2_add(out, &offset, L * E * H * 4, 4);
+    }
+    if (v[V2_SHARED]) v2_matrices(out, &offset, v, L, v[V2_SHARED], v[V2_SHARED_I], H, s);
+    if (v[V2_SHARED_GATE]) v2_add(out, &offset, L * H * 4, 4);
+    out->file_size = offset;
+}
+
+/* The v2 layout of the manifest's weights.header (0: a v1 header, or fields missing). */
+static int manifest_v2_layout(const cb_bundle *b, v2_layout *out) {
+    const cJSON *mh = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(b->manifest, "weights"), "header");
+    long long version, x;
+    if (cb_json_int(mh, "version", &version) != 0 || version != 0x0200) return 0;
+    uint64_t v[V2_N], sizes[5];
+    static const char *size_keys[] = {"num_layers", "num_experts", "hidden_size", "intermediate_size", "dtype"};
+    for (int i = 0; i < 5; i++) {
+        if (cb_json_int(mh, size_keys[i], &x) != 0 || x < 0 || x > 65535) return 0;
+        sizes[i] = (uint64_t)x;
+    }
+    for (int i = 0; i < V2_N; i++) {
+        if (cb_json_int(mh, V2_FIELDS[i], &x) != 0 || x < 0 || x > 65535) return 0;
+        v[i] = (uint64_t)x;
+    }
+    v2_layout_of(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], v, out);
+    return 1;
+}
+
+/* NaN/Inf in the float blocks of a v2 file: data[0] at file offset `offset`. */
+static int nonfinite_v2(const unsigned char *data, size_t n, uint64_t offset, const v2_layout *layout) {
+    for (int r = 0; r < layout->n; r++) {
+        uint64_t a = layout->lo[r] > offset ? layout->lo[r] : offset, e = offset + n;
+        uint64_t z = layout->hi[r] < e ? layout->hi[r] : e;
+        const int size = layout->itemsize[r];
+        if (a >= z) continue;
+        a += (size - (a - layout->lo[r]) % size) % size; /* the first whole element of the block in the chunk */
+        for (uint64_t i = a - offset; i + size <= z - offset; i += size) {
+            const unsigned char *p = data + i;
+            if (size == 2 ? ((p[0] | (p[1] << 8)) & 0x7C00) == 0x7C00 : ((p[2] | (p[3] << 8)) & 0x7F80) == 0x7F80)
+                return 1;
+        }
+    }
+    return 0;
+}
+
 static int verify_file(cb_bundle *b, const cJSON *entry, int verify, unsigned char *chunk, cb_err *err) {
     char esc[256], hex[65];
     const char *rel = cb_json_str(entry, "path");
@@ -382,6 +482,8 @@ static int verify_file(cb_bundle *b, const cJSON *entry, int verify, unsigned ch
     }
     const int weights = strcmp(rel, b->weights_file) == 0;
     const int itemsize = strcmp(b->dtype, "fp16") == 0 ? 2 : 4;
+    v2_layout layout; /* a v2 file: only its float blocks are scanned (int8/int4 codes look like any float) */
+    const int v2 = weights && manifest_v2_layout(b, &layout);
     cb_sha256 *h = cb_sha256_new();
     if (!h) {
         close(fd);
@@ -396,7 +498,8 @@ static int verify_file(cb_bundle *b, const cJSON *entry, int verify, unsigned ch
             break;
         }
         cb_sha256_update(h, chunk, n);
-        if (weights && !bad_value) bad_value = nonfinite(chunk, n, off, itemsize);
+        if (weights && !bad_value)
+            bad_value = v2 ? nonfinite_v2(chunk, n, off, &layout) : nonfinite(chunk, n, off, itemsize);
         off += n;
     }
     close(fd);
@@ -486,13 +589,15 @@ static int read_header(cb_bundle *b, cb_err *err) {
     h->dtype = u16(raw + 16);
     h->routing = u16(raw + 18);
     h->composition = u16(raw + 20);
-    if (h->version != 0x0100)
-        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: unsupported version 0x%04x; this runtime reads 0x0100", esc, h->version);
-    for (int i = 22; i < CB_HEADER_SIZE; i++)
+    const int v2 = h->version == 0x0200;
+    if (h->version != 0x0100 && !v2)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: unsupported version 0x%04x; this runtime reads 0x0100 and 0x0200",
+                       esc, h->version);
+    for (int i = 22; i < CB_HEADER_SIZE && !v2; i++)
         if (raw[i])
             return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: reserved byte %d is 0x%02x; allowed: 0", esc, i, raw[i]);
     if (!h->num_layers || !h->num_experts || !h->top_k || !h->hidden_size || !h->intermediate_size ||
-        h->top_k > h->num_experts || h->dtype > 1 || h->routing > 1 || h->composition > 1)
+        h->top_k > h->num_experts || h->dtype > 1 || h->routing > (v2 ? 2 : 1) || h->composition > 1)
         return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: the header holds a size of zero, top_k > num_experts or an "
                                                 "unknown dtype/routing/composition code", esc);
     const uint16_t values[] = {h->num_layers, h->num_experts, h->top_k, h->hidden_size, h->intermediate_size,
@@ -513,10 +618,28 @@ static int read_header(cb_bundle *b, cb_err *err) {
     const uint64_t itemsize = h->dtype == 1 ? 2 : 4, L = h->num_layers, E = h->num_experts, H = h->hidden_size,
                    I = h->intermediate_size;
     h->data_size = (L * E * 3 * I * H + L * H * E) * itemsize;
+    if (v2) { /* every v2 field as the manifest records it, then the block layout gives the size */
+        uint64_t v[V2_N];
+        for (int i = 0; i < V2_N; i++) {
+            long long recorded;
+            v[i] = u16(raw + 22 + 2 * i);
+            if (cb_json_int(mh, V2_FIELDS[i], &recorded) != 0 || recorded != (long long)v[i])
+                return cb_fail(err, COLIBRI_ERR_BUNDLE,
+                               "%s: header %s = %u, but the manifest's weights.header does not record it so; the "
+                               "weights do not belong to this manifest", esc, V2_FIELDS[i], (unsigned)v[i]);
+        }
+        if (v[V2_QUANT] > 2 || v[V2_MODEL_LAYERS] < L)
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: quant code %u or num_model_layers %u; allowed: 0..2 and "
+                           ">= num_layers", esc, (unsigned)v[V2_QUANT], (unsigned)v[V2_MODEL_LAYERS]);
+        v2_layout layout;
+        v2_layout_of(L, E, H, I, h->dtype, v, &layout);
+        h->data_size = layout.file_size - CB_HEADER_SIZE;
+    }
     if (size != CB_HEADER_SIZE + h->data_size)
         return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: %llu bytes; its header describes %llu", esc,
                        (unsigned long long)size, (unsigned long long)(CB_HEADER_SIZE + h->data_size));
-    if ((h->dtype == 1) != (strcmp(b->dtype, "fp16") == 0))
+    /* v1 weights are converted to the profile's dtype; a v2 file is copied as it is (its own storage) */
+    if (!v2 && (h->dtype == 1) != (strcmp(b->dtype, "fp16") == 0))
         return cb_fail(err, COLIBRI_ERR_BUNDLE, "%s: weights dtype code %u; the manifest's dtype is %s", esc, h->dtype,
                        b->dtype);
     return COLIBRI_OK;
