@@ -107,6 +107,10 @@ CASES = [
      dict(fields=dict(DEEPSEEK_V3, quant=1, group_size=32, shared_gate=1, expert_bias=1, activation=1,
                       swiglu_limit=0.7, swiglu_alpha=1.702, router_bias=1),
           experts=16, top_k=4, hidden=64, inter=40, seed=8), [4]),
+    ("int8-g32-every-feature-tiled-qtc-padded", dict(tokens=16),
+     dict(fields=dict(DEEPSEEK_V3, quant=1, group_size=32, shared_gate=1, expert_bias=1, activation=1,
+                      swiglu_limit=0.7, swiglu_alpha=1.702, router_bias=1),
+          experts=16, top_k=4, hidden=64, inter=40, seed=9), [13]),
 ]
 
 
@@ -118,6 +122,7 @@ def case(request, orin_profile, tmp_path_factory):
     device = EmulatedDevice(profile, path)
     assert device.sizes.small_batch == ("gemv" in name)
     assert device.sizes.tensor_core == ("-tc-" in name)
+    assert device.sizes.quant_tensor_core == ("-qtc-" in name)  # int8/int4 tensor-core kernels, same epilogue
     x = np.random.default_rng(200 + len(name)).standard_normal((device.sizes.tokens, device.header.hidden_size))
     x = x.astype(np.float32)
     ref, routes, stable, logits = reference_v2(path, x)
