@@ -75,7 +75,7 @@ def test_fp32_weights_into_fp16_profile(tmp_path, capsys, kernel_dir):
 def test_same_dtype_prints_no_dtype_line_and_reports_progress(tmp_path, kernel_dir, capsys):
     weights = odd_weights(tmp_path / "m16.colibri", dtype=1)
     calls = []
-    result = build_bundle(load_profile("orin"), tmp_path / "b", weights, kernel_dir=kernel_dir,
+    result = build_bundle(load_profile("orin").for_shape(1, 16), tmp_path / "b", weights, kernel_dir=kernel_dir,
                           progress=lambda step, done, total: calls.append((step, done, total)))
     assert result.source_dtype == "fp16" and not result.converted
     steps = list(dict.fromkeys(step for step, _, _ in calls))
