@@ -271,6 +271,8 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
     for key, value in manifest.items():
         if key != "profile":  # the profile's free text (its description) may span lines
             _check_printable(value, key, where)
+    if "shapes" in manifest:  # last: a fault in a top-level key is reported by its own rule first
+        _check_largest_is_top_level(manifest, where)
 
 
 def _check_kernels(kernels: list, key: str, where: str) -> None:
@@ -312,8 +314,8 @@ def _check_buffers(buffers: dict, io_buffers: dict, prefix: str, where: str) -> 
 def _check_shapes(manifest: dict, where: str) -> None:
     """`shapes`: 1..MAX_SHAPES entries of exactly SHAPE_KEYS, sizes in range, strictly increasing in (batch*tokens,
     batch, tokens), the last one at least as large as every other in both batch and tokens (so "the smallest shape
-    that fits" exists for every call the largest takes), and equal to the top-level shape, kernels, launch plan,
-    buffers and self-test."""
+    that fits" exists for every call the largest takes). That the last equals the top-level keys is checked at the
+    end of `check_schema` (`_check_largest_is_top_level`)."""
     shapes = manifest["shapes"]
     if not 1 <= len(shapes) <= MAX_SHAPES:
         raise BundleError(f"{where}: shapes has {len(shapes)} entries; allowed: 1..{MAX_SHAPES}")
@@ -349,6 +351,12 @@ def _check_shapes(manifest: dict, where: str) -> None:
                 f"(last) shape batch {last['batch']} x tokens {last['tokens']}; allowed: the last shape has the "
                 "largest batch and the largest tokens"
             )
+
+
+def _check_largest_is_top_level(manifest: dict, where: str) -> None:
+    """The last (largest) `shapes` entry equals the top-level shape, kernels, launch, buffers and self-test."""
+    shapes = manifest["shapes"]
+    last = shapes[-1]
     top = {"batch": manifest["shape"]["batch"], "tokens": manifest["shape"]["tokens"],
            "kernels": manifest["kernels"], "launch": manifest.get("launch"), "buffers": manifest.get("buffers"),
            "io_buffers": manifest.get("io_buffers"), "selftest": manifest["selftest"]}
