@@ -6,6 +6,12 @@
     kernels/<name>.ptx             PTX of the same source (JIT on newer GPUs)
     selftest/input.npy             float32 (batch, tokens, hidden) at the fixed shape
     selftest/output.npy            float32, the reference engine's output for it, computed at build time
+    kernels/<name>.b<B>t<T>.*      with several compiled shapes: the kernels of each shape but the largest
+    selftest/b<B>t<T>/*.npy        ... and its self-test vectors (the largest keeps the names above)
+
+Several shapes (docs/build.md, "Several shapes"): the manifest's `shapes` lists every compiled shape, smallest
+first, each with its kernels, launch plan, buffers and self-test; the top-level keys are the largest one's.
+`Bundle.shapes` lists them and `Bundle.for_shape(batch, tokens)` gives the bundle seen at one of them.
 
 Integrity: `files` in the manifest lists every other file with its size and sha256, and `manifest_sha256` is the
 sha256 of the canonical JSON of the manifest without that key. A bundle is accepted only if manifest.json is byte
