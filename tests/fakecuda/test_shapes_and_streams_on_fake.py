@@ -13,7 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import HIDDEN
+from fakecuda_support import HIDDEN
 
 from colibri_sdk.bundle import Bundle
 from colibri_sdk.reference import ReferenceEngine
