@@ -10,6 +10,15 @@ Every variant is built with
 run with OPENBLAS_NUM_THREADS=1 on the same N(0, 1) inputs.
 
     python bench/capacity_bench.py                    # writes bench/results/capacity_bench.txt
+    python bench/capacity_bench.py --kernels          # + the kernel path without a GPU (about 2 minutes)
+
+--kernels adds, for dropless / soft 1.0 / hard 1.0, what the CUDA kernel path shows without a GPU: launches per
+call (the plan), the ptxas report of colibri_capacity (registers, static shared memory, spills; NVRTC, the Orin
+profile's sm_87), and on the CPU emulation of the kernels (tests/kernels/emulator.py, the access model of
+bench/kernel_access.py) the global-load bytes per call of the whole forward pass and of the weights, next to the
+modelled bytes of colibri_capacity's scan, and the dropped pairs the kernels count (capacity_dropped) next to the
+CPU backend's.
+The emulation counts requested bytes, not GPU time: nothing here ran on a GPU.
 """
 
 from __future__ import annotations
@@ -60,13 +69,39 @@ def build(out: Path, weights: Path, factor, mode) -> Path:
     return out
 
 
+def kernel_path(bundle, x: np.ndarray) -> tuple:
+    """(launches per call, colibri_capacity's ptxas resources or None, its modelled scan bytes, all load bytes,
+    weight load bytes, dropped pairs the emulated kernels count) for one call on x (1, 16, hidden)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+    from emulator import EmulatedDevice
+
+    m = bundle.manifest
+    cap = next((k["resources"]["colibri_capacity"] for k in m["kernels"] if k["name"] == "capacity"), None)
+    device = EmulatedDevice(m["profile"], bundle.weights_path)
+    records = device.run_recorded(x.reshape(-1, x.shape[-1]))
+    # colibri_capacity reads topk_ids / topk_weights with plain loads (it writes them too, so not through __ldg,
+    # which the access model records): its scan is modelled, per layer pairs^2 ids (4 B) and, policy score, the two
+    # weights (8 B) of each compare, served from L1/L2 (the pairs of one call are a few KiB).
+    pairs = device.sizes.pairs
+    score = (m["profile"].get("capacity") or {}).get("policy", "score") == "score"
+    cap_bytes = device.header.num_layers * pairs * pairs * (12 if score else 4) if cap else 0
+    all_bytes = sum(int(s[:, 3].sum()) for _, s in records)
+    weight_bytes = sum(int(s[0, 3]) for _, s in records)
+    dropped = int(device.buffer("capacity_dropped", np.int32).sum()) if "capacity_dropped" in device.buffers else 0
+    return len(m["launch"]), cap, cap_bytes, all_bytes, weight_bytes, dropped
+
+
 def main() -> int:
     from colibri_sdk.runtime import Runtime
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--kernels", action="store_true", help="add the kernel path: plan, ptxas, emulated loads")
     args = parser.parse_args()
+    kernel_rows = []
     xs = [(np.random.default_rng(s).standard_normal((1, 16, 256)) + 0.5).astype(np.float32) for s in range(4)]
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,6 +122,9 @@ def main() -> int:
                     start = time.perf_counter()
                     rt.infer(xs[i % len(xs)])
                     times.append(time.perf_counter() - start)
+                if args.kernels and name in ("dropless", "soft 1.0", "hard 1.0"):
+                    rt.infer(xs[0])
+                    kernel_rows.append((name, *kernel_path(rt.bundle, xs[0]), rt.stats().last_dropped_pairs))
             y = np.concatenate([v.ravel() for v in ys])
             base = y if base is None else base
             p50, p99 = np.percentile(np.asarray(times) * 1e3, [50, 99])
@@ -103,6 +141,20 @@ def main() -> int:
     ]
     for name, p50, p99, dropped, mx, fro in rows:
         lines.append(f"{name:>10} {p50:>8.2f} {p99:>8.2f} {dropped:>13.1f} {mx:>15.4f} {fro:>13.4f}")
+    if kernel_rows:
+        lines += [
+            "",
+            "the kernel path without a GPU (NVRTC sm_87 ptxas report; CPU emulation of the kernels, one call on "
+            "input 0; "
+            "cap scan B modelled, the other loads counted by the access model):",
+            f"{'variant':>10} {'launches':>9} {'cap regs':>9} {'cap smem':>9} {'cap spill':>10} {'cap scan B':>11} "
+            f"{'all load B':>11} {'weights B':>10} {'cap/all':>8} {'dropped':>8} {'cpu':>5}",
+        ]
+        for name, launches, res, cap_bytes, all_bytes, weight_bytes, dropped, cpu in kernel_rows:
+            regs, smem, spill = (res["registers"], res["shared_bytes"],
+                                 res["spill_store_bytes"] + res["spill_load_bytes"]) if res else ("-", "-", "-")
+            lines.append(f"{name:>10} {launches:>9} {regs:>9} {smem:>9} {spill:>10} {cap_bytes:>11} {all_bytes:>11} "
+                         f"{weight_bytes:>10} {cap_bytes / all_bytes:>8.4f} {dropped:>8} {cpu:>5}")
     text = "\n".join(lines)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

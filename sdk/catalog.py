@@ -115,7 +115,38 @@ KERNELS: tuple[KernelSpec, ...] = (
         (THREADS, Param("max_pairs", 1, 4096, doc="tokens*top_k at or below this take the GEMV path (the GEMV / "
                         "tiled crossover)")),
     ),
+    # Compiled and launched only for a bundle with expert capacity (profile `capacity`, `kernels_for`); it runs
+    # with kernels.routing.threads, so it has no profile section of its own.
+    KernelSpec("capacity", "capacity.cu", ("colibri_capacity",), ()),
 )
+
+CAPACITY_KERNEL = "capacity"
+CAPACITY_DROPPED = "capacity_dropped"  # the device buffer of the per-layer dropped-pair counts (device_buffers)
+
+
+def kernels_for(profile: dict) -> tuple[KernelSpec, ...]:
+    """The catalogue kernels a bundle of `profile` compiles: every one, less the capacity kernel when the profile
+    sets no `capacity` (dropless, the default: no extra kernel and no extra launch)."""
+    return tuple(k for k in KERNELS if k.name != CAPACITY_KERNEL or profile.get("capacity") is not None)
+
+
+def capacity_defines(spec: dict | None) -> dict[str, int]:
+    """The capacity kernel's -D constants for a profile `capacity` mapping (None: {}); mode and policy are a
+    launch argument (`capacity_flags`).
+
+    factor = COLI_CAPACITY_FACTOR_NUM * 2^-COLI_CAPACITY_FACTOR_SHIFT exactly (`float.as_integer_ratio`: the
+    denominator of a double is a power of two), so kernels/capacity.cu computes C = ceil(T*k*factor/experts) with the
+    same IEEE double operations as colibri_sdk.capacity.Capacity.limit.
+    """
+    if spec is None:
+        return {}
+    num, den = float(spec["factor"]).as_integer_ratio()
+    return {"COLI_CAPACITY": 1, "COLI_CAPACITY_FACTOR_NUM": num, "COLI_CAPACITY_FACTOR_SHIFT": den.bit_length() - 1}
+
+
+def capacity_flags(spec: dict) -> int:
+    """colibri_capacity's `flags` argument: bit 0 mode soft (else hard), bit 1 policy position (else score)."""
+    return (1 if spec.get("mode", "hard") == "soft" else 0) | (2 if spec.get("policy", "score") == "position" else 0)
 
 
 def kernel_dir() -> Path:
@@ -163,7 +194,8 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         For quantized weights COLI_FP16 is 0 (the router of a v2 file is float32) and the profile's dtype does not
         apply: the kernels follow the file's storage (docs/kernels.md, "Quantized weights").
         plus "COLI_<KERNEL>_<PARAM>" for every `kernels.<kernel>.<param>` of the profile, upper-cased
-        (e.g. COLI_GATE_UP_BLOCK_M).
+        (e.g. COLI_GATE_UP_BLOCK_M),
+        plus, for a profile with `capacity`, the constants of `capacity_defines`.
     """
     shape = profile["shape"]
     defines = {
@@ -189,6 +221,7 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
     for kernel, params in sorted(profile["kernels"].items()):
         for param, value in sorted(params.items()):
             defines[f"COLI_{kernel.upper()}_{param.upper()}"] = int(value)
+    defines.update(capacity_defines(profile.get("capacity")))
     return defines
 
 
@@ -262,6 +295,10 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
         sorted_pairs     (padded,) int32            pair index token*top_k+slot per row, -1 for padding rows
         block_experts    (blocks,) int32            expert of each tile of block_m rows, -1 for unused tiles
         pair_out         (pairs, hidden) float32    routing weight * down per pair (ordered aggregation only)
+      expert capacity only (profile `capacity`):
+        capacity_rank    (2 * pairs,) int32         each pair's rank in its expert's priority order, then keep flags
+        capacity_dropped (layers,) int32            pairs dropped by layer l's capacity in the latest call
+                                                    (CAPACITY_DROPPED; the runtime sums the layers it ran)
     """
     s = sizes(profile, header)
     e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
@@ -282,6 +319,9 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
         )
         if profile["aggregation"] == "ordered":
             buffers["pair_out"] = s.pairs * h * FLOAT32_BYTES
+    if profile.get("capacity") is not None:
+        buffers["capacity_rank"] = 2 * s.pairs * INT32_BYTES
+        buffers[CAPACITY_DROPPED] = header.num_layers * INT32_BYTES
     return buffers
 
 
@@ -371,6 +411,7 @@ def launch_plan(profile: dict, header) -> list[dict]:
         {"kind": "weights", "tensor", "layer", "offset"}   weights buffer + offset bytes (the buffer holds the
                                            .colibri data after the header; tensor and layer name what it points at)
         {"kind": "null"}                   a null pointer
+        {"kind": "i32", "value": V}        an int32 passed by value (colibri_capacity's layer and flags)
     The runtime's input copy writes `io_buffers(header)["input"]` and `["valid_tokens"]` before the first launch;
     the output is copied out of `io_buffers(header)["output"]` after the last.
 
@@ -378,7 +419,9 @@ def launch_plan(profile: dict, header) -> list[dict]:
     aggregation folded in), 3 launches. Tiled path: routing → align → gate/up → down → aggregate (ordered
     aggregation only), 5 or 4 launches. Quantized weights (GEMV path only): the gate/up launch takes the scale
     blocks of gate and up, then their zero-point blocks, after its float arguments; the down launch those of down
-    (`weights` pointers; `{"kind": "null"}` for zero points the file does not have).
+    (`weights` pointers; `{"kind": "null"}` for zero points the file does not have). With expert capacity
+    (profile `capacity`) colibri_capacity follows each routing launch (grid 1, kernels.routing.threads); without
+    it the plan has no capacity launch.
 
     Raises:
         CompileError: quantized weights on a shape that takes the tiled path (`check_path`).
@@ -398,6 +441,14 @@ def launch_plan(profile: dict, header) -> list[dict]:
                 [x, _weights(header, "router", layer), valid, _buf("topk_ids"), _buf("topk_weights"), x_next],
             )
         )
+        if profile.get("capacity") is not None:
+            plan.append(
+                _launch(
+                    layer, CAPACITY_KERNEL, "colibri_capacity", (1, 1, 1), k["routing"]["threads"],
+                    [valid, _buf("topk_ids"), _buf("topk_weights"), _buf("capacity_rank"), _buf(CAPACITY_DROPPED),
+                     {"kind": "i32", "value": layer}, {"kind": "i32", "value": capacity_flags(profile["capacity"])}],
+                )
+            )
         gate, up, down = (_weights(header, kind, layer) for kind in ("gate_proj", "up_proj", "down_proj"))
         if s.small_batch:
             threads = k["small_batch"]["threads"]

@@ -130,7 +130,8 @@ def _choice(values: tuple[str, ...]) -> Leaf:
 def _kernel_schema() -> dict:
     schema = {}
     for kernel in KERNELS:
-        schema[kernel.name] = {p.name: p for p in kernel.params}
+        if kernel.params:  # a kernel without parameters (capacity) has no profile section
+            schema[kernel.name] = {p.name: p for p in kernel.params}
     return schema
 
 

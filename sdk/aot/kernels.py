@@ -86,7 +86,8 @@ def compile_kernel(spec: catalog.KernelSpec, profile, header, kernel_dir: Path) 
 
 
 def compile_catalog(profile, header, kernel_dir: Path | None = None, workers: int = 2) -> list[CompiledKernel]:
-    """Compile every catalogue kernel for `profile`, in catalogue order.
+    """Compile the catalogue kernels of `profile` (`catalog.kernels_for`: the capacity kernel only with a
+    `capacity`), in catalogue order.
 
     Args:
         profile: a validated `Profile`.
@@ -99,7 +100,8 @@ def compile_catalog(profile, header, kernel_dir: Path | None = None, workers: in
     """
     folder = Path(kernel_dir) if kernel_dir is not None else catalog.kernel_dir()
     if workers <= 1:
-        return [compile_kernel(spec, profile, header, folder) for spec in catalog.KERNELS]
+        return [compile_kernel(spec, profile, header, folder) for spec in catalog.kernels_for(profile.to_dict())]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(compile_kernel, spec, profile, header, folder) for spec in catalog.KERNELS]
+        futures = [pool.submit(compile_kernel, spec, profile, header, folder)
+                   for spec in catalog.kernels_for(profile.to_dict())]
         return [f.result() for f in futures]

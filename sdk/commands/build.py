@@ -21,8 +21,8 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace an earlier bundle (and its .tar) at the output")
     p.add_argument("--archive", action="store_true", help="also write <output>.tar (reproducible)")
     p.add_argument("--capacity-factor", type=float, metavar="F",
-                   help="expert capacity C = ceil(tokens*k*F/experts) per expert and call (docs/runtime.md; CPU "
-                   "backend only, the CUDA backend refuses such a bundle)")
+                   help="expert capacity C = ceil(tokens*k*F/experts) per expert and call (docs/runtime.md; the "
+                   "CPU backend and the CUDA kernels, kernels/capacity.cu)")
     p.add_argument("--capacity-mode", choices=("hard", "soft"), help="with --capacity-factor; default hard")
     p.add_argument("--capacity-policy", choices=("score", "position"),
                    help="with --capacity-factor: which pairs an expert keeps first; default score")
@@ -110,7 +110,7 @@ def run(args) -> int:
     if m["profile"].get("capacity"):
         c = m["profile"]["capacity"]
         print(f"  expert capacity: factor {c['factor']:g}, {c.get('mode', 'hard')}, policy {c.get('policy', 'score')}"
-              " (CPU backend; the CUDA backend refuses this bundle: its kernels are dropless)")
+              " (colibri_capacity after each routing launch)")
     print(format_resources(m["kernels"]))
     total = sum(f["size"] for f in m["files"])
     print(f"  {len(m['files'])} files + manifest, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass"

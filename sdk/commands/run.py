@@ -127,6 +127,10 @@ def run(args) -> int:
         print(f"backend  {rt.backend_name} ({mode})")
         if rt.top_k != rt.model_top_k:
             print(f"top-k    {rt.top_k} (build override; the model's own k is {rt.model_top_k})")
+        if rt.capacity:
+            c, dropped = rt.capacity, rt.stats().last_dropped_pairs
+            print(f"capacity factor {c['factor']:g}, {c.get('mode', 'hard')}, policy {c.get('policy', 'score')}; "
+                  f"{dropped} pairs dropped in the last call")
         print(f"load     {load_seconds * 1e3:.1f} ms" + ("" if args.no_verify else " (with checksums)"))
         print(f"input    {source}  {x.dtype} {tuple(x.shape)}" + (f"  lengths {args.lengths}" if args.lengths else ""))
         chosen = rt.stats().last_shape
@@ -166,6 +170,7 @@ def run_report(rt, args, source: str, x, first: float, times: list[float], load_
         "hidden_size": rt.hidden_size,
         "top_k": rt.top_k,
         "model_top_k": rt.model_top_k,
+        "capacity": rt.capacity,  # None: dropless
         "backend": rt.backend_name,
         "eager": bool(args.eager),
         "load_ms": load_seconds * 1e3,

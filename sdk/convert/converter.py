@@ -12,6 +12,7 @@ bias, softmax routing without groups or scaling) and v2 otherwise (docs/format.m
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ from .source import Model, open_model
 DTYPE_CHOICES = ("auto", "fp16", "fp32", "int8", "int4")
 GROUP_SIZE_CHOICES = (0, 32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,8 +250,12 @@ def convert(
     try:
         check_top_k(model.spec)
         _refuse_overwriting_source(model, output)
+        logger.debug("convert: %s: family %s, %s experts, source dtypes %s, %d tensors to read", folder,
+                     model.spec.family, model.layout.style, "/".join(model.source_dtypes()), len(model.layout.sources))
         storage = choose_storage(model, dtype, group_size)
         header = build_header(model.spec, storage, modes[composition])
+        logger.debug("convert: storage %s; format v%d, %d bytes to write", storage.name,
+                     2 if isinstance(header, HeaderV2) else 1, header.file_size)
         stats = _stream(model, header, storage, output, clamp_fp16=clamp_fp16, progress=progress)
     finally:
         model.close()
@@ -380,6 +387,8 @@ def _stream(model: Model, header: Header, storage: Storage, output: Path, *, cla
                 fp16_here = storage.quant == QUANT_FLOAT and storage.dtype == "fp16" and (not v2 or header.is_matrix(kind))
                 if clamp_fp16 and fp16_here:
                     stats["clamped"] += int(np.count_nonzero(np.abs(array) > FP16_MAX))
+                logger.debug("convert: %s layer %d%s <- %s", kind, layer, "" if index is None else f" [{index}]",
+                             source.label)
                 try:
                     writer.write(kind, layer, index, array, name=source.label)
                 except FormatError as exc:

@@ -19,6 +19,7 @@ Anything else is refused by `model_type` first, with what would work.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 
 from ..errors import ConvertError
 
@@ -49,6 +50,16 @@ REFUSED_MODEL_TYPES = {
     "llama4": "routes with a sigmoid of the top-1 logit applied to the expert input; not supported",
     "jetmoe": "also routes its attention through experts (mixture of attention heads); not supported",
 }
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = 8
+
+
+def _value(value) -> str:
+    """A config.json value as quoted in an error: its repr, shortened (reprlib) so a message stays one short line."""
+    return _REPR.repr(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +165,7 @@ def _first_key(config: dict, keys: tuple[str, ...], what: str, family: str) -> t
 def _size(config: dict, keys: tuple[str, ...], what: str, family: str, low: int = 1) -> tuple[str, int]:
     key, value = _first_key(config, keys, what, family)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= U16_MAX:
-        raise ConvertError(f"{family}: config.json {key} = {value!r}; allowed: an integer in {low}..{U16_MAX}")
+        raise ConvertError(f"{family}: config.json {key} = {_value(value)}; allowed: an integer in {low}..{U16_MAX}")
     return key, value
 
 
@@ -163,7 +174,7 @@ def _flag(config: dict, key: str, default: bool, family: str) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ConvertError(f"{family}: config.json {key} = {value!r}; allowed: true, false")
+        raise ConvertError(f"{family}: config.json {key} = {_value(value)}; allowed: true, false")
     return value
 
 
@@ -172,7 +183,7 @@ def _number(config: dict, key: str, default: float, family: str) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
-        raise ConvertError(f"{family}: config.json {key} = {value!r}; allowed: a positive number")
+        raise ConvertError(f"{family}: config.json {key} = {_value(value)}; allowed: a positive number")
     return float(value)
 
 
@@ -180,7 +191,7 @@ def _silu(config: dict, family: str) -> None:
     act = config.get("hidden_act", "silu")
     if act not in SILU_NAMES:
         raise ConvertError(
-            f"{family}: config.json hidden_act = {act!r}: experts must be SwiGLU with SiLU; allowed: "
+            f"{family}: config.json hidden_act = {_value(act)}: experts must be SwiGLU with SiLU; allowed: "
             f"{', '.join(SILU_NAMES)}"
         )
 
@@ -212,7 +223,7 @@ def _refuse_foreign(config: dict, family: str, read: tuple[str, ...]) -> None:
             continue
         allowed = " or ".join(repr(n) for n in neutral if n is not None)
         raise ConvertError(
-            f"{family}: config.json {key} = {value!r} means {meaning}, which transformers' {family} model "
+            f"{family}: config.json {key} = {_value(value)} means {meaning}, which transformers' {family} model "
             f"ignores: the checkpoint is not a plain {family}; allowed: {allowed} or absent"
         )
 
@@ -263,7 +274,7 @@ def _granitemoe(config: dict, family: str) -> ModelSpec:
     mult = config.get("residual_multiplier", 1.0)
     if mult not in (None, 1, 1.0):
         notes.append(
-            f"residual_multiplier = {mult!r}: the decoder adds residual_multiplier × the MoE output; the file holds "
+            f"residual_multiplier = {_value(mult)}: the decoder adds residual_multiplier × the MoE output; the file holds "
             f"the MoE block itself"
         )
     return _spec(family, sizes, range(sizes["num_layers"]), RouterSpec(order="topk_softmax"), notes=notes)
@@ -285,10 +296,10 @@ def _olmoe_qwen(config: dict, family: str) -> ModelSpec:
         if step is None:
             step = 1
         if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= U16_MAX:
-            raise ConvertError(f"{family}: config.json decoder_sparse_step = {step!r}; allowed: an integer >= 1")
+            raise ConvertError(f"{family}: config.json decoder_sparse_step = {_value(step)}; allowed: an integer >= 1")
         only = config.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in only):
-            raise ConvertError(f"{family}: config.json mlp_only_layers = {only!r}; allowed: a list of layer indices")
+            raise ConvertError(f"{family}: config.json mlp_only_layers = {_value(only)}; allowed: a list of layer indices")
         dense = set(only)
         layers = [l for l in layers if l not in dense and (l + 1) % step == 0]
     shared = None
@@ -305,7 +316,7 @@ def _deepseek(config: dict, family: str) -> ModelSpec:
             "scoring_func", "topk_method")
     if config.get("mlp_bias"):
         raise ConvertError(
-            f"{family}: config.json mlp_bias = {config['mlp_bias']!r}: biases on the shared and dense MLPs are not "
+            f"{family}: config.json mlp_bias = {_value(config['mlp_bias'])}: biases on the shared and dense MLPs are not "
             f"held by .colibri (only gpt_oss-style routed-expert biases are); allowed: false"
         )
     _refuse_foreign(config, family, read)
@@ -322,14 +333,14 @@ def _deepseek(config: dict, family: str) -> ModelSpec:
     expected = "softmax" if v2 else "sigmoid"
     if scoring != expected:
         raise ConvertError(
-            f"{family}: config.json scoring_func = {scoring!r}, but transformers' {family} router uses {expected}; "
+            f"{family}: config.json scoring_func = {_value(scoring)}, but transformers' {family} router uses {expected}; "
             f"allowed: {expected!r} or absent"
         )
     method = config.get("topk_method") or ("greedy" if v2 else "noaux_tc")
     methods = ("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)
     if method not in methods:
         raise ConvertError(
-            f"{family}: config.json topk_method = {method!r}; allowed: {', '.join(repr(m) for m in methods)}"
+            f"{family}: config.json topk_method = {_value(method)}; allowed: {', '.join(repr(m) for m in methods)}"
         )
     n_group, topk_group = _groups(config, family, sizes) if not v2 or method == "group_limited_greedy" else (1, 1)
     norm = _flag(config, "norm_topk_prob", False if v2 else True, family)
@@ -356,7 +367,7 @@ def _deepseek(config: dict, family: str) -> ModelSpec:
         sizes["keys"]["shared_intermediate_size"] = "n_shared_experts × moe_intermediate_size"
     extra = config.get("num_nextn_predict_layers") or 0
     if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
-        raise ConvertError(f"{family}: config.json num_nextn_predict_layers = {extra!r}; allowed: an integer >= 0")
+        raise ConvertError(f"{family}: config.json num_nextn_predict_layers = {_value(extra)}; allowed: an integer >= 0")
     return _spec(family, sizes, range(min(first, L), L), router, shared=shared, extra_layers=extra)
 
 
@@ -418,6 +429,6 @@ def model_spec(config: dict) -> ModelSpec:
         raise ConvertError(f"{family}: {REFUSED_MODEL_TYPES[family]}")
     if family not in _PARSERS:
         raise ConvertError(
-            f"config.json model_type = {family!r} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"config.json model_type = {_value(family)} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return _PARSERS[family](config, family)

@@ -226,7 +226,7 @@ class Connection:
             raise ConnectTimeoutError(f"{t.label}: connection timed out after {t.connect_timeout:g} s") from None
         except paramiko.ssh_exception.NoValidConnectionsError as exc:
             self._close_all(client)
-            raise ConnectRefusedError(f"{t.label}: connection refused ({exc})") from None
+            raise ConnectRefusedError(f"{t.label}: connection refused ({_no_connection_reasons(exc)})") from None
         except ConnectionRefusedError:
             self._close_all(client)
             raise ConnectRefusedError(f"{t.label}: connection refused (nothing listens on port {t.port})") from None
@@ -376,6 +376,16 @@ def collect(channel, timeout: float, label: str, argv) -> CommandResult:
     status = channel.recv_exit_status()
     channel.close()
     return CommandResult(status, bytes(out), bytes(err))
+
+
+def _no_connection_reasons(exc) -> str:
+    """One line from paramiko's NoValidConnectionsError: each address tried and why it failed (its str() starts
+    with a meaningless "[Errno None]")."""
+    parts = []
+    for address, error in exc.errors.items():
+        why = getattr(error, "strerror", None) or str(error)
+        parts.append(f"{address[0]} port {address[1]}: {why}")
+    return "; ".join(parts) or str(exc)
 
 
 def _no_banner_error(t: Target, exc: Exception) -> ConnectError:

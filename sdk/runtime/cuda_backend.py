@@ -13,7 +13,9 @@ At load (docs/runtime-cuda.md):
   5. The whole forward pass (input copy, every layer's launches, output copy) is captured once into a CUDA Graph.
 Per call: copy x and the valid-token counts into pinned memory, cuGraphLaunch (its first nodes copy both to the
 device: `catalog.io_buffers`), one cuStreamSynchronize, copy the pinned output out. Eager
-mode enqueues the same copies and launches without the graph. A lock serialises calls; `close()` frees everything.
+mode enqueues the same copies and launches without the graph. With expert capacity, the per-layer dropped-pair
+counts (`catalog.CAPACITY_DROPPED`) are copied back after the call. A lock serialises calls; `close()` frees
+everything.
 """
 
 from __future__ import annotations
@@ -207,11 +209,8 @@ class CudaBackend:
         with bundle.open_weights() as weights:
             self.header = weights.header
         profile = manifest["profile"]
-        if profile.get("capacity") is not None:  # the kernels are dropless: never ignore a capacity silently
-            raise BackendError(
-                f"the bundle sets expert capacity {profile['capacity']}; the CUDA kernels are dropless: run it on "
-                f"the cpu backend, or build without capacity"
-            )
+        self.capacity = profile.get("capacity")  # expert capacity (kernels/capacity.cu) or None: dropless
+        self.last_dropped = 0  # pairs dropped by expert capacity in the latest call (Runtime.stats)
         self.shape = tuple(bundle.shape)
         self.hidden = self.header.hidden_size
         self._functions = self._load_functions(bundle)
@@ -224,6 +223,10 @@ class CudaBackend:
         plan = manifest.get("launch") or catalog.launch_plan(profile, self.header)
         self._launches = [self._prepare(launch) for launch in plan]
         self._launch_layers = [int(launch["layer"]) for launch in plan]  # per-layer calls run a sub-range
+        self._capacity_launch = [launch["symbol"] == "colibri_capacity" for launch in plan]
+        if self.capacity is not None:  # the per-layer dropped-pair counts, read back after each call
+            self._dropped_ptr, pinned = self._pinned(self.header.num_layers * 4)
+            self._dropped = pinned.view(np.int32)
         batch, tokens = self.shape
         self._io_bytes = batch * tokens * self.hidden * 4
         # The pinned input holds x, then the (batch,) int32 valid-token counts.
@@ -344,7 +347,9 @@ class CudaBackend:
             return self._weights + int(arg["offset"])
         if kind == "null":
             return 0
-        raise BackendError(f"launch argument kind {kind!r}; allowed: buffer, weights, null")
+        if kind == "i32":  # by value: the kernel reads the low 4 bytes of the 8-byte slot (little-endian)
+            return int(arg["value"]) & 0xFFFFFFFF
+        raise BackendError(f"launch argument kind {kind!r}; allowed: buffer, weights, null, i32")
 
     def _prepare(self, launch: dict) -> tuple:
         """(function, grid, block, shared bytes, kernelParams array, the arrays it points into)."""
@@ -416,16 +421,30 @@ class CudaBackend:
             else:
                 check(cu.cuGraphLaunch(self._res.graph_exec, self._res.stream), "cuGraphLaunch")
             check(cu.cuStreamSynchronize(self._res.stream), "cuStreamSynchronize")
+            self._read_dropped(0, self.header.num_layers, self._res.stream)
             return self._out.view(np.float32).reshape(expected).copy()
 
     # ---- per-layer calls and device-resident I/O (docs/runtime-cuda.md, "Per-layer calls, device I/O") -------
-    def _enqueue_layers(self, start: int, stop: int, stream) -> None:
-        """The launches of layers start..stop-1 on `stream`; they read x{start%2} and leave x{stop%2}."""
+    def _enqueue_layers(self, start: int, stop: int, stream, skip=()) -> None:
+        """The launches of layers start..stop-1 on `stream`; they read x{start%2} and leave x{stop%2}. `skip`: per
+        launch of the plan, True to leave it out (the capacity launches of a dropless run)."""
         cu = self._cu
-        for (function, grid, block, shared, params, _), layer in zip(self._launches, self._launch_layers):
-            if start <= layer < stop:
+        launches = zip(self._launches, self._launch_layers)
+        for i, ((function, grid, block, shared, params, _), layer) in enumerate(launches):
+            if start <= layer < stop and not (skip and skip[i]):
                 check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0),
                       "cuLaunchKernel")
+
+    def _read_dropped(self, start: int, stop: int, stream) -> None:
+        """`last_dropped` = the pairs dropped by layers start..stop-1 (the capacity_dropped buffer, one int32 per
+        layer, written by colibri_capacity on every call), after `stream` has finished the call's launches."""
+        if self.capacity is None:
+            return
+        cu = self._cu
+        check(cu.cuMemcpyDtoHAsync(self._dropped_ptr, cu.CUdeviceptr(self._buffers[catalog.CAPACITY_DROPPED]),
+                                   self._dropped.nbytes, stream), "cuMemcpyDtoHAsync")
+        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        self.last_dropped = int(self._dropped[start:stop].sum())
 
     def _write_valid_tokens(self, stream, counts) -> None:
         """Where the launch plan has a `valid_tokens` buffer (`catalog.io_buffers`): entry b = counts[b] (an int
@@ -481,8 +500,10 @@ class CudaBackend:
             check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
             check(cu.cuStreamSynchronize(res.stream), "cuStreamSynchronize")
             out.reshape(-1).view(np.uint8)[:] = self._out
+            self._read_dropped(0, self.header.num_layers, res.stream)  # capacity bundles: this call's dropped pairs
 
-    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_tokens=None) -> None:
+    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_tokens=None,
+                   valid_rows=None, capacity: bool = True) -> None:
         """Layers start..stop-1 on a host input at the fixed shape, into `out` (the Runtime's contract).
 
         The whole model (0..num_layers) replays the CUDA Graph (or the eager launches); a sub-range enqueues that
@@ -492,11 +513,18 @@ class CudaBackend:
             x, out: float32 C-contiguous (batch, tokens, hidden) at the fixed shape (validated by Runtime).
             valid_tokens: (batch,) ints, each sequence's valid tokens, or None (all); used where the launch plan
                 has a `valid_tokens` buffer (padded tokens then select no expert).
+            valid_rows: instead of valid_tokens, (batch * tokens,) bool with each sequence's valid rows first (the
+                Runtime's call for a bundle with expert capacity, as on the CPU backend).
+            capacity: False skips the colibri_capacity launches (eagerly): dropless, for the self-test, whose stored
+                reference output is dropless.
 
         Raises:
             BackendError: closed. CudaError: a driver call failed.
         """
         cu, res = self._cu, self._res
+        if valid_rows is not None:
+            valid_tokens = np.asarray(valid_rows, dtype=bool).reshape(self.shape).sum(axis=1)
+        skip = [] if capacity else self._capacity_launch
         with self._lock:
             if res.released:
                 raise BackendError("this CUDA backend is closed; load the bundle again")
@@ -505,7 +533,7 @@ class CudaBackend:
             counts = self.shape[1] if valid_tokens is None else valid_tokens
             if hasattr(self, "_valid"):  # the pinned valid-token counts the whole-model input copy sends
                 self._valid[:] = counts
-            if start == 0 and stop == self.header.num_layers:
+            if start == 0 and stop == self.header.num_layers and not any(skip):
                 if self.eager:
                     self._enqueue()
                 else:
@@ -515,11 +543,15 @@ class CudaBackend:
                 check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(src), self._in_ptr, self._io_bytes, res.stream),
                       "cuMemcpyHtoDAsync")
                 self._write_valid_tokens(res.stream, counts)
-                self._enqueue_layers(start, stop, res.stream)
+                self._enqueue_layers(start, stop, res.stream, skip)
                 check(cu.cuMemcpyDtoHAsync(self._out_ptr, cu.CUdeviceptr(dst), self._io_bytes, res.stream),
                       "cuMemcpyDtoHAsync")
             check(cu.cuStreamSynchronize(res.stream), "cuStreamSynchronize")
             out.reshape(-1).view(np.uint8)[:] = self._out
+            if capacity:
+                self._read_dropped(start, stop, res.stream)
+            else:
+                self.last_dropped = 0
 
     def run_device(self, src: int, dst: int, batch: int, tokens: int, start: int, stop: int, stream: int) -> None:
         """Layers start..stop-1 from device memory to device memory on the caller's stream: no host round trip.
@@ -531,6 +563,8 @@ class CudaBackend:
                 On any other stream the call returns once the work is enqueued (the caller synchronises), so the
                 launches can be part of the caller's own stream capture. One Runtime's scratch buffers are shared by
                 its calls: issue a Runtime's device calls on one stream at a time.
+                With expert capacity, `last_dropped` is read back on stream 0 only (0 on another stream: the
+                call has not run yet when this returns).
 
         Raises:
             BackendError: closed. CudaError: a driver call failed.
@@ -558,6 +592,9 @@ class CudaBackend:
                                            cu.CUdeviceptr(x_out + b * fixed_tokens * row), n, s), "cuMemcpyDtoDAsync")
             if stream == 0:
                 check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
+                self._read_dropped(start, stop, s)
+            elif self.capacity is not None:
+                self.last_dropped = 0  # not read back: the call is still in flight on the caller's stream
 
     def poison(self) -> None:
         """Fill every scratch buffer and the pinned output with 0x7FC00000 words (float32 NaN), for tests that

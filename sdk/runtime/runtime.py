@@ -437,7 +437,9 @@ class Runtime:
             return self._stats.snapshot()
 
     def _call(self, x, input_lengths, out, start: int, stop: int, stream):
-        if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__"):
+        from .device_io import is_device_array
+
+        if is_device_array(x):
             return self._call_device(x, input_lengths, out, start, stop, stream)
         if stream is not None:
             raise InputError("stream is for device arrays (__cuda_array_interface__); a NumPy input takes none")
@@ -528,20 +530,27 @@ class Runtime:
                 f"a device array (__cuda_array_interface__) needs the cuda backend; this runtime runs on "
                 f"{self.backend_name}: pass a NumPy array"
             )
-        src = device_view(x, "input", self.shape, self.hidden_size)
         if out is None:
             raise InputError("a device input needs out= (a device array of the input's shape, float32)")
-        dst = device_view(out, "out", self.shape, self.hidden_size)
-        if dst.shape != src.shape:
-            raise InputError(f"out shape {dst.shape}; expected the input's shape {src.shape}")
         handle = stream_handle(stream)
-        with self._lock:
-            if not self._finalizer.alive:
-                raise BackendError("this Runtime is closed; load the bundle again")
-            began = time.perf_counter()
-            run = self._run_for(src.batch, src.tokens)
-            run.backend.run_device(src.ptr, dst.ptr, src.batch, src.tokens, start, stop, handle)
-            self._stats.record(time.perf_counter() - began, (src.batch, src.tokens), 0, run.shape)
+        src = device_view(x, "input", self.shape, self.hidden_size, handle)
+        try:
+            dst = device_view(out, "out", self.shape, self.hidden_size, handle)
+            try:
+                if dst.shape != src.shape:
+                    raise InputError(f"out shape {dst.shape}; expected the input's shape {src.shape}")
+                with self._lock:
+                    if not self._finalizer.alive:
+                        raise BackendError("this Runtime is closed; load the bundle again")
+                    began = time.perf_counter()
+                    run = self._run_for(src.batch, src.tokens)
+                    run.backend.run_device(src.ptr, dst.ptr, src.batch, src.tokens, start, stop, handle)
+                    self._stats.record(time.perf_counter() - began, (src.batch, src.tokens),
+                                       getattr(run.backend, "last_dropped", 0), run.shape)
+            finally:
+                dst.release()  # a DLPack tensor goes back to its producer (device_io); a no-op for the interface
+        finally:
+            src.release()
         return out
 
     def _nonfinite_output(self, x3: np.ndarray, out: np.ndarray) -> NonFiniteOutputError:

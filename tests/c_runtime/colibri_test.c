@@ -197,7 +197,10 @@ static int cmd_errors(const char *bundle) {
     bad = cfg;
     bad.driver_library = "/nonexistent/libcuda.so.1";
     EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_NO_DRIVER);
-    CHECK(strstr(colibri_last_error(NULL), "no CUDA driver") != NULL, "%s", colibri_last_error(NULL));
+    CHECK(strstr(colibri_last_error(NULL), "no CUDA driver (/nonexistent/libcuda.so.1: cannot open") != NULL, "%s",
+          colibri_last_error(NULL));
+    CHECK(strstr(colibri_last_error(NULL), "libcuda.so.1: /nonexistent") == NULL, "library named once: %s",
+          colibri_last_error(NULL));
     bad = cfg;
     bad.device = 3;
     EXPECT(colibri_init(&bad, &ctx), COLIBRI_ERR_NO_DRIVER);
@@ -461,9 +464,42 @@ static int cmd_fuzz(const char *bundle, int n, unsigned seed) {
     return g_failures ? 1 : 0;
 }
 
+/* ---- dropped: expert capacity ------------------------------------------------------------------------------------ */
+/* The self-test input with the given lengths (one per sequence); the output (float32, raw) into OUT_PATH, and the
+ * dropped pairs (colibri_dropped_pairs) printed. The caller compares both with the reference engine. */
+static int cmd_dropped(const char *bundle, const char *out_path, int argc, char **argv) {
+    colibri_ctx *ctx = open_ctx(bundle, 0);
+    if (!ctx) return 1;
+    colibri_io io;
+    EXPECT(colibri_io_info(ctx, &io), COLIBRI_OK);
+    int64_t pairs = -1;
+    EXPECT(colibri_dropped_pairs(ctx, &pairs), COLIBRI_ERR_STATE); /* before any call */
+    EXPECT(colibri_dropped_pairs(ctx, NULL), COLIBRI_ERR_INVALID_ARG);
+    size_t nx = 0;
+    float *x = selftest(bundle, "input", &nx);
+    float *y = malloc(io.output_bytes);
+    int32_t *lengths = malloc(io.batch * sizeof *lengths);
+    for (uint32_t b = 0; b < io.batch; b++) lengths[b] = (int)b < argc ? atoi(argv[b]) : (int32_t)io.tokens;
+    CHECK(x && nx == (size_t)io.batch * io.tokens * io.hidden, "self-test input of %zu values", nx);
+    if (g_failures) return 1;
+    EXPECT(colibri_set_input(ctx, x, lengths, io.batch), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+    EXPECT(colibri_dropped_pairs(ctx, &pairs), COLIBRI_OK);
+    FILE *f = fopen(out_path, "wb");
+    CHECK(f && fwrite(y, 1, io.output_bytes, f) == io.output_bytes, "cannot write %s", out_path);
+    if (f) fclose(f);
+    printf("{\"passed\": %s, \"dropped\": %lld}\n", g_failures ? "false" : "true", (long long)pairs);
+    free(x);
+    free(y);
+    free(lengths);
+    colibri_free(ctx);
+    return g_failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: colibri_test run|errors|init|bind|threads|fuzz BUNDLE ...\n");
+        fprintf(stderr, "usage: colibri_test run|errors|init|bind|threads|fuzz|dropped BUNDLE ...\n");
         return 2;
     }
     const char *cmd = argv[1], *bundle = argv[2];
@@ -471,6 +507,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "errors")) return cmd_errors(bundle);
     if (!strcmp(cmd, "init") && argc >= 4) return cmd_init(bundle, atoi(argv[3]), argc >= 5 ? argv[4] : NULL);
     if (!strcmp(cmd, "bind")) return cmd_bind(bundle);
+    if (!strcmp(cmd, "dropped") && argc >= 4) return cmd_dropped(bundle, argv[3], argc - 4, argv + 4);
     if (!strcmp(cmd, "threads")) return cmd_threads(bundle);
     if (!strcmp(cmd, "fuzz") && argc >= 5) return cmd_fuzz(bundle, atoi(argv[3]), (unsigned)strtoul(argv[4], NULL, 10));
     fprintf(stderr, "unknown subcommand %s\n", cmd);

@@ -156,3 +156,18 @@ def test_cli_subprocess(tmp_path, saved_mixtral):
     assert "mixtral (per-expert experts, F32 → float16)" in proc.stdout
     assert "2 layers × 16 experts, top-2, hidden 32, intermediate 48, routing topk_softmax" in proc.stdout
     assert out.stat().st_size == ColibriFile(out).header.file_size
+
+
+def test_cli_verbose_lists_each_tensor_and_help_names_gguf(tmp_path, saved_mixtral):
+    """`convert -v` prints debug lines (the family, then one line per tensor written); --help names both inputs."""
+    folder, _ = saved_mixtral
+    proc = subprocess.run(
+        [sys.executable, "-m", "colibri_sdk", "convert", str(folder), "-o", str(tmp_path / "m.colibri"), "-v"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "family mixtral" in proc.stderr
+    assert "gate_proj layer 1 [15] <- " in proc.stderr
+    usage = subprocess.run([sys.executable, "-m", "colibri_sdk", "convert", "--help"], capture_output=True,
+                           text=True, timeout=60).stdout
+    assert "HF_DIR|MODEL.gguf" in usage

@@ -56,6 +56,9 @@ CONFIG_CASES = [
     ({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}}}}, r"^mixtral: config\.json quantization_config format = 'float-quantized' is not imported; allowed: 'pack-quantized'"),
     ({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}, "input_activations": {"num_bits": 8}}}}}, r"^mixtral: config\.json quantization_config config_groups\.g quantizes activations; allowed: weight-only schemes"),
     ({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {"num_bits": 3, "type": "int", "strategy": "group", "group_size": 128}}}}}, r"^mixtral: config\.json quantization_config config_groups\.g\.weights type 'int' num_bits 3; allowed: type 'int' with num_bits 4 or 8$"),
+    # a 5,000-character value is quoted shortened (reprlib), keeping the message one short line
+    ({"hidden_act": "g" * 5000}, r"^mixtral: config\.json hidden_act = 'g{20,30}\.\.\.g{20,30}': experts must be SwiGLU"),
+    ({"model_type": "x" * 5000}, r"^config\.json model_type = 'x{20,30}\.\.\.x{20,30}' is not supported"),
 ]
 
 

@@ -101,8 +101,12 @@ def test_missing_identity_file(target, tmp_path):
 
 
 def test_connection_refused_is_typed(target):
-    with pytest.raises(ConnectRefusedError, match=r"connection refused"):
-        Connection(target.with_(port=free_port())).open()
+    port = free_port()
+    with pytest.raises(ConnectRefusedError, match=r"connection refused") as info:
+        Connection(target.with_(port=port)).open()
+    message = str(info.value)
+    assert "Errno None" not in message
+    assert f"port {port}" in message and "\n" not in message
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import HIDDEN, TOKENS
+from fakecuda_support import HIDDEN, TOKENS
 
 from colibri_sdk.bundle import Bundle
 from colibri_sdk.format.constants import COMPOSITION_RESIDUAL
@@ -129,33 +129,3 @@ def test_layers_out_submit_and_device_arrays_on_the_fake_driver(run_fake, tiny_b
     for t, got in zip((4, 2, 4, 3), r["submitted"]):
         assert got == r["whole"] if t == 4 else np.allclose(got, np.asarray(r["whole"])[:, :t], rtol=1e-5, atol=1e-6)
     assert r["stats"]["calls"] == 13 and r["stats"]["shape"] == [1, TOKENS]
-
-
-def test_cuda_refuses_expert_capacity_by_name(run_fake, tiny_bundle, tmp_path):
-    import json
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    from runtime_bundles import write_manifest
-
-    folder = Path(shutil.copytree(tiny_bundle, tmp_path / "capacity"))
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["profile"]["capacity"] = {"factor": 1.0, "mode": "hard", "policy": "score"}
-    write_manifest(folder, manifest)
-    run = run_fake(f"""
-        from colibri_sdk.runtime import Runtime
-        try:
-            Runtime.load({str(folder)!r}, backend="cuda")
-            refused = None
-        except Exception as exc:
-            refused = f"{{type(exc).__name__}}: {{exc}}"
-        with Runtime.load({str(folder)!r}, backend="auto") as rt:
-            emit(refused=refused, auto=rt.backend_name, notice=rt.notice)
-    """)
-    assert run.rc == 0 and run.result, run
-    assert run.result["refused"] == (
-        "BackendError: the bundle sets expert capacity {'factor': 1.0, 'mode': 'hard', 'policy': 'score'}; the CUDA "
-        "kernels are dropless: run it on the cpu backend, or build without capacity"
-    )
-    assert run.result["auto"] == "cpu" and "expert capacity" in run.result["notice"]

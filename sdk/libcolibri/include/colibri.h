@@ -135,6 +135,11 @@ COLIBRI_API int colibri_bind(colibri_ctx *ctx, uint64_t device_input, uint64_t d
  * On a caller's stream colibri_infer does not wait: synchronise the stream, or call colibri_get_output. */
 COLIBRI_API int colibri_set_stream(colibri_ctx *ctx, void *cuda_stream);
 
+/* Expert capacity: the (token, expert) pairs dropped by the last colibri_infer, summed over the layers (the bundle's
+ * capacity_dropped buffer, one int32 per layer written by colibri_capacity on every call); 0 for a dropless bundle.
+ * Waits for the stream. COLIBRI_ERR_INVALID_ARG: pairs NULL. COLIBRI_ERR_STATE: before any colibri_infer. */
+COLIBRI_API int colibri_dropped_pairs(colibri_ctx *ctx, int64_t *pairs);
+
 /* The one-line message of the last failed call on ctx, or, with ctx NULL, of the last failed colibri_init in this
  * thread. "" when there was none. Valid until the next call on ctx (or in this thread). */
 COLIBRI_API const char *colibri_last_error(const colibri_ctx *ctx);

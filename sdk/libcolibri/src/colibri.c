@@ -101,6 +101,7 @@ static void release(colibri_ctx *c) {
         if (c->in_host) c->cu.cuMemFreeHost(c->in_host);
         if (c->out_host) c->cu.cuMemFreeHost(c->out_host);
         if (c->lengths_host) c->cu.cuMemFreeHost(c->lengths_host);
+        if (c->dropped_host) c->cu.cuMemFreeHost(c->dropped_host);
         for (size_t i = 0; i < c->n_modules; i++) c->cu.cuModuleUnload(c->modules[i]);
         if (c->own_stream) c->cu.cuStreamDestroy(c->own_stream);
         if (c->ctx_retained) c->cu.cuDevicePrimaryCtxRelease(c->dev);
@@ -160,6 +161,7 @@ int colibri_init(const colibri_config *cfg, colibri_ctx **out) {
     colibri_ctx *c = calloc(1, sizeof *c);
     if (!c) return cb_fail(&tls_err, COLIBRI_ERR_OUT_OF_MEMORY, "colibri_init: out of memory");
     c->valid_buf = -1;
+    c->dropped_buf = -1;
     c->flags = cfg->flags;
     cb_bundle b;
     int rc = init_steps(c, cfg, &b);
@@ -312,6 +314,29 @@ static int bind_locked(colibri_ctx *c, uint64_t in, uint64_t out) {
 int colibri_bind(colibri_ctx *c, uint64_t device_input, uint64_t device_output) {
     ENTER(c, "colibri_bind");
     int rc = bind_locked(c, device_input, device_output);
+    pthread_mutex_unlock(&c->lock);
+    return rc;
+}
+
+static int dropped_locked(colibri_ctx *c, int64_t *pairs) {
+    if (!pairs) return cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_dropped_pairs: pairs is NULL");
+    if (!c->has_output)
+        return cb_fail(&c->err, COLIBRI_ERR_STATE, "colibri_dropped_pairs: no call yet; call colibri_infer first");
+    *pairs = 0;
+    if (c->dropped_buf < 0) return COLIBRI_OK; /* dropless */
+    int rc = wait_stream(c);
+    if (rc) return rc;
+    const buffer *d = &c->buffers[c->dropped_buf];
+    CU(c, cuCtxSetCurrent, c->cuctx);
+    CU(c, cuMemcpyDtoHAsync, c->dropped_host, d->ptr, (size_t)d->size, c->stream);
+    CU(c, cuStreamSynchronize, c->stream);
+    for (long long l = 0; l < d->size / 4; l++) *pairs += c->dropped_host[l];
+    return COLIBRI_OK;
+}
+
+int colibri_dropped_pairs(colibri_ctx *c, int64_t *pairs) {
+    ENTER(c, "colibri_dropped_pairs");
+    int rc = dropped_locked(c, pairs);
     pthread_mutex_unlock(&c->lock);
     return rc;
 }

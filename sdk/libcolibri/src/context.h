@@ -53,6 +53,8 @@ struct colibri_ctx {
     size_t n_args;
     size_t in_buf, out_buf;
     long valid_buf; /* -1: none */
+    long dropped_buf; /* the capacity_dropped buffer (expert capacity: int32 per layer); -1: none (dropless) */
+    int32_t *dropped_host; /* pinned: its copy, read by colibri_dropped_pairs */
     float *in_host, *out_host;
     int32_t *lengths_host; /* pinned: copied into valid_tokens by the graph */
     int32_t *out_lengths;  /* the lengths of the input the current output came from */

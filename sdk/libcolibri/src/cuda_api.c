@@ -57,6 +57,9 @@ int cu_api_load(cu_api *cu, const char *library, cb_err *err) {
     cu->lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (!cu->lib) {
         const char *why = dlerror();
+        /* dlerror() already starts with the library name ("libcuda.so.1: cannot open shared object file ..."). */
+        if (why && strncmp(why, name, strlen(name)) == 0)
+            return cb_fail(err, COLIBRI_ERR_NO_DRIVER, "no CUDA driver (%s)", cb_escape(why, esc, sizeof esc));
         return cb_fail(err, COLIBRI_ERR_NO_DRIVER, "no CUDA driver (%s: %s)", cb_escape(name, esc, 128),
                        why ? why : "dlopen failed");
     }

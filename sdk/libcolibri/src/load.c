@@ -117,6 +117,10 @@ int cb_read_buffers(colibri_ctx *c, const cb_bundle *b) {
     c->in_buf = (size_t)idx[0];
     c->out_buf = (size_t)idx[1];
     c->valid_buf = idx[2];
+    c->dropped_buf = find_buffer(c, "capacity_dropped"); /* sdk/catalog.py CAPACITY_DROPPED */
+    if (c->dropped_buf >= 0 && (c->buffers[c->dropped_buf].size < 4 || c->buffers[c->dropped_buf].size % 4))
+        return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: buffers.capacity_dropped is %lld bytes; allowed: "
+                       "a positive multiple of 4 (one int32 per layer)", c->buffers[c->dropped_buf].size);
     return COLIBRI_OK;
 }
 
@@ -353,6 +357,8 @@ int cb_alloc_memory(colibri_ctx *c) {
     memset(c->in_host, 0, c->io_bytes);
     memset(c->out_host, 0, c->io_bytes);
     for (int i = 0; i < c->batch; i++) c->lengths_host[i] = c->tokens;
+    if (c->dropped_buf >= 0)
+        CU(c, cuMemHostAlloc, (void **)&c->dropped_host, (size_t)c->buffers[c->dropped_buf].size, 0);
     c->out_lengths = calloc((size_t)c->batch, sizeof *c->out_lengths);
     c->launches = calloc(c->n_launches ? c->n_launches : 1, sizeof *c->launches);
     c->arg_values = calloc(c->n_args ? c->n_args : 1, sizeof *c->arg_values);
