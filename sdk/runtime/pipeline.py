@@ -190,7 +190,8 @@ class Pipeline:
                         with np.errstate(over="ignore", invalid="ignore"):
                             result = rt._deliver(run, x3, lengths, out3)
                         with rt._lock:
-                            rt._stats.record(time.perf_counter() - began, x3.shape[:2], 0, run.shape)
+                            rt._stats.record(time.perf_counter() - began, x3.shape[:2],
+                                             getattr(run.backend, "last_dropped", 0), run.shape)
                         future.set_result(out if out is not None else result.reshape(view.shape))
                     except BaseException as exc:
                         future.set_exception(exc)
