@@ -1,7 +1,7 @@
 """Build time and build memory, side by side in one run.
 
 1. Time to build every shipped profile from scratch with the demo model (goal: all of them in <= 30 s on 2 cores):
-   per profile, the wall time of a whole `build_bundle` and of the NVRTC compilation alone, with 1 and with 2
+   per profile (every compiled shape of it), the wall time of a whole `build_bundle` and of the NVRTC compilation alone, with 1 and with 2
    parallel NVRTC compilations.
 2. Peak memory of a build against the size of its weights (goal: flat, the build streams the weights): two
    Mixtral-like models with the same tensor shapes (hidden 4096, 8 experts, top-2) and 1 and 4 layers, each built
@@ -120,7 +120,7 @@ def main() -> int:
         f"build_bench: {len(packaged_names())} shipped profiles, demo model, NVRTC {major}.{minor}, "
         f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}, repeat {args.repeat}",
         "seconds, best of the repeats (median)",
-        f"{'profile':<10} {'compile, 1 worker':>26} {'compile, 2 workers':>26} {'whole build, 2 workers':>26}",
+        f"{'profile':<10} {'compile, 1 worker':>26} {'compile, 2 workers':>26} {'whole build, 2 workers':>26}  shapes",
     ]
     print("\n".join(lines))
     totals = {"c1": [], "c2": [], "b2": []}
@@ -132,14 +132,16 @@ def main() -> int:
             for _ in range(args.repeat):
                 for key, workers in (("c1", 1), ("c2", 2)):
                     start = time.perf_counter()
-                    compile_catalog(profile, header, workers=workers)
+                    for batch, tokens in profile.shapes:  # one catalogue per compiled shape, as the build does
+                        compile_catalog(profile.for_shape(batch, tokens), header, workers=workers)
                     times[key].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 build_bundle(profile, Path(tmp) / name, workers=2, force=True)
                 times["b2"].append(time.perf_counter() - start)
             for key in totals:
                 totals[key].append(min(times[key]))
-            line = f"{name:<10} {best(times['c1']):>26} {best(times['c2']):>26} {best(times['b2']):>26}"
+            shapes = ",".join(f"{b}x{t}" for b, t in profile.shapes)
+            line = f"{name:<10} {best(times['c1']):>26} {best(times['c2']):>26} {best(times['b2']):>26}  {shapes}"
             print(line)
             lines.append(line)
     total = (

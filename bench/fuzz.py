@@ -510,9 +510,15 @@ def independent_profile_check(profile) -> None:
     if not m or int(m.group(1)) not in ARCH_SHARED_MEMORY:
         raise _Wrong(f"accepted target.arch {t['arch']!r}")
     optin, per_sm = ARCH_SHARED_MEMORY[int(m.group(1))]
+    def sizes(v):  # an int, or 1..8 ints strictly increasing (docs/profiles.md, shape.batch / shape.tokens)
+        values = v if type(v) is list else [v]
+        ok = 1 <= len(values) <= 8 and all(is_int(x) and 1 <= x <= 65536 for x in values)
+        return ok and all(a < b for a, b in zip(values, values[1:]))
+
     checks = [
-        is_int(shape["batch"]) and is_int(shape["tokens"]) and 1 <= shape["batch"] * shape["tokens"] <= 65536
-        and shape["batch"] >= 1 and shape["tokens"] >= 1,
+        sizes(shape["batch"]) and sizes(shape["tokens"])
+        and max(shape["batch"] if type(shape["batch"]) is list else [shape["batch"]])
+        * max(shape["tokens"] if type(shape["tokens"]) is list else [shape["tokens"]]) <= 65536,
         d["dtype"] in ("fp16", "fp32"), d["aggregation"] in ("ordered", "atomic"),
         type(d["allow_spills"]) is bool, type(t["unified_memory"]) is bool,
         is_int(t["toolkit"]) and is_int(t["min_driver"]) and t["min_driver"] >= 1000 * t["toolkit"],

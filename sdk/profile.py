@@ -25,6 +25,7 @@ from .errors import ProfileError
 DTYPES = ("fp16", "fp32")
 AGGREGATIONS = ("ordered", "atomic")
 MAX_TOKENS = 65536  # batch * tokens: the kernels index (token, slot) pairs with 32-bit integers, kept far below
+MAX_SHAPE_VALUES = 8  # entries of a shape.batch / shape.tokens list: every (batch, tokens) pair is compiled
 
 # Shared memory per arch (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability", table
 # "Maximum amount of shared memory per thread block" with opt-in, and "... per SM"), bytes.
@@ -96,6 +97,32 @@ def _int(lo: int, hi: int, extra: str = "", check=None, required=True) -> Leaf:
     return Leaf((int,), ok, f"an integer in {lo}..{hi}" + (f", {extra}" if extra else ""), required)
 
 
+def _sizes(values) -> bool:
+    """An int 1..MAX_TOKENS, or a list of 1..MAX_SHAPE_VALUES such ints in increasing order (no repeats)."""
+    if isinstance(values, list):
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+        return ok and 1 <= len(values) <= MAX_SHAPE_VALUES and values == sorted(set(values)) and all(
+            1 <= v <= MAX_TOKENS for v in values)
+    return 1 <= values <= MAX_TOKENS
+
+
+def _shape_leaf() -> Leaf:
+    return Leaf((int, list), _sizes, f"an integer in 1..{MAX_TOKENS}, or a list of 1..{MAX_SHAPE_VALUES} such "
+                "integers in increasing order (one compiled shape per batch x tokens pair)")
+
+
+def shape_values(value) -> list[int]:
+    """A validated shape.batch / shape.tokens value (int or list) as a list."""
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def shape_list(shape: dict) -> list[tuple[int, int]]:
+    """Every (batch, tokens) of a validated profile `shape` mapping (the product of its batch and tokens values),
+    smallest first: ordered by batch*tokens, then batch, then tokens (the order of the manifest's `shapes`)."""
+    pairs = [(b, t) for b in shape_values(shape["batch"]) for t in shape_values(shape["tokens"])]
+    return sorted(pairs, key=lambda bt: (bt[0] * bt[1], bt[0], bt[1]))
+
+
 def _choice(values: tuple[str, ...]) -> Leaf:
     return Leaf((str,), lambda v: v in values, f"one of {list(values)}")
 
@@ -126,8 +153,8 @@ SCHEMA: dict = {
     },
     "dtype": _choice(DTYPES),
     "shape": {
-        "batch": _int(1, MAX_TOKENS),
-        "tokens": _int(1, MAX_TOKENS),
+        "batch": _shape_leaf(),
+        "tokens": _shape_leaf(),
     },
     "kernels": _kernel_schema(),
     "aggregation": _choice(AGGREGATIONS),
@@ -175,11 +202,9 @@ def _check_limits(data: dict, source: str) -> None:
         from .capacity import Capacity
 
         Capacity.from_dict(data["capacity"], f"{source}: capacity")
-    shape = data["shape"]
-    if shape["batch"] * shape["tokens"] > MAX_TOKENS:
-        raise ProfileError(
-            f"{source}: shape batch*tokens = {shape['batch'] * shape['tokens']}; allowed: at most {MAX_TOKENS}"
-        )
+    batch, tokens = shape_list(data["shape"])[-1]
+    if batch * tokens > MAX_TOKENS:
+        raise ProfileError(f"{source}: shape batch*tokens = {batch * tokens}; allowed: at most {MAX_TOKENS}")
     major, minor = parse_arch(data["target"]["arch"])
     cc = major * 10 + minor
     if cc not in ARCH_SHARED_MEMORY:
@@ -414,8 +439,27 @@ class Profile:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(batch, tokens)."""
-        return self.data["shape"]["batch"], self.data["shape"]["tokens"]
+        """(batch, tokens) of the largest shape (the only one when shape.batch and shape.tokens are integers)."""
+        return self.shapes[-1]
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every compiled (batch, tokens), smallest first (`shape_list`): the product of shape.batch and
+        shape.tokens when they are lists."""
+        return shape_list(self.data["shape"])
+
+    def for_shape(self, batch: int, tokens: int) -> "Profile":
+        """This profile with the scalar shape (batch, tokens), one of `shapes`: what the catalogue's functions
+        (compile_defines, sizes, launch_plan) take for one compiled shape.
+
+        Raises:
+            ProfileError: (batch, tokens) is not one of `shapes`.
+        """
+        if (batch, tokens) not in self.shapes:
+            raise ProfileError(f"{self.source}: shape batch {batch} x tokens {tokens}; allowed: {self.shapes}")
+        data = copy.deepcopy(self.data)
+        data["shape"] = {"batch": int(batch), "tokens": int(tokens)}
+        return dataclasses.replace(self, data=data)
 
     @property
     def aggregation(self) -> str:

@@ -44,7 +44,14 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
 }
 # `buffers` (scratch buffer name → bytes) and `io_buffers` ({"input", "output"[, "valid_tokens"]} → buffer name) are
 # what the C runtime (sdk/libcolibri) allocates and copies through; the Python backend derives them from the catalogue.
-OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list, "buffers": dict, "io_buffers": dict}
+# `shapes`: every compiled shape, smallest first, each {batch, tokens, kernels, launch, buffers, io_buffers, selftest}
+# (SHAPE_KEYS); the last (largest) one's values are the top-level ones (docs/build.md, "Several shapes"). A bundle
+# without `shapes` has the one shape of its top-level keys.
+OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"launch": list, "buffers": dict, "io_buffers": dict,
+                                                     "shapes": list}
+SHAPE_KEYS: dict[str, type] = {"batch": int, "tokens": int, "kernels": list, "launch": list, "buffers": dict,
+                               "io_buffers": dict, "selftest": dict}
+MAX_SHAPES = 64  # shape.batch and shape.tokens lists of at most 8 values each (colibri_sdk.profile)
 # weights.header: the .colibri header fields (colibri_sdk.format.Header) the runtime reads from the manifest.
 HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(Header) if f.name != "version")
 # Every key of weights.header: the whole header, `version` included; it must equal the weights file's header.
@@ -229,28 +236,8 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
         if key in header:
             kind = (int, float) if key in HEADER_V2_FLOAT_KEYS else list if key == "layer_map" else int
             _expect(header[key], kind, f"weights.header.{key}", where)
-    for i, kernel in enumerate(manifest["kernels"]):
-        _expect(kernel, dict, f"kernels[{i}]", where)
-        for key, t in (("name", str), ("source", str), ("symbols", list), ("cubin", str), ("ptx", str),
-                       ("defines", dict), ("resources", dict)):
-            _expect(kernel.get(key), t, f"kernels[{i}].{key}", where)
-        for kind in KINDS:
-            check_relative(kernel[kind], f"{where}: kernels[{i}].{kind}")
-        for j, symbol in enumerate(kernel["symbols"]):
-            _expect(symbol, str, f"kernels[{i}].symbols[{j}]", where)
-            if not symbol.isidentifier() or not symbol.isascii():
-                raise BundleError(f"{where}: kernels[{i}].symbols[{j}] = {symbol!r}; allowed: a C identifier")
-        for symbol, resources in kernel["resources"].items():
-            _expect(resources, dict, f"kernels[{i}].resources.{symbol}", where)
-            for key in RESOURCE_KEYS:
-                _expect(resources.get(key), int, f"kernels[{i}].resources.{symbol}.{key}", where)
-    for key, t in (("input", str), ("output", str), ("rtol", (int, float)), ("atol", (int, float))):
-        _expect(manifest["selftest"].get(key), t, f"selftest.{key}", where)
-    for key in ("rtol", "atol"):
-        if manifest["selftest"][key] < 0:
-            raise BundleError(f"{where}: selftest.{key} = {manifest['selftest'][key]!r}; allowed: a number >= 0")
-    for key in ("input", "output"):
-        check_relative(manifest["selftest"][key], f"{where}: selftest.{key}")
+    _check_kernels(manifest["kernels"], "kernels", where)
+    _check_selftest(manifest["selftest"], "selftest", where)
     for i, entry in enumerate(manifest["files"]):
         _expect(entry, dict, f"files[{i}]", where)
         for key, t in (("path", str), ("sha256", str), ("size", int)):
@@ -260,10 +247,9 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
             raise BundleError(f"{where}: files[{i}].sha256 = {entry['sha256'][:80]!r}; allowed: 64 lowercase hex digits")
         if entry["size"] < 0:
             raise BundleError(f"{where}: files[{i}].size = {entry['size']}; allowed: a byte count >= 0")
-    for name, size in manifest.get("buffers", {}).items():
-        _expect(size, int, f"buffers.{name}", where)
-    for key, name in manifest.get("io_buffers", {}).items():
-        _expect(name, str, f"io_buffers.{key}", where)
+    _check_buffers(manifest.get("buffers", {}), manifest.get("io_buffers", {}), "", where)
+    if "shapes" in manifest:
+        _check_shapes(manifest, where)
     paths = [e["path"] for e in manifest["files"]]
     if paths != sorted(set(paths)):
         raise BundleError(f"{where}: files must be sorted by path without duplicates")
@@ -273,6 +259,10 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
     referenced = [("weights.file", manifest["weights"]["file"])]
     referenced += [(f"kernels[{i}].{kind}", k[kind]) for i, k in enumerate(manifest["kernels"]) for kind in KINDS]
     referenced += [(f"selftest.{key}", manifest["selftest"][key]) for key in ("input", "output")]
+    for n, entry in enumerate(manifest.get("shapes", [])):
+        referenced += [(f"shapes[{n}].kernels[{i}].{kind}", k[kind]) for i, k in enumerate(entry["kernels"])
+                       for kind in KINDS]
+        referenced += [(f"shapes[{n}].selftest.{key}", entry["selftest"][key]) for key in ("input", "output")]
     for key, rel in referenced:
         if rel not in listed:
             raise BundleError(
@@ -281,3 +271,97 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
     for key, value in manifest.items():
         if key != "profile":  # the profile's free text (its description) may span lines
             _check_printable(value, key, where)
+    if "shapes" in manifest:  # last: a fault in a top-level key is reported by its own rule first
+        _check_largest_is_top_level(manifest, where)
+
+
+def _check_kernels(kernels: list, key: str, where: str) -> None:
+    """`kernels` (top level or of one shape): entries with their keys, relative image paths, C identifiers."""
+    for i, kernel in enumerate(kernels):
+        _expect(kernel, dict, f"{key}[{i}]", where)
+        for name, t in (("name", str), ("source", str), ("symbols", list), ("cubin", str), ("ptx", str),
+                        ("defines", dict), ("resources", dict)):
+            _expect(kernel.get(name), t, f"{key}[{i}].{name}", where)
+        for kind in KINDS:
+            check_relative(kernel[kind], f"{where}: {key}[{i}].{kind}")
+        for j, symbol in enumerate(kernel["symbols"]):
+            _expect(symbol, str, f"{key}[{i}].symbols[{j}]", where)
+            if not symbol.isidentifier() or not symbol.isascii():
+                raise BundleError(f"{where}: {key}[{i}].symbols[{j}] = {symbol!r}; allowed: a C identifier")
+        for symbol, resources in kernel["resources"].items():
+            _expect(resources, dict, f"{key}[{i}].resources.{symbol}", where)
+            for name in RESOURCE_KEYS:
+                _expect(resources.get(name), int, f"{key}[{i}].resources.{symbol}.{name}", where)
+
+
+def _check_selftest(selftest: dict, key: str, where: str) -> None:
+    for name, t in (("input", str), ("output", str), ("rtol", (int, float)), ("atol", (int, float))):
+        _expect(selftest.get(name), t, f"{key}.{name}", where)
+    for name in ("rtol", "atol"):
+        if selftest[name] < 0:
+            raise BundleError(f"{where}: {key}.{name} = {selftest[name]!r}; allowed: a number >= 0")
+    for name in ("input", "output"):
+        check_relative(selftest[name], f"{where}: {key}.{name}")
+
+
+def _check_buffers(buffers: dict, io_buffers: dict, prefix: str, where: str) -> None:
+    for name, size in buffers.items():
+        _expect(size, int, f"{prefix}buffers.{name}", where)
+    for key, name in io_buffers.items():
+        _expect(name, str, f"{prefix}io_buffers.{key}", where)
+
+
+def _check_shapes(manifest: dict, where: str) -> None:
+    """`shapes`: 1..MAX_SHAPES entries of exactly SHAPE_KEYS, sizes in range, strictly increasing in (batch*tokens,
+    batch, tokens), the last one at least as large as every other in both batch and tokens (so "the smallest shape
+    that fits" exists for every call the largest takes). That the last equals the top-level keys is checked at the
+    end of `check_schema` (`_check_largest_is_top_level`)."""
+    shapes = manifest["shapes"]
+    if not 1 <= len(shapes) <= MAX_SHAPES:
+        raise BundleError(f"{where}: shapes has {len(shapes)} entries; allowed: 1..{MAX_SHAPES}")
+    order = []
+    for n, entry in enumerate(shapes):
+        key = f"shapes[{n}]"
+        _expect(entry, dict, key, where)
+        missing = sorted(set(SHAPE_KEYS) - set(entry))
+        unknown = sorted(set(entry) - set(SHAPE_KEYS))
+        if missing or unknown:
+            raise BundleError(f"{where}: {key} keys: missing {missing}, unknown {unknown}; allowed: "
+                              f"{sorted(SHAPE_KEYS)}")
+        for name, t in SHAPE_KEYS.items():
+            _expect(entry[name], t, f"{key}.{name}", where)
+        for name in ("batch", "tokens"):
+            if not 1 <= entry[name] <= MAX_TOKENS:
+                raise BundleError(f"{where}: {key}.{name} = {entry[name]}; allowed: 1..{MAX_TOKENS}")
+        if entry["batch"] * entry["tokens"] > MAX_TOKENS:
+            raise BundleError(f"{where}: {key} batch*tokens = {entry['batch'] * entry['tokens']}; allowed: at most "
+                              f"{MAX_TOKENS}")
+        _check_kernels(entry["kernels"], f"{key}.kernels", where)
+        _check_selftest(entry["selftest"], f"{key}.selftest", where)
+        _check_buffers(entry["buffers"], entry["io_buffers"], f"{key}.", where)
+        order.append((entry["batch"] * entry["tokens"], entry["batch"], entry["tokens"]))
+    if order != sorted(set(order)):
+        raise BundleError(f"{where}: shapes must be sorted smallest first (by batch*tokens, batch, tokens) without "
+                          f"duplicates; got {[(b, t) for _, b, t in order]}")
+    last = shapes[-1]
+    for n, entry in enumerate(shapes[:-1]):
+        if entry["batch"] > last["batch"] or entry["tokens"] > last["tokens"]:
+            raise BundleError(
+                f"{where}: shapes[{n}] is batch {entry['batch']} x tokens {entry['tokens']}, beyond the largest "
+                f"(last) shape batch {last['batch']} x tokens {last['tokens']}; allowed: the last shape has the "
+                "largest batch and the largest tokens"
+            )
+
+
+def _check_largest_is_top_level(manifest: dict, where: str) -> None:
+    """The last (largest) `shapes` entry equals the top-level shape, kernels, launch, buffers and self-test."""
+    shapes = manifest["shapes"]
+    last = shapes[-1]
+    top = {"batch": manifest["shape"]["batch"], "tokens": manifest["shape"]["tokens"],
+           "kernels": manifest["kernels"], "launch": manifest.get("launch"), "buffers": manifest.get("buffers"),
+           "io_buffers": manifest.get("io_buffers"), "selftest": manifest["selftest"]}
+    for name in SHAPE_KEYS:
+        if last[name] != top[name]:
+            where_top = "shape." + name if name in ("batch", "tokens") else name
+            raise BundleError(f"{where}: shapes[{len(shapes) - 1}].{name} differs from the top-level {where_top}; "
+                              "allowed: the last (largest) shape is the top-level one")

@@ -6,6 +6,12 @@
     kernels/<name>.ptx             PTX of the same source (JIT on newer GPUs)
     selftest/input.npy             float32 (batch, tokens, hidden) at the fixed shape
     selftest/output.npy            float32, the reference engine's output for it, computed at build time
+    kernels/<name>.b<B>t<T>.*      with several compiled shapes: the kernels of each shape but the largest
+    selftest/b<B>t<T>/*.npy        ... and its self-test vectors (the largest keeps the names above)
+
+Several shapes (docs/build.md, "Several shapes"): the manifest's `shapes` lists every compiled shape, smallest
+first, each with its kernels, launch plan, buffers and self-test; the top-level keys are the largest one's.
+`Bundle.shapes` lists them and `Bundle.for_shape(batch, tokens)` gives the bundle seen at one of them.
 
 Integrity: `files` in the manifest lists every other file with its size and sha256, and `manifest_sha256` is the
 sha256 of the canonical JSON of the manifest without that key. A bundle is accepted only if manifest.json is byte
@@ -301,6 +307,34 @@ class Bundle:
         return int(shape["batch"]), int(shape["tokens"])
 
     @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every compiled (batch, tokens), smallest first; the last is `shape`. A bundle built before `shapes`
+        existed has its one shape."""
+        entries = self.manifest.get("shapes")
+        return [(int(e["batch"]), int(e["tokens"])) for e in entries] if entries else [self.shape]
+
+    def for_shape(self, batch: int, tokens: int) -> "Bundle":
+        """This bundle seen at one compiled shape: a Bundle whose manifest's top-level `shape`, `kernels`, `launch`,
+        `buffers`, `io_buffers`, `selftest` and `profile.shape` are that shape's (the `shapes` entry), so a backend
+        built for one fixed shape runs it. The files are the same; nothing is read.
+
+        Raises:
+            BundleError: (batch, tokens) is not one of `shapes`.
+        """
+        if (batch, tokens) not in self.shapes:
+            raise BundleError(f"{self.path}: no compiled shape batch {batch} x tokens {tokens}; allowed: "
+                              f"{self.shapes}")
+        if "shapes" not in self.manifest:
+            return self
+        entry = next(e for e in self.manifest["shapes"] if (e["batch"], e["tokens"]) == (batch, tokens))
+        manifest = dict(self.manifest)
+        manifest.update(shape={"batch": int(batch), "tokens": int(tokens)}, kernels=entry["kernels"],
+                        launch=entry["launch"], buffers=entry["buffers"], io_buffers=entry["io_buffers"],
+                        selftest=entry["selftest"])
+        manifest["profile"] = {**self.manifest["profile"], "shape": dict(manifest["shape"])}
+        return Bundle(self.path, manifest)
+
+    @property
     def dtype(self) -> str:
         """Storage dtype of the weights: "fp16" | "fp32"."""
         return self.manifest["dtype"]
@@ -425,5 +459,11 @@ def bundle_summary(bundle: Bundle) -> dict:
             for k in m["kernels"]
         ],
         "launches": len(m.get("launch") or []),
+        "shapes": [
+            {"batch": view.shape[0], "tokens": view.shape[1], "launches": len(view.launch or []),
+             "kernels": [{key: k[key] for key in ("name", "cubin", "ptx")} for k in view.kernels],
+             "selftest": {key: view.manifest["selftest"][key] for key in ("input", "output")}}
+            for view in (bundle.for_shape(b, t) for b, t in bundle.shapes)
+        ],
         "files": m["files"],
     }

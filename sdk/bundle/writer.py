@@ -70,7 +70,7 @@ class BuildResult:
     Attributes:
         path: the bundle folder.
         manifest: its manifest.
-        kernels: the compiled kernels (logs included), in catalogue order.
+        kernels: the compiled kernels of the largest shape (logs included), in catalogue order.
         archive: the .tar written next to the folder, or None.
         source_dtype: the storage dtype of the weights given ("fp16" | "fp32"); it differs from the manifest's
             dtype when the build converted them to the profile's dtype.
@@ -368,31 +368,68 @@ def check_launch_plan(plan: list[dict], kernels: list[CompiledKernel], profile) 
             )
 
 
-def _kernel_entry(k: CompiledKernel, arch: str) -> dict:
+def shape_tag(batch: int, tokens: int) -> str:
+    """The file-name tag of one compiled shape: "b4t16" (kernels/<name>.b4t16.<arch>.cubin, selftest/b4t16/)."""
+    return f"b{int(batch)}t{int(tokens)}"
+
+
+def _kernel_entry(k: CompiledKernel, arch: str, tag: str = "") -> dict:
+    """The manifest entry of one compiled kernel; `tag` (a `shape_tag`; "" for the largest shape, which keeps the
+    single-shape names) goes into the file names so the shapes' images sit side by side in kernels/."""
+    stem = f"kernels/{k.spec.name}" + (f".{tag}" if tag else "")
     return {
         "name": k.spec.name,
         "source": k.spec.source,
         "symbols": list(k.spec.symbols),
-        "cubin": f"kernels/{k.spec.name}.{arch}.cubin",
-        "ptx": f"kernels/{k.spec.name}.ptx",
+        "cubin": f"{stem}.{arch}.cubin",
+        "ptx": f"{stem}.ptx",
         "defines": dict(sorted(k.defines.items())),
         "resources": {s: k.resources[s] for s in sorted(k.resources)},
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class ShapeBuild:
+    """What one compiled shape of a bundle holds (one `shapes` entry of the manifest).
+
+    Attributes:
+        batch, tokens: the fixed shape.
+        kernels: the catalogue compiled with this shape's -D defines.
+        entries: their manifest entries (`_kernel_entry`, file names tagged when the bundle has several shapes).
+        plan: `catalog.launch_plan` for this shape.
+        buffers, io_buffers: `catalog.device_buffers` / `catalog.io_buffers` for this shape.
+        selftest: the manifest's self-test record ({input, output, rtol, atol, seed}).
+    """
+
+    batch: int
+    tokens: int
+    kernels: list
+    entries: list
+    plan: list
+    buffers: dict
+    io_buffers: dict
+    selftest: dict
+
+    def record(self) -> dict:
+        """The manifest's `shapes` entry (docs/build.md, "Several shapes")."""
+        return {"batch": self.batch, "tokens": self.tokens, "kernels": self.entries, "launch": self.plan,
+                "buffers": self.buffers, "io_buffers": self.io_buffers, "selftest": self.selftest}
+
+
 def make_manifest(
     profile,
     header: Header,
-    kernels: list[CompiledKernel],
-    plan: list[dict],
+    shapes: list[ShapeBuild],
     root: Path,
-    selftest: dict,
     digests: dict[str, str] | None = None,
     model_top_k: int | None = None,
 ) -> dict:
     """The manifest for the files already written under `root` (everything except manifest.json).
 
     Args:
+        shapes: every compiled shape, smallest first (`Profile.shapes`); the top-level `shape`, `kernels`,
+            `launch`, `buffers`, `io_buffers` and `selftest` are the last (largest) one's, so a reader of
+            single-shape bundles runs that shape, and `shapes` lists them all.
         digests: sha256 already computed, by relative path (the weights, hashed while copied); the other files
             are hashed here.
         model_top_k: the source model's own k, recorded as `weights.model_top_k` (it differs from the header's
@@ -406,6 +443,7 @@ def make_manifest(
         digest = (digests or {}).get(rel) or file_sha256(path)
         files.append({"path": rel, "sha256": digest, "size": path.stat().st_size})
     files.sort(key=lambda e: e["path"])
+    largest = shapes[-1]
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "sdk_version": __version__,
@@ -414,21 +452,49 @@ def make_manifest(
         "nvrtc_version": f"{major}.{minor}",
         "min_driver": profile.min_driver,
         "dtype": profile.dtype,
-        "shape": dict(pdict["shape"]),
+        "shape": {"batch": largest.batch, "tokens": largest.tokens},
+        "shapes": [s.record() for s in shapes],
         "aggregation": profile.aggregation,
         "profile": pdict,
         "weights": {"file": WEIGHTS_FILE, "header": header_record(header),
                     "model_top_k": header.top_k if model_top_k is None else int(model_top_k)},
-        "kernels": [_kernel_entry(k, profile.arch) for k in kernels],
-        "launch": plan,
-        "buffers": catalog.device_buffers(pdict, header),
-        "io_buffers": catalog.io_buffers(header),
-        "selftest": selftest,
+        "kernels": largest.entries,
+        "launch": largest.plan,
+        "buffers": largest.buffers,
+        "io_buffers": largest.io_buffers,
+        "selftest": largest.selftest,
         "files": files,
     }
     manifest[DIGEST_KEY] = manifest_digest(manifest)
     check_schema(manifest, "the new manifest")
     return manifest
+
+
+def _build_shape(root: Path, profile, header: Header, batch: int, tokens: int, tag: str, kernel_dir, workers: int,
+                 progress: Progress, steps) -> ShapeBuild:
+    """Compile, plan and self-test one shape: the catalogue functions get a copy of the profile with this scalar
+    shape (`Profile.for_shape`); its kernel images and self-test vectors are written under `root`."""
+    sub = profile.for_shape(batch, tokens)
+    kernels = compile_catalog(sub, header, kernel_dir, workers=workers)
+    plan = catalog.launch_plan(sub.to_dict(), header)
+    check_launch_plan(plan, kernels, sub)
+    entries = [_kernel_entry(k, profile.arch, tag) for k in kernels]
+    for k, entry in zip(kernels, entries):
+        (root / entry["cubin"]).write_bytes(k.output.cubin)
+        (root / entry["ptx"]).write_bytes(k.output.ptx)
+    where = f", batch {batch} x tokens {tokens}" if len(profile.shapes) > 1 else ""
+    steps.done(f"kernels: {len(kernels)} compiled with NVRTC ({workers} workers{where})")
+    folder = Path("selftest", tag) if tag else Path("selftest")
+    (root / folder).mkdir(parents=True, exist_ok=True)
+    x, expected, seed = selftest_vectors(root / WEIGHTS_FILE, batch, tokens, progress)
+    np.save(root / folder / "input.npy", x, allow_pickle=False)
+    np.save(root / folder / "output.npy", expected, allow_pickle=False)
+    steps.done(f"self-test: reference output computed (seed {seed}{where})")
+    rtol, atol = SELFTEST_TOLERANCE[profile.dtype]
+    selftest = {"input": (folder / "input.npy").as_posix(), "output": (folder / "output.npy").as_posix(),
+                "rtol": rtol, "atol": atol, "seed": seed}
+    return ShapeBuild(batch, tokens, kernels, entries, plan, catalog.device_buffers(sub.to_dict(), header),
+                      catalog.io_buffers(header), selftest)
 
 
 # ---- the build ------------------------------------------------------------------------------------------------------
@@ -475,26 +541,14 @@ def _write_contents(
     if overridden is not header:  # the header bytes changed: the digest taken while copying is stale
         header = overridden
         digests[WEIGHTS_FILE] = sha256_with_progress(target, progress)
-    kernels = compile_catalog(profile, header, kernel_dir, workers=workers)
-    plan = catalog.launch_plan(profile.to_dict(), header)
-    check_launch_plan(plan, kernels, profile)
-    for k in kernels:
-        entry = _kernel_entry(k, profile.arch)
-        (root / entry["cubin"]).write_bytes(k.output.cubin)
-        (root / entry["ptx"]).write_bytes(k.output.ptx)
-    steps.done(f"kernels: {len(kernels)} compiled with NVRTC ({workers} workers)")
-    batch, tokens = profile.shape
-    x, expected, seed = selftest_vectors(target, batch, tokens, progress)
-    np.save(root / "selftest" / "input.npy", x, allow_pickle=False)
-    np.save(root / "selftest" / "output.npy", expected, allow_pickle=False)
-    steps.done(f"self-test: reference output computed (seed {seed})")
-    rtol, atol = SELFTEST_TOLERANCE[profile.dtype]
-    selftest = {"input": "selftest/input.npy", "output": "selftest/output.npy", "rtol": rtol, "atol": atol,
-                "seed": seed}
-    manifest = make_manifest(profile, header, kernels, plan, root, selftest, digests, model_top_k)
+    # The largest shape keeps the single-shape file names (it is the top-level one); the others' carry their tag.
+    largest = profile.shapes[-1]
+    shapes = [_build_shape(root, profile, header, b, t, "" if (b, t) == largest else shape_tag(b, t), kernel_dir,
+                           workers, progress, steps) for b, t in profile.shapes]
+    manifest = make_manifest(profile, header, shapes, root, digests, model_top_k)
     (root / MANIFEST).write_bytes(canonical_json(manifest))
     steps.done("manifest: written")
-    return manifest, kernels, source_dtype
+    return manifest, shapes[-1].kernels, source_dtype
 
 
 def _check_replaceable(out: Path) -> None:

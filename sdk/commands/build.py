@@ -1,5 +1,6 @@
-"""`colibri-sdk build --profile orin (--weights model.colibri | --demo) [-o OUT] [--force] [--archive]`: compile the
-kernels for a device profile with NVRTC (no GPU needed) and write a bundle (docs/build.md)."""
+"""`colibri-sdk build --profile orin (--weights model.colibri | --demo) [-o OUT] [--force] [--archive]
+[--batch 1,4] [--tokens 1,16,64]`: compile the kernels for a device profile with NVRTC (no GPU needed), once per
+compiled shape, and write a bundle (docs/build.md)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,32 @@ def register(sub) -> None:
     p.add_argument("--capacity-mode", choices=("hard", "soft"), help="with --capacity-factor; default hard")
     p.add_argument("--capacity-policy", choices=("score", "position"),
                    help="with --capacity-factor: which pairs an expert keeps first; default score")
+    p.add_argument("--batch", metavar="B[,B...]",
+                   help="compiled batch sizes in place of the profile's shape.batch, e.g. 1,4 (docs/build.md, "
+                   "\"Several shapes\")")
+    p.add_argument("--tokens", metavar="T[,T...]",
+                   help="compiled tokens per sequence in place of the profile's shape.tokens, e.g. 1,16,64: one "
+                   "kernel set, launch plan and CUDA Graph per batch x tokens pair")
     p.add_argument("--top-k", type=int, metavar="K",
                    help="experts per token in place of the model's own k (recorded in the manifest; docs/build.md)")
     # --kernels DIR: compile the kernel sources of another folder (kernel development); not in --help.
     p.add_argument("--kernels", metavar="DIR", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
+
+
+def parse_sizes(text: str, flag: str):
+    """"1,16,64" → [1, 16, 64] (sorted, no repeats); "16" → 16. The profile's schema checks the range.
+
+    Raises:
+        ProfileError: not a comma-separated list of integers, naming the flag and the text.
+    """
+    from ..errors import ProfileError
+
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
+        raise ProfileError(f"{flag} {text!r}; allowed: positive integers separated by commas, e.g. 1,16,64")
+    values = sorted({int(p) for p in parts})
+    return values[0] if len(values) == 1 else values
 
 
 def run(args) -> int:
@@ -43,6 +65,13 @@ def run(args) -> int:
     overrides = {}
     if args.top_k is not None:
         overrides["top_k"] = args.top_k
+    if args.batch is not None or args.tokens is not None:
+        shape = dict(profile.to_dict()["shape"])
+        if args.batch is not None:
+            shape["batch"] = parse_sizes(args.batch, "--batch")
+        if args.tokens is not None:
+            shape["tokens"] = parse_sizes(args.tokens, "--tokens")
+        overrides["shape"] = shape
     if args.capacity_factor is not None:
         overrides["capacity"] = {"factor": args.capacity_factor, "mode": args.capacity_mode or "hard",
                                  "policy": args.capacity_policy or "score"}
@@ -60,11 +89,14 @@ def run(args) -> int:
                               force=args.force, progress=bars)
     m = result.manifest
     h = m["weights"]["header"]
+    shapes = ", ".join(f"{e['batch']}x{e['tokens']}" for e in m.get("shapes") or [m["shape"]])
     print(
         f"{result.path}: {profile.name} ({m['arch']}, {m['dtype']}, batch {m['shape']['batch']} x tokens "
         f"{m['shape']['tokens']}, {m['aggregation']} aggregation), NVRTC {m['nvrtc_version']}, "
         f"min driver {m['min_driver']}"
     )
+    if len(m.get("shapes") or []) > 1:
+        print(f"  shapes: {shapes} (batch x tokens; each call runs at the smallest that holds it)")
     print(
         f"  weights: {'demo model' if args.weights is None else args.weights} → {m['weights']['file']} "
         f"({h['num_layers']} layers x {h['num_experts']} experts, top-{h['top_k']}, hidden {h['hidden_size']}, "
@@ -81,7 +113,8 @@ def run(args) -> int:
               " (colibri_capacity after each routing launch)")
     print(format_resources(m["kernels"]))
     total = sum(f["size"] for f in m["files"])
-    print(f"  {len(m['files'])} files + manifest, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass")
+    print(f"  {len(m['files'])} files + manifest, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass"
+          + (" (the largest shape)" if len(m.get("shapes") or []) > 1 else ""))
     if result.archive is not None:
         print(f"  archive: {result.archive}")
     print(f"  built in {time.perf_counter() - start:.2f} s")

@@ -61,7 +61,10 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
         ("profile", info["profile"]),
         ("arch", f"{m['arch']} (compute capability {m['compute_capability'][0]}.{m['compute_capability'][1]})"),
         ("dtype", m["dtype"]),
-        ("shape", f"batch {m['shape']['batch']} x tokens {m['shape']['tokens']}"),
+        ("shape", f"batch {m['shape']['batch']} x tokens {m['shape']['tokens']}"
+                  + (" (the largest compiled shape)" if len(info["shapes"]) > 1 else "")),
+        ("shapes", ", ".join(f"{s['batch']}x{s['tokens']} ({s['launches']} launches)" for s in info["shapes"])
+                   + ("" if "shapes" in m else " (a bundle from before `shapes`: its one shape)")),
         ("aggregation", m["aggregation"]),
         ("nvrtc", m["nvrtc_version"]),
         ("min driver", f"CUDA {format_driver_version(m['min_driver'])} ({m['min_driver']})"),

@@ -13,8 +13,8 @@ def register(sub) -> None:
     p.add_argument(
         "--input",
         metavar="IN.npy",
-        help="float32 or float16 (batch, tokens, hidden) or (tokens, hidden), at most the bundle's fixed shape; "
-        "default: N(0, 1) at the fixed shape",
+        help="float32 or float16 (batch, tokens, hidden) or (tokens, hidden), at most the bundle's largest shape; "
+        "default: N(0, 1) at the largest shape (or --batch/--tokens)",
     )
     p.add_argument("--output", metavar="OUT.npy", help="write the output here (float32, the input's shape)")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="default: auto")
@@ -22,6 +22,8 @@ def register(sub) -> None:
     p.add_argument("--eager", action="store_true", help="CUDA: launch kernels one by one instead of graph replay")
     p.add_argument("--lengths", type=int, nargs="+", metavar="N", help="per-sequence lengths, one per batch row")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input (default: 0)")
+    p.add_argument("--batch", type=int, help="batch of the random input (default: the largest shape's)")
+    p.add_argument("--tokens", type=int, help="tokens of the random input (default: the largest shape's)")
     p.add_argument("--no-verify", action="store_true", help="skip the size and sha256 check of every file at load")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (bundle, backend, shape, load, first call, latency, Runtime.stats())")
@@ -95,9 +97,16 @@ def run(args) -> int:
     with rt:
         batch, tokens = rt.shape
         if args.input:
+            if args.batch is not None or args.tokens is not None:
+                raise InputError("--batch / --tokens size the random input; --input gives its own shape")
             x = load_input(args.input)
             source = args.input
         else:
+            batch = batch if args.batch is None else args.batch
+            tokens = tokens if args.tokens is None else args.tokens
+            for flag, value in (("--batch", batch), ("--tokens", tokens)):
+                if value < 1:
+                    raise InputError(f"{flag} {value}; allowed: 1 or more (at most the largest compiled shape's)")
             x = np.random.default_rng(args.seed).standard_normal((batch, tokens, rt.hidden_size)).astype(np.float32)
             source = f"random N(0, 1), seed {args.seed}"
         start = time.perf_counter()
@@ -111,7 +120,10 @@ def run(args) -> int:
         if args.json:
             return print_json(run_report(rt, args, source, x, first, times, load_seconds), args.output, y)
         mode = {"cpu": "NumPy"}.get(rt.backend_name, "eager launches" if args.eager else "CUDA Graph replay")
-        print(f"bundle   {rt.bundle.path}  ({rt.dtype}, batch {batch} x tokens {tokens}, hidden {rt.hidden_size})")
+        fixed_b, fixed_t = rt.shape
+        print(f"bundle   {rt.bundle.path}  ({rt.dtype}, batch {fixed_b} x tokens {fixed_t}, hidden {rt.hidden_size})")
+        if len(rt.shapes) > 1:
+            print(f"shapes   {', '.join(f'{b}x{t}' for b, t in rt.shapes)} (batch x tokens)")
         print(f"backend  {rt.backend_name} ({mode})")
         if rt.top_k != rt.model_top_k:
             print(f"top-k    {rt.top_k} (build override; the model's own k is {rt.model_top_k})")
@@ -121,6 +133,8 @@ def run(args) -> int:
                   f"{dropped} pairs dropped in the last call")
         print(f"load     {load_seconds * 1e3:.1f} ms" + ("" if args.no_verify else " (with checksums)"))
         print(f"input    {source}  {x.dtype} {tuple(x.shape)}" + (f"  lengths {args.lengths}" if args.lengths else ""))
+        chosen = rt.stats().last_shape
+        print(f"shape    batch {chosen[0]} x tokens {chosen[1]} (the smallest compiled shape that holds the input)")
         stats = latency_ms(times)
         print(f"first    {first * 1e3:.3f} ms")
         print(
@@ -151,6 +165,8 @@ def run_report(rt, args, source: str, x, first: float, times: list[float], load_
         "bundle": str(rt.bundle.path),
         "dtype": rt.dtype,
         "shape": {"batch": batch, "tokens": tokens},
+        "shapes": [{"batch": b, "tokens": t} for b, t in rt.shapes],
+        "shape_chosen": dict(zip(("batch", "tokens"), rt.stats().last_shape)),
         "hidden_size": rt.hidden_size,
         "top_k": rt.top_k,
         "model_top_k": rt.model_top_k,

@@ -138,6 +138,10 @@ class CudaBackend:
         bundle: an opened `colibri_sdk.bundle.Bundle`.
         eager: launch kernels one by one on each call instead of replaying the captured CUDA Graph.
         device: CUDA device ordinal.
+        share: another CudaBackend of the same bundle (another compiled shape, `Bundle.for_shape`) whose device and
+            uploaded weights this one uses instead of uploading its own; its kernels, scratch buffers, pinned I/O,
+            stream and graph are its own. `share` must be closed after this one (the Runtime closes the smaller
+            shapes first).
 
     Attributes:
         name: "cuda".
@@ -152,7 +156,7 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, bundle, eager: bool = False, device: int = 0):
+    def __init__(self, bundle, eager: bool = False, device: int = 0, share: "CudaBackend | None" = None):
         from cuda.bindings import driver as cu
 
         self._cu = cu
@@ -160,9 +164,12 @@ class CudaBackend:
         self._res = _Resources(cu)
         self._finalizer = weakref.finalize(self, self._res.release)
         self.eager = bool(eager)
+        if hasattr(bundle, "for_shape"):  # a bundle of several shapes runs its largest (top-level) one here
+            bundle = bundle.for_shape(*bundle.shape)
         self.bundle = bundle
+        self._share = share  # keeps the owner of the weights alive while this backend is
         try:
-            self._open_device(device)
+            self._open_device(device if share is None else share.device_ordinal)
             self._load(bundle)
         except BaseException:
             self.close()
@@ -177,6 +184,7 @@ class CudaBackend:
         if not 0 <= ordinal < count:
             raise BackendError(f"CUDA device {ordinal} does not exist; allowed: 0..{count - 1}")
         dev = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.device_ordinal = ordinal
         res.device = dev
         res.ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
@@ -206,7 +214,10 @@ class CudaBackend:
         self.shape = tuple(bundle.shape)
         self.hidden = self.header.hidden_size
         self._functions = self._load_functions(bundle)
-        self._weights = self._upload_weights(bundle.weights_path)
+        if self._share is not None:  # another shape of the same bundle: its weights are already on the device
+            self._weights = self._share._weights
+        else:
+            self._weights = self._upload_weights(bundle.weights_path)
         self._buffers = {name: self._alloc(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
         self._io = catalog.io_buffers(self.header)
         plan = manifest.get("launch") or catalog.launch_plan(profile, self.header)
@@ -448,6 +459,48 @@ class CudaBackend:
         ptr = self._buffers[name]
         for b, value in enumerate(values):
             check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr + 4 * b), value, 1, stream), "cuMemsetD32Async")
+
+    def enqueue_call(self, x: np.ndarray, valid_tokens=None) -> None:
+        """Start the whole model on a host input at the fixed shape without waiting for it: x and the valid-token
+        counts into this backend's pinned input, then cuGraphLaunch (or the eager launches) on its own stream.
+        `finish_call` waits for it and reads the output. Used by `Runtime.submit`'s pipeline, which gives each slot
+        its own backend (stream, pinned I/O, scratch buffers, graph), so calls of different slots are in flight
+        together (docs/runtime.md, "Pipelined calls").
+
+        Args:
+            x: float32 C-contiguous (batch, tokens, hidden) at the fixed shape (validated by Runtime).
+            valid_tokens: (batch,) ints, each sequence's valid tokens, or None (all).
+
+        Raises:
+            BackendError: closed. CudaError: a driver call failed.
+        """
+        cu, res = self._cu, self._res
+        with self._lock:
+            if res.released:
+                raise BackendError("this CUDA backend is closed; load the bundle again")
+            check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
+            self._in[:] = x.reshape(-1).view(np.uint8)
+            self._valid[:] = self.shape[1] if valid_tokens is None else valid_tokens
+            if self.eager:
+                self._enqueue()
+            else:
+                check(cu.cuGraphLaunch(res.graph_exec, res.stream), "cuGraphLaunch")
+
+    def finish_call(self, out: np.ndarray) -> None:
+        """Wait for the call `enqueue_call` started (cuStreamSynchronize on this backend's stream) and copy the
+        pinned output into `out` (float32 C-contiguous, the fixed shape).
+
+        Raises:
+            BackendError: closed. CudaError: the synchronisation reported a fault.
+        """
+        cu, res = self._cu, self._res
+        with self._lock:
+            if res.released:
+                raise BackendError("this CUDA backend is closed; load the bundle again")
+            check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
+            check(cu.cuStreamSynchronize(res.stream), "cuStreamSynchronize")
+            out.reshape(-1).view(np.uint8)[:] = self._out
+            self._read_dropped(0, self.header.num_layers, res.stream)  # capacity bundles: this call's dropped pairs
 
     def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_tokens=None,
                    valid_rows=None, capacity: bool = True) -> None:

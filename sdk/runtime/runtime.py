@@ -1,7 +1,10 @@
 """The on-device runtime: load a bundle, pick a backend, check and pad inputs, run, self-test.
 
-A bundle is compiled for one fixed shape (batch, tokens) — the profile's `shape`. The runtime accepts any smaller
-input, pads it with zeros to the fixed shape, runs the backend at that shape and returns the unpadded part. Per-
+A bundle is compiled for one or more fixed shapes (batch, tokens) — the profile's `shape`, whose batch and tokens
+may be lists (docs/build.md, "Several shapes"). Each call runs at the smallest compiled shape that holds it (batch
+and tokens both at least the input's; the first in the manifest's `shapes` order, by batch*tokens): the runtime pads
+the input with zeros to that shape, runs that shape's backend and returns the unpadded part; `stats()` records the
+shape chosen. An input larger than the largest shape is refused naming it. Per-
 sequence lengths (`input_lengths`, as in the source description) zero the positions past each sequence's end, in
 the input and in the output. Tokens do not interact in a MoE layer (routing is per token), so padding never changes
 the valid positions' values.
@@ -77,6 +80,32 @@ def _load_cpu(bundle, eager: bool):
     from .cpu_backend import CpuBackend
 
     return CpuBackend(bundle, eager=eager)
+
+
+def shape_backends(bundle, first, eager: bool = False) -> dict:
+    """One backend per compiled shape of `bundle`, of the same kind as `first` (the backend of the largest shape,
+    from `select_backend`): {(batch, tokens): backend}, `first` included. CUDA backends share `first`'s context and
+    its one copy of the weights on the device (`CudaBackend(share=...)`); CPU backends map the same file.
+
+    Raises:
+        as the backends' constructors; the backends built so far are closed first.
+    """
+    backends = {tuple(bundle.shape): first}
+    try:
+        for batch, tokens in bundle.shapes[:-1]:
+            view = bundle.for_shape(batch, tokens)
+            if first.name == "cuda":
+                from .cuda_backend import CudaBackend
+
+                backends[(batch, tokens)] = CudaBackend(view, eager=eager, share=first)
+            else:
+                backends[(batch, tokens)] = type(first)(view, eager=eager)
+    except BaseException:
+        for shape, engine in backends.items():
+            if engine is not first:
+                engine.close()
+        raise
+    return backends
 
 
 def select_backend(bundle, backend: str = "auto", eager: bool = False):
@@ -157,6 +186,32 @@ def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float, 
 
 
 # ---- the runtime ------------------------------------------------------------------------------------------------
+class _ShapeRun:
+    """One compiled shape of a Runtime: its backend and the host buffers a call at that shape pads into (allocated
+    once, so a call allocates no activation-sized memory).
+
+    Attributes:
+        shape: (batch, tokens). backend: the backend built for it.
+        staging, result: float32 (batch, tokens, hidden); finite: bool, the same shape; valid_mask: bool
+            (batch, tokens); written: the (batch, tokens) corner of staging the last call wrote.
+    """
+
+    def __init__(self, shape: tuple[int, int], backend, hidden: int):
+        self.shape = shape
+        self.backend = backend
+        self.staging = np.zeros(shape + (hidden,), dtype=np.float32)
+        self.result = np.zeros(shape + (hidden,), dtype=np.float32)
+        self.finite = np.zeros(shape + (hidden,), dtype=bool)
+        self.valid_mask = np.zeros(shape, dtype=bool)
+        self.written = (0, 0)
+
+
+def _close_all(backends: list) -> None:
+    """Close backends in the order given (the smaller shapes first: they borrow the largest one's weights)."""
+    for backend in backends:
+        backend.close()
+
+
 class Runtime:
     """A loaded bundle, ready to run.
 
@@ -173,7 +228,8 @@ class Runtime:
     Attributes:
         bundle: the open `colibri_sdk.bundle.Bundle`.
         backend_name: "cuda" | "cpu".
-        shape: the fixed (batch, tokens) the bundle was built for.
+        shape: the largest compiled (batch, tokens): the most a call may hold.
+        shapes: every compiled (batch, tokens), smallest first; each call runs at `shape_for(batch, tokens)`.
         hidden_size: the model's hidden size.
         dtype: the bundle's weight dtype, "fp16" | "fp32".
         num_layers: the model's MoE layers (`layer`, `layers`).
@@ -188,9 +244,10 @@ class Runtime:
     same calls one after another.
     """
 
-    def __init__(self, bundle, backend, notice: str | None = None, streams: int | None = None):
+    def __init__(self, bundle, backend, notice: str | None = None, streams: int | None = None,
+                 backends: dict | None = None):
         self.bundle = bundle
-        self._backend = backend
+        self._backend = backend  # the largest shape's
         self.backend_name: str = backend.name
         self.shape: tuple[int, int] = tuple(int(n) for n in bundle.shape)
         header = bundle.manifest["weights"]["header"]
@@ -202,21 +259,41 @@ class Runtime:
         self.num_layers: int = int(header["num_layers"])
         self.top_k: int = int(header["top_k"])  # experts per token the bundle routes to
         self.model_top_k: int = int(bundle.manifest["weights"].get("model_top_k", self.top_k))  # the model's own k
-        self._staging = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
-        self._result = np.zeros(self.shape + (self.hidden_size,), dtype=np.float32)
-        self._finite = np.zeros(self.shape + (self.hidden_size,), dtype=bool)
-        self._stats = StatsRecorder(self.shape)
+        backends = dict(backends or {self.shape: backend})
+        backends[self.shape] = backend
+        self.shapes: list[tuple[int, int]] = [tuple(int(v) for v in bt) for bt in bundle.shapes]
+        missing = [bt for bt in self.shapes if bt not in backends]
+        if missing:
+            raise BackendError(f"no backend for the compiled shapes {missing}; given: {sorted(backends)}")
+        self._runs = [_ShapeRun(bt, backends[bt], self.hidden_size) for bt in self.shapes]  # smallest first
+        self._stats = StatsRecorder(self.shape, self.shapes)
         from .pipeline import check_depth
 
         default_streams = bundle.manifest["profile"].get("streams", 1)
         self.streams: int = check_depth(streams if streams is not None else default_streams)
         self._pipeline = None
-        self._valid_mask = np.zeros(self.shape, dtype=bool)
         self._dropless = False  # True while self_test runs: the stored reference output is dropless
         spec = bundle.manifest["profile"].get("capacity")
         self.capacity = None if spec is None else dict(spec)  # expert capacity the bundle sets (None: dropless)
-        self._written = (0, 0)  # the (batch, tokens) corner of _staging the last call wrote
-        self._finalizer = weakref.finalize(self, backend.close)
+        # Closed smallest first: CUDA backends of the smaller shapes borrow the largest one's weights.
+        self._finalizer = weakref.finalize(self, _close_all, [run.backend for run in self._runs])
+
+    def shape_for(self, batch: int, tokens: int) -> tuple[int, int]:
+        """The compiled shape a call of `batch` sequences of `tokens` tokens runs at: the first of `shapes`
+        (smallest first) with at least that batch and those tokens.
+
+        Raises:
+            InputError: larger than every compiled shape, naming the largest.
+        """
+        return self._run_for(batch, tokens).shape
+
+    def _run_for(self, batch: int, tokens: int) -> "_ShapeRun":
+        for run in self._runs:
+            if batch <= run.shape[0] and tokens <= run.shape[1]:
+                return run
+        b, t = self.shape
+        raise InputError(f"input batch {batch} x tokens {tokens} is larger than every compiled shape; the largest "
+                         f"is batch {b} x tokens {t} (build with a larger shape.batch / shape.tokens)")
 
     @classmethod
     def load(cls, bundle_dir: str | os.PathLike, backend: str = "auto", eager: bool = False, verify: bool = True,
@@ -243,13 +320,18 @@ class Runtime:
 
         start = time.perf_counter()
         bundle = Bundle.open(bundle_dir, verify=verify)
-        engine, notice = select_backend(bundle, backend, eager)
+        engine, notice = select_backend(bundle.for_shape(*bundle.shape), backend, eager)
         if notice:
             log.info("%s", notice)
         try:
-            runtime = cls(bundle, engine, notice, streams)
+            backends = shape_backends(bundle, engine, eager)
         except BaseException:
             engine.close()
+            raise
+        try:
+            runtime = cls(bundle, engine, notice, streams, backends)
+        except BaseException:
+            _close_all(list(backends.values())[::-1])
             raise
         runtime.load_seconds = time.perf_counter() - start
         return runtime
@@ -369,42 +451,56 @@ class Runtime:
             x3, lengths = self._check_input(x, input_lengths)
             out3 = self._check_out(out, x) if out is not None else None
             batch, tokens, _ = x3.shape
-            padded = self._pad(x3, lengths)
-            result = self._result
-            if getattr(self._backend, "capacity", None) is not None:
-                self._backend.run_layers(padded, result, start, stop, valid_rows=self._valid_rows(x3, lengths),
-                                         capacity=not self._dropless)
-            elif self.backend_name == "cuda" and hasattr(self._backend, "run_layers"):
-                self._backend.run_layers(padded, result, start, stop, valid_tokens=self._valid_counts(x3, lengths))
-            elif hasattr(self._backend, "run_layers"):
-                self._backend.run_layers(padded, result, start, stop)
+            run = self._run_for(batch, tokens)
+            backend = run.backend
+            padded = self._pad(run, x3, lengths)
+            result = run.result
+            if getattr(backend, "capacity", None) is not None:
+                backend.run_layers(padded, result, start, stop, valid_rows=self._valid_rows(run, x3, lengths),
+                                   capacity=not self._dropless)
+            elif self.backend_name == "cuda" and hasattr(backend, "run_layers"):
+                backend.run_layers(padded, result, start, stop, valid_tokens=self._valid_counts(run, x3, lengths))
+            elif hasattr(backend, "run_layers"):
+                backend.run_layers(padded, result, start, stop)
             elif (start, stop) == (0, self.num_layers):  # a backend of the one-call contract (whole model only)
-                counts = np.asarray(self._valid_counts(x3, lengths), dtype=np.int32)
-                np.copyto(result, self._backend.infer_padded(padded, valid_tokens=counts))
+                counts = np.asarray(self._valid_counts(run, x3, lengths), dtype=np.int32)
+                np.copyto(result, backend.infer_padded(padded, valid_tokens=counts))
             else:
                 raise BackendError(f"backend {self.backend_name!r} runs the whole model only; layers {start}..{stop}")
-            if out3 is None:
-                out3 = np.empty((batch, tokens, self.hidden_size), dtype=np.float32)
-            np.copyto(out3, result[:batch, :tokens])
-            if lengths is not None:
-                for b, n in enumerate(lengths):
-                    out3[b, n:] = 0.0
-            # One pass over the output into preallocated flags (no allocation per call).
-            if not np.isfinite(out3, out=self._finite[:batch, :tokens]).all():
-                raise self._nonfinite_output(x3, out3)
-            self._stats.record(time.perf_counter() - began, (batch, tokens), getattr(self._backend, "last_dropped", 0))
+            out3 = self._deliver(run, x3, lengths, out3)
+            self._stats.record(time.perf_counter() - began, (batch, tokens), getattr(backend, "last_dropped", 0),
+                               run.shape)
         return out if out is not None else out3.reshape(np.shape(x))
 
-    def _valid_counts(self, x3, lengths) -> list[int]:
-        """(fixed batch,) valid tokens per sequence of the padded input: the input's tokens (or its lengths), 0 for
-        the padding sequences."""
+    def _deliver(self, run: _ShapeRun, x3: np.ndarray, lengths, out3: np.ndarray | None) -> np.ndarray:
+        """The call's output from the shape's result buffer: its (batch, tokens) corner into `out3` (a new array
+        when None), zeros past each sequence's length, checked for NaN/Inf; returns out3.
+
+        Raises:
+            NonFiniteOutputError: naming the first non-finite position and layer.
+        """
+        batch, tokens, _ = x3.shape
+        if out3 is None:
+            out3 = np.empty((batch, tokens, self.hidden_size), dtype=np.float32)
+        np.copyto(out3, run.result[:batch, :tokens])
+        if lengths is not None:
+            for b, n in enumerate(lengths):
+                out3[b, n:] = 0.0
+        # One pass over the output into preallocated flags (no allocation per call).
+        if not np.isfinite(out3, out=run.finite[:batch, :tokens]).all():
+            raise self._nonfinite_output(x3, out3)
+        return out3
+
+    def _valid_counts(self, run: _ShapeRun, x3, lengths) -> list[int]:
+        """(the shape's batch,) valid tokens per sequence of the padded input: the input's tokens (or its lengths),
+        0 for the padding sequences."""
         batch, tokens, _ = x3.shape
         counts = [tokens] * batch if lengths is None else list(lengths)
-        return counts + [0] * (self.shape[0] - batch)
+        return counts + [0] * (run.shape[0] - batch)
 
-    def _valid_rows(self, x3, lengths) -> np.ndarray:
-        """(fixed batch * fixed tokens,) bool: the rows of the padded input that are real tokens."""
-        mask = self._valid_mask
+    def _valid_rows(self, run: _ShapeRun, x3, lengths) -> np.ndarray:
+        """(the shape's batch * tokens,) bool: the rows of the padded input that are real tokens."""
+        mask = run.valid_mask
         mask[:] = False
         batch, tokens, _ = x3.shape
         for b in range(batch):
@@ -447,9 +543,10 @@ class Runtime:
                     if not self._finalizer.alive:
                         raise BackendError("this Runtime is closed; load the bundle again")
                     began = time.perf_counter()
-                    self._backend.run_device(src.ptr, dst.ptr, src.batch, src.tokens, start, stop, handle)
+                    run = self._run_for(src.batch, src.tokens)
+                    run.backend.run_device(src.ptr, dst.ptr, src.batch, src.tokens, start, stop, handle)
                     self._stats.record(time.perf_counter() - began, (src.batch, src.tokens),
-                                       getattr(self._backend, "last_dropped", 0))
+                                       getattr(run.backend, "last_dropped", 0), run.shape)
             finally:
                 dst.release()  # a DLPack tensor goes back to its producer (device_io); a no-op for the interface
         finally:
@@ -495,6 +592,9 @@ class Runtime:
         expected = (
             f"(batch <= {fixed_batch}, tokens <= {fixed_tokens}, {hidden}) or (tokens <= {fixed_tokens}, {hidden})"
         )
+        # One compiled shape: "the bundle's fixed batch"; several: the bound is the largest shape's.
+        bound = "fixed" if len(self.shapes) == 1 else f"largest compiled shape's (batch {fixed_batch} x tokens " \
+            f"{fixed_tokens})"
         if not isinstance(x, np.ndarray):
             raise InputError(f"input is a {type(x).__name__}; expected a numpy.ndarray {expected}, float32 or float16")
         if isinstance(x, np.ma.MaskedArray):
@@ -512,11 +612,11 @@ class Runtime:
         batch, tokens, _ = x3.shape
         if not 1 <= batch <= fixed_batch:
             raise InputError(
-                f"input batch {batch} (shape {x.shape}); allowed: 1..{fixed_batch}, the bundle's fixed batch"
+                f"input batch {batch} (shape {x.shape}); allowed: 1..{fixed_batch}, the bundle's {bound} batch"
             )
         if not 1 <= tokens <= fixed_tokens:
             raise InputError(
-                f"input tokens {tokens} (shape {x.shape}); allowed: 1..{fixed_tokens}, the bundle's fixed tokens"
+                f"input tokens {tokens} (shape {x.shape}); allowed: 1..{fixed_tokens}, the bundle's {bound} tokens"
             )
         if not x.flags.c_contiguous:
             raise InputError(
@@ -546,24 +646,24 @@ class Runtime:
                 )
         return lengths
 
-    def _pad(self, x3: np.ndarray, lengths: list[int] | None) -> np.ndarray:
-        """Copy x3 into the fixed-shape staging buffer (float32), zeros elsewhere; check the copied values.
+    def _pad(self, run: _ShapeRun, x3: np.ndarray, lengths: list[int] | None) -> np.ndarray:
+        """Copy x3 into the staging buffer of the chosen shape (float32), zeros elsewhere; check the copied values.
 
-        Only the corner the previous call wrote is cleared, and only the corner this call writes is checked, so the
-        cost follows the input's size, not the fixed shape's.
+        Only the corner the previous call at that shape wrote is cleared, and only the corner this call writes is
+        checked, so the cost follows the input's size, not the shape's.
         """
-        staging = self._staging
-        last_batch, last_tokens = self._written
+        staging = run.staging
+        last_batch, last_tokens = run.written
         staging[:last_batch, :last_tokens] = 0.0
         batch, tokens, _ = x3.shape
-        self._written = (batch, tokens)
+        run.written = (batch, tokens)
         if lengths is None:
             staging[:batch, :tokens] = x3
         else:
             for b, n in enumerate(lengths):
                 staging[b, :n] = x3[b, :n]
         corner = staging[:batch, :tokens]
-        finite = np.isfinite(corner, out=self._finite[:batch, :tokens])  # no allocation per call
+        finite = np.isfinite(corner, out=run.finite[:batch, :tokens])  # no allocation per call
         if not finite.all():
             bad = np.argwhere(~np.isfinite(corner).all(axis=-1))
             b, t = (int(v) for v in bad[0])
@@ -574,16 +674,26 @@ class Runtime:
         return staging
 
     def self_test(self) -> SelfTestResult:
-        """Run the bundle's self-test input and compare with its stored reference output.
+        """Run the bundle's self-test input of every compiled shape (each at its own shape) and compare with its
+        stored reference output.
 
         Returns:
-            SelfTestResult; `passed` is False on a mismatch (call `raise_if_failed()` to turn it into an error).
+            SelfTestResult over all shapes (passed only if every shape passed; the largest errors of any); `passed`
+            is False on a mismatch (call `raise_if_failed()` to turn it into an error).
 
         Raises:
             BundleError: the self-test files are missing or their shapes do not match the bundle.
         """
-        x, expected, rtol, atol = self.bundle.selftest()
-        fixed = self.shape + (self.hidden_size,)
+        results = [self._self_test_at(self.bundle.for_shape(*shape)) for shape in self.shapes]
+        if len(results) == 1:
+            return results[0]
+        first = results[0]
+        return SelfTestResult(all(r.passed for r in results), max(r.max_abs_err for r in results),
+                              max(r.max_rel_err for r in results), first.rtol, first.atol, self.backend_name)
+
+    def _self_test_at(self, view) -> SelfTestResult:
+        x, expected, rtol, atol = view.selftest()
+        fixed = tuple(view.shape) + (self.hidden_size,)
         if x.shape != fixed:
             raise BundleError(f"self-test input shape {x.shape}; the bundle's fixed shape is {fixed}")
         self._dropless = True  # the stored reference output is dropless; expert capacity applies on top of it
@@ -618,6 +728,6 @@ class Runtime:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return (
-            f"Runtime({str(self.bundle.path)!r}, backend={self.backend_name!r}, shape={self.shape}, "
+            f"Runtime({str(self.bundle.path)!r}, backend={self.backend_name!r}, shapes={self.shapes}, "
             f"hidden={self.hidden_size}, dtype={self.dtype!r}, {state})"
         )

@@ -75,7 +75,7 @@ def test_fp32_weights_into_fp16_profile(tmp_path, capsys, kernel_dir):
 def test_same_dtype_prints_no_dtype_line_and_reports_progress(tmp_path, kernel_dir, capsys):
     weights = odd_weights(tmp_path / "m16.colibri", dtype=1)
     calls = []
-    result = build_bundle(load_profile("orin"), tmp_path / "b", weights, kernel_dir=kernel_dir,
+    result = build_bundle(load_profile("orin").for_shape(1, 16), tmp_path / "b", weights, kernel_dir=kernel_dir,
                           progress=lambda step, done, total: calls.append((step, done, total)))
     assert result.source_dtype == "fp16" and not result.converted
     steps = list(dict.fromkeys(step for step, _, _ in calls))
@@ -120,3 +120,20 @@ def test_streamed_selftest_equals_the_reference_engine(tmp_path, monkeypatch, dt
     engine = ReferenceEngine(weights, compute_dtype=np.float64)
     np.testing.assert_allclose(y, engine.forward(x).astype(np.float32), rtol=1e-6, atol=1e-6)
     engine.close()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tokens", "1,x"], "colibri-sdk build: error: --tokens '1,x'; allowed: positive integers separated by commas, "
+                          "e.g. 1,16,64"),
+    (["--batch", ""], "colibri-sdk build: error: --batch ''; allowed: positive integers separated by commas"),
+    (["--tokens", "0,16"], "shape.tokens = [0, 16]; allowed: an integer in 1..65536, or a list of 1..8 such integers"),
+    (["--tokens", ",".join(str(t) for t in range(1, 10))], "shape.tokens = [1, 2, 3, 4, 5, 6, ...]; allowed: an "
+                                                            "integer in 1..65536, or a list of 1..8"),
+    (["--batch", "256", "--tokens", "512"], "shape batch*tokens = 131072; allowed: at most 65536"),
+])
+def test_bad_shape_flags_are_refused_in_one_line(tmp_path, capsys, flags, message):
+    out = tmp_path / "b"
+    assert cli.main(["build", "--profile", "orin", "--demo", "-o", str(out), *flags]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()

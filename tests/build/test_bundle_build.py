@@ -57,7 +57,16 @@ def test_shipped_profile_bundle(built, name):
             assert r["registers"] > 0 and r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0
             assert r["shared_bytes"] <= profile.hardware["shared_memory_per_block"]
         assert entry["defines"]["COLI_HIDDEN"] == 256 and entry["defines"]["COLI_TOPK"] == 2
-    assert m["launch"] == catalog.launch_plan(profile.to_dict(), bundle.open_weights().header)
+    header = bundle.open_weights().header
+    assert m["launch"] == catalog.launch_plan(profile.for_shape(*profile.shape).to_dict(), header)
+    # Every compiled shape: its own launch plan and kernels (COLI_MAX_TOKENS = its batch*tokens), largest last.
+    assert [(s["batch"], s["tokens"]) for s in m["shapes"]] == profile.shapes and len(profile.shapes) >= 2
+    for entry in m["shapes"]:
+        b, t = entry["batch"], entry["tokens"]
+        assert entry["launch"] == catalog.launch_plan(profile.for_shape(b, t).to_dict(), header)
+        assert {k["defines"]["COLI_MAX_TOKENS"] for k in entry["kernels"]} == {b * t}
+        assert bundle.for_shape(b, t).selftest()[0].shape == (b, t, 256)
+    assert m["shapes"][-1]["kernels"] == m["kernels"] and m["shapes"][-1]["selftest"] == m["selftest"]
     listed = [f["path"] for f in m["files"]]
     on_disk = sorted(p.relative_to(result.path).as_posix() for p in result.path.rglob("*") if p.is_file())
     assert listed == sorted(listed) and sorted(listed + ["manifest.json"]) == on_disk

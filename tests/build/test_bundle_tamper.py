@@ -30,9 +30,11 @@ def files_of(path):
 def test_every_file_is_covered(bundle_copy):
     """Flip one byte in the middle of each file in turn: each is refused naming that file."""
     names = files_of(bundle_copy)
-    # a PTX and a cubin per compiled kernel (the orin profile sets no capacity), the weights, two self-test arrays
-    # and the manifest
-    assert len(names) == 2 * len(catalog.kernels_for({})) + 4 and "manifest.json" in names
+    # orin compiles batch 1 and 4 x tokens 16: per shape a cubin + PTX per compiled kernel (no capacity) and 2
+    # self-test files; the weights; the manifest
+    per_shape = 2 * len(catalog.kernels_for({})) + 2
+    assert len(names) == 2 * per_shape + 2 and "manifest.json" in names
+    assert "kernels/routing.b1t16.sm_87.cubin" in names
     for rel in names:
         target = bundle_copy / rel
         data = bytearray(target.read_bytes())
@@ -54,6 +56,7 @@ def test_manifest_value_edit_in_canonical_form_is_refused(bundle_copy):
     original = path.read_bytes()
     manifest = json.loads(original)
     manifest["selftest"]["rtol"] = 0.5  # loosen the self-test, keep canonical form
+    manifest["shapes"][-1]["selftest"]["rtol"] = 0.5  # the largest shape's entry is the top-level one
     path.write_bytes(canonical_json(manifest))
     try:
         with pytest.raises(BundleError, match=r"manifest.json: content sha256 [0-9a-f]{64} differs from the recorded manifest_sha256"):
@@ -167,13 +170,20 @@ def test_accessors(bundle_copy):
     with bundle.open_weights() as weights:
         assert weights.header.hidden_size == 256
     assert bundle.weights_path == bundle_copy / "model.colibri"
-    assert repr(bundle).endswith("arch=sm_87, dtype=fp16, shape=(1, 16))")
+    assert repr(bundle).endswith("arch=sm_87, dtype=fp16, shape=(4, 16))")
+    assert bundle.shapes == [(1, 16), (4, 16)]
+    small = bundle.for_shape(1, 16)
+    assert small.shape == (1, 16) and small.manifest["profile"]["shape"] == {"batch": 1, "tokens": 16}
+    assert small.kernel("routing")["cubin"] == "kernels/routing.b1t16.sm_87.cubin"
+    assert small.selftest()[0].shape == (1, 16, 256) and bundle.selftest()[0].shape == (4, 16, 256)
+    with pytest.raises(BundleError, match=r"no compiled shape batch 2 x tokens 16; allowed: \[\(1, 16\), \(4, 16\)\]"):
+        bundle.for_shape(2, 16)
 
 
 def test_verify_cli(bundle_copy, capsys):
     assert cli.main(["verify", str(bundle_copy), "--backend", "cpu"]) == 0
     out = capsys.readouterr().out
-    files = 2 * len(catalog.kernels_for({})) + 3
+    files = 2 * (2 * len(catalog.kernels_for({})) + 2) + 1
     assert f"schema 1, {files} files + manifest, checksums ok" in out and "self-test passed on cpu" in out
     target = bundle_copy / "selftest" / "input.npy"
     original = target.read_bytes()

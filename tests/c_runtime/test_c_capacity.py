@@ -27,6 +27,7 @@ def capacity_bundle(tmp_path_factory, small_weights):
     from colibri_sdk.profile import Profile, load_profile
 
     data = copy.deepcopy(load_profile("orin", toolchain=False).data)
+    data["shape"] = {"batch": 1, "tokens": 16}  # one shape: the C runtime runs the top-level one
     data["capacity"] = SPEC
     path = build_bundle(Profile.from_dict(data), tmp_path_factory.mktemp("c_capacity") / "b", small_weights,
                         workers=2).path

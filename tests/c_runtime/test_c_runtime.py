@@ -272,6 +272,12 @@ HOSTILE_MANIFESTS = {
     "i32 out of range": (_add_i32_out_of_range, "].value; allowed: an int32"),
     "io buffer too small": (lambda m: m["buffers"].update(x0=4), "io_buffers.input is buffer x0 of 4 bytes"),
     "unknown symbol": (lambda m: m["launch"][0].update(symbol="colibri_nope"), "names colibri_nope"),
+    "shapes: unknown key": (lambda m: m["shapes"][0].update(extra=1), "manifest.json: shapes[0]: unknown key 'extra'"),
+    "shapes: kernel image not listed": (lambda m: m["shapes"][0]["kernels"][1].update(ptx="kernels/missing.ptx"),
+                                        'kernels[1].ptx = "kernels/missing.ptx" is not a listed file'),
+    "shapes: tokens 0": (lambda m: m["shapes"][0].update(tokens=0), "shapes[0] batch 1 x tokens 0; allowed: 1..65536"),
+    "shapes: empty": (lambda m: m.update(shapes=[]), "manifest.json: shapes is empty; allowed: 1..64 entries"),
+    "shapes: not an object": (lambda m: m["shapes"].append(3), "manifest.json: shapes[2] is not an object"),
 }
 
 

@@ -1140,7 +1140,7 @@ API CUresult cuStreamSynchronize(void* h) {
         complain("cuStreamSynchronize", "the stream is capturing; the capture is invalidated");
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     }
-    log_line("cuStreamSynchronize");
+    log_line("cuStreamSynchronize stream=%p", h);  // the stream, so tests can see which calls were in flight
     return check_guards("cuStreamSynchronize");
 }
 
@@ -1335,7 +1335,7 @@ API CUresult cuGraphLaunch(void* exec, void* stream) {
         complain("cuGraphLaunch", "launching a graph into a capturing stream is not emulated");
         return CUDA_ERROR_NOT_SUPPORTED;
     }
-    log_line("cuGraphLaunch nodes=%zu", it->second->nodes.size());
+    log_line("cuGraphLaunch nodes=%zu stream=%p", it->second->nodes.size(), stream);
     for (const Node& n : it->second->nodes)
         if (CUresult r = run_node(n)) return r;
     return CUDA_SUCCESS;

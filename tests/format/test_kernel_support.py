@@ -75,6 +75,7 @@ def test_build_takes_quantized_weights_on_the_tiled_shape(tmp_path):
     profile = load_profile("orin", toolchain=False)
     data = profile.to_dict()
     data["kernels"]["small_batch"]["max_pairs"] = 16  # 16 tokens x top-2 = 32 pairs: the tiled path
+    data["shape"] = {"batch": 1, "tokens": 16}
     from colibri_sdk.profile import Profile
 
     build_bundle(Profile.from_dict(data, toolchain=False), tmp_path / "bundle", weights=path)

@@ -11,8 +11,9 @@ from colibri_sdk.profile import load_profile
 
 @pytest.fixture(scope="session")
 def orin_profile() -> dict:
-    """The shipped Orin profile as a plain dict (validated by the profile loader, toolchain not checked)."""
-    return copy.deepcopy(load_profile("orin", toolchain=False).data)
+    """The shipped Orin profile as a plain dict (validated by the profile loader, toolchain not checked), at its one
+    compiled shape batch 1 x tokens 16 (the catalogue's functions take one scalar shape)."""
+    return copy.deepcopy(load_profile("orin", toolchain=False).for_shape(1, 16).data)
 
 
 

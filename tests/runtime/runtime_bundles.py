@@ -113,8 +113,8 @@ def build(out: Path, profile: Path, weights: Path | None = None) -> Path:
 def profile_with_shape(folder: Path, batch: int, tokens: int) -> Path:
     """A copy of profiles/orin.yaml with another fixed shape."""
     text = ORIN.read_text()
-    text, n1 = re.subn(r"(?m)^  batch: \d+", f"  batch: {batch}", text)
-    text, n2 = re.subn(r"(?m)^  tokens: \d+", f"  tokens: {tokens}", text)
+    text, n1 = re.subn(r"(?m)^  batch: [^#\n]+", f"  batch: {batch} ", text)
+    text, n2 = re.subn(r"(?m)^  tokens: [^#\n]+", f"  tokens: {tokens} ", text)
     assert n1 == n2 == 1, "profiles/orin.yaml no longer has shape.batch / shape.tokens lines"
     path = folder / f"orin-{batch}x{tokens}.yaml"
     path.write_text(text)

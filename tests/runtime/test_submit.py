@@ -99,7 +99,7 @@ def test_a_forgotten_runtime_is_collected_and_its_worker_ends(small_bundle):
 
     rt = Runtime.load(small_bundle, backend="cpu")
     assert rt.submit(np.zeros((1, 8, 64), np.float32)).result(timeout=60).shape == (1, 8, 64)
-    worker = rt._pipeline._thread
+    worker = rt._pipeline._threads[0]
     ref = weakref.ref(rt)
     del rt
     gc.collect()

@@ -4,7 +4,7 @@
 
 The stem and head are the torch model's (qc.torch_model.QCNet) in NumPy, same operations in the same order, float32.
 The MoE part runs from a bundle built with `colibri-sdk build --profile profiles/orin.yaml --weights
-weights/qc_moe.colibri` — fixed shape batch 1, tokens 16 — on CUDA when present, else on the CPU.
+weights/qc_moe.colibri` — a frame is batch 1 x tokens 16 — on CUDA when present, else on the CPU.
 """
 
 from __future__ import annotations
@@ -203,8 +203,11 @@ def load_classifier(bundle_dir: str | os.PathLike, backend: str = "auto", thresh
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold {threshold!r}; allowed: 0 < threshold <= 1")
     runtime = Runtime.load(bundle_dir, backend=backend, verify=verify)
-    fixed = tuple(runtime.shape) + (runtime.hidden_size,)
-    if fixed != (1, TOKENS, HIDDEN):
+    # A frame is (1, TOKENS, HIDDEN): the bundle needs that hidden size and a compiled shape holding one frame
+    # (orin compiles batch 1 and 4 x tokens 16; each call runs at the smallest shape that holds it).
+    if runtime.hidden_size != HIDDEN or runtime.shape[1] < TOKENS:
+        shapes = ", ".join(f"{b}x{t}" for b, t in runtime.shapes)
         runtime.close()
-        raise ValueError(f"bundle {bundle_dir} has the fixed shape {fixed}; this model needs (1, {TOKENS}, {HIDDEN})")
+        raise ValueError(f"bundle {bundle_dir} has the shapes {shapes} (batch x tokens) at hidden "
+                         f"{runtime.hidden_size}; this model needs tokens {TOKENS} at hidden {HIDDEN}")
     return Classifier(runtime, stem_head, threshold)

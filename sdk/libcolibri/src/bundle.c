@@ -175,8 +175,8 @@ static const char *REQUIRED[] = {"schema_version", "sdk_version", "arch", "compu
                                  "selftest", "files", DIGEST_KEY};
 static const int REQUIRED_T[] = {T_INT, T_STR, T_STR, T_LIST, T_STR, T_INT, T_STR, T_DICT, T_STR, T_DICT, T_DICT,
                                  T_LIST, T_DICT, T_LIST, T_STR};
-static const char *OPTIONAL[] = {"launch", "buffers", "io_buffers"};
-static const int OPTIONAL_T[] = {T_LIST, T_DICT, T_DICT};
+static const char *OPTIONAL[] = {"launch", "buffers", "io_buffers", "shapes"};
+static const int OPTIONAL_T[] = {T_LIST, T_DICT, T_DICT, T_LIST};
 static const char *HEADER_FIELDS[] = {"num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size",
                                       "dtype", "routing", "composition"};
 static const char *RESOURCE_KEYS[] = {"registers", "shared_bytes", "stack_bytes", "spill_store_bytes",
@@ -266,6 +266,43 @@ static int check_kernels(const cJSON *kernels, const cJSON *files, cb_err *err) 
     return COLIBRI_OK;
 }
 
+/* `shapes` (docs/build.md, "Several shapes"): each entry an object with integer batch and tokens in range, a kernels
+ * list (checked as the top-level one: relative, listed images) and a selftest with relative paths. This runtime runs
+ * the top-level shape (the largest, the last entry), which the Python reader checks equals that entry. */
+static int check_shapes(const cJSON *shapes, const cJSON *files, cb_err *err) {
+    char where[64];
+    int i = 0, rc;
+    static const char *keys[] = {"batch", "tokens", "kernels", "launch", "buffers", "io_buffers", "selftest"};
+    static const int types[] = {T_INT, T_INT, T_LIST, T_LIST, T_DICT, T_DICT, T_DICT};
+    if (!shapes) return COLIBRI_OK;
+    if (cJSON_GetArraySize(shapes) < 1)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes is empty; allowed: 1..64 entries");
+    for (const cJSON *e = shapes->child; e; e = e->next, i++) {
+        if (!cJSON_IsObject(e))
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes[%d] is not an object; allowed: dict", i);
+        snprintf(where, sizeof where, "shapes[%d].", i);
+        for (size_t j = 0; j < N(keys); j++)
+            if ((rc = expect(e, keys[j], types[j], where, err))) return rc;
+        for (const cJSON *c = e->child; c; c = c->next)
+            if (!in_list(c->string, keys, N(keys)))
+                return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes[%d]: unknown key '%s'", i,
+                               cb_escape(c->string, where, sizeof where));
+        long long batch, tokens;
+        cb_json_int(e, "batch", &batch);
+        cb_json_int(e, "tokens", &tokens);
+        if (batch < 1 || tokens < 1 || batch > MAX_TOKENS || tokens > MAX_TOKENS || batch * tokens > MAX_TOKENS)
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes[%d] batch %lld x tokens %lld; allowed: "
+                           "1..%d each, product at most %d", i, batch, tokens, MAX_TOKENS, MAX_TOKENS);
+        if ((rc = check_kernels(cJSON_GetObjectItemCaseSensitive(e, "kernels"), files, err))) return rc;
+        const cJSON *st = cJSON_GetObjectItemCaseSensitive(e, "selftest");
+        snprintf(where, sizeof where, "shapes[%d].selftest.", i);
+        if ((rc = expect(st, "input", T_STR, where, err)) || (rc = expect(st, "output", T_STR, where, err))) return rc;
+        if ((rc = check_relative(cb_json_str(st, "input"), "shapes[].selftest.input", err))) return rc;
+        if ((rc = check_relative(cb_json_str(st, "output"), "shapes[].selftest.output", err))) return rc;
+    }
+    return COLIBRI_OK;
+}
+
 static int check_schema(cb_bundle *b, cb_err *err) {
     const cJSON *m = b->manifest;
     char esc[256];
@@ -327,6 +364,7 @@ static int check_schema(cb_bundle *b, cb_err *err) {
         return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: weights.file = \"%s\" is not a listed file",
                        cb_escape(cb_json_str(w, "file"), esc, sizeof esc));
     if ((rc = check_kernels(cJSON_GetObjectItemCaseSensitive(m, "kernels"), files, err))) return rc;
+    if ((rc = check_shapes(cJSON_GetObjectItemCaseSensitive(m, "shapes"), files, err))) return rc;
     const cJSON *st = cJSON_GetObjectItemCaseSensitive(m, "selftest");
     static const char *st_keys[] = {"input", "output", "rtol", "atol"};
     static const int st_types[] = {T_STR, T_STR, T_NUM, T_NUM};
