@@ -3,6 +3,7 @@ folders, which `conftest` module a plain import finds depends on the order pytes
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -12,3 +13,18 @@ SHIPPED = ("orin", "a100", "rtx4090", "h200")
 def manifest(bundle: Path) -> dict:
     """The bundle's manifest.json as a dict."""
     return json.loads((bundle / "manifest.json").read_text())
+
+
+def build_bundle_for(profile: str, out: Path, weights: Path, **changes) -> Path:
+    """A bundle of a shipped profile (with `changes` to its top-level keys / kernels) on the given weights."""
+    from colibri_sdk.bundle.writer import build_bundle
+    from colibri_sdk.profile import Profile, load_profile
+
+    data = copy.deepcopy(load_profile(profile, toolchain=False).data)
+    for key, value in changes.items():
+        if key == "kernels":
+            for name, params in value.items():
+                data["kernels"][name].update(params)
+        else:
+            data[key] = value
+    return build_bundle(Profile.from_dict(data), out, weights, workers=2).path

@@ -9,7 +9,6 @@ fake driver; the fake runs the kernels through the CPU emulation of tests/kernel
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from c_runtime_support import SHIPPED, manifest  # noqa: E402,F401
+from c_runtime_support import SHIPPED, build_bundle_for, manifest  # noqa: E402,F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakecuda"))
 # One run of colibri_test: exit code, output, the JSON of its last stdout line, the fake driver's call log.
@@ -55,21 +54,6 @@ def c_build(tmp_path_factory) -> Path:
                           text=True, check=False, timeout=600)
     assert done.returncode == 0, f"scripts/c_runtime.sh build failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return out
-
-
-def build_bundle_for(profile: str, out: Path, weights: Path, **changes) -> Path:
-    """A bundle of a shipped profile (with `changes` to its top-level keys / kernels) on the given weights."""
-    from colibri_sdk.bundle.writer import build_bundle
-    from colibri_sdk.profile import Profile, load_profile
-
-    data = copy.deepcopy(load_profile(profile, toolchain=False).data)
-    for key, value in changes.items():
-        if key == "kernels":
-            for name, params in value.items():
-                data["kernels"][name].update(params)
-        else:
-            data[key] = value
-    return build_bundle(Profile.from_dict(data), out, weights, workers=2).path
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from c_runtime_support import manifest
-from conftest import build_bundle_for
+from c_runtime_support import build_bundle_for
 from test_emulated_families import DEEPSEEK_V3, GPT_OSS, QWEN2, make_v2_model
 
 pytestmark = pytest.mark.slow  # two bundle builds and emulated runs under the sanitizers
