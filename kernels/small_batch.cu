@@ -187,47 +187,63 @@ __device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage
     }
 }
 
+// acc[j] += w[q] . stage[j][h + q] for the q with 0 <= h + q < len only (h may be negative): a vector of an aligned
+// window that sticks out of the chunk; the elements outside belong to a neighbouring chunk or row and are not used.
+__device__ __forceinline__ void fma_vec_masked(const float w[VEC_], const float (*stage)[CHUNK_], int h, int len,
+                                               int cnt, float acc[PASS_]) {
+#pragma unroll
+    for (int j = 0; j < PASS_; ++j) {
+        if (j < cnt) {
+            float a = acc[j];
+#pragma unroll
+            for (int q = 0; q < VEC_; ++q)
+                if (h + q >= 0 && h + q < len) a += w[q] * stage[j][h + q];
+            acc[j] = a;
+        }
+    }
+}
+
 // Lane partials of NROWS weight rows (row[r] + [0, len), a chunk) against the staged vectors: two 16-byte loads per
-// row in flight per lane, then the FMAs.
+// row in flight per lane, then the FMAs. Every row is read through its aligned window: the 16-byte vectors from its
+// start rounded down to 16 bytes to its end rounded up, so rows of any length and start (odd hidden or intermediate
+// sizes) keep vector loads; vector v of row r holds chunk elements v*VEC_ - shift_r .. + VEC_ - 1 and the elements
+// outside [0, len) are masked. The window reads at most 15 bytes before the row (inside the weights buffer: it
+// starts 16-byte aligned) and 15 after it (the weights allocation has catalog.WEIGHTS_TAIL_BYTES more).
 template <int NROWS>
 __device__ __forceinline__ void chunk_dot(const wt* const row[NROWS], int len, const float (*stage)[CHUNK_], int cnt,
                                           float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
-    bool aligned = true;
+    const uint4* base[NROWS];
+    int shift[NROWS], nv[NROWS], nvec = 0;
 #pragma unroll
-    for (int r = 0; r < NROWS; ++r) aligned &= (reinterpret_cast<unsigned long long>(row[r]) & 15ull) == 0;
-    int scalar_from = 0;
-    if (aligned) {
-        const int nvec = len / VEC_;
-        // Two vectors per row and lane per step (v and v + 32): all loads of a step are issued before its FMAs.
-        for (int v = lane; v < nvec; v += 64) {
-            const bool second = v + 32 < nvec;
-            uint4 raw[NROWS][2];
-#pragma unroll
-            for (int r = 0; r < NROWS; ++r) {
-                raw[r][0] = ld_stream(reinterpret_cast<const uint4*>(row[r]) + v);
-                raw[r][1] = second ? ld_stream(reinterpret_cast<const uint4*>(row[r]) + v + 32) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int r = 0; r < NROWS; ++r) {
-                float w[VEC_];
-                unpack16(raw[r][0], w);
-                fma_vec(w, stage, v * VEC_, cnt, acc[r]);
-                if (second) {
-                    unpack16(raw[r][1], w);
-                    fma_vec(w, stage, (v + 32) * VEC_, cnt, acc[r]);
-                }
-            }
-        }
-        scalar_from = nvec * VEC_;
+    for (int r = 0; r < NROWS; ++r) {
+        const unsigned long long a = reinterpret_cast<unsigned long long>(row[r]);
+        shift[r] = (int)(a & 15ull) / (int)sizeof(wt);
+        base[r] = reinterpret_cast<const uint4*>(a & ~15ull);
+        nv[r] = (len + shift[r] + VEC_ - 1) / VEC_;
+        nvec = nv[r] > nvec ? nv[r] : nvec;
     }
-    for (int h = scalar_from + lane; h < len; h += 32) {
+    for (int v = lane; v < nvec; v += 64) {
+        uint4 raw[NROWS][2];
 #pragma unroll
         for (int r = 0; r < NROWS; ++r) {
-            const float w = wt_to_float(__ldg(row[r] + h));
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            raw[r][0] = v < nv[r] ? ld_stream(base[r] + v) : zero;
+            raw[r][1] = v + 32 < nv[r] ? ld_stream(base[r] + v + 32) : zero;
+        }
 #pragma unroll
-            for (int j = 0; j < PASS_; ++j)
-                if (j < cnt) acc[r][j] += w * stage[j][h];
+        for (int r = 0; r < NROWS; ++r) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int k = v + 32 * u, h = k * VEC_ - shift[r];
+                if (k >= nv[r]) continue;
+                float w[VEC_];
+                unpack16(raw[r][u], w);
+                if (shift[r] == 0 && h + VEC_ <= len)
+                    fma_vec(w, stage, k * VEC_, cnt, acc[r]);  // aligned: the common case of even sizes
+                else
+                    fma_vec_masked(w, stage, h, len, cnt, acc[r]);
+            }
         }
     }
 }
@@ -276,16 +292,6 @@ __device__ __forceinline__ void stage_scales(const st* __restrict__ scales, cons
     }
 }
 
-// Code of column c of a row (scalar path).
-__device__ __forceinline__ int q_code(const QRow& r, int c) {
-#if COLI_QUANT == 2
-    const unsigned b = __ldg(r.codes + c / 2);
-    return (int)((c & 1) ? b >> 4 : b & 15u) - 8;
-#else
-    return (int)(signed char)__ldg(r.codes + c);
-#endif
-}
-
 // acc[j] += dequantized vector . stage[j][h .. h + QEPV_): the vector holds columns c .. c + QEPV_ - 1 (one group).
 __device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const float (*stage)[CHUNK_], int h,
                                           int cnt, float acc[PASS_]) {
@@ -318,43 +324,87 @@ __device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const
     }
 }
 
-// As chunk_dot for quantized rows: columns c0 .. c0 + len - 1 of each row (c0 a multiple of CHUNK_).
+// Code e (0 .. QEPV_ - 1) of a 16-byte vector, in memory order.
+__device__ __forceinline__ int q_code_of(const unsigned w[4], int e) {
+#if COLI_QUANT == 2
+    return (int)((w[e / 8] >> (4 * (e % 8))) & 15u) - 8;  // element e: nibble e of the 16 bytes
+#else
+    return (int)(signed char)((w[e / 4] >> (8 * (e % 4))) & 255u);
+#endif
+}
+
+// As q_fma_vec for a vector of an aligned window that sticks out of the chunk or straddles a group boundary: its
+// element e is chunk element h + e (column c0 + h + e), used only when 0 <= h + e < len; a vector of QEPV_ <= GS_
+// columns meets at most two groups.
+__device__ __forceinline__ void q_fma_vec_masked(uint4 raw, const QRow& r, int c0, int h, int len,
+                                                 const float (*stage)[CHUNK_], int cnt, float acc[PASS_]) {
+    const int first = h < 0 ? 0 : h;  // the first element used
+    const int g0 = GS_ == 0 ? 0 : (c0 + first) / (GS_ == 0 ? 1 : GS_);
+    const int split = GS_ == 0 ? len : (g0 + 1) * GS_ - c0;  // chunk element where group g0 + 1 starts
+    const float s0 = q_scale(r, g0);
+    const int z0 = q_zero(r, g0);
+    const bool two = split < len && split < h + QEPV_;
+    const float s1 = two ? q_scale(r, g0 + 1) : s0;
+    const int z1 = two ? q_zero(r, g0 + 1) : z0;
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int b = 0; b < QEPV_; b += 8) {
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int e = b + i, q = q_code_of(w, e);
+            f[i] = h + e < split ? s0 * (float)(q - z0) : s1 * (float)(q - z1);
+        }
+#pragma unroll
+        for (int j = 0; j < PASS_; ++j) {
+            if (j < cnt) {
+                float a = acc[j];
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    if (h + b + i >= 0 && h + b + i < len) a += f[i] * stage[j][h + b + i];
+                acc[j] = a;
+            }
+        }
+    }
+}
+
+// As chunk_dot for quantized rows: columns c0 .. c0 + len - 1 of each row (c0 a multiple of CHUNK_), read through
+// each row's aligned window. An int4 row may start in any byte (never inside one: rows are whole bytes), so a
+// shift of s bytes is 2s columns (int8: s); the padding nibble of an odd int4 row is column `cols`, never in a
+// chunk, so it is masked like the neighbouring row's codes.
 template <int NROWS>
 __device__ __forceinline__ void chunk_dot_q(const QRow row[NROWS], int c0, int len, const float (*stage)[CHUNK_],
                                             int cnt, float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
-    bool aligned = true;
+    const uint4* base[NROWS];
+    int shift[NROWS], nv[NROWS], nvec = 0;
 #pragma unroll
-    for (int r = 0; r < NROWS; ++r)
-        aligned &= (reinterpret_cast<unsigned long long>(row[r].codes + QBYTE_(c0)) & 15ull) == 0;
-    int scalar_from = 0;
-    if (aligned) {
-        const int nvec = len / QEPV_;
-        for (int v = lane; v < nvec; v += 64) {
-            const bool second = v + 32 < nvec;
-            uint4 raw[NROWS][2];
-#pragma unroll
-            for (int r = 0; r < NROWS; ++r) {
-                const uint4* p = reinterpret_cast<const uint4*>(row[r].codes + QBYTE_(c0));
-                raw[r][0] = ld_stream(p + v);
-                raw[r][1] = second ? ld_stream(p + v + 32) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int r = 0; r < NROWS; ++r) {
-                q_fma_vec(raw[r][0], row[r], c0 + v * QEPV_, stage, v * QEPV_, cnt, acc[r]);
-                if (second) q_fma_vec(raw[r][1], row[r], c0 + (v + 32) * QEPV_, stage, (v + 32) * QEPV_, cnt, acc[r]);
-            }
-        }
-        scalar_from = nvec * QEPV_;
+    for (int r = 0; r < NROWS; ++r) {
+        const unsigned long long a = reinterpret_cast<unsigned long long>(row[r].codes + QBYTE_(c0));
+        shift[r] = (int)(a & 15ull) * (COLI_QUANT == 2 ? 2 : 1);  // columns before the chunk in the first vector
+        base[r] = reinterpret_cast<const uint4*>(a & ~15ull);
+        nv[r] = (len + shift[r] + QEPV_ - 1) / QEPV_;
+        nvec = nv[r] > nvec ? nv[r] : nvec;
     }
-    for (int h = scalar_from + lane; h < len; h += 32) {
-        const int c = c0 + h, g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
+    for (int v = lane; v < nvec; v += 64) {
+        uint4 raw[NROWS][2];
 #pragma unroll
         for (int r = 0; r < NROWS; ++r) {
-            const float w = q_scale(row[r], g) * (float)(q_code(row[r], c) - q_zero(row[r], g));
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            raw[r][0] = v < nv[r] ? ld_stream(base[r] + v) : zero;
+            raw[r][1] = v + 32 < nv[r] ? ld_stream(base[r] + v + 32) : zero;
+        }
 #pragma unroll
-            for (int j = 0; j < PASS_; ++j)
-                if (j < cnt) acc[r][j] += w * stage[j][h];
+        for (int r = 0; r < NROWS; ++r) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int k = v + 32 * u, h = k * QEPV_ - shift[r];
+                if (k >= nv[r]) continue;
+                if (shift[r] == 0 && h + QEPV_ <= len)  // one group: chunks start on a group, groups hold vectors
+                    q_fma_vec(raw[r][u], row[r], c0 + k * QEPV_, stage, k * QEPV_, cnt, acc[r]);
+                else
+                    q_fma_vec_masked(raw[r][u], row[r], c0, h, len, stage, cnt, acc[r]);
+            }
         }
     }
 }
