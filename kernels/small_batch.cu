@@ -40,13 +40,14 @@
 // blocks of more than 512 threads have 64 registers per thread, so they take half.
 #define PASS_ (THREADS_ > 512 ? 4 : 8)
 #define DOWN_ROWS_ (THREADS_ > 512 ? 1 : 2)
-#define CHUNK_ 512  // elements of the reduction dimension staged per step
 #define TILE_ (WARPS_ * DOWN_ROWS_)
 #define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");
 #if COLI_QUANT
 #define QEPV_ (COLI_QUANT == 2 ? 32 : 16)  // codes per 16-byte vector
+#define VCOLS_ QEPV_
+#define CHUNK_ 512  // columns of the reduction dimension staged per step: 32 (int8) or 16 (int4) vectors per row
 #define GS_ COLI_GROUP_SIZE
 #define QROW_BYTES_(cols) (COLI_QUANT == 2 ? ((cols) + 1) / 2 : (cols))
 #define QGROUPS_(cols) (GS_ == 0 ? 1 : ((cols) + GS_ - 1) / GS_)
@@ -66,8 +67,22 @@ __device__ __forceinline__ float st_to_float(st v) { return v; }
 #endif
 #else
 typedef wt ws_t;  // stored weight: fp16 bits or fp32
+#define VCOLS_ VEC_
+#define CHUNK_ (64 * VEC_)  // columns staged per step: 64 vectors per row, two per lane (fp16 512, fp32 256)
+#define QROW_BYTES_(cols) ((cols) * (int)sizeof(wt))
 #endif
-static_assert(T_ * TILE_ * 4 <= 16 * 1024,
+// A weight row is read through its aligned window (chunk_dot): the 16-byte vectors from its start rounded down to 32
+// bytes (a sector, so that a warp's 32 vectors touch 16 whole sectors). A row of `cols` columns whose byte length is
+// not a multiple of 32 may start up to 31 bytes (< 2 * VCOLS_ columns) into its window (a shift); the staged
+// activations then begin MARGIN_(cols) = 2 * VCOLS_ columns before each chunk, and the row takes NCHUNKS_(cols)
+// chunks of CHUNK_ / VCOLS_ vectors. Rows of whole sectors start 32-byte aligned (the weights buffer does; every
+// expert matrix of a .colibri file starts at a multiple of its row length): no margin.
+#define NVC_ (CHUNK_ / VCOLS_)           // vectors per row per chunk
+#define VPL_ ((NVC_ + 31) / 32)          // of them per lane
+#define MARGIN_(cols) (QROW_BYTES_(cols) % 32 ? 2 * VCOLS_ : 0)
+#define NCHUNKS_(cols) (((cols) + (MARGIN_(cols) ? 2 * VCOLS_ - 1 : 0) + CHUNK_ - 1) / CHUNK_)
+#define SW_ (CHUNK_ + 2 * VCOLS_)        // staged columns per pair (margin included)
+static_assert(T_ * TILE_ * 4 <= 16 * 1024 && 2 * T_ * WARPS_ * 4 <= 16 * 1024,
               "small_batch: batch*tokens * rows per block * 4 bytes must be <= 16 KiB (lower max_pairs or threads)");
 
 // The valid pairs grouped by expert, built by every block from topk_ids (same layout as colibri_align's, without
@@ -147,34 +162,70 @@ __device__ __forceinline__ int valid_pairs(const int* __restrict__ valid_tokens)
     return n * K_;
 }
 
-// Stage rows src[rows[j]] [c0, c0 + len) for j < cnt into stage[j][0 .. len), float4 loads where aligned.
+// Stage columns c0 .. c0 + SW_ - 1 of rows src[rows[j]] (j < cnt, rows of row_len floats) into stage[j][0 .. SW_):
+// columns outside [0, row_len) are staged as 0 (never used: the weights there are masked). c0 is a multiple of 4:
+// float4 loads where the rows are 16-byte aligned; else scalar loads in runs of 32 consecutive floats that start on
+// a 32-byte sector (one warp, 4 whole sectors), the run of row j shifted by the row's offset in its sector.
 __device__ __forceinline__ void stage_rows(const float* __restrict__ src, int row_len, const int* rows, int cnt,
-                                           int c0, int len, float (*stage)[CHUNK_]) {
+                                           int c0, float (*stage)[SW_]) {
     if (row_len % 4 == 0) {  // every row and every chunk start is 16-byte aligned (the buffer is 256-byte aligned)
-        const int per_row = (len + 3) / 4;
+        constexpr int per_row = SW_ / 4;
         for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
-            const int j = i / per_row, c = (i % per_row) * 4;
-            const float* row = src + (size_t)rows[j] * row_len + c0;
-            if (c + 4 <= len) {
-                const float4 v = __ldg(reinterpret_cast<const float4*>(row + c));
-                stage[j][c] = v.x;
-                stage[j][c + 1] = v.y;
-                stage[j][c + 2] = v.z;
-                stage[j][c + 3] = v.w;
-            } else {
-                for (int q = c; q < len; ++q) stage[j][q] = __ldg(row + q);
-            }
+            const int j = i / per_row, c = (i % per_row) * 4, col = c0 + c;
+            float4 v;
+            v.x = v.y = v.z = v.w = 0.0f;
+            if (col >= 0 && col < row_len)
+                v = __ldg(reinterpret_cast<const float4*>(src + (size_t)rows[j] * row_len + col));
+            stage[j][c] = v.x;
+            stage[j][c + 1] = v.y;
+            stage[j][c + 2] = v.z;
+            stage[j][c + 3] = v.w;
         }
     } else {
-        for (int i = threadIdx.x; i < cnt * len; i += THREADS_) {
-            const int j = i / len, c = i % len;
-            stage[j][c] = __ldg(src + (size_t)rows[j] * row_len + c0 + c);
+        constexpr int per_row = (SW_ + 7 + 31) / 32 * 32;  // a whole number of warp runs per row
+        for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
+            const int j = i / per_row, t = i % per_row;
+            const long long first = (long long)rows[j] * row_len + c0;  // element of stage column 0
+            const int off = (int)(((first % 8) + 8) % 8);                // its place in a 32-byte sector
+            const int c = t - off, col = c0 + c;
+            if (c >= 0 && c < SW_) stage[j][c] = col >= 0 && col < row_len ? __ldg(src + first + c) : 0.0f;
         }
     }
 }
 
-// acc[j] += w[0..VEC_) . stage[j][h .. h+VEC_) for the pairs j < cnt.
-__device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage)[CHUNK_], int h, int cnt,
+// The aligned window of a weight row (its codes for int8/int4): vector k holds columns k*VCOLS_ - shift ..
+// k*VCOLS_ - shift + VCOLS_ - 1; nv vectors cover the row. It reads at most 31 bytes before the row (inside the
+// weights buffer, which starts 256-byte aligned) and 15 after it (the weights allocation has
+// catalog.WEIGHTS_TAIL_BYTES more); the columns outside the row are masked.
+struct Window {
+    const uint4* base;
+    int shift, nv;
+};
+__device__ __forceinline__ Window window(const void* row, int cols) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(row);
+#if COLI_QUANT
+    const int shift = (int)(a & 31ull) * (COLI_QUANT == 2 ? 2 : 1);  // int4: two columns a byte (rows are whole bytes)
+#else
+    const int shift = (int)(a & 31ull) / (int)sizeof(wt);
+#endif
+    return Window{reinterpret_cast<const uint4*>(a & ~31ull), shift, (cols + shift + VCOLS_ - 1) / VCOLS_};
+}
+
+// The lane's vectors of chunk q of NROWS windows: vector q*NVC_ + 32u + lane for u < VPL_ (zero past the window).
+template <int NROWS>
+__device__ __forceinline__ void load_chunk(const Window win[NROWS], int q, uint4 raw[NROWS][VPL_]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < NROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < VPL_; ++u) {
+            const int i = 32 * u + lane, k = q * NVC_ + i;
+            raw[r][u] = i < NVC_ && k < win[r].nv ? ld_stream(win[r].base + k) : make_uint4(0, 0, 0, 0);
+        }
+}
+
+// acc[j] += w[VCOLS_] . stage[j][h .. h + VCOLS_) for the pairs j < cnt, elements e_lo .. e_hi - 1 only.
+__device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage)[SW_], int h, int cnt,
                                         float acc[PASS_]) {
 #pragma unroll
     for (int j = 0; j < PASS_; ++j) {
@@ -186,67 +237,44 @@ __device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage
         }
     }
 }
-
-// acc[j] += w[q] . stage[j][h + q] for the q with 0 <= h + q < len only (h may be negative): a vector of an aligned
-// window that sticks out of the chunk; the elements outside belong to a neighbouring chunk or row and are not used.
-__device__ __forceinline__ void fma_vec_masked(const float w[VEC_], const float (*stage)[CHUNK_], int h, int len,
-                                               int cnt, float acc[PASS_]) {
+__device__ __forceinline__ void fma_vec_masked(const float w[VEC_], const float (*stage)[SW_], int h, int e_lo,
+                                               int e_hi, int cnt, float acc[PASS_]) {
 #pragma unroll
     for (int j = 0; j < PASS_; ++j) {
         if (j < cnt) {
             float a = acc[j];
 #pragma unroll
             for (int q = 0; q < VEC_; ++q)
-                if (h + q >= 0 && h + q < len) a += w[q] * stage[j][h + q];
+                if (q >= e_lo && q < e_hi) a += w[q] * stage[j][h + q];
             acc[j] = a;
         }
     }
 }
 
-// Lane partials of NROWS weight rows (row[r] + [0, len), a chunk) against the staged vectors: two 16-byte loads per
-// row in flight per lane, then the FMAs. Every row is read through its aligned window: the 16-byte vectors from its
-// start rounded down to 16 bytes to its end rounded up, so rows of any length and start (odd hidden or intermediate
-// sizes) keep vector loads; vector v of row r holds chunk elements v*VEC_ - shift_r .. + VEC_ - 1 and the elements
-// outside [0, len) are masked. The window reads at most 15 bytes before the row (inside the weights buffer: it
-// starts 16-byte aligned) and 15 after it (the weights allocation has catalog.WEIGHTS_TAIL_BYTES more).
+#if !COLI_QUANT
+// Lane partials of chunk q of NROWS float weight rows (windows win, `cols` columns; the lane's vectors in raw) against
+// the staged activations (stage column 0 = row column q*CHUNK_ - margin): acc[r][j] += its products for pairs j < cnt.
 template <int NROWS>
-__device__ __forceinline__ void chunk_dot(const wt* const row[NROWS], int len, const float (*stage)[CHUNK_], int cnt,
-                                          float acc[NROWS][PASS_]) {
+__device__ __forceinline__ void chunk_dot(const Window win[NROWS], const uint4 raw[NROWS][VPL_], int q, int cols,
+                                          int margin, const float (*stage)[SW_], int cnt, float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
-    const uint4* base[NROWS];
-    int shift[NROWS], nv[NROWS], nvec = 0;
 #pragma unroll
     for (int r = 0; r < NROWS; ++r) {
-        const unsigned long long a = reinterpret_cast<unsigned long long>(row[r]);
-        shift[r] = (int)(a & 15ull) / (int)sizeof(wt);
-        base[r] = reinterpret_cast<const uint4*>(a & ~15ull);
-        nv[r] = (len + shift[r] + VEC_ - 1) / VEC_;
-        nvec = nv[r] > nvec ? nv[r] : nvec;
-    }
-    for (int v = lane; v < nvec; v += 64) {
-        uint4 raw[NROWS][2];
 #pragma unroll
-        for (int r = 0; r < NROWS; ++r) {
-            const uint4 zero = make_uint4(0, 0, 0, 0);
-            raw[r][0] = v < nv[r] ? ld_stream(base[r] + v) : zero;
-            raw[r][1] = v + 32 < nv[r] ? ld_stream(base[r] + v + 32) : zero;
-        }
-#pragma unroll
-        for (int r = 0; r < NROWS; ++r) {
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                const int k = v + 32 * u, h = k * VEC_ - shift[r];
-                if (k >= nv[r]) continue;
-                float w[VEC_];
-                unpack16(raw[r][u], w);
-                if (shift[r] == 0 && h + VEC_ <= len)
-                    fma_vec(w, stage, k * VEC_, cnt, acc[r]);  // aligned: the common case of even sizes
-                else
-                    fma_vec_masked(w, stage, h, len, cnt, acc[r]);
-            }
+        for (int u = 0; u < VPL_; ++u) {
+            const int i = 32 * u + lane, k = q * NVC_ + i;
+            if (i >= NVC_ || k >= win[r].nv) continue;
+            const int col = k * VCOLS_ - win[r].shift, h = i * VCOLS_ - win[r].shift + margin;
+            float w[VEC_];
+            unpack16(raw[r][u], w);
+            if (win[r].shift == 0 && col + VCOLS_ <= cols)
+                fma_vec(w, stage, i * VCOLS_ + margin, cnt, acc[r]);  // a whole aligned vector: even sizes
+            else
+                fma_vec_masked(w, stage, h, col < 0 ? -col : 0, cols - col < VCOLS_ ? cols - col : VCOLS_, cnt, acc[r]);
         }
     }
 }
+#endif
 
 #if COLI_QUANT
 // One quantized weight row: its codes, and its scales and zero points (null without zero points) either staged in
@@ -292,58 +320,24 @@ __device__ __forceinline__ void stage_scales(const st* __restrict__ scales, cons
     }
 }
 
-// acc[j] += dequantized vector . stage[j][h .. h + QEPV_): the vector holds columns c .. c + QEPV_ - 1 (one group).
-__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const float (*stage)[CHUNK_], int h,
-                                          int cnt, float acc[PASS_]) {
-    const int g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
-    const float s = q_scale(r, g);
-    const int z = q_zero(r, g);
-    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int b = 0; b < QEPV_; b += 8) {
-        float f[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int e = b + i;
-#if COLI_QUANT == 2
-            const int q = (int)((w[e / 8] >> (4 * (e % 8))) & 15u) - 8;  // element e: nibble e of the 16 bytes
-#else
-            const int q = (int)(signed char)((w[e / 4] >> (8 * (e % 4))) & 255u);
-#endif
-            f[i] = s * (float)(q - z);
-        }
-#pragma unroll
-        for (int j = 0; j < PASS_; ++j) {
-            if (j < cnt) {
-                float a = acc[j];
-#pragma unroll
-                for (int i = 0; i < 8; ++i) a += f[i] * stage[j][h + b + i];
-                acc[j] = a;
-            }
-        }
-    }
-}
-
-// Code e (0 .. QEPV_ - 1) of a 16-byte vector, in memory order.
+// Code e (0 .. QEPV_ - 1) of a 16-byte vector, in memory order (int4: nibble e, column 2j in the low nibble of byte j).
 __device__ __forceinline__ int q_code_of(const unsigned w[4], int e) {
 #if COLI_QUANT == 2
-    return (int)((w[e / 8] >> (4 * (e % 8))) & 15u) - 8;  // element e: nibble e of the 16 bytes
+    return (int)((w[e / 8] >> (4 * (e % 8))) & 15u) - 8;
 #else
     return (int)(signed char)((w[e / 4] >> (8 * (e % 4))) & 255u);
 #endif
 }
 
-// As q_fma_vec for a vector of an aligned window that sticks out of the chunk or straddles a group boundary: its
-// element e is chunk element h + e (column c0 + h + e), used only when 0 <= h + e < len; a vector of QEPV_ <= GS_
-// columns meets at most two groups.
-__device__ __forceinline__ void q_fma_vec_masked(uint4 raw, const QRow& r, int c0, int h, int len,
-                                                 const float (*stage)[CHUNK_], int cnt, float acc[PASS_]) {
-    const int first = h < 0 ? 0 : h;  // the first element used
-    const int g0 = GS_ == 0 ? 0 : (c0 + first) / (GS_ == 0 ? 1 : GS_);
-    const int split = GS_ == 0 ? len : (g0 + 1) * GS_ - c0;  // chunk element where group g0 + 1 starts
+// acc[j] += dequantized vector . stage[j][h .. h + QEPV_), elements e_lo .. e_hi - 1: element e is column col + e.
+// A vector of QEPV_ <= GS_ columns meets at most two groups (one when it starts on a multiple of QEPV_).
+__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int col, const float (*stage)[SW_], int h,
+                                          int e_lo, int e_hi, int cnt, float acc[PASS_]) {
+    const int g0 = GS_ == 0 ? 0 : (col + e_lo) / (GS_ == 0 ? 1 : GS_);
+    const int split = GS_ == 0 ? QEPV_ : (g0 + 1) * GS_ - col;  // first element of group g0 + 1
     const float s0 = q_scale(r, g0);
     const int z0 = q_zero(r, g0);
-    const bool two = split < len && split < h + QEPV_;
+    const bool two = split < e_hi;
     const float s1 = two ? q_scale(r, g0 + 1) : s0;
     const int z1 = two ? q_zero(r, g0 + 1) : z0;
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -352,8 +346,8 @@ __device__ __forceinline__ void q_fma_vec_masked(uint4 raw, const QRow& r, int c
         float f[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const int e = b + i, q = q_code_of(w, e);
-            f[i] = h + e < split ? s0 * (float)(q - z0) : s1 * (float)(q - z1);
+            const int e = b + i, c = q_code_of(w, e);
+            f[i] = e < split ? s0 * (float)(c - z0) : s1 * (float)(c - z1);
         }
 #pragma unroll
         for (int j = 0; j < PASS_; ++j) {
@@ -361,50 +355,28 @@ __device__ __forceinline__ void q_fma_vec_masked(uint4 raw, const QRow& r, int c
                 float a = acc[j];
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
-                    if (h + b + i >= 0 && h + b + i < len) a += f[i] * stage[j][h + b + i];
+                    if (b + i >= e_lo && b + i < e_hi) a += f[i] * stage[j][h + b + i];
                 acc[j] = a;
             }
         }
     }
 }
 
-// As chunk_dot for quantized rows: columns c0 .. c0 + len - 1 of each row (c0 a multiple of CHUNK_), read through
-// each row's aligned window. An int4 row may start in any byte (never inside one: rows are whole bytes), so a
-// shift of s bytes is 2s columns (int8: s); the padding nibble of an odd int4 row is column `cols`, never in a
-// chunk, so it is masked like the neighbouring row's codes.
+// As chunk_dot for quantized rows.
 template <int NROWS>
-__device__ __forceinline__ void chunk_dot_q(const QRow row[NROWS], int c0, int len, const float (*stage)[CHUNK_],
-                                            int cnt, float acc[NROWS][PASS_]) {
+__device__ __forceinline__ void chunk_dot_q(const Window win[NROWS], const QRow row[NROWS],
+                                            const uint4 raw[NROWS][VPL_], int q, int cols, int margin,
+                                            const float (*stage)[SW_], int cnt, float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
-    const uint4* base[NROWS];
-    int shift[NROWS], nv[NROWS], nvec = 0;
 #pragma unroll
     for (int r = 0; r < NROWS; ++r) {
-        const unsigned long long a = reinterpret_cast<unsigned long long>(row[r].codes + QBYTE_(c0));
-        shift[r] = (int)(a & 15ull) * (COLI_QUANT == 2 ? 2 : 1);  // columns before the chunk in the first vector
-        base[r] = reinterpret_cast<const uint4*>(a & ~15ull);
-        nv[r] = (len + shift[r] + QEPV_ - 1) / QEPV_;
-        nvec = nv[r] > nvec ? nv[r] : nvec;
-    }
-    for (int v = lane; v < nvec; v += 64) {
-        uint4 raw[NROWS][2];
 #pragma unroll
-        for (int r = 0; r < NROWS; ++r) {
-            const uint4 zero = make_uint4(0, 0, 0, 0);
-            raw[r][0] = v < nv[r] ? ld_stream(base[r] + v) : zero;
-            raw[r][1] = v + 32 < nv[r] ? ld_stream(base[r] + v + 32) : zero;
-        }
-#pragma unroll
-        for (int r = 0; r < NROWS; ++r) {
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-                const int k = v + 32 * u, h = k * QEPV_ - shift[r];
-                if (k >= nv[r]) continue;
-                if (shift[r] == 0 && h + QEPV_ <= len)  // one group: chunks start on a group, groups hold vectors
-                    q_fma_vec(raw[r][u], row[r], c0 + k * QEPV_, stage, k * QEPV_, cnt, acc[r]);
-                else
-                    q_fma_vec_masked(raw[r][u], row[r], c0, h, len, stage, cnt, acc[r]);
-            }
+        for (int u = 0; u < VPL_; ++u) {
+            const int i = 32 * u + lane, k = q * NVC_ + i;
+            if (i >= NVC_ || k >= win[r].nv) continue;
+            const int col = k * QEPV_ - win[r].shift, h = i * QEPV_ - win[r].shift + margin;
+            q_fma_vec(raw[r][u], row[r], col, stage, h, col < 0 ? -col : 0, cols - col < QEPV_ ? cols - col : QEPV_,
+                      cnt, acc[r]);
         }
     }
 }
@@ -427,14 +399,15 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
 #endif
 ) {
     __shared__ PairOrder order;
-    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int tokens[PASS_];
+    __shared__ float part[2][T_][WARPS_];  // gate and up dot products of the expert's pairs, summed over chunks
     const int slot = blockIdx.y;
     if (slot >= valid_pairs(valid_tokens)) return;  // at most one expert per valid pair; uniform, before any barrier
     build_order(topk_ids, order);
     if (slot >= order.nused) return;  // uniform
     const int e = order.used[slot], count = order.counts[e], first = order.offsets[e];
-    const int warp = threadIdx.x / 32, n = blockIdx.x * WARPS_ + warp;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n = blockIdx.x * WARPS_ + warp;
     const bool has_row = n < I_;  // warps past the last row still take part in the barriers
     const size_t row = (size_t)e * I_ + (has_row ? n : 0);
 #if COLI_QUANT
@@ -454,41 +427,47 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     }  // visible after the first barrier of the chunk loop below
     const QRow rows[2] = {q_row(gate, gate_scales, gate_zeros, row, H_, s_sh[0], z_sh[0]),
                           q_row(up, up_scales, up_zeros, row, H_, s_sh[1], z_sh[1])};
+    const Window win[2] = {window(rows[0].codes, H_), window(rows[1].codes, H_)};
 #else
-    const size_t row_at = row * H_;
+    const Window win[2] = {window(gate + row * H_, H_), window(up + row * H_, H_)};
 #endif
 
-    for (int g0 = 0; g0 < count; g0 += PASS_) {
-        const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
-        __syncthreads();  // tokens[] of the previous pass fully used
-        if ((int)threadIdx.x < cnt) tokens[threadIdx.x] = order.sorted[first + g0 + threadIdx.x] / K_;
-        float acc[2][PASS_];
-#pragma unroll
-        for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
-        for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
-            const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
-            __syncthreads();  // tokens[] written; the previous chunk fully used
-            stage_rows(x, H_, tokens, cnt, h0, len, stage);
+    // Chunk-major: each chunk of the two rows is loaded once into registers and used by every pass of the expert's
+    // pairs, so an expert's weights are streamed once however many pairs it has.
+    for (int q = 0; q < NCHUNKS_(H_); ++q) {
+        uint4 raw[2][VPL_];
+        if (has_row) load_chunk<2>(win, q, raw);
+        for (int g0 = 0; g0 < count; g0 += PASS_) {
+            const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
+            __syncthreads();  // stage and tokens[] of the previous pass fully used
+            if ((int)threadIdx.x < cnt) tokens[threadIdx.x] = order.sorted[first + g0 + threadIdx.x] / K_;
             __syncthreads();
-            if (has_row) {
-#if COLI_QUANT
-                chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
-#else
-                const wt* chunk[2] = {gate + row_at + h0, up + row_at + h0};
-                chunk_dot<2>(chunk, len, stage, cnt, acc);
-#endif
-            }
-        }
-        if (has_row) {  // uniform per warp
+            stage_rows(x, H_, tokens, cnt, q * CHUNK_ - MARGIN_(H_), stage);
+            __syncthreads();
+            if (has_row) {  // uniform per warp
+                float acc[2][PASS_];
 #pragma unroll
-            for (int j = 0; j < PASS_; ++j) {
-                if (j < cnt) {
-                    const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
-                    if ((threadIdx.x & 31) == 0) act[(size_t)order.sorted[first + g0 + j] * I_ + n] = silu(g) * u;
+                for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
+#if COLI_QUANT
+                chunk_dot_q<2>(win, rows, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
+#else
+                chunk_dot<2>(win, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
+#endif
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) {
+                    if (j < cnt) {
+                        const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
+                        if (lane == 0) {  // the warp's own entries: no barrier needed
+                            part[0][g0 + j][warp] = q == 0 ? g : part[0][g0 + j][warp] + g;
+                            part[1][g0 + j][warp] = q == 0 ? u : part[1][g0 + j][warp] + u;
+                        }
+                    }
                 }
             }
         }
     }
+    if (has_row && lane == 0)
+        for (int j = 0; j < count; ++j) act[(size_t)order.sorted[first + j] * I_ + n] = silu(part[0][j][warp]) * part[1][j][warp];
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS_, 1)
@@ -500,7 +479,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
 #endif
 ) {
     __shared__ PairOrder order;
-    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int pairs[PASS_];
     __shared__ float y[T_][TILE_];
     const int n0 = blockIdx.x * TILE_;
@@ -523,51 +502,55 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             const int nrows = H_ - n0 < TILE_ ? H_ - n0 : TILE_;
             stage_scales(down_scales, down_zeros, (size_t)e * H_ + n0, nrows, QGROUPS_(I_), qs, qz);
         }
-#endif
-        for (int g0 = 0; g0 < count; g0 += PASS_) {
-            const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
-            __syncthreads();  // pairs[] of the previous pass fully used
-            if ((int)threadIdx.x < cnt) pairs[threadIdx.x] = order.sorted[first + g0 + threadIdx.x];
-            float acc[DOWN_ROWS_][PASS_];
+        QRow rows[DOWN_ROWS_];
+        Window win[DOWN_ROWS_];
 #pragma unroll
-            for (int r = 0; r < DOWN_ROWS_; ++r)
-#pragma unroll
-                for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
-            for (int c0 = 0; c0 < I_; c0 += CHUNK_) {
-                const int len = I_ - c0 < CHUNK_ ? I_ - c0 : CHUNK_;
-                __syncthreads();
-                stage_rows(act, I_, pairs, cnt, c0, len, stage);
-                __syncthreads();
-                if (any_row) {
-#if COLI_QUANT
-                    QRow rows[DOWN_ROWS_];
-#pragma unroll
-                    for (int r = 0; r < DOWN_ROWS_; ++r) {
-                        const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
-                        rows[r] = q_row(down, down_scales, down_zeros, (size_t)e * H_ + n, I_,
-                                        QS_DOWN_ ? qs + local * QGROUPS_(I_) : nullptr,
-                                        QS_DOWN_ ? qz + (COLI_ZERO_POINTS ? local * QGROUPS_(I_) : 0) : nullptr);
-                    }
-                    chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
+        for (int r = 0; r < DOWN_ROWS_; ++r) {
+            const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
+            rows[r] = q_row(down, down_scales, down_zeros, (size_t)e * H_ + n, I_,
+                            QS_DOWN_ ? qs + local * QGROUPS_(I_) : nullptr,
+                            QS_DOWN_ ? qz + (COLI_ZERO_POINTS ? local * QGROUPS_(I_) : 0) : nullptr);
+            win[r] = window(rows[r].codes, I_);
+        }
 #else
-                    const wt* chunk[DOWN_ROWS_];
+        Window win[DOWN_ROWS_];
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS_; ++r)
+            win[r] = window(down + ((size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first)) * I_, I_);
+#endif
+        // Chunk-major as in colibri_gate_up_gemv: each chunk of the warp's rows is loaded once for all passes; the
+        // chunk's products are added into y per pair (experts in increasing index, chunks in order: a fixed order).
+        for (int q = 0; q < NCHUNKS_(I_); ++q) {
+            uint4 raw[DOWN_ROWS_][VPL_];
+            if (any_row) load_chunk<DOWN_ROWS_>(win, q, raw);
+            for (int g0 = 0; g0 < count; g0 += PASS_) {
+                const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
+                __syncthreads();  // stage and pairs[] of the previous pass fully used
+                if ((int)threadIdx.x < cnt) pairs[threadIdx.x] = order.sorted[first + g0 + threadIdx.x];
+                __syncthreads();
+                stage_rows(act, I_, pairs, cnt, q * CHUNK_ - MARGIN_(I_), stage);
+                __syncthreads();
+                if (any_row) {  // uniform per warp
+                    float acc[DOWN_ROWS_][PASS_];
 #pragma unroll
                     for (int r = 0; r < DOWN_ROWS_; ++r)
-                        chunk[r] = down + ((size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first)) * I_ + c0;
-                    chunk_dot<DOWN_ROWS_>(chunk, len, stage, cnt, acc);
+#pragma unroll
+                        for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
+#if COLI_QUANT
+                    chunk_dot_q<DOWN_ROWS_>(win, rows, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
+#else
+                    chunk_dot<DOWN_ROWS_>(win, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
 #endif
-                }
-            }
-            if (any_row) {  // uniform per warp
 #pragma unroll
-                for (int j = 0; j < PASS_; ++j) {
-                    if (j < cnt) {
+                    for (int j = 0; j < PASS_; ++j) {
+                        if (j < cnt) {
 #pragma unroll
-                        for (int r = 0; r < DOWN_ROWS_; ++r) {
-                            const float v = warp_sum(acc[r][j]);
-                            if (lane == 0 && n_first + r < H_) {
-                                const int p = pairs[j];
-                                y[p / K_][warp * DOWN_ROWS_ + r] += __ldg(topk_weights + p) * v;
+                            for (int r = 0; r < DOWN_ROWS_; ++r) {
+                                const float v = warp_sum(acc[r][j]);
+                                if (lane == 0 && n_first + r < H_) {
+                                    const int p = pairs[j];
+                                    y[p / K_][warp * DOWN_ROWS_ + r] += __ldg(topk_weights + p) * v;
+                                }
                             }
                         }
                     }
