@@ -79,9 +79,17 @@ typedef wt ws_t;  // stored weight: fp16 bits or fp32
 // expert matrix of a .colibri file starts at a multiple of its row length): no margin.
 #define NVC_ (CHUNK_ / VCOLS_)           // vectors per row per chunk
 #define VPL_ ((NVC_ + 31) / 32)          // of them per lane
+#if COLI_QUANT  // quantized rows: 16-byte loads where a row is aligned, else scalar (chunk_dot_q), no margin
+#define MARGIN_(cols) 0
+#else
 #define MARGIN_(cols) (QROW_BYTES_(cols) % 32 ? 2 * VCOLS_ : 0)
+#endif
 #define NCHUNKS_(cols) (((cols) + (MARGIN_(cols) ? 2 * VCOLS_ - 1 : 0) + CHUNK_ - 1) / CHUNK_)
+#if COLI_QUANT
+#define SW_ CHUNK_                       // staged columns per pair (no margin)
+#else
 #define SW_ (CHUNK_ + 2 * VCOLS_)        // staged columns per pair (margin included)
+#endif
 static_assert(T_ * TILE_ * 4 <= 16 * 1024 && 2 * T_ * WARPS_ * 4 <= 16 * 1024,
               "small_batch: batch*tokens * rows per block * 4 bytes must be <= 16 KiB (lower max_pairs or threads)");
 
@@ -193,6 +201,35 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ src, int ro
     }
 }
 
+#if COLI_QUANT
+// Quantized rows (pass-major loop): rows src[rows[j]] [c0, c0 + len) for j < cnt into stage[j][0 .. len), float4
+// loads where aligned.
+__device__ __forceinline__ void stage_rows_q(const float* __restrict__ src, int row_len, const int* rows, int cnt,
+                                             int c0, int len, float (*stage)[SW_]) {
+    if (row_len % 4 == 0) {
+        const int per_row = (len + 3) / 4;
+        for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
+            const int j = i / per_row, c = (i % per_row) * 4;
+            const float* row = src + (size_t)rows[j] * row_len + c0;
+            if (c + 4 <= len) {
+                const float4 v = __ldg(reinterpret_cast<const float4*>(row + c));
+                stage[j][c] = v.x;
+                stage[j][c + 1] = v.y;
+                stage[j][c + 2] = v.z;
+                stage[j][c + 3] = v.w;
+            } else {
+                for (int q = c; q < len; ++q) stage[j][q] = __ldg(row + q);
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < cnt * len; i += THREADS_) {
+            const int j = i / len, c = i % len;
+            stage[j][c] = __ldg(src + (size_t)rows[j] * row_len + c0 + c);
+        }
+    }
+}
+#endif
+
 // The aligned window of a weight row (its codes for int8/int4): vector k holds columns k*VCOLS_ - shift ..
 // k*VCOLS_ - shift + VCOLS_ - 1; nv vectors cover the row. It reads at most 31 bytes before the row (inside the
 // weights buffer, which starts 256-byte aligned) and 15 after it (the weights allocation has
@@ -203,11 +240,7 @@ struct Window {
 };
 __device__ __forceinline__ Window window(const void* row, int cols) {
     const unsigned long long a = reinterpret_cast<unsigned long long>(row);
-#if COLI_QUANT
-    const int shift = (int)(a & 31ull) * (COLI_QUANT == 2 ? 2 : 1);  // int4: two columns a byte (rows are whole bytes)
-#else
     const int shift = (int)(a & 31ull) / (int)sizeof(wt);
-#endif
     return Window{reinterpret_cast<const uint4*>(a & ~31ull), shift, (cols + shift + VCOLS_ - 1) / VCOLS_};
 }
 
@@ -320,63 +353,85 @@ __device__ __forceinline__ void stage_scales(const st* __restrict__ scales, cons
     }
 }
 
-// Code e (0 .. QEPV_ - 1) of a 16-byte vector, in memory order (int4: nibble e, column 2j in the low nibble of byte j).
-__device__ __forceinline__ int q_code_of(const unsigned w[4], int e) {
+// Code of column c of a row (scalar path).
+__device__ __forceinline__ int q_code(const QRow& r, int c) {
 #if COLI_QUANT == 2
-    return (int)((w[e / 8] >> (4 * (e % 8))) & 15u) - 8;
+    const unsigned b = __ldg(r.codes + c / 2);
+    return (int)((c & 1) ? b >> 4 : b & 15u) - 8;
 #else
-    return (int)(signed char)((w[e / 4] >> (8 * (e % 4))) & 255u);
+    return (int)(signed char)__ldg(r.codes + c);
 #endif
 }
 
-// acc[j] += dequantized vector . stage[j][h .. h + QEPV_), elements e_lo .. e_hi - 1: element e is column col + e.
-// A vector of QEPV_ <= GS_ columns meets at most two groups (one when it starts on a multiple of QEPV_).
-__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int col, const float (*stage)[SW_], int h,
-                                          int e_lo, int e_hi, int cnt, float acc[PASS_]) {
-    const int g0 = GS_ == 0 ? 0 : (col + e_lo) / (GS_ == 0 ? 1 : GS_);
-    const int split = GS_ == 0 ? QEPV_ : (g0 + 1) * GS_ - col;  // first element of group g0 + 1
-    const float s0 = q_scale(r, g0);
-    const int z0 = q_zero(r, g0);
-    const bool two = split < e_hi;
-    const float s1 = two ? q_scale(r, g0 + 1) : s0;
-    const int z1 = two ? q_zero(r, g0 + 1) : z0;
+// acc[j] += dequantized vector . stage[j][h .. h + QEPV_): the vector holds columns c .. c + QEPV_ - 1 (one group).
+__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const float (*stage)[SW_], int h,
+                                          int cnt, float acc[PASS_]) {
+    const int g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
+    const float s = q_scale(r, g);
+    const int z = q_zero(r, g);
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int b = 0; b < QEPV_; b += 8) {
         float f[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const int e = b + i, c = q_code_of(w, e);
-            f[i] = e < split ? s0 * (float)(c - z0) : s1 * (float)(c - z1);
+            const int e = b + i;
+#if COLI_QUANT == 2
+            const int q = (int)((w[e / 8] >> (4 * (e % 8))) & 15u) - 8;  // element e: nibble e of the 16 bytes
+#else
+            const int q = (int)(signed char)((w[e / 4] >> (8 * (e % 4))) & 255u);
+#endif
+            f[i] = s * (float)(q - z);
         }
 #pragma unroll
         for (int j = 0; j < PASS_; ++j) {
             if (j < cnt) {
                 float a = acc[j];
 #pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    if (b + i >= e_lo && b + i < e_hi) a += f[i] * stage[j][h + b + i];
+                for (int i = 0; i < 8; ++i) a += f[i] * stage[j][h + b + i];
                 acc[j] = a;
             }
         }
     }
 }
 
-// As chunk_dot for quantized rows.
+// As chunk_dot for quantized rows: columns c0 .. c0 + len - 1 of each row (c0 a multiple of CHUNK_).
 template <int NROWS>
-__device__ __forceinline__ void chunk_dot_q(const Window win[NROWS], const QRow row[NROWS],
-                                            const uint4 raw[NROWS][VPL_], int q, int cols, int margin,
-                                            const float (*stage)[SW_], int cnt, float acc[NROWS][PASS_]) {
+__device__ __forceinline__ void chunk_dot_q(const QRow row[NROWS], int c0, int len, const float (*stage)[SW_],
+                                            int cnt, float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
+    bool aligned = true;
 #pragma unroll
-    for (int r = 0; r < NROWS; ++r) {
+    for (int r = 0; r < NROWS; ++r)
+        aligned &= (reinterpret_cast<unsigned long long>(row[r].codes + QBYTE_(c0)) & 15ull) == 0;
+    int scalar_from = 0;
+    if (aligned) {
+        const int nvec = len / QEPV_;
+        for (int v = lane; v < nvec; v += 64) {
+            const bool second = v + 32 < nvec;
+            uint4 raw[NROWS][2];
 #pragma unroll
-        for (int u = 0; u < VPL_; ++u) {
-            const int i = 32 * u + lane, k = q * NVC_ + i;
-            if (i >= NVC_ || k >= win[r].nv) continue;
-            const int col = k * QEPV_ - win[r].shift, h = i * QEPV_ - win[r].shift + margin;
-            q_fma_vec(raw[r][u], row[r], col, stage, h, col < 0 ? -col : 0, cols - col < QEPV_ ? cols - col : QEPV_,
-                      cnt, acc[r]);
+            for (int r = 0; r < NROWS; ++r) {
+                const uint4* p = reinterpret_cast<const uint4*>(row[r].codes + QBYTE_(c0));
+                raw[r][0] = ld_stream(p + v);
+                raw[r][1] = second ? ld_stream(p + v + 32) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int r = 0; r < NROWS; ++r) {
+                q_fma_vec(raw[r][0], row[r], c0 + v * QEPV_, stage, v * QEPV_, cnt, acc[r]);
+                if (second) q_fma_vec(raw[r][1], row[r], c0 + (v + 32) * QEPV_, stage, (v + 32) * QEPV_, cnt, acc[r]);
+            }
+        }
+        scalar_from = nvec * QEPV_;
+    }
+    for (int h = scalar_from + lane; h < len; h += 32) {
+        const int c = c0 + h, g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
+#pragma unroll
+        for (int r = 0; r < NROWS; ++r) {
+            const float w = q_scale(row[r], g) * (float)(q_code(row[r], c) - q_zero(row[r], g));
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j)
+                if (j < cnt) acc[r][j] += w * stage[j][h];
         }
     }
 }
@@ -401,7 +456,9 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int tokens[PASS_];
+#if !COLI_QUANT
     __shared__ float part[2][T_][WARPS_];  // gate and up dot products of the expert's pairs, summed over chunks
+#endif
     const int slot = blockIdx.y;
     if (slot >= valid_pairs(valid_tokens)) return;  // at most one expert per valid pair; uniform, before any barrier
     build_order(topk_ids, order);
@@ -427,11 +484,41 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     }  // visible after the first barrier of the chunk loop below
     const QRow rows[2] = {q_row(gate, gate_scales, gate_zeros, row, H_, s_sh[0], z_sh[0]),
                           q_row(up, up_scales, up_zeros, row, H_, s_sh[1], z_sh[1])};
-    const Window win[2] = {window(rows[0].codes, H_), window(rows[1].codes, H_)};
+
 #else
     const Window win[2] = {window(gate + row * H_, H_), window(up + row * H_, H_)};
 #endif
 
+#if COLI_QUANT
+    // Quantized rows keep the pass-major loop (an expert with more than PASS_ pairs streams its rows once per PASS_
+    // pairs): the chunk-major loop below needs more than the 64 registers of a 1024-thread block.
+    for (int g0 = 0; g0 < count; g0 += PASS_) {
+        const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
+        __syncthreads();  // tokens[] of the previous pass fully used
+        if ((int)threadIdx.x < cnt) tokens[threadIdx.x] = order.sorted[first + g0 + threadIdx.x] / K_;
+        float acc[2][PASS_];
+#pragma unroll
+        for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
+        for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
+            const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
+            __syncthreads();  // tokens[] written; the previous chunk fully used
+            stage_rows_q(x, H_, tokens, cnt, h0, len, stage);
+            __syncthreads();
+            if (has_row) {
+                chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
+            }
+        }
+        if (has_row) {  // uniform per warp
+#pragma unroll
+            for (int j = 0; j < PASS_; ++j) {
+                if (j < cnt) {
+                    const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
+                    if (lane == 0) act[(size_t)order.sorted[first + g0 + j] * I_ + n] = silu(g) * u;
+                }
+            }
+        }
+    }
+#else
     // Chunk-major: each chunk of the two rows is loaded once into registers and used by every pass of the expert's
     // pairs, so an expert's weights are streamed once however many pairs it has.
     for (int q = 0; q < NCHUNKS_(H_); ++q) {
@@ -448,11 +535,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
                 float acc[2][PASS_];
 #pragma unroll
                 for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
-#if COLI_QUANT
-                chunk_dot_q<2>(win, rows, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
-#else
                 chunk_dot<2>(win, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
-#endif
 #pragma unroll
                 for (int j = 0; j < PASS_; ++j) {
                     if (j < cnt) {
@@ -468,6 +551,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     }
     if (has_row && lane == 0)
         for (int j = 0; j < count; ++j) act[(size_t)order.sorted[first + j] * I_ + n] = silu(part[0][j][warp]) * part[1][j][warp];
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS_, 1)
@@ -481,6 +565,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int pairs[PASS_];
+    __shared__ float wts[PASS_];  // their routing weights
     __shared__ float y[T_][TILE_];
     const int n0 = blockIdx.x * TILE_;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -502,22 +587,62 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             const int nrows = H_ - n0 < TILE_ ? H_ - n0 : TILE_;
             stage_scales(down_scales, down_zeros, (size_t)e * H_ + n0, nrows, QGROUPS_(I_), qs, qz);
         }
-        QRow rows[DOWN_ROWS_];
-        Window win[DOWN_ROWS_];
+        // The rows' scale pointers are rebuilt where they are used (q_rows), not held across the chunk loop.
+        auto q_rows = [&](QRow rows[DOWN_ROWS_]) {
 #pragma unroll
-        for (int r = 0; r < DOWN_ROWS_; ++r) {
-            const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
-            rows[r] = q_row(down, down_scales, down_zeros, (size_t)e * H_ + n, I_,
-                            QS_DOWN_ ? qs + local * QGROUPS_(I_) : nullptr,
-                            QS_DOWN_ ? qz + (COLI_ZERO_POINTS ? local * QGROUPS_(I_) : 0) : nullptr);
-            win[r] = window(rows[r].codes, I_);
-        }
+            for (int r = 0; r < DOWN_ROWS_; ++r) {
+                const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
+                rows[r] = q_row(down, down_scales, down_zeros, (size_t)e * H_ + n, I_,
+                                QS_DOWN_ ? qs + local * QGROUPS_(I_) : nullptr,
+                                QS_DOWN_ ? qz + (COLI_ZERO_POINTS ? local * QGROUPS_(I_) : 0) : nullptr);
+            }
+        };
 #else
         Window win[DOWN_ROWS_];
 #pragma unroll
         for (int r = 0; r < DOWN_ROWS_; ++r)
             win[r] = window(down + ((size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first)) * I_, I_);
 #endif
+#if COLI_QUANT
+        // Quantized rows keep the pass-major loop (as colibri_gate_up_gemv).
+        for (int g0 = 0; g0 < count; g0 += PASS_) {
+            const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
+            __syncthreads();  // pairs[] of the previous pass fully used
+            if ((int)threadIdx.x < cnt) {
+                const int p = order.sorted[first + g0 + threadIdx.x];
+                pairs[threadIdx.x] = p;
+                wts[threadIdx.x] = __ldg(topk_weights + p);
+            }
+            float acc[DOWN_ROWS_][PASS_];
+#pragma unroll
+            for (int r = 0; r < DOWN_ROWS_; ++r)
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
+            for (int c0 = 0; c0 < I_; c0 += CHUNK_) {
+                const int len = I_ - c0 < CHUNK_ ? I_ - c0 : CHUNK_;
+                __syncthreads();
+                stage_rows_q(act, I_, pairs, cnt, c0, len, stage);
+                __syncthreads();
+                if (any_row) {
+                    QRow rows[DOWN_ROWS_];
+                    q_rows(rows);
+                    chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
+                }
+            }
+            if (any_row) {  // uniform per warp
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) {
+                    if (j < cnt) {
+#pragma unroll
+                        for (int r = 0; r < DOWN_ROWS_; ++r) {
+                            const float v = warp_sum(acc[r][j]);
+                            if (lane == 0 && n_first + r < H_) y[pairs[j] / K_][warp * DOWN_ROWS_ + r] += wts[j] * v;
+                        }
+                    }
+                }
+            }
+        }
+#else
         // Chunk-major as in colibri_gate_up_gemv: each chunk of the warp's rows is loaded once for all passes; the
         // chunk's products are added into y per pair (experts in increasing index, chunks in order: a fixed order).
         for (int q = 0; q < NCHUNKS_(I_); ++q) {
@@ -526,7 +651,11 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             for (int g0 = 0; g0 < count; g0 += PASS_) {
                 const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
                 __syncthreads();  // stage and pairs[] of the previous pass fully used
-                if ((int)threadIdx.x < cnt) pairs[threadIdx.x] = order.sorted[first + g0 + threadIdx.x];
+                if ((int)threadIdx.x < cnt) {
+                    const int p = order.sorted[first + g0 + threadIdx.x];
+                    pairs[threadIdx.x] = p;
+                    wts[threadIdx.x] = __ldg(topk_weights + p);
+                }
                 __syncthreads();
                 stage_rows(act, I_, pairs, cnt, q * CHUNK_ - MARGIN_(I_), stage);
                 __syncthreads();
@@ -536,11 +665,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                     for (int r = 0; r < DOWN_ROWS_; ++r)
 #pragma unroll
                         for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
-#if COLI_QUANT
-                    chunk_dot_q<DOWN_ROWS_>(win, rows, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
-#else
                     chunk_dot<DOWN_ROWS_>(win, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
-#endif
 #pragma unroll
                     for (int j = 0; j < PASS_; ++j) {
                         if (j < cnt) {
@@ -549,7 +674,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                                 const float v = warp_sum(acc[r][j]);
                                 if (lane == 0 && n_first + r < H_) {
                                     const int p = pairs[j];
-                                    y[p / K_][warp * DOWN_ROWS_ + r] += __ldg(topk_weights + p) * v;
+                                    y[p / K_][warp * DOWN_ROWS_ + r] += wts[j] * v;
                                 }
                             }
                         }
@@ -557,6 +682,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                 }
             }
         }
+#endif
     }
     __syncthreads();
     for (int i = threadIdx.x; i < T_ * TILE_; i += THREADS_) {
