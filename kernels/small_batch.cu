@@ -5,23 +5,25 @@
 //
 // colibri_gate_up_gemv — grid (ceil(intermediate / WARPS), min(experts, tokens*k)), block (COLI_SMALL_BATCH_THREADS).
 //   Block (c, s) takes the s-th expert e selected by a valid token (increasing expert index; slots past the last
-//   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. The hidden dimension is walked
-//   in chunks of CHUNK_ elements: the x rows of up to PASS_ pairs routed to e are staged in shared memory (float4
-//   loads, consecutive lanes on consecutive 16 bytes), then each warp streams row n of gate[e] and of up[e] in one
-//   loop, 16-byte loads (two per row stream per lane in flight, L1 bypassed):
+//   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. Float weights, chunk-major: for
+//   each chunk of CHUNK_ columns each warp loads its part of row n of gate[e] and of up[e] into registers (16-byte
+//   loads, two per row per lane in flight, L1 bypassed), then for each group of PASS_ pairs routed to e (8; 4 above
+//   512 threads) their x rows of the chunk are staged in shared memory and multiplied; chunk sums go to a shared
+//   partial per (pair, row), so every weight byte is streamed once:
 //       act[p, n] = silu(gate[e, n, :] . x[p / k, :]) * (up[e, n, :] . x[p / k, :])       only pairs p routed to e
-//   An expert with more than PASS_ pairs (8; 4 above 512 threads) streams its rows once per PASS_ pairs.
+//   Quantized weights, pass-major: for each group of PASS_ pairs the chunks are streamed (once per group).
 // colibri_down_gemv — grid (ceil(hidden / (ROWS*WARPS))), same block; ROWS = 2 (1 above 512 threads). Rows
 //   n0 .. n0 + ROWS*WARPS - 1 of the layer output, ROWS consecutive hidden rows per warp. For every selected expert
-//   in increasing index, the act rows of its pairs are staged like x above and each warp streams its rows of down[e]:
+//   in increasing index, its rows of down[e] are streamed and the act rows of its pairs staged as above:
 //       y[p / k, n] += topk_weights[p] * (down[e, n, :] . act[p, :])        (shared memory, one writer per element)
 //   then x_next[t, n] = x[t, n] + y[t, n] (COLI_RESIDUAL) or y[t, n] for every token. The slots of a token are summed
 //   in increasing expert index, a fixed order: bitwise deterministic, no atomics, no aggregate kernel, in both
 //   aggregation modes. Padded tokens (NO_EXPERT) get y = 0.
 //
-// Loads: a weight row is read with 16-byte vector loads when its address is 16-byte aligned (hidden and
-// intermediate sizes a multiple of 8 fp16 / 4 fp32), with a scalar tail; else with scalar loads. Lane sums are
-// combined with an xor butterfly in a fixed order: deterministic bits.
+// Loads: a float weight row of any length and start is read with 16-byte vector loads through its aligned window
+// (Window, chunk_dot: from its start rounded down to 32 bytes, the bytes outside the row masked); quantized rows
+// with 16-byte loads when their start is 16-byte aligned, else scalar. Lane sums are combined with an xor butterfly
+// in a fixed order, then chunks in order: deterministic bits.
 // Quantized weights (COLI_QUANT 1 int8, 2 int4; docs/format.md "Matrix storage"): a row holds codes (int8 bytes, or
 // int4 nibbles q+8 with column 2j in the low nibble of byte j), its scales (one per COLI_GROUP_SIZE columns along
 // the reduction dimension, 0 = one per row, the last group partial) and, with COLI_ZERO_POINTS, int8 zero points,
@@ -230,7 +232,7 @@ __device__ __forceinline__ void stage_rows_q(const float* __restrict__ src, int 
 }
 #endif
 
-// The aligned window of a weight row (its codes for int8/int4): vector k holds columns k*VCOLS_ - shift ..
+// The aligned window of a float weight row: vector k holds columns k*VCOLS_ - shift ..
 // k*VCOLS_ - shift + VCOLS_ - 1; nv vectors cover the row. It reads at most 31 bytes before the row (inside the
 // weights buffer, which starts 256-byte aligned) and 15 after it (the weights allocation has
 // catalog.WEIGHTS_TAIL_BYTES more); the columns outside the row are masked.
