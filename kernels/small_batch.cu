@@ -182,10 +182,12 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ src, int ro
         constexpr int per_row = SW_ / 4;
         for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
             const int j = i / per_row, c = (i % per_row) * 4, col = c0 + c;
-            float4 v;
-            v.x = v.y = v.z = v.w = 0.0f;
-            if (col >= 0 && col < row_len)
-                v = __ldg(reinterpret_cast<const float4*>(src + (size_t)rows[j] * row_len + col));
+            // Columns outside the row load the nearest in-row vector (the same sector as a neighbouring lane's) and
+            // store zeros: every lane of a warp executes the load, so the access model sees one instruction.
+            const bool in_row = col >= 0 && col < row_len;
+            const int at = col < 0 ? 0 : col < row_len ? col : row_len - 4;
+            float4 v = __ldg(reinterpret_cast<const float4*>(src + (size_t)rows[j] * row_len + at));
+            if (!in_row) v.x = v.y = v.z = v.w = 0.0f;
             stage[j][c] = v.x;
             stage[j][c + 1] = v.y;
             stage[j][c + 2] = v.z;
@@ -198,7 +200,17 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ src, int ro
             const long long first = (long long)rows[j] * row_len + c0;  // element of stage column 0
             const int off = (int)(((first % 8) + 8) % 8);                // its place in a 32-byte sector
             const int c = t - off, col = c0 + c;
-            if (c >= 0 && c < SW_) stage[j][c] = col >= 0 && col < row_len ? __ldg(src + first + c) : 0.0f;
+            // The staged columns of the row: [lo, hi]. A run (32 lanes) with any of them loads for every lane, at the
+            // nearest of them (same sector), so that a warp's lanes stay one instruction in the access model.
+            const int lo = c0 > 0 ? c0 : 0, hi = (c0 + SW_ < row_len ? c0 + SW_ : row_len) - 1;
+            const int run = c0 - off + (t & ~31);  // column of the run's first lane
+            if (run <= hi && run + 31 >= lo) {
+                const int at = col < lo ? lo : col > hi ? hi : col;
+                const float v = __ldg(src + (size_t)rows[j] * row_len + at);
+                if (c >= 0 && c < SW_) stage[j][c] = col == at ? v : 0.0f;
+            } else if (c >= 0 && c < SW_) {
+                stage[j][c] = 0.0f;
+            }
         }
     }
 }
