@@ -283,13 +283,17 @@ __device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
-#ifndef COLI_CPU_EMULATION
+#ifdef COLI_CPU_EMULATION
+    coli_emu_cp_async_commit();
+#else
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-#ifndef COLI_CPU_EMULATION
+#ifdef COLI_CPU_EMULATION
+    coli_emu_cp_async_wait(N);
+#else
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
@@ -316,33 +320,53 @@ __device__ __forceinline__ unsigned half_pair(const unsigned short* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
+#define TC_STAGES_ 3  // weight stages in flight: cp.async groups issued TC_STAGES_ - 1 stages ahead of the mma
+
+// Issue stage kt of the weight tiles into buffer ws[kt % TC_STAGES_] (cp_async16; zeros past the matrix, stored
+// directly) and commit it as one group. Every thread of the block calls it.
+template <int NMAT>
+__device__ __forceinline__ void tc_issue_stage(const wt* const w[NMAT], int n_total, int n0, int klen, int kt,
+                                               unsigned short (*ws)[NMAT][TC_BN_][TC_PITCH_]) {
+    const int k0 = kt * TC_BK_, buf = kt % TC_STAGES_;
+    for (int i = threadIdx.x; i < TC_BN_ * (TC_BK_ / 8); i += TC_THREADS_) {
+        const int r = i / (TC_BK_ / 8), v = (i % (TC_BK_ / 8)) * 8, col = n0 + r, k = k0 + v;
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m) {
+            if (col < n_total && k < klen) {
+                cp_async16(&ws[buf][m][r][v], w[m] + (size_t)col * klen + k);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; ++q) ws[buf][m][r][v + q] = 0;
+            }
+        }
+    }
+}
+
 // acc[m] += A · W_m^T over the whole reduction dimension, for one tile of 16 rows and TC_BN_ columns per block.
 //   A row r (r < 16): src[rows[r] * klen .. + klen) in fp32 (rows[r] < 0: a zero row), split into hi + lo fp16
 //   (hi = fp16(a), lo = fp16(a - hi): the two products carry about 22 bits of a, so the result is close to fp32);
 //   W_m: NMAT fp16 matrices (n_total, klen) row-major, columns n0 .. n0 + TC_BN_ - 1 of the output, copied to shared
-//   memory with cp_async16 (klen a multiple of 8, rows 16-byte aligned).
+//   memory with cp_async16 (klen a multiple of 8, rows 16-byte aligned) in a TC_STAGES_-stage pipeline: while stage
+//   kt is multiplied, the copies of stages kt + 1 .. kt + TC_STAGES_ - 1 are in flight (one commit group per stage,
+//   an empty group past the last stage so that cp_async_wait<TC_STAGES_ - 1> always retires exactly stage kt).
 // Warp w owns output columns n0 + 8w .. n0 + 8w + 7; acc[m][i] is D[g + 8*(i/2)][2c + i%2] of its 16x8 tile
 // (common.cuh mma_m16n8k16). Every thread of the block calls it (it has barriers).
 template <int NMAT>
 __device__ __forceinline__ void tc_tile(const float* __restrict__ src, const int* rows, const wt* const w[NMAT],
                                         int n_total, int n0, int klen, float acc[NMAT][4],
                                         unsigned short (*a_hi)[TC_PITCH_], unsigned short (*a_lo)[TC_PITCH_],
-                                        unsigned short (*ws)[TC_BN_][TC_PITCH_]) {
+                                        unsigned short (*ws)[NMAT][TC_BN_][TC_PITCH_]) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, g = lane / 4, c = lane % 4;
-    for (int k0 = 0; k0 < klen; k0 += TC_BK_) {
-        __syncthreads();  // the previous stage fully used
-        for (int i = tid; i < TC_BN_ * (TC_BK_ / 8); i += TC_THREADS_) {
-            const int r = i / (TC_BK_ / 8), v = (i % (TC_BK_ / 8)) * 8, col = n0 + r, k = k0 + v;
+    const int stages = (klen + TC_BK_ - 1) / TC_BK_;
 #pragma unroll
-            for (int m = 0; m < NMAT; ++m) {
-                if (col < n_total && k < klen) {
-                    cp_async16(&ws[m][r][v], w[m] + (size_t)col * klen + k);
-                } else {
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) ws[m][r][v + q] = 0;
-                }
-            }
-        }
+    for (int s = 0; s < TC_STAGES_ - 1; ++s) {  // prologue: the first TC_STAGES_ - 1 stages
+        if (s < stages) tc_issue_stage<NMAT>(w, n_total, n0, klen, s, ws);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < stages; ++kt) {
+        const int k0 = kt * TC_BK_, buf = kt % TC_STAGES_;
+        __syncthreads();  // stage kt - 1 fully used: its buffer and a_hi / a_lo may be overwritten
+        if (kt + TC_STAGES_ - 1 < stages) tc_issue_stage<NMAT>(w, n_total, n0, klen, kt + TC_STAGES_ - 1, ws);
         cp_async_commit();
         for (int i = tid; i < 16 * TC_BK_; i += TC_THREADS_) {
             const int r = i / TC_BK_, kk = i % TC_BK_, k = k0 + kk;
@@ -351,8 +375,8 @@ __device__ __forceinline__ void tc_tile(const float* __restrict__ src, const int
             a_hi[r][kk] = hi;
             a_lo[r][kk] = float_to_half_bits(a - wt_to_float(hi));
         }
-        cp_async_wait<0>();
-        __syncthreads();
+        cp_async_wait<TC_STAGES_ - 1>();  // this thread's copies of stage kt have landed
+        __syncthreads();                  // everyone's
 #pragma unroll
         for (int kb = 0; kb < TC_BK_; kb += 16) {
             const unsigned hi[4] = {half_pair(&a_hi[g][kb + 2 * c]), half_pair(&a_hi[g + 8][kb + 2 * c]),
@@ -361,13 +385,14 @@ __device__ __forceinline__ void tc_tile(const float* __restrict__ src, const int
                                     half_pair(&a_lo[g][kb + 2 * c + 8]), half_pair(&a_lo[g + 8][kb + 2 * c + 8])};
 #pragma unroll
             for (int m = 0; m < NMAT; ++m) {
-                const unsigned b[2] = {half_pair(&ws[m][warp * 8 + g][kb + 2 * c]),
-                                       half_pair(&ws[m][warp * 8 + g][kb + 2 * c + 8])};
+                const unsigned b[2] = {half_pair(&ws[buf][m][warp * 8 + g][kb + 2 * c]),
+                                       half_pair(&ws[buf][m][warp * 8 + g][kb + 2 * c + 8])};
                 mma_m16n8k16(acc[m], hi, b, acc[m]);
                 mma_m16n8k16(acc[m], lo, b, acc[m]);
             }
         }
     }
+    cp_async_wait<0>();  // no copy outlives the block (the trailing groups are empty)
 }
 
 // ---- integer codes → fp16 mma operands (kernels/expert_quant_tc.cu) -----------------------------------------------

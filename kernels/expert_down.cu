@@ -132,7 +132,7 @@ colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, cons
 #endif
     __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
-    __shared__ __align__(16) unsigned short ws[1][TC_BN_][TC_PITCH_];
+    __shared__ __align__(16) unsigned short ws[TC_STAGES_][1][TC_BN_][TC_PITCH_];
     __shared__ int pairs[16];
     const int b = blockIdx.x;
     const int e = __ldg(block_experts + b);

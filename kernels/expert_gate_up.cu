@@ -121,7 +121,7 @@ colibri_gate_up_tc(const float* __restrict__ x, const wt* __restrict__ gate, con
 #endif
     __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
-    __shared__ __align__(16) unsigned short ws[2][TC_BN_][TC_PITCH_];
+    __shared__ __align__(16) unsigned short ws[TC_STAGES_][2][TC_BN_][TC_PITCH_];
     __shared__ int pairs[16], rows[16];
     const int b = blockIdx.x;
     const int e = __ldg(block_experts + b);

@@ -5,16 +5,17 @@
 //
 // colibri_gate_up_gemv — grid (ceil(intermediate / WARPS), min(experts, tokens*k)), block (COLI_SMALL_BATCH_THREADS).
 //   Block (c, s) takes the s-th expert e selected by a valid token (increasing expert index; slots past the last
-//   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. The hidden dimension is walked
-//   in chunks of CHUNK_ elements: the x rows of up to PASS_ pairs routed to e are staged in shared memory (float4
-//   loads, consecutive lanes on consecutive 16 bytes), then each warp streams row n of gate[e] and of up[e] in one
-//   loop, 16-byte loads (two per row stream per lane in flight, L1 bypassed):
+//   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. Float weights, chunk-major: for
+//   each chunk of CHUNK_ columns each warp loads its part of row n of gate[e] and of up[e] into registers (16-byte
+//   loads, two per row per lane in flight, L1 bypassed), then for each group of PASS_ pairs routed to e (8; 4 above
+//   512 threads) their x rows of the chunk are staged in shared memory and multiplied; chunk sums go to a shared
+//   partial per (pair, row), so every weight byte is streamed once:
 //       act[p, n] = silu(gate[e, n, :] . x[p / k, :]) * (up[e, n, :] . x[p / k, :])       only pairs p routed to e
 //   (with biases and the clamped SwiGLU when the file has them: common.cuh gate_up_epilogue)
-//   An expert with more than PASS_ pairs (8; 4 above 512 threads) streams its rows once per PASS_ pairs.
+//   Quantized weights, pass-major: for each group of PASS_ pairs the chunks are streamed (once per group).
 // colibri_down_gemv — grid (ceil(hidden / (ROWS*WARPS))), same block; ROWS = 2 (1 above 512 threads). Rows
 //   n0 .. n0 + ROWS*WARPS - 1 of the layer output, ROWS consecutive hidden rows per warp. For every selected expert
-//   in increasing index, the act rows of its pairs are staged like x above and each warp streams its rows of down[e]:
+//   in increasing index, its rows of down[e] are streamed and the act rows of its pairs staged as above:
 //       y[p / k, n] += topk_weights[p] * (down[e, n, :] . act[p, :])        (shared memory, one writer per element)
 //   then x_next[t, n] = x[t, n] + y[t, n] (COLI_RESIDUAL) or y[t, n] for every token. The slots of a token are summed
 //   in increasing expert index, a fixed order: bitwise deterministic, no atomics, no aggregate kernel, in both
@@ -25,9 +26,10 @@
 // The expert epilogue (biases, clamped SwiGLU; common.cuh gate_up_epilogue / down_epilogue) follows COLI_EXPERT_BIAS
 //   and COLI_ACTIVATION; the bias blocks are extra arguments after the quantized ones.
 //
-// Loads: a weight row is read with 16-byte vector loads when its address is 16-byte aligned (hidden and
-// intermediate sizes a multiple of 8 fp16 / 4 fp32), with a scalar tail; else with scalar loads. Lane sums are
-// combined with an xor butterfly in a fixed order: deterministic bits.
+// Loads: a float weight row of any length and start is read with 16-byte vector loads through its aligned window
+// (Window, chunk_dot: from its start rounded down to 32 bytes, the bytes outside the row masked); quantized rows
+// with 16-byte loads when their start is 16-byte aligned, else scalar. Lane sums are combined with an xor butterfly
+// in a fixed order, then chunks in order: deterministic bits.
 // Quantized weights (COLI_QUANT 1 int8, 2 int4; docs/format.md "Matrix storage"): a row holds codes (int8 bytes, or
 // int4 nibbles q+8 with column 2j in the low nibble of byte j), its scales (one per COLI_GROUP_SIZE columns along
 // the reduction dimension, 0 = one per row, the last group partial) and, with COLI_ZERO_POINTS, int8 zero points,
@@ -46,13 +48,14 @@
 // blocks of more than 512 threads have 64 registers per thread, so they take half.
 #define PASS_ (THREADS_ > 512 ? 4 : 8)
 #define DOWN_ROWS_ (THREADS_ > 512 ? 1 : 2)
-#define CHUNK_ 512  // elements of the reduction dimension staged per step
 #define TILE_ (WARPS_ * DOWN_ROWS_)
 #define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");
 #if COLI_QUANT
 #define QEPV_ (COLI_QUANT == 2 ? 32 : 16)  // codes per 16-byte vector
+#define VCOLS_ QEPV_
+#define CHUNK_ 512  // columns of the reduction dimension staged per step: 32 (int8) or 16 (int4) vectors per row
 #define GS_ COLI_GROUP_SIZE
 #define QROW_BYTES_(cols) (COLI_QUANT == 2 ? ((cols) + 1) / 2 : (cols))
 #define QGROUPS_(cols) (GS_ == 0 ? 1 : ((cols) + GS_ - 1) / GS_)
@@ -72,8 +75,30 @@ __device__ __forceinline__ float st_to_float(st v) { return v; }
 #endif
 #else
 typedef wt ws_t;  // stored weight: fp16 bits or fp32
+#define VCOLS_ VEC_
+#define CHUNK_ (64 * VEC_)  // columns staged per step: 64 vectors per row, two per lane (fp16 512, fp32 256)
+#define QROW_BYTES_(cols) ((cols) * (int)sizeof(wt))
 #endif
-static_assert(T_ * TILE_ * 4 <= 16 * 1024,
+// A weight row is read through its aligned window (chunk_dot): the 16-byte vectors from its start rounded down to 32
+// bytes (a sector, so that a warp's 32 vectors touch 16 whole sectors). A row of `cols` columns whose byte length is
+// not a multiple of 32 may start up to 31 bytes (< 2 * VCOLS_ columns) into its window (a shift); the staged
+// activations then begin MARGIN_(cols) = 2 * VCOLS_ columns before each chunk, and the row takes NCHUNKS_(cols)
+// chunks of CHUNK_ / VCOLS_ vectors. Rows of whole sectors start 32-byte aligned (the weights buffer does; every
+// expert matrix of a .colibri file starts at a multiple of its row length): no margin.
+#define NVC_ (CHUNK_ / VCOLS_)           // vectors per row per chunk
+#define VPL_ ((NVC_ + 31) / 32)          // of them per lane
+#if COLI_QUANT  // quantized rows: 16-byte loads where a row is aligned, else scalar (chunk_dot_q), no margin
+#define MARGIN_(cols) 0
+#else
+#define MARGIN_(cols) (QROW_BYTES_(cols) % 32 ? 2 * VCOLS_ : 0)
+#endif
+#define NCHUNKS_(cols) (((cols) + (MARGIN_(cols) ? 2 * VCOLS_ - 1 : 0) + CHUNK_ - 1) / CHUNK_)
+#if COLI_QUANT
+#define SW_ CHUNK_                       // staged columns per pair (no margin)
+#else
+#define SW_ (CHUNK_ + 2 * VCOLS_)        // staged columns per pair (margin included)
+#endif
+static_assert(T_ * TILE_ * 4 <= 16 * 1024 && 2 * T_ * WARPS_ * 4 <= 16 * 1024,
               "small_batch: batch*tokens * rows per block * 4 bytes must be <= 16 KiB (lower max_pairs or threads)");
 
 // The valid pairs grouped by expert, built by every block from topk_ids (same layout as colibri_align's, without
@@ -153,10 +178,55 @@ __device__ __forceinline__ int valid_pairs(const int* __restrict__ valid_tokens)
     return n * K_;
 }
 
-// Stage rows src[rows[j]] [c0, c0 + len) for j < cnt into stage[j][0 .. len), float4 loads where aligned.
+// Stage columns c0 .. c0 + SW_ - 1 of rows src[rows[j]] (j < cnt, rows of row_len floats) into stage[j][0 .. SW_):
+// columns outside [0, row_len) are staged as 0 (never used: the weights there are masked). c0 is a multiple of 4:
+// float4 loads where the rows are 16-byte aligned; else scalar loads in runs of 32 consecutive floats that start on
+// a 32-byte sector (one warp, 4 whole sectors), the run of row j shifted by the row's offset in its sector.
 __device__ __forceinline__ void stage_rows(const float* __restrict__ src, int row_len, const int* rows, int cnt,
-                                           int c0, int len, float (*stage)[CHUNK_]) {
+                                           int c0, float (*stage)[SW_]) {
     if (row_len % 4 == 0) {  // every row and every chunk start is 16-byte aligned (the buffer is 256-byte aligned)
+        constexpr int per_row = SW_ / 4;
+        for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
+            const int j = i / per_row, c = (i % per_row) * 4, col = c0 + c;
+            // Columns outside the row load the nearest in-row vector (the same sector as a neighbouring lane's) and
+            // store zeros: every lane of a warp executes the load, so the access model sees one instruction.
+            const bool in_row = col >= 0 && col < row_len;
+            const int at = col < 0 ? 0 : col < row_len ? col : row_len - 4;
+            float4 v = __ldg(reinterpret_cast<const float4*>(src + (size_t)rows[j] * row_len + at));
+            if (!in_row) v.x = v.y = v.z = v.w = 0.0f;
+            stage[j][c] = v.x;
+            stage[j][c + 1] = v.y;
+            stage[j][c + 2] = v.z;
+            stage[j][c + 3] = v.w;
+        }
+    } else {
+        constexpr int per_row = (SW_ + 7 + 31) / 32 * 32;  // a whole number of warp runs per row
+        for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
+            const int j = i / per_row, t = i % per_row;
+            const long long first = (long long)rows[j] * row_len + c0;  // element of stage column 0
+            const int off = (int)(((first % 8) + 8) % 8);                // its place in a 32-byte sector
+            const int c = t - off, col = c0 + c;
+            // The staged columns of the row: [lo, hi]. A run (32 lanes) with any of them loads for every lane, at the
+            // nearest of them (same sector), so that a warp's lanes stay one instruction in the access model.
+            const int lo = c0 > 0 ? c0 : 0, hi = (c0 + SW_ < row_len ? c0 + SW_ : row_len) - 1;
+            const int run = c0 - off + (t & ~31);  // column of the run's first lane
+            if (run <= hi && run + 31 >= lo) {
+                const int at = col < lo ? lo : col > hi ? hi : col;
+                const float v = __ldg(src + (size_t)rows[j] * row_len + at);
+                if (c >= 0 && c < SW_) stage[j][c] = col == at ? v : 0.0f;
+            } else if (c >= 0 && c < SW_) {
+                stage[j][c] = 0.0f;
+            }
+        }
+    }
+}
+
+#if COLI_QUANT
+// Quantized rows (pass-major loop): rows src[rows[j]] [c0, c0 + len) for j < cnt into stage[j][0 .. len), float4
+// loads where aligned.
+__device__ __forceinline__ void stage_rows_q(const float* __restrict__ src, int row_len, const int* rows, int cnt,
+                                             int c0, int len, float (*stage)[SW_]) {
+    if (row_len % 4 == 0) {
         const int per_row = (len + 3) / 4;
         for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
             const int j = i / per_row, c = (i % per_row) * 4;
@@ -178,9 +248,37 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ src, int ro
         }
     }
 }
+#endif
 
-// acc[j] += w[0..VEC_) . stage[j][h .. h+VEC_) for the pairs j < cnt.
-__device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage)[CHUNK_], int h, int cnt,
+// The aligned window of a float weight row: vector k holds columns k*VCOLS_ - shift ..
+// k*VCOLS_ - shift + VCOLS_ - 1; nv vectors cover the row. It reads at most 31 bytes before the row (inside the
+// weights buffer, which starts 256-byte aligned) and 15 after it (the weights allocation has
+// catalog.WEIGHTS_TAIL_BYTES more); the columns outside the row are masked.
+struct Window {
+    const uint4* base;
+    int shift, nv;
+};
+__device__ __forceinline__ Window window(const void* row, int cols) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(row);
+    const int shift = (int)(a & 31ull) / (int)sizeof(wt);
+    return Window{reinterpret_cast<const uint4*>(a & ~31ull), shift, (cols + shift + VCOLS_ - 1) / VCOLS_};
+}
+
+// The lane's vectors of chunk q of NROWS windows: vector q*NVC_ + 32u + lane for u < VPL_ (zero past the window).
+template <int NROWS>
+__device__ __forceinline__ void load_chunk(const Window win[NROWS], int q, uint4 raw[NROWS][VPL_]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < NROWS; ++r)
+#pragma unroll
+        for (int u = 0; u < VPL_; ++u) {
+            const int i = 32 * u + lane, k = q * NVC_ + i;
+            raw[r][u] = i < NVC_ && k < win[r].nv ? ld_stream(win[r].base + k) : make_uint4(0, 0, 0, 0);
+        }
+}
+
+// acc[j] += w[VCOLS_] . stage[j][h .. h + VCOLS_) for the pairs j < cnt, elements e_lo .. e_hi - 1 only.
+__device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage)[SW_], int h, int cnt,
                                         float acc[PASS_]) {
 #pragma unroll
     for (int j = 0; j < PASS_; ++j) {
@@ -192,51 +290,44 @@ __device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage
         }
     }
 }
-
-// Lane partials of NROWS weight rows (row[r] + [0, len), a chunk) against the staged vectors: two 16-byte loads per
-// row in flight per lane, then the FMAs.
-template <int NROWS>
-__device__ __forceinline__ void chunk_dot(const wt* const row[NROWS], int len, const float (*stage)[CHUNK_], int cnt,
-                                          float acc[NROWS][PASS_]) {
-    const int lane = threadIdx.x & 31;
-    bool aligned = true;
+__device__ __forceinline__ void fma_vec_masked(const float w[VEC_], const float (*stage)[SW_], int h, int e_lo,
+                                               int e_hi, int cnt, float acc[PASS_]) {
 #pragma unroll
-    for (int r = 0; r < NROWS; ++r) aligned &= (reinterpret_cast<unsigned long long>(row[r]) & 15ull) == 0;
-    int scalar_from = 0;
-    if (aligned) {
-        const int nvec = len / VEC_;
-        // Two vectors per row and lane per step (v and v + 32): all loads of a step are issued before its FMAs.
-        for (int v = lane; v < nvec; v += 64) {
-            const bool second = v + 32 < nvec;
-            uint4 raw[NROWS][2];
+    for (int j = 0; j < PASS_; ++j) {
+        if (j < cnt) {
+            float a = acc[j];
 #pragma unroll
-            for (int r = 0; r < NROWS; ++r) {
-                raw[r][0] = ld_stream(reinterpret_cast<const uint4*>(row[r]) + v);
-                raw[r][1] = second ? ld_stream(reinterpret_cast<const uint4*>(row[r]) + v + 32) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int r = 0; r < NROWS; ++r) {
-                float w[VEC_];
-                unpack16(raw[r][0], w);
-                fma_vec(w, stage, v * VEC_, cnt, acc[r]);
-                if (second) {
-                    unpack16(raw[r][1], w);
-                    fma_vec(w, stage, (v + 32) * VEC_, cnt, acc[r]);
-                }
-            }
-        }
-        scalar_from = nvec * VEC_;
-    }
-    for (int h = scalar_from + lane; h < len; h += 32) {
-#pragma unroll
-        for (int r = 0; r < NROWS; ++r) {
-            const float w = wt_to_float(__ldg(row[r] + h));
-#pragma unroll
-            for (int j = 0; j < PASS_; ++j)
-                if (j < cnt) acc[r][j] += w * stage[j][h];
+            for (int q = 0; q < VEC_; ++q)
+                if (q >= e_lo && q < e_hi) a += w[q] * stage[j][h + q];
+            acc[j] = a;
         }
     }
 }
+
+#if !COLI_QUANT
+// Lane partials of chunk q of NROWS float weight rows (windows win, `cols` columns; the lane's vectors in raw) against
+// the staged activations (stage column 0 = row column q*CHUNK_ - margin): acc[r][j] += its products for pairs j < cnt.
+template <int NROWS>
+__device__ __forceinline__ void chunk_dot(const Window win[NROWS], const uint4 raw[NROWS][VPL_], int q, int cols,
+                                          int margin, const float (*stage)[SW_], int cnt, float acc[NROWS][PASS_]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < NROWS; ++r) {
+#pragma unroll
+        for (int u = 0; u < VPL_; ++u) {
+            const int i = 32 * u + lane, k = q * NVC_ + i;
+            if (i >= NVC_ || k >= win[r].nv) continue;
+            const int col = k * VCOLS_ - win[r].shift, h = i * VCOLS_ - win[r].shift + margin;
+            float w[VEC_];
+            unpack16(raw[r][u], w);
+            if (win[r].shift == 0 && col + VCOLS_ <= cols)
+                fma_vec(w, stage, i * VCOLS_ + margin, cnt, acc[r]);  // a whole aligned vector: even sizes
+            else
+                fma_vec_masked(w, stage, h, col < 0 ? -col : 0, cols - col < VCOLS_ ? cols - col : VCOLS_, cnt, acc[r]);
+        }
+    }
+}
+#endif
 
 #if COLI_QUANT
 // One quantized weight row: its codes, and its scales and zero points (null without zero points) either staged in
@@ -293,7 +384,7 @@ __device__ __forceinline__ int q_code(const QRow& r, int c) {
 }
 
 // acc[j] += dequantized vector . stage[j][h .. h + QEPV_): the vector holds columns c .. c + QEPV_ - 1 (one group).
-__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const float (*stage)[CHUNK_], int h,
+__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const float (*stage)[SW_], int h,
                                           int cnt, float acc[PASS_]) {
     const int g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
     const float s = q_scale(r, g);
@@ -326,7 +417,7 @@ __device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const
 
 // As chunk_dot for quantized rows: columns c0 .. c0 + len - 1 of each row (c0 a multiple of CHUNK_).
 template <int NROWS>
-__device__ __forceinline__ void chunk_dot_q(const QRow row[NROWS], int c0, int len, const float (*stage)[CHUNK_],
+__device__ __forceinline__ void chunk_dot_q(const QRow row[NROWS], int c0, int len, const float (*stage)[SW_],
                                             int cnt, float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
     bool aligned = true;
@@ -390,14 +481,17 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     const float* up_bias = nullptr;
 #endif
     __shared__ PairOrder order;
-    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int tokens[PASS_];
+#if !COLI_QUANT
+    __shared__ float part[2][T_][WARPS_];  // gate and up dot products of the expert's pairs, summed over chunks
+#endif
     const int slot = blockIdx.y;
     if (slot >= valid_pairs(valid_tokens)) return;  // at most one expert per valid pair; uniform, before any barrier
     build_order(topk_ids, order);
     if (slot >= order.nused) return;  // uniform
     const int e = order.used[slot], count = order.counts[e], first = order.offsets[e];
-    const int warp = threadIdx.x / 32, n = blockIdx.x * WARPS_ + warp;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n = blockIdx.x * WARPS_ + warp;
     const bool has_row = n < I_;  // warps past the last row still take part in the barriers
     const size_t row = (size_t)e * I_ + (has_row ? n : 0);
 #if COLI_QUANT
@@ -417,10 +511,14 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     }  // visible after the first barrier of the chunk loop below
     const QRow rows[2] = {q_row(gate, gate_scales, gate_zeros, row, H_, s_sh[0], z_sh[0]),
                           q_row(up, up_scales, up_zeros, row, H_, s_sh[1], z_sh[1])};
+
 #else
-    const size_t row_at = row * H_;
+    const Window win[2] = {window(gate + row * H_, H_), window(up + row * H_, H_)};
 #endif
 
+#if COLI_QUANT
+    // Quantized rows keep the pass-major loop (an expert with more than PASS_ pairs streams its rows once per PASS_
+    // pairs): the chunk-major loop below needs more than the 64 registers of a 1024-thread block.
     for (int g0 = 0; g0 < count; g0 += PASS_) {
         const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
         __syncthreads();  // tokens[] of the previous pass fully used
@@ -431,15 +529,10 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
         for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
             const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
             __syncthreads();  // tokens[] written; the previous chunk fully used
-            stage_rows(x, H_, tokens, cnt, h0, len, stage);
+            stage_rows_q(x, H_, tokens, cnt, h0, len, stage);
             __syncthreads();
             if (has_row) {
-#if COLI_QUANT
                 chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
-#else
-                const wt* chunk[2] = {gate + row_at + h0, up + row_at + h0};
-                chunk_dot<2>(chunk, len, stage, cnt, acc);
-#endif
             }
         }
         if (has_row) {  // uniform per warp
@@ -447,11 +540,48 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
             for (int j = 0; j < PASS_; ++j) {
                 if (j < cnt) {
                     const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
-                    if ((threadIdx.x & 31) == 0) act[(size_t)order.sorted[first + g0 + j] * I_ + n] = gate_up_epilogue(g, u, gate_bias, up_bias, e, n);
+                    if (lane == 0)
+                        act[(size_t)order.sorted[first + g0 + j] * I_ + n] = gate_up_epilogue(g, u, gate_bias, up_bias, e, n);
                 }
             }
         }
     }
+#else
+    // Chunk-major: each chunk of the two rows is loaded once into registers and used by every pass of the expert's
+    // pairs, so an expert's weights are streamed once however many pairs it has.
+    for (int q = 0; q < NCHUNKS_(H_); ++q) {
+        uint4 raw[2][VPL_];
+        if (has_row) load_chunk<2>(win, q, raw);
+        for (int g0 = 0; g0 < count; g0 += PASS_) {
+            const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
+            __syncthreads();  // stage and tokens[] of the previous pass fully used
+            if ((int)threadIdx.x < cnt) tokens[threadIdx.x] = order.sorted[first + g0 + threadIdx.x] / K_;
+            __syncthreads();
+            stage_rows(x, H_, tokens, cnt, q * CHUNK_ - MARGIN_(H_), stage);
+            __syncthreads();
+            if (has_row) {  // uniform per warp
+                float acc[2][PASS_];
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
+                chunk_dot<2>(win, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) {
+                    if (j < cnt) {
+                        const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
+                        if (lane == 0) {  // the warp's own entries: no barrier needed
+                            part[0][g0 + j][warp] = q == 0 ? g : part[0][g0 + j][warp] + g;
+                            part[1][g0 + j][warp] = q == 0 ? u : part[1][g0 + j][warp] + u;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (has_row && lane == 0)
+        for (int j = 0; j < count; ++j)
+            act[(size_t)order.sorted[first + j] * I_ + n] =
+                gate_up_epilogue(part[0][j][warp], part[1][j][warp], gate_bias, up_bias, e, n);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS_, 1)
@@ -469,8 +599,9 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
     const float* down_bias = nullptr;
 #endif
     __shared__ PairOrder order;
-    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int pairs[PASS_];
+    __shared__ float wts[PASS_];  // their routing weights
     __shared__ float y[T_][TILE_];
     const int n0 = blockIdx.x * TILE_;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -492,11 +623,32 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             const int nrows = H_ - n0 < TILE_ ? H_ - n0 : TILE_;
             stage_scales(down_scales, down_zeros, (size_t)e * H_ + n0, nrows, QGROUPS_(I_), qs, qz);
         }
+        // The rows' scale pointers are rebuilt where they are used (q_rows), not held across the chunk loop.
+        auto q_rows = [&](QRow rows[DOWN_ROWS_]) {
+#pragma unroll
+            for (int r = 0; r < DOWN_ROWS_; ++r) {
+                const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
+                rows[r] = q_row(down, down_scales, down_zeros, (size_t)e * H_ + n, I_,
+                                QS_DOWN_ ? qs + local * QGROUPS_(I_) : nullptr,
+                                QS_DOWN_ ? qz + (COLI_ZERO_POINTS ? local * QGROUPS_(I_) : 0) : nullptr);
+            }
+        };
+#else
+        Window win[DOWN_ROWS_];
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS_; ++r)
+            win[r] = window(down + ((size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first)) * I_, I_);
 #endif
+#if COLI_QUANT
+        // Quantized rows keep the pass-major loop (as colibri_gate_up_gemv).
         for (int g0 = 0; g0 < count; g0 += PASS_) {
             const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
             __syncthreads();  // pairs[] of the previous pass fully used
-            if ((int)threadIdx.x < cnt) pairs[threadIdx.x] = order.sorted[first + g0 + threadIdx.x];
+            if ((int)threadIdx.x < cnt) {
+                const int p = order.sorted[first + g0 + threadIdx.x];
+                pairs[threadIdx.x] = p;
+                wts[threadIdx.x] = __ldg(topk_weights + p);
+            }
             float acc[DOWN_ROWS_][PASS_];
 #pragma unroll
             for (int r = 0; r < DOWN_ROWS_; ++r)
@@ -505,26 +657,12 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             for (int c0 = 0; c0 < I_; c0 += CHUNK_) {
                 const int len = I_ - c0 < CHUNK_ ? I_ - c0 : CHUNK_;
                 __syncthreads();
-                stage_rows(act, I_, pairs, cnt, c0, len, stage);
+                stage_rows_q(act, I_, pairs, cnt, c0, len, stage);
                 __syncthreads();
                 if (any_row) {
-#if COLI_QUANT
                     QRow rows[DOWN_ROWS_];
-#pragma unroll
-                    for (int r = 0; r < DOWN_ROWS_; ++r) {
-                        const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
-                        rows[r] = q_row(down, down_scales, down_zeros, (size_t)e * H_ + n, I_,
-                                        QS_DOWN_ ? qs + local * QGROUPS_(I_) : nullptr,
-                                        QS_DOWN_ ? qz + (COLI_ZERO_POINTS ? local * QGROUPS_(I_) : 0) : nullptr);
-                    }
+                    q_rows(rows);
                     chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
-#else
-                    const wt* chunk[DOWN_ROWS_];
-#pragma unroll
-                    for (int r = 0; r < DOWN_ROWS_; ++r)
-                        chunk[r] = down + ((size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first)) * I_ + c0;
-                    chunk_dot<DOWN_ROWS_>(chunk, len, stage, cnt, acc);
-#endif
                 }
             }
             if (any_row) {  // uniform per warp
@@ -534,16 +672,57 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
 #pragma unroll
                         for (int r = 0; r < DOWN_ROWS_; ++r) {
                             const float v = warp_sum(acc[r][j]);
-                            if (lane == 0 && n_first + r < H_) {
-                                const int p = pairs[j];
-                                y[p / K_][warp * DOWN_ROWS_ + r] +=
-                                    down_epilogue(v, __ldg(topk_weights + p), down_bias, e, n_first + r);
+                            if (lane == 0 && n_first + r < H_)
+                                y[pairs[j] / K_][warp * DOWN_ROWS_ + r] +=
+                                    down_epilogue(v, wts[j], down_bias, e, n_first + r);
+                        }
+                    }
+                }
+            }
+        }
+#else
+        // Chunk-major as in colibri_gate_up_gemv: each chunk of the warp's rows is loaded once for all passes; the
+        // chunk's products are added into y per pair (experts in increasing index, chunks in order: a fixed order).
+        for (int q = 0; q < NCHUNKS_(I_); ++q) {
+            uint4 raw[DOWN_ROWS_][VPL_];
+            if (any_row) load_chunk<DOWN_ROWS_>(win, q, raw);
+            for (int g0 = 0; g0 < count; g0 += PASS_) {
+                const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
+                __syncthreads();  // stage and pairs[] of the previous pass fully used
+                if ((int)threadIdx.x < cnt) {
+                    const int p = order.sorted[first + g0 + threadIdx.x];
+                    pairs[threadIdx.x] = p;
+                    wts[threadIdx.x] = __ldg(topk_weights + p);
+                }
+                __syncthreads();
+                stage_rows(act, I_, pairs, cnt, q * CHUNK_ - MARGIN_(I_), stage);
+                __syncthreads();
+                if (any_row) {  // uniform per warp
+                    float acc[DOWN_ROWS_][PASS_];
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r)
+#pragma unroll
+                        for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
+                    chunk_dot<DOWN_ROWS_>(win, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
+#pragma unroll
+                    for (int j = 0; j < PASS_; ++j) {
+                        if (j < cnt) {
+#pragma unroll
+                            for (int r = 0; r < DOWN_ROWS_; ++r) {
+                                const float v = warp_sum(acc[r][j]);
+                                if (lane == 0 && n_first + r < H_) {
+                                    // the down bias once per pair (with the first chunk): w * (v_0 + b) + w * v_1 ...
+                                    const int p = pairs[j];
+                                    y[p / K_][warp * DOWN_ROWS_ + r] +=
+                                        q == 0 ? down_epilogue(v, wts[j], down_bias, e, n_first + r) : wts[j] * v;
+                                }
                             }
                         }
                     }
                 }
             }
         }
+#endif
     }
     __syncthreads();
     for (int i = threadIdx.x; i < T_ * TILE_; i += THREADS_) {
@@ -596,7 +775,7 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ sha
 #endif
 ) {
 #if COLI_SHARED_EXPERTS
-    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int tokens[T_];
     __shared__ int ntokens;
     valid_token_list(valid_tokens, tokens, &ntokens);
@@ -612,26 +791,31 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ sha
                           q_row(shared_up, shared_up_scales, shared_up_zeros, has_row ? r : 0, H_, nullptr, nullptr)};
 #else
     const size_t row_at = (size_t)(has_row ? r : 0) * H_;
+    const Window win[2] = {window(shared_gate + row_at, H_), window(shared_up + row_at, H_)};
 #endif
-    for (int g0 = 0; g0 < ntokens; g0 += PASS_) {
+    for (int g0 = 0; g0 < ntokens; g0 += PASS_) {  // pass-major: the rows streamed once per PASS_ valid tokens
         const int cnt = ntokens - g0 < PASS_ ? ntokens - g0 : PASS_;
         float acc[2][PASS_];
 #pragma unroll
         for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
+#if COLI_QUANT
         for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
             const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
             __syncthreads();  // the previous chunk fully used
-            stage_rows(x, H_, tokens + g0, cnt, h0, len, stage);
+            stage_rows_q(x, H_, tokens + g0, cnt, h0, len, stage);
             __syncthreads();
-            if (has_row) {
-#if COLI_QUANT
-                chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
-#else
-                const wt* chunk[2] = {shared_gate + row_at + h0, shared_up + row_at + h0};
-                chunk_dot<2>(chunk, len, stage, cnt, acc);
-#endif
-            }
+            if (has_row) chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
         }
+#else
+        for (int q = 0; q < NCHUNKS_(H_); ++q) {
+            uint4 raw[2][VPL_];
+            if (has_row) load_chunk<2>(win, q, raw);
+            __syncthreads();  // the previous chunk fully used
+            stage_rows(x, H_, tokens + g0, cnt, q * CHUNK_ - MARGIN_(H_), stage);
+            __syncthreads();
+            if (has_row) chunk_dot<2>(win, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
+        }
+#endif
         if (has_row) {  // uniform per warp
 #pragma unroll
             for (int j = 0; j < PASS_; ++j) {
@@ -654,7 +838,7 @@ colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict
 #endif
 ) {
 #if COLI_SHARED_EXPERTS
-    __shared__ __align__(16) float stage[PASS_][CHUNK_];
+    __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int tokens[T_];
     __shared__ int ntokens;
     valid_token_list(valid_tokens, tokens, &ntokens);
@@ -674,13 +858,13 @@ colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict
             for (int r = 0; r < DOWN_ROWS_; ++r)
 #pragma unroll
                 for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
+#if COLI_QUANT
             for (int c0 = 0; c0 < SI_; c0 += CHUNK_) {
                 const int len = SI_ - c0 < CHUNK_ ? SI_ - c0 : CHUNK_;
                 __syncthreads();
-                stage_rows(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, c0, len, stage);
+                stage_rows_q(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, c0, len, stage);
                 __syncthreads();
                 if (any_row) {
-#if COLI_QUANT
                     QRow rows[DOWN_ROWS_];
 #pragma unroll
                     for (int r = 0; r < DOWN_ROWS_; ++r) {
@@ -688,15 +872,22 @@ colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict
                         rows[r] = q_row(shared_down, shared_down_scales, shared_down_zeros, (size_t)s * H_ + n, SI_, nullptr, nullptr);
                     }
                     chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
-#else
-                    const wt* chunk[DOWN_ROWS_];
-#pragma unroll
-                    for (int r = 0; r < DOWN_ROWS_; ++r)
-                        chunk[r] = shared_down + ((size_t)s * H_ + (n_first + r < H_ ? n_first + r : n_first)) * SI_ + c0;
-                    chunk_dot<DOWN_ROWS_>(chunk, len, stage, cnt, acc);
-#endif
                 }
             }
+#else
+            Window win[DOWN_ROWS_];
+#pragma unroll
+            for (int r = 0; r < DOWN_ROWS_; ++r)
+                win[r] = window(shared_down + ((size_t)s * H_ + (n_first + r < H_ ? n_first + r : n_first)) * SI_, SI_);
+            for (int q = 0; q < NCHUNKS_(SI_); ++q) {
+                uint4 raw[DOWN_ROWS_][VPL_];
+                if (any_row) load_chunk<DOWN_ROWS_>(win, q, raw);
+                __syncthreads();
+                stage_rows(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, q * CHUNK_ - MARGIN_(SI_), stage);
+                __syncthreads();
+                if (any_row) chunk_dot<DOWN_ROWS_>(win, raw, q, SI_, MARGIN_(SI_), stage, cnt, acc);
+            }
+#endif
             if (any_row) {  // every lane ends with the same sums
 #pragma unroll
                 for (int r = 0; r < DOWN_ROWS_; ++r)

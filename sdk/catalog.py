@@ -60,6 +60,11 @@ THREADS = Param("threads", 32, 1024, multiple_of=32, doc="threads per block")
 # compiled.
 MAX_TOP_K = 16
 
+# Bytes allocated on the device after the weights (the .colibri data): the GEMV kernels read every weight row through
+# its aligned window of 16-byte vectors (docs/kernels.md "The GEMV path"), up to 15 bytes past the row's end, so the
+# last row of the file may reach past the data. The C runtime has the same value (libcolibri internal.h).
+WEIGHTS_TAIL_BYTES = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:

@@ -267,7 +267,7 @@ class CudaBackend:
         """Copy the .colibri data after the header into one device buffer; returns its device pointer."""
         cu, stream = self._cu, self._res.stream
         size = self.header.data_size
-        dst = self._alloc(size)
+        dst = self._alloc(size + catalog.WEIGHTS_TAIL_BYTES)  # the GEMV's aligned windows may read past the data
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # the path was checked by Bundle (no links)
         try:
             mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)

@@ -219,8 +219,9 @@ class EmulatedDevice:
         self.sizes = catalog.sizes(profile, self.header)
         self.buffers = {name: Region(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
         data = Path(weights).read_bytes()[HEADER_SIZE:]
-        self.weights = Region(len(data))
-        self.weights.bytes[:] = np.frombuffer(data, dtype=np.uint8)
+        self.weights = Region(len(data) + catalog.WEIGHTS_TAIL_BYTES)  # as CudaBackend allocates it
+        self.weights.bytes[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.weights.bytes[len(data) :] = 0xFF  # NaN as fp16 and fp32: a tail byte that reaches a product shows
         self.io = catalog.io_buffers(self.header)
         symbols = {s for _, unit_symbols in units for s in unit_symbols}
         backend = types.SimpleNamespace(

@@ -25,3 +25,19 @@ extern "C" __global__ void mma_tile(const unsigned short* __restrict__ a, const 
     d[(g + 8) * 8 + 2 * q] = df[2];
     d[(g + 8) * 8 + 2 * q + 1] = df[3];
 }
+
+// One thread copies two 16-byte vectors with cp_async16 in two commit groups and stores the shared destinations
+// (4 words each) after each step: before any wait (out[0..1]), after wait<1> (out[2..3]), after wait<0> (out[4..5]).
+extern "C" __global__ void cp_async_groups(const unsigned* __restrict__ src, unsigned* __restrict__ out) {
+    __shared__ __align__(16) unsigned s[2][4];
+    if (threadIdx.x != 0) return;
+    cp_async16(s[0], src);
+    cp_async_commit();
+    cp_async16(s[1], src + 4);
+    cp_async_commit();
+    for (int i = 0; i < 8; ++i) out[i] = s[i / 4][i % 4];
+    cp_async_wait<1>();
+    for (int i = 0; i < 8; ++i) out[8 + i] = s[i / 4][i % 4];
+    cp_async_wait<0>();
+    for (int i = 0; i < 8; ++i) out[16 + i] = s[i / 4][i % 4];
+}

@@ -158,6 +158,11 @@ CASES = [
      dict(experts=3, top_k=2, hidden=40, inter=24, dtype="fp32", seed=15)),
     # a hidden size of three staging chunks (512 + 512 + 8, 16-byte aligned rows) and an odd intermediate size
     ("gemv-fp16-three-chunks", dict(tokens=2), dict(experts=8, top_k=2, hidden=1032, inter=37, seed=16)),
+    # rows that start inside a 16-byte vector (aligned windows with a margin: three chunks), two passes per expert
+    ("gemv-fp16-odd-windows-passes", dict(tokens=16), dict(experts=2, top_k=1, hidden=1030, inter=45, seed=18)),
+    # the tensor-core tile over 5 (hidden 264) and 3 (intermediate 136) cp.async stages: the pipeline wraps around
+    ("tiled-fp16-tc-pipeline", dict(tokens=8, kernels={"small_batch": {"max_pairs": 1}}),
+     dict(experts=8, top_k=2, hidden=264, inter=136, seed=17)),
 ]
 
 
@@ -167,6 +172,8 @@ def case(request, orin_profile, tmp_path_factory):
     profile = make_profile(orin_profile, **profile_kwargs)
     path = make_model(tmp_path_factory.mktemp(name) / "model.colibri", **model_kwargs)
     device = EmulatedDevice(profile, path)
+    if "-tc-" in name:
+        assert device.sizes.tensor_core, f"{name} must run on the tensor-core tile"
     rng = np.random.default_rng(100 + len(name))
     x = rng.standard_normal((device.sizes.tokens, device.header.hidden_size)).astype(np.float32)
     ref, routes, stable = reference(path, x)
@@ -452,3 +459,24 @@ def test_mma_fragments_and_cp_async_follow_the_documented_layout(orin_profile, t
     d = regions[3].view(np.float32).reshape(16, 8)
     want = a.astype(np.float64) @ b.astype(np.float64) + c
     np.testing.assert_allclose(d, want, rtol=1e-6, atol=1e-5)
+
+
+def test_cp_async_lands_only_when_its_group_is_waited_for(orin_profile, tmp_path_factory):
+    """The emulated cp.async (tests/kernels/emu/cuda_shim.h) writes shared memory at the cp_async_wait that retires
+    its group, not at the copy: a kernel reading a stage too early sees the shared-memory poison, as it may on a GPU
+    (tests/kernels/mma_tile.cu cp_async_groups: two groups, read before any wait, after wait<1>, after wait<0>)."""
+    folder = tmp_path_factory.mktemp("cp_async")
+    (folder / "common.cuh").write_text((catalog.kernel_dir() / "common.cuh").read_text())
+    (folder / "mma_tile.cu").write_text((Path(__file__).parent / "mma_tile.cu").read_text())
+    defines = catalog.compile_defines(make_profile(orin_profile), Header(1, 8, 2, 40, 24, dtype=1))
+    lib = EmulationLibrary(build_library(defines, folder, [("mma_tile.cu", ("cp_async_groups",))]))
+    src, out = Region(32), Region(6 * 16)
+    src.view(np.uint32)[:] = np.arange(1, 9, dtype=np.uint32)
+    pointers = np.array([src.address, out.address], dtype=np.uint64)
+    params = np.array([pointers.ctypes.data + 8 * i for i in range(2)], dtype=np.uint64)
+    lib.launch(lib.function("cp_async_groups"), (1, 1, 1), (32, 1, 1), params.ctypes.data)
+    words = out.view(np.uint32).reshape(6, 4)
+    poison = 0x7FC0BAD0  # cuda_shim.h kSharedPoison
+    assert (words[0:2] == poison).all()  # nothing landed before a wait
+    assert words[2].tolist() == [1, 2, 3, 4] and (words[3] == poison).all()  # wait<1>: the older group only
+    assert words[4].tolist() == [1, 2, 3, 4] and words[5].tolist() == [5, 6, 7, 8]  # wait<0>: both

@@ -66,6 +66,10 @@ CASES = [
                                                             layers=2, seed=6)),
     ("int4-g128-zeros-1024-threads", dict(tokens=6, kernels={"small_batch": {"threads": 1024}}),
      dict(quant="int4", group=128, zeros=True, experts=4, hidden=384, inter=200, seed=7)),
+    # rows starting inside a 16-byte vector over several chunks (aligned windows: vectors across two groups)
+    ("int4-g32-zeros-odd-windows-passes", dict(tokens=12),
+     dict(quant="int4", group=32, zeros=True, experts=3, hidden=1030, inter=45, seed=10)),
+    ("int8-g64-odd-windows", dict(tokens=3), dict(quant="int8", group=64, hidden=530, inter=77, seed=11)),
 ]
 
 

@@ -66,6 +66,9 @@ typedef struct cb_bundle {
 } cb_bundle;
 
 #define CB_HEADER_SIZE 64
+/* bytes allocated after the weights: the GEMV's aligned 16-byte windows may read up to 15 bytes past the data
+   (sdk/catalog.py WEIGHTS_TAIL_BYTES) */
+#define CB_WEIGHTS_TAIL 16
 
 /* Open and check a bundle folder (docs/c_runtime.md, "Refusals"); verify: sha256 of every file + unlisted scan. */
 int cb_bundle_open(cb_bundle *b, const char *dir, int verify, cb_err *err);

@@ -323,7 +323,7 @@ static int upload_staged(colibri_ctx *c, const unsigned char *map, size_t size) 
 
 int cb_upload_weights(colibri_ctx *c, const cb_bundle *b) {
     const size_t size = (size_t)b->header.data_size;
-    CU(c, cuMemAlloc, &c->weights, size ? size : 1);
+    CU(c, cuMemAlloc, &c->weights, size + CB_WEIGHTS_TAIL);
     int fd;
     uint64_t file_size;
     int rc = cb_bundle_open_file(b, b->weights_file, &fd, &file_size, &c->err);

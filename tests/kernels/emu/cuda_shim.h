@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <unordered_map>
 #include <utility>
+#include <deque>
 #include <vector>
 
 #define COLI_CPU_EMULATION 1
@@ -104,6 +105,20 @@ struct State {
 };
 
 inline State g;
+
+// cp.async (common.cuh cp_async16 / cp_async_commit / cp_async_wait): per thread, the copies issued since its last
+// commit and its committed groups, oldest first. A copy reads global memory when issued (a load the access model
+// records) and lands in shared memory only when a wait retires its group, so a kernel that reads a stage before
+// waiting for it reads the NaN poison or stale data, as a GPU may.
+struct AsyncCopy {
+    void* dst;
+    unsigned char bytes[16];
+};
+struct AsyncCopies {
+    std::vector<AsyncCopy> open;
+    std::deque<std::vector<AsyncCopy>> groups;
+};
+inline AsyncCopies async_copies[kMaxThreads];
 
 inline uint64_t next_random() {
     uint64_t x = g.rng;
@@ -249,6 +264,7 @@ inline bool run_block() {
     g.block_arrived = 0;
     const int warps = (n + 31) / 32;
     for (int w = 0; w < warps; ++w) g.warp_arrived[w] = g.exited[w] = 0;
+    for (int t = 0; t < n; ++t) async_copies[t] = AsyncCopies{};  // copies never waited for die with their block
     poison_shared();
     for (int t = 0; t < n; ++t) {
         Fiber& f = g.fibers[t];
@@ -564,8 +580,24 @@ inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], c
 inline void coli_emu_mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
     coli_emu::mma_m16n8k16(d, a, b, c);
 }
-// The copy happens at once (a load the access model records, a 16-byte shared store); commit and wait do nothing.
+// A 16-byte copy: read now (through __ldg, so the access model records it at this site), written at the wait that
+// retires its group.
 __attribute__((always_inline)) inline void coli_emu_cp_async16(void* dst, const void* src) {
     const uint4 v = __ldg(static_cast<const uint4*>(src));
-    std::memcpy(dst, &v, 16);
+    coli_emu::AsyncCopy c{dst, {}};
+    std::memcpy(c.bytes, &v, 16);
+    coli_emu::async_copies[coli_emu::g.current].open.push_back(c);
+}
+inline void coli_emu_cp_async_commit() {
+    coli_emu::AsyncCopies& a = coli_emu::async_copies[coli_emu::g.current];
+    a.groups.push_back(std::move(a.open));
+    a.open.clear();
+}
+// Retire the oldest committed groups until at most `pending` remain (copies not yet committed stay in flight).
+inline void coli_emu_cp_async_wait(int pending) {
+    coli_emu::AsyncCopies& a = coli_emu::async_copies[coli_emu::g.current];
+    while ((int)a.groups.size() > pending) {
+        for (const coli_emu::AsyncCopy& c : a.groups.front()) std::memcpy(c.dst, c.bytes, 16);
+        a.groups.pop_front();
+    }
 }
