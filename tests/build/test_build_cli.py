@@ -137,3 +137,16 @@ def test_bad_shape_flags_are_refused_in_one_line(tmp_path, capsys, flags, messag
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tokens", "0,16"], "orin.yaml with --tokens 0,16: shape.tokens = [0, 16]; allowed:"),
+    (["--capacity-factor", "-1", "--capacity-mode", "soft"],
+     "orin.yaml with --capacity-factor -1.0, --capacity-mode soft: capacity.factor = -1.0; allowed:"),
+])
+def test_a_bad_flag_value_is_blamed_on_the_flag(tmp_path, capsys, flags, message):
+    out = tmp_path / "b"
+    assert cli.main(["build", "--profile", "orin", "--demo", "-o", str(out), *flags]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
