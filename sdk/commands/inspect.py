@@ -31,12 +31,14 @@ def run(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"{path}  ({info['file_bytes']:,} bytes)")
+    kw = max([18] + [len(key) for key in info["header"]])  # v2 names (shared_intermediate_size, ...) are longer
     for key, value in info["header"].items():
-        print(f"  {key:<18} {value}")
-    print(f"  {'block':<10} {'offset':>14} {'bytes':>14}  shape")
+        print(f"  {key:<{kw}} {value}")
+    bw = max([10] + [len(row["block"]) for row in info["blocks"]])
+    print(f"  {'block':<{bw}} {'offset':>14} {'bytes':>14}  shape")
     for row in info["blocks"]:
         shape = "" if row["shape"] is None else "x".join(map(str, row["shape"]))
-        print(f"  {row['block']:<10} {row['offset']:>14,} {row['bytes']:>14,}  {shape}")
+        print(f"  {row['block']:<{bw}} {row['offset']:>14,} {row['bytes']:>14,}  {shape}")
     return 0
 
 
