@@ -77,7 +77,7 @@ def run(args) -> int:
     from ..bundle.writer import build_bundle
     from ..errors import ProfileError
     from ..profile import load_profile
-    from .inspect import format_resources
+    from .inspect import expert_storage, format_resources
     from .progress import StepBars
 
     start = time.perf_counter()
@@ -125,7 +125,8 @@ def run(args) -> int:
     print(
         f"  weights: {'demo model' if args.weights is None else args.weights} → {m['weights']['file']} "
         f"({h['num_layers']} layers x {h['num_experts']} experts, top-{h['top_k']}, hidden {h['hidden_size']}, "
-        f"intermediate {h['intermediate_size']})"
+        f"intermediate {h['intermediate_size']}"
+        + (f", {storage} experts" if (storage := expert_storage(h)) else "") + ")"
     )
     if result.converted:
         print(f"  dtype: the weights are stored as {result.source_dtype}; converted to the profile's {m['dtype']}"

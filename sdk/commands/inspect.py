@@ -42,6 +42,18 @@ def run(args) -> int:
     return 0
 
 
+def expert_storage(header: dict) -> str | None:
+    """"int4 g128", "int8 per row", ... for int8/int4 experts (a v2 header as a dict), None for float experts."""
+    from ..format.constants import QUANT_NAMES
+
+    quant = header.get("quant", 0)
+    if not quant or quant not in QUANT_NAMES:
+        return None
+    group = header.get("group_size", 0)
+    text = f"{QUANT_NAMES[quant]} {'per row' if not group else f'g{group}'}"
+    return text + (" with zero points" if header.get("zero_points") else "")
+
+
 def inspect_bundle(path: Path, as_json: bool = False) -> int:
     """Print a bundle's manifest summary (schema checked; checksums are `colibri-sdk verify`'s job). Returns 0.
 
@@ -75,6 +87,9 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     model_k, k = m["weights"].get("model_top_k"), m["weights"]["header"].get("top_k")
     if model_k is not None and model_k != k:
         rows.append(("top-k", f"{k} (override; the model's own k is {model_k})"))
+    storage = expert_storage(m["weights"]["header"])
+    if storage:
+        rows.append(("experts", f"{storage} (the weights' own storage; dtype applies to float experts)"))
     cap = m["profile"].get("capacity")
     rows.append(("capacity", "dropless" if not cap else
                  f"factor {cap['factor']:g}, {cap.get('mode', 'hard')}, policy {cap.get('policy', 'score')}"))
