@@ -171,3 +171,5 @@ def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
     assert "intermediate 64, int4 g32 experts)" in capsys.readouterr().out
     assert cli.main(["inspect", str(out)]) == 0
     assert "  experts        int4 g32 (the weights' own storage" in capsys.readouterr().out
+    assert cli.main(["run", str(out), "--backend", "cpu", "--iters", "1", "-q"]) == 0
+    assert "\nexperts  int4 g32 (the weights' own storage)\n" in capsys.readouterr().out
