@@ -28,7 +28,7 @@ build_library() {  # build_library DIR SANITIZE(ON|OFF)
     [ "$sanitize" = ON ] && flags+=(-fsanitize=address,undefined -fno-omit-frame-pointer)
     mkdir -p "$dir/obj"
     "$cc" "${flags[@]}" -shared "$lib"/src/*.c "$lib/third_party/cjson/cJSON.c" -o "$dir/libcolibri.so" \
-      -lcrypto -ldl -lpthread
+      -lcrypto -ldl -lpthread -lm
     (cd "$dir/obj" && "$cc" "${flags[@]}" -c "$lib"/src/*.c "$lib/third_party/cjson/cJSON.c")
     ar rcs "$dir/libcolibri.a" "$dir"/obj/*.o
   fi

@@ -9,8 +9,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The CPU build of torch is needed only by the tests (transformers is their numerical reference).
 # Where a local wheel folder exists, pip finds torch there instead of downloading a CUDA build.
 if [ -d /opt/wheels ]; then export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"; fi
-if [ ! -x "$root/.venv/bin/python" ]; then
-  python3 -m venv "$root/.venv"
+# A .venv without pip is what `python3 -m venv` leaves behind where python3-venv (ensurepip) was missing: recreate it.
+if [ ! -x "$root/.venv/bin/python" ] || ! "$root/.venv/bin/python" -m pip --version >/dev/null 2>&1; then
+  python3 -m venv --clear "$root/.venv" || {
+    echo "python3 -m venv failed; on Debian/Ubuntu: apt-get install python3-venv" >&2; exit 1; }
 fi
 # shellcheck disable=SC1091
 source "$root/.venv/bin/activate"

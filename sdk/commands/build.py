@@ -54,10 +54,30 @@ def parse_sizes(text: str, flag: str):
     return values[0] if len(values) == 1 else values
 
 
+def override_flags(args) -> list[str]:
+    """The command-line flags that replace profile values, as typed: ["--top-k 9", "--tokens 1,16"]."""
+    names = (("top_k", "--top-k"), ("batch", "--batch"), ("tokens", "--tokens"),
+             ("capacity_factor", "--capacity-factor"), ("capacity_mode", "--capacity-mode"),
+             ("capacity_policy", "--capacity-policy"))
+    return [f"{flag} {getattr(args, name)}" for name, flag in names if getattr(args, name) is not None]
+
+
+def blame_flags(exc, source: str, flags: list[str]):
+    """A ProfileError about `source: ...` raised once flags replaced profile values names those flags too (the file
+    itself was already checked by load_profile, so the value at fault came from the command line)."""
+    from ..errors import ProfileError
+
+    prefix = f"{source}: "
+    if not flags or not str(exc).startswith(prefix):
+        return exc
+    return ProfileError(f"{source} with {', '.join(flags)}: {str(exc)[len(prefix):]}")
+
+
 def run(args) -> int:
     from ..bundle.writer import build_bundle
+    from ..errors import ProfileError
     from ..profile import load_profile
-    from .inspect import format_resources
+    from .inspect import expert_storage, format_resources
     from .progress import StepBars
 
     start = time.perf_counter()
@@ -76,17 +96,22 @@ def run(args) -> int:
         overrides["capacity"] = {"factor": args.capacity_factor, "mode": args.capacity_mode or "hard",
                                  "policy": args.capacity_policy or "score"}
     elif args.capacity_mode or args.capacity_policy:
-        from ..errors import ProfileError
-
         raise ProfileError("--capacity-mode / --capacity-policy need --capacity-factor F")
-    if overrides:
-        from ..profile import Profile
+    flags = override_flags(args)
+    try:
+        if overrides:
+            from ..profile import Profile
 
-        profile = Profile.from_dict({**profile.to_dict(), **overrides}, profile.source)
-    out = Path(args.output) if args.output else Path("bundles") / profile.stem
-    with StepBars(quiet=args.quiet, desc_prefix="build: ") as bars:
-        result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive,
-                              force=args.force, progress=bars)
+            profile = Profile.from_dict({**profile.to_dict(), **overrides}, profile.source)
+        out = Path(args.output) if args.output else Path("bundles") / profile.stem
+        with StepBars(quiet=args.quiet, desc_prefix="build: ") as bars:
+            result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive,
+                                  force=args.force, progress=bars)
+    except ProfileError as exc:
+        blamed = blame_flags(exc, profile.source, flags)
+        if blamed is exc:
+            raise
+        raise blamed from exc
     m = result.manifest
     h = m["weights"]["header"]
     shapes = ", ".join(f"{e['batch']}x{e['tokens']}" for e in m.get("shapes") or [m["shape"]])
@@ -100,7 +125,8 @@ def run(args) -> int:
     print(
         f"  weights: {'demo model' if args.weights is None else args.weights} → {m['weights']['file']} "
         f"({h['num_layers']} layers x {h['num_experts']} experts, top-{h['top_k']}, hidden {h['hidden_size']}, "
-        f"intermediate {h['intermediate_size']})"
+        f"intermediate {h['intermediate_size']}"
+        + (f", {storage} experts" if (storage := expert_storage(h)) else "") + ")"
     )
     if result.converted:
         print(f"  dtype: the weights are stored as {result.source_dtype}; converted to the profile's {m['dtype']}"

@@ -31,13 +31,27 @@ def run(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"{path}  ({info['file_bytes']:,} bytes)")
+    kw = max([18] + [len(key) for key in info["header"]])  # v2 names (shared_intermediate_size, ...) are longer
     for key, value in info["header"].items():
-        print(f"  {key:<18} {value}")
-    print(f"  {'block':<10} {'offset':>14} {'bytes':>14}  shape")
+        print(f"  {key:<{kw}} {value}")
+    bw = max([10] + [len(row["block"]) for row in info["blocks"]])
+    print(f"  {'block':<{bw}} {'offset':>14} {'bytes':>14}  shape")
     for row in info["blocks"]:
         shape = "" if row["shape"] is None else "x".join(map(str, row["shape"]))
-        print(f"  {row['block']:<10} {row['offset']:>14,} {row['bytes']:>14,}  {shape}")
+        print(f"  {row['block']:<{bw}} {row['offset']:>14,} {row['bytes']:>14,}  {shape}")
     return 0
+
+
+def expert_storage(header: dict) -> str | None:
+    """"int4 g128", "int8 per row", ... for int8/int4 experts (a v2 header as a dict), None for float experts."""
+    from ..format.constants import QUANT_NAMES
+
+    quant = header.get("quant", 0)
+    if not quant or quant not in QUANT_NAMES:
+        return None
+    group = header.get("group_size", 0)
+    text = f"{QUANT_NAMES[quant]} {'per row' if not group else f'g{group}'}"
+    return text + (" with zero points" if header.get("zero_points") else "")
 
 
 def inspect_bundle(path: Path, as_json: bool = False) -> int:
@@ -73,6 +87,9 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     model_k, k = m["weights"].get("model_top_k"), m["weights"]["header"].get("top_k")
     if model_k is not None and model_k != k:
         rows.append(("top-k", f"{k} (override; the model's own k is {model_k})"))
+    storage = expert_storage(m["weights"]["header"])
+    if storage:
+        rows.append(("experts", f"{storage} (the weights' own storage; dtype applies to float experts)"))
     cap = m["profile"].get("capacity")
     rows.append(("capacity", "dropless" if not cap else
                  f"factor {cap['factor']:g}, {cap.get('mode', 'hard')}, policy {cap.get('policy', 'score')}"))

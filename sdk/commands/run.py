@@ -125,6 +125,10 @@ def run(args) -> int:
         if len(rt.shapes) > 1:
             print(f"shapes   {', '.join(f'{b}x{t}' for b, t in rt.shapes)} (batch x tokens)")
         print(f"backend  {rt.backend_name} ({mode})")
+        from .inspect import expert_storage
+
+        if storage := expert_storage(rt.bundle.manifest["weights"]["header"]):
+            print(f"experts  {storage} (the weights' own storage)")
         if rt.top_k != rt.model_top_k:
             print(f"top-k    {rt.top_k} (build override; the model's own k is {rt.model_top_k})")
         if rt.capacity:

@@ -137,3 +137,39 @@ def test_bad_shape_flags_are_refused_in_one_line(tmp_path, capsys, flags, messag
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tokens", "0,16"], "orin.yaml with --tokens 0,16: shape.tokens = [0, 16]; allowed:"),
+    (["--capacity-factor", "-1", "--capacity-mode", "soft"],
+     "orin.yaml with --capacity-factor -1.0, --capacity-mode soft: capacity.factor = -1.0; allowed:"),
+])
+def test_a_bad_flag_value_is_blamed_on_the_flag(tmp_path, capsys, flags, message):
+    out = tmp_path / "b"
+    assert cli.main(["build", "--profile", "orin", "--demo", "-o", str(out), *flags]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
+    from colibri_sdk.quantize import quantize_file
+
+    rng = np.random.default_rng(3)
+    layers, experts, hidden, inter = 1, 4, 64, 64
+    src = write_model(tmp_path / "m.colibri", Header(num_layers=layers, num_experts=experts, top_k=2,
+                                                     hidden_size=hidden, intermediate_size=inter, dtype=0,
+                                                     routing=0, composition=0),
+                      rng.standard_normal((layers, experts, inter, hidden), dtype=np.float32),
+                      rng.standard_normal((layers, experts, inter, hidden), dtype=np.float32),
+                      rng.standard_normal((layers, experts, hidden, inter), dtype=np.float32),
+                      rng.standard_normal((layers, hidden, experts), dtype=np.float32))
+    quantize_file(src, tmp_path / "q.colibri", "int4", 32)
+    out = tmp_path / "b"
+    assert cli.main(["build", "--profile", "orin", "--weights", str(tmp_path / "q.colibri"), "-o", str(out),
+                     "--batch", "1", "--tokens", "4", "-q"]) == 0
+    assert "intermediate 64, int4 g32 experts)" in capsys.readouterr().out
+    assert cli.main(["inspect", str(out)]) == 0
+    assert "  experts        int4 g32 (the weights' own storage" in capsys.readouterr().out
+    assert cli.main(["run", str(out), "--backend", "cpu", "--iters", "1", "-q"]) == 0
+    assert "\nexperts  int4 g32 (the weights' own storage)\n" in capsys.readouterr().out

@@ -63,6 +63,7 @@ def test_refused_out_of_range(tmp_path, capsys):
     assert main(["build", "--profile", "orin", "--demo", "--top-k", "9", "-o", str(tmp_path / "b")]) == 1
     err = capsys.readouterr().err
     assert "top_k = 9; allowed: 1..8 (the model's experts; the model has 8 experts and routes to 2)" in err
+    assert "orin.yaml with --top-k 9: top_k = 9;" in err  # the flag, not the profile file, set the value
     big = Header(num_layers=1, num_experts=256, top_k=2, hidden_size=8, intermediate_size=8, dtype=0, routing=0,
                  composition=0)
     with pytest.raises(ProfileError) as info:

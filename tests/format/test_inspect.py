@@ -63,3 +63,24 @@ def test_inspect_v2_shows_the_layer_map_and_every_block(tmp_path, capsys):
     # int4 gate: 2 layers * 4 experts * 6 rows * ceil(8/2) bytes = 192; fp16 scales 2*4*6*1*2 = 96; 64-aligned
     assert blocks[:4] == [("header", 0, 64), ("layer_map", 64, 4), ("gate_proj", 128, 192), ("gate_proj.scales", 320, 96)]
     assert blocks[-1] == ("shared_expert_gate", 1728, 64) and info["file_bytes"] == 1792 == path.stat().st_size
+
+
+def test_inspect_table_columns_line_up_with_v2_names(tmp_path, capsys):
+    import numpy as np
+
+    from colibri_sdk.format import HeaderV2, write_arrays
+
+    h = HeaderV2(num_layers=1, num_experts=4, top_k=2, hidden_size=8, intermediate_size=6, dtype=1, routing=1,
+                 quant=2, group_size=32, num_shared_experts=1, shared_intermediate_size=4, shared_gate=1)
+    rng = np.random.default_rng(0)
+    arrays = {k: rng.standard_normal(((1, h.count(k)) if h.is_matrix(k) else (1,)) + h.shape(k)).astype(np.float32)
+              for k in h.kinds}
+    path = write_arrays(tmp_path / "v2.colibri", h, arrays)
+    assert cli.main(["inspect", str(path)]) == 0
+    import re
+
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  block "))
+    value_columns = {re.match(r"  \S+ +", line).end() for line in lines[1:start]}
+    bytes_ends = {re.match(r"  \S+ +\S+ +\S+", line).end() for line in lines[start:]}
+    assert len(value_columns) == 1 and len(bytes_ends) == 1, lines
