@@ -203,6 +203,22 @@ __device__ __forceinline__ void unpack16(uint4 raw, float out[VEC_]) {
 // the exact limit (as sdk/reference.py `silu`).
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
+// The bias arguments of the routed-expert kernels: the last parameters of a gate/up (gate_bias, up_bias: float32
+// (experts, intermediate) of the layer) or down (down_bias: (experts, hidden)) kernel when the file has expert biases
+// (COLI_EXPERT_BIAS; the launch plan appends them), else absent from the signature and null in the body:
+//     kernel(..., float* act GATE_UP_BIAS_PARAMS) { GATE_UP_BIAS_NONE ... gate_up_epilogue(g, u, gate_bias, ...) }
+#if COLI_EXPERT_BIAS
+#define GATE_UP_BIAS_PARAMS , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
+#define GATE_UP_BIAS_NONE
+#define DOWN_BIAS_PARAMS , const float* __restrict__ down_bias
+#define DOWN_BIAS_NONE
+#else
+#define GATE_UP_BIAS_PARAMS
+#define GATE_UP_BIAS_NONE const float* gate_bias = nullptr; const float* up_bias = nullptr;
+#define DOWN_BIAS_PARAMS
+#define DOWN_BIAS_NONE const float* down_bias = nullptr;
+#endif
+
 // ---- the expert epilogues (docs/format.md "Semantics v2"; every expert kernel uses these) ------------------------
 // The activation of a routed expert on its gate and up projections g, u (biases included):
 //   COLI_ACTIVATION 0: silu(g) * u

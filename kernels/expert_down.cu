@@ -36,13 +36,8 @@ extern "C" __global__ void __launch_bounds__(THREADS_)
 colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
              const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts, float* __restrict__ pair_out,
              float* __restrict__ x_next
-#if COLI_EXPERT_BIAS  // float32 (experts, hidden) of the layer
-             , const float* __restrict__ down_bias
-#endif
-) {
-#if !COLI_EXPERT_BIAS
-    const float* down_bias = nullptr;
-#endif
+                     DOWN_BIAS_PARAMS) {
+    DOWN_BIAS_NONE
     __shared__ float as[BM_][BK_ + 1];
     __shared__ float ds[BN_][BK_ + 1];
     __shared__ int pairs[BM_];
@@ -123,13 +118,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
                 const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
                 float* __restrict__ pair_out, float* __restrict__ x_next
-#if COLI_EXPERT_BIAS
-                , const float* __restrict__ down_bias
-#endif
-) {
-#if !COLI_EXPERT_BIAS
-    const float* down_bias = nullptr;
-#endif
+                     DOWN_BIAS_PARAMS) {
+    DOWN_BIAS_NONE
     __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short ws[TC_STAGES_][1][TC_BN_][TC_PITCH_];

@@ -36,14 +36,8 @@ static_assert((BM_ + 2 * BN_) * (BK_ + 1) * 4 <= 48 * 1024,
 extern "C" __global__ void __launch_bounds__(THREADS_)
 colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
                 const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts, float* __restrict__ act
-#if COLI_EXPERT_BIAS  // float32 (experts, intermediate) of the layer
-                , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
-#endif
-) {
-#if !COLI_EXPERT_BIAS
-    const float* gate_bias = nullptr;
-    const float* up_bias = nullptr;
-#endif
+                     GATE_UP_BIAS_PARAMS) {
+    GATE_UP_BIAS_NONE
     __shared__ float xs[BM_][BK_ + 1];  // +1: rows start in different banks
     __shared__ float gs[BN_][BK_ + 1];
     __shared__ float us[BN_][BK_ + 1];
@@ -111,14 +105,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_gate_up_tc(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
                    const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
                    float* __restrict__ act
-#if COLI_EXPERT_BIAS
-                   , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
-#endif
-) {
-#if !COLI_EXPERT_BIAS
-    const float* gate_bias = nullptr;
-    const float* up_bias = nullptr;
-#endif
+                     GATE_UP_BIAS_PARAMS) {
+    GATE_UP_BIAS_NONE
     __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
     __shared__ __align__(16) unsigned short ws[TC_STAGES_][2][TC_BN_][TC_PITCH_];

@@ -260,14 +260,8 @@ colibri_gate_up_qtc(const float* __restrict__ x, const unsigned char* __restrict
                     const int* __restrict__ expert_offsets, float* __restrict__ act,
                     const void* __restrict__ gate_scales, const void* __restrict__ up_scales,
                     const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
-#if COLI_EXPERT_BIAS
-                    , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
-#endif
-) {
-#if !COLI_EXPERT_BIAS
-    const float* gate_bias = nullptr;
-    const float* up_bias = nullptr;
-#endif
+                     GATE_UP_BIAS_PARAMS) {
+    GATE_UP_BIAS_NONE
 #if COLI_QUANT
     const int e = blockIdx.x, start = __ldg(expert_offsets + e), end = __ldg(expert_offsets + e + 1);
     if (start >= end) return;  // an expert without pairs; uniform, before any barrier
@@ -293,13 +287,8 @@ colibri_down_qtc(const float* __restrict__ act, const unsigned char* __restrict_
                  const float* __restrict__ topk_weights, const int* __restrict__ sorted_pairs,
                  const int* __restrict__ expert_offsets, float* __restrict__ pair_out, float* __restrict__ x_next,
                  const void* __restrict__ down_scales, const signed char* __restrict__ down_zeros
-#if COLI_EXPERT_BIAS
-                 , const float* __restrict__ down_bias
-#endif
-) {
-#if !COLI_EXPERT_BIAS
-    const float* down_bias = nullptr;
-#endif
+                     DOWN_BIAS_PARAMS) {
+    DOWN_BIAS_NONE
 #if COLI_QUANT
     const int e = blockIdx.x, start = __ldg(expert_offsets + e), end = __ldg(expert_offsets + e + 1);
     if (start >= end) return;  // uniform, before any barrier

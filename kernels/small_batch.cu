@@ -472,14 +472,8 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
                      , const st* __restrict__ gate_scales, const st* __restrict__ up_scales,
                      const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
 #endif
-#if COLI_EXPERT_BIAS  // float32 (experts, intermediate) of the layer, after the quantized arguments
-                     , const float* __restrict__ gate_bias, const float* __restrict__ up_bias
-#endif
-) {
-#if !COLI_EXPERT_BIAS
-    const float* gate_bias = nullptr;
-    const float* up_bias = nullptr;
-#endif
+                     GATE_UP_BIAS_PARAMS) {
+    GATE_UP_BIAS_NONE
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int tokens[PASS_];
@@ -591,13 +585,8 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
 #if COLI_QUANT
                   , const st* __restrict__ down_scales, const signed char* __restrict__ down_zeros
 #endif
-#if COLI_EXPERT_BIAS  // float32 (experts, hidden) of the layer, after the quantized arguments
-                  , const float* __restrict__ down_bias
-#endif
-) {
-#if !COLI_EXPERT_BIAS
-    const float* down_bias = nullptr;
-#endif
+                     DOWN_BIAS_PARAMS) {
+    DOWN_BIAS_NONE
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int pairs[PASS_];

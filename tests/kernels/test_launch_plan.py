@@ -33,8 +33,20 @@ def kernel_parameters(quant: bool = False, features: tuple[str, ...] = ()) -> di
     return out
 
 
+def _bias_macros() -> dict[str, str]:
+    """The parameter macros of common.cuh (GATE_UP_BIAS_PARAMS, DOWN_BIAS_PARAMS) as defined under
+    `#if COLI_EXPERT_BIAS`: {name: the parameters they add}."""
+    common = (catalog.kernel_dir() / "common.cuh").read_text()
+    branch = common[common.index("#if COLI_EXPERT_BIAS\n#define"):]
+    branch = branch[: branch.index("#else")]
+    return dict(re.findall(r"^#define (\w+_BIAS_PARAMS) (.*)$", branch, re.M))
+
+
 def _signatures(text: str, enabled: set[str]) -> str:
-    """The sources with each `#if COLI_X` parameter block of a signature kept (X enabled) or dropped."""
+    """The sources with each `#if COLI_X` parameter block of a signature kept (X enabled) or dropped, and the bias
+    parameter macros expanded (COLI_EXPERT_BIAS enabled) or dropped."""
+    for name, params in _bias_macros().items():
+        text = text.replace(name, params if "COLI_EXPERT_BIAS" in enabled else "")
     def one(match):
         start = text.rfind('extern "C"', 0, match.start())
         in_signature = start >= 0 and ") {" not in text[start : match.start()]
