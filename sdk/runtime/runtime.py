@@ -283,9 +283,13 @@ class Runtime:
         (smallest first) with at least that batch and those tokens.
 
         Raises:
-            InputError: larger than every compiled shape, naming the largest.
+            InputError: batch or tokens not an integer of 1 or more; larger than every compiled shape, naming the
+                largest.
         """
-        return self._run_for(batch, tokens).shape
+        for name, value in (("batch", batch), ("tokens", tokens)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InputError(f"shape_for {name} = {value!r}; allowed: an integer of 1 or more")
+        return self._run_for(int(batch), int(tokens)).shape
 
     def _run_for(self, batch: int, tokens: int) -> "_ShapeRun":
         for run in self._runs:
