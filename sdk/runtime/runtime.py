@@ -417,11 +417,15 @@ class Runtime:
             concurrent.futures.Future resolving to the output (float32, x's shape) or to the call's error.
 
         Raises:
-            InputError: as `infer`, raised by submit itself. BackendError: the runtime is closed.
-            TimeoutError: no slot became free within `timeout`.
+            InputError: as `infer`, raised by submit itself; `timeout` not None or a finite number >= 0.
+            BackendError: the runtime is closed. TimeoutError: no slot became free within `timeout`.
         """
         from .pipeline import Pipeline
 
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                                                           np.floating))
+                                    or not 0 <= timeout < float("inf")):
+            raise InputError(f"submit timeout = {timeout!r}; allowed: None (wait) or a finite number of seconds >= 0")
         if not self._finalizer.alive:
             raise BackendError("this Runtime is closed; load the bundle again")
         if self._pipeline is None:
