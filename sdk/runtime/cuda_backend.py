@@ -133,14 +133,23 @@ class _Resources:
 
 def _launch_plan(manifest: dict, header) -> list[dict]:
     """The catalogue's launch plan for the bundle's profile (at its shape) and weights. A manifest's `launch`, when
-    present, must equal it: a grid, buffer name or weights offset of its own would run the kernels outside their
-    buffers.
+    present, must equal it, and every kernel's `defines` the catalogue's compile constants: a grid, buffer name or
+    weights offset of its own, or kernels compiled for another shape, would run the kernels outside their buffers.
 
     Raises:
-        BundleError: naming the first launch that differs.
+        BundleError: naming the first kernel or launch that differs.
     """
     import json
 
+    defines = json.loads(json.dumps(catalog.compile_defines(manifest["profile"], header)))
+    for i, kernel in enumerate(manifest["kernels"]):
+        if kernel.get("defines") != defines:  # e.g. another shape's kernels: they would index past this one's buffers
+            raise BundleError(
+                f"manifest.json: kernels[{i}] ({kernel.get('name')!r}).defines differ from the catalogue's compile "
+                f"constants for the bundle's profile and weights at shape batch {manifest['shape']['batch']} x "
+                f"tokens {manifest['shape']['tokens']}; allowed: the kernels colibri-sdk build compiled for it "
+                "(rebuild the bundle)"
+            )
     plan = catalog.launch_plan(manifest["profile"], header)
     recorded = manifest.get("launch")
     expected = json.loads(json.dumps(plan))

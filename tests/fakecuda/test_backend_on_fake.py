@@ -289,6 +289,34 @@ def test_cli_verify_and_run_on_cuda(run_fake, tiny_bundle, tmp_path):
     assert broken.rc == 1 and "cuGraphInstantiate failed: CUDA_ERROR_OUT_OF_MEMORY" in broken.stderr, broken
 
 
+def test_kernels_compiled_for_another_shape_are_refused_before_any_launch(run_fake, tiny_bundle, tmp_path):
+    """kernels[].defines (re-digested after the edit; e.g. another shape's kernel entries moved into this one) must
+    be the catalogue's compile constants for the bundle's profile, shape and weights."""
+    import json
+
+    from colibri_sdk.bundle import canonical_json, manifest_digest
+
+    folder = Path(shutil.copytree(tiny_bundle, tmp_path / "b"))
+    m = json.loads((folder / "manifest.json").read_text())
+    for kernels in [m["kernels"]] + [m["shapes"][-1]["kernels"]] * ("shapes" in m):
+        kernels[1]["defines"]["COLI_BATCH"] = 2
+    m["manifest_sha256"] = manifest_digest(m)
+    (folder / "manifest.json").write_bytes(canonical_json(m))
+    run = run_fake(f"""
+        from colibri_sdk.errors import BundleError
+        from colibri_sdk.runtime import Runtime
+        try:
+            Runtime.load({str(folder)!r}, backend="cuda", eager=True)
+        except BundleError as exc:
+            emit(error=str(exc), live=live())
+    """)
+    assert run.rc == 0 and run.result, run
+    assert run.result["error"].startswith("manifest.json: kernels[1] ("), run
+    assert "defines differ from the catalogue's compile constants" in run.result["error"]
+    assert set(run.result["live"].values()) == {"0"}, f"leaked after the refusal: {run.result['live']}"
+    assert not run.calls("cuModuleLoadData")
+
+
 @pytest.mark.parametrize("edit", [
     lambda plan: plan[0].update(grid=[1 << 20, 1, 1]),
     lambda plan: plan[0]["args"][0].update(name="nope"),
