@@ -92,7 +92,8 @@ def _has(obj, name: str) -> bool:
     try:
         return hasattr(obj, name)
     except Exception as exc:
-        raise InputError(f"input {type(obj).__name__}.{name} raised {type(exc).__name__}: {' '.join(str(exc).split())[:120]}; allowed: a NumPy "
+        reason = " ".join(str(exc).split())[:120]  # one line
+        raise InputError(f"input {type(obj).__name__}.{name} raised {type(exc).__name__}: {reason}; allowed: a NumPy "
                          "array, or a device array whose __cuda_array_interface__ or __dlpack__ can be read") from None
 
 
