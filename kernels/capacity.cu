@@ -74,6 +74,7 @@ colibri_capacity(const int* __restrict__ valid_tokens, int* __restrict__ topk_id
     const double q = (double)(s_valid * K_) * factor / (double)E_;
     long long c_ll = (long long)q;
     if ((double)c_ll < q) ++c_ll;
+    if (c_ll < 1) c_ll = 1;  // the exact ceil of a positive value: q underflows to 0 for a tiny factor
     const int cap = s_valid ? (int)(c_ll < PAIRS_ ? c_ll : PAIRS_) : 0;
 
     // 1. The rank of each pair among its expert's pairs.

@@ -67,8 +67,9 @@ class Capacity:
         return {"factor": self.factor, "mode": self.mode, "policy": self.policy}
 
     def limit(self, tokens: int, top_k: int, experts: int) -> int:
-        """C = ceil(tokens * top_k * factor / experts); 0 for no tokens."""
-        return math.ceil(tokens * top_k * self.factor / experts) if tokens else 0
+        """C = ceil(tokens * top_k * factor / experts); 0 for no tokens. At least 1 with tokens, as the exact value
+        is for any factor > 0 (a tiny factor's product underflows to 0 in double)."""
+        return max(1, math.ceil(tokens * top_k * self.factor / experts)) if tokens else 0
 
 
 def apply_capacity(indices: np.ndarray, weights: np.ndarray, num_experts: int, capacity: Capacity,

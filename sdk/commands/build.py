@@ -47,10 +47,15 @@ def parse_sizes(text: str, flag: str):
     """
     from ..errors import ProfileError
 
+    from ..profile import MAX_TOKENS
+
+    shown = repr(text) if len(str(text)) <= 60 else repr(str(text)[:57]) + "..."
     parts = [p.strip() for p in str(text).split(",")]
     if not parts or not all(p.isascii() and p.isdigit() for p in parts):
-        raise ProfileError(f"{flag} {text!r}; allowed: positive integers separated by commas, e.g. 1,16,64")
-    values = sorted({int(p) for p in parts})
+        raise ProfileError(f"{flag} {shown}; allowed: positive integers separated by commas, e.g. 1,16,64")
+    if any(len(p.lstrip("0")) > len(str(MAX_TOKENS)) for p in parts):  # int() of thousands of digits would raise
+        raise ProfileError(f"{flag} {shown}: a value above {MAX_TOKENS}; allowed: integers in 1..{MAX_TOKENS}")
+    values = sorted({int(p.lstrip("0") or "0") for p in parts})
     return values[0] if len(values) == 1 else values
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..bundle.manifest import HEADER_V2_KEYS
 from ..bundle.reader import HEADER_FIELDS, Bundle, bundle_summary
 from ..driver_version import format_driver_version
 from ..errors import BundleError, FormatError
-from ..format import Header
+from ..format import Header, HeaderV2
+from ..format.constants import VERSION_2
 
 
 def register(sub) -> None:
@@ -95,8 +97,13 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
                  f"factor {cap['factor']:g}, {cap.get('mode', 'hard')}, policy {cap.get('policy', 'score')}"))
     for key, value in rows:
         print(f"  {key:<14} {value}")
+    recorded = m["weights"]["header"]
+    v2 = recorded.get("version") == VERSION_2 or any(k in recorded for k in HEADER_V2_KEYS)
     try:
-        header = Header(**{k: v for k, v in m["weights"]["header"].items() if k in HEADER_FIELDS}).to_dict()
+        if v2:  # shared experts, biases, sigmoid / grouped routing, quantized experts: every v2 field
+            header = HeaderV2(**{k: v for k, v in recorded.items() if k in HEADER_FIELDS + HEADER_V2_KEYS}).to_dict()
+        else:
+            header = Header(**{k: v for k, v in recorded.items() if k in HEADER_FIELDS}).to_dict()
     except FormatError as exc:
         raise BundleError(f"{bundle.path}/manifest.json: weights.header: {exc}") from exc
     described = ", ".join(f"{k} {v}" for k, v in header.items() if k not in ("magic", "version"))

@@ -104,9 +104,9 @@ def run(args) -> int:
         else:
             batch = batch if args.batch is None else args.batch
             tokens = tokens if args.tokens is None else args.tokens
-            for flag, value in (("--batch", batch), ("--tokens", tokens)):
-                if value < 1:
-                    raise InputError(f"{flag} {value}; allowed: 1 or more (at most the largest compiled shape's)")
+            for flag, value, largest in (("--batch", batch, rt.shape[0]), ("--tokens", tokens, rt.shape[1])):
+                if not 1 <= value <= largest:  # before the input is made: a huge one would not fit in memory
+                    raise InputError(f"{flag} {value}; allowed: 1..{largest} (the largest compiled shape's)")
             x = np.random.default_rng(args.seed).standard_normal((batch, tokens, rt.hidden_size)).astype(np.float32)
             source = f"random N(0, 1), seed {args.seed}"
         start = time.perf_counter()

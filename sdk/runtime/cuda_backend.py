@@ -29,7 +29,7 @@ import weakref
 import numpy as np
 
 from .. import catalog
-from ..errors import BackendError, InputError
+from ..errors import BackendError, BundleError, InputError
 from ..format.constants import HEADER_SIZE
 from ..driver_version import format_driver_version
 from .driver import check
@@ -131,6 +131,39 @@ class _Resources:
         self.events, self.device_ptrs, self.host_ptrs, self.modules = [], [], [], []
 
 
+def _launch_plan(manifest: dict, header) -> list[dict]:
+    """The catalogue's launch plan for the bundle's profile (at its shape) and weights. A manifest's `launch`, when
+    present, must equal it, and every kernel's `defines` the catalogue's compile constants: a grid, buffer name or
+    weights offset of its own, or kernels compiled for another shape, would run the kernels outside their buffers.
+
+    Raises:
+        BundleError: naming the first kernel or launch that differs.
+    """
+    import json
+
+    defines = json.loads(json.dumps(catalog.compile_defines(manifest["profile"], header)))
+    for i, kernel in enumerate(manifest["kernels"]):
+        if kernel.get("defines") != defines:  # e.g. another shape's kernels: they would index past this one's buffers
+            raise BundleError(
+                f"manifest.json: kernels[{i}] ({kernel.get('name')!r}).defines differ from the catalogue's compile "
+                f"constants for the bundle's profile and weights at shape batch {manifest['shape']['batch']} x "
+                f"tokens {manifest['shape']['tokens']}; allowed: the kernels colibri-sdk build compiled for it "
+                "(rebuild the bundle)"
+            )
+    plan = catalog.launch_plan(manifest["profile"], header)
+    recorded = manifest.get("launch")
+    expected = json.loads(json.dumps(plan))
+    if recorded is not None and recorded != expected:
+        index = next((i for i, (a, b) in enumerate(zip(recorded, expected)) if a != b),
+                     min(len(recorded), len(expected)))
+        raise BundleError(
+            f"manifest.json: launch[{index}] differs from the catalogue's launch plan for the bundle's profile and "
+            f"weights ({len(recorded)} launches recorded, {len(expected)} expected); allowed: the plan colibri-sdk "
+            "build writes (rebuild the bundle)"
+        )
+    return plan
+
+
 class CudaBackend:
     """Runs a bundle on device `device` through the CUDA driver API.
 
@@ -213,6 +246,7 @@ class CudaBackend:
         self.last_dropped = 0  # pairs dropped by expert capacity in the latest call (Runtime.stats)
         self.shape = tuple(bundle.shape)
         self.hidden = self.header.hidden_size
+        plan = _launch_plan(manifest, self.header)  # refused before any image, weight or buffer is loaded
         self._functions = self._load_functions(bundle)
         if self._share is not None:  # another shape of the same bundle: its weights are already on the device
             self._weights = self._share._weights
@@ -220,7 +254,6 @@ class CudaBackend:
             self._weights = self._upload_weights(bundle.weights_path)
         self._buffers = {name: self._alloc(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
         self._io = catalog.io_buffers(self.header)
-        plan = manifest.get("launch") or catalog.launch_plan(profile, self.header)
         self._launches = [self._prepare(launch) for launch in plan]
         self._launch_layers = [int(launch["layer"]) for launch in plan]  # per-layer calls run a sub-range
         self._capacity_launch = [launch["symbol"] == "colibri_capacity" for launch in plan]

@@ -84,8 +84,17 @@ def is_device_array(obj) -> bool:
 
     if isinstance(obj, np.ndarray):
         return False
-    return hasattr(obj, "__cuda_array_interface__") or (hasattr(obj, "__dlpack__")
-                                                         and hasattr(obj, "__dlpack_device__"))
+    return _has(obj, "__cuda_array_interface__") or (_has(obj, "__dlpack__") and _has(obj, "__dlpack_device__"))
+
+
+def _has(obj, name: str) -> bool:
+    """hasattr, with an attribute whose getter raises (a broken array class) reported as an InputError."""
+    try:
+        return hasattr(obj, name)
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:120]  # one line
+        raise InputError(f"input {type(obj).__name__}.{name} raised {type(exc).__name__}: {reason}; allowed: a NumPy "
+                         "array, or a device array whose __cuda_array_interface__ or __dlpack__ can be read") from None
 
 
 def _check_shape(name: str, shape: tuple, fixed_shape: tuple, hidden: int) -> tuple[int, int]:

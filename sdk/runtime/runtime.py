@@ -283,9 +283,13 @@ class Runtime:
         (smallest first) with at least that batch and those tokens.
 
         Raises:
-            InputError: larger than every compiled shape, naming the largest.
+            InputError: batch or tokens not an integer of 1 or more; larger than every compiled shape, naming the
+                largest.
         """
-        return self._run_for(batch, tokens).shape
+        for name, value in (("batch", batch), ("tokens", tokens)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InputError(f"shape_for {name} = {value!r}; allowed: an integer of 1 or more")
+        return self._run_for(int(batch), int(tokens)).shape
 
     def _run_for(self, batch: int, tokens: int) -> "_ShapeRun":
         for run in self._runs:
@@ -413,11 +417,15 @@ class Runtime:
             concurrent.futures.Future resolving to the output (float32, x's shape) or to the call's error.
 
         Raises:
-            InputError: as `infer`, raised by submit itself. BackendError: the runtime is closed.
-            TimeoutError: no slot became free within `timeout`.
+            InputError: as `infer`, raised by submit itself; `timeout` not None or a finite number >= 0.
+            BackendError: the runtime is closed. TimeoutError: no slot became free within `timeout`.
         """
         from .pipeline import Pipeline
 
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                                                           np.floating))
+                                    or not 0 <= timeout < float("inf")):
+            raise InputError(f"submit timeout = {timeout!r}; allowed: None (wait) or a finite number of seconds >= 0")
         if not self._finalizer.alive:
             raise BackendError("this Runtime is closed; load the bundle again")
         if self._pipeline is None:

@@ -130,6 +130,9 @@ def test_streamed_selftest_equals_the_reference_engine(tmp_path, monkeypatch, dt
     (["--tokens", ",".join(str(t) for t in range(1, 10))], "shape.tokens = [1, 2, 3, 4, 5, 6, ...]; allowed: an "
                                                             "integer in 1..65536, or a list of 1..8"),
     (["--batch", "256", "--tokens", "512"], "shape batch*tokens = 131072; allowed: at most 65536"),
+    (["--tokens", "9" * 5000], "colibri-sdk build: error: --tokens '" + "9" * 57 + "'...: a value above 65536; "
+                               "allowed: integers in 1..65536"),
+    (["--batch", "0" * 6000], "shape.batch = 0; allowed: an integer in 1..65536"),
 ])
 def test_bad_shape_flags_are_refused_in_one_line(tmp_path, capsys, flags, message):
     out = tmp_path / "b"

@@ -278,6 +278,8 @@ HOSTILE_MANIFESTS = {
     "shapes: tokens 0": (lambda m: m["shapes"][0].update(tokens=0), "shapes[0] batch 1 x tokens 0; allowed: 1..65536"),
     "shapes: empty": (lambda m: m.update(shapes=[]), "manifest.json: shapes is empty; allowed: 1..64 entries"),
     "shapes: not an object": (lambda m: m["shapes"].append(3), "manifest.json: shapes[2] is not an object"),
+    "shapes: 65 entries": (lambda m: m.update(shapes=m["shapes"][:1] * 65), "manifest.json: shapes has 65 entries; "
+                           "allowed: 1..64"),
 }
 
 

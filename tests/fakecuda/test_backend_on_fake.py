@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -286,3 +287,64 @@ def test_cli_verify_and_run_on_cuda(run_fake, tiny_bundle, tmp_path):
     broken = run_fake(args=[*cli, "run", "--backend", "cuda", str(tiny_bundle)],
                       fail="cuGraphInstantiate=CUDA_ERROR_OUT_OF_MEMORY")
     assert broken.rc == 1 and "cuGraphInstantiate failed: CUDA_ERROR_OUT_OF_MEMORY" in broken.stderr, broken
+
+
+def test_kernels_compiled_for_another_shape_are_refused_before_any_launch(run_fake, tiny_bundle, tmp_path):
+    """kernels[].defines (re-digested after the edit; e.g. another shape's kernel entries moved into this one) must
+    be the catalogue's compile constants for the bundle's profile, shape and weights."""
+    import json
+
+    from colibri_sdk.bundle import canonical_json, manifest_digest
+
+    folder = Path(shutil.copytree(tiny_bundle, tmp_path / "b"))
+    m = json.loads((folder / "manifest.json").read_text())
+    for kernels in [m["kernels"]] + [m["shapes"][-1]["kernels"]] * ("shapes" in m):
+        kernels[1]["defines"]["COLI_BATCH"] = 2
+    m["manifest_sha256"] = manifest_digest(m)
+    (folder / "manifest.json").write_bytes(canonical_json(m))
+    run = run_fake(f"""
+        from colibri_sdk.errors import BundleError
+        from colibri_sdk.runtime import Runtime
+        try:
+            Runtime.load({str(folder)!r}, backend="cuda", eager=True)
+        except BundleError as exc:
+            emit(error=str(exc), live=live())
+    """)
+    assert run.rc == 0 and run.result, run
+    assert run.result["error"].startswith("manifest.json: kernels[1] ("), run
+    assert "defines differ from the catalogue's compile constants" in run.result["error"]
+    assert set(run.result["live"].values()) == {"0"}, f"leaked after the refusal: {run.result['live']}"
+    assert not run.calls("cuModuleLoadData")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda plan: plan[0].update(grid=[1 << 20, 1, 1]),
+    lambda plan: plan[0]["args"][0].update(name="nope"),
+    lambda plan: plan[0]["args"][1].update(offset=1 << 40),
+    lambda plan: plan.__setitem__(0, 5),
+])
+def test_an_edited_launch_plan_is_refused_before_any_launch(run_fake, tiny_bundle, tmp_path, edit):
+    """The manifest's launch plan (re-digested after the edit) must be the catalogue's for the bundle's profile
+    and model: a grid, buffer or weights offset of its own would launch the kernels outside their buffers."""
+    import json
+
+    from colibri_sdk.bundle import canonical_json, manifest_digest
+
+    folder = Path(shutil.copytree(tiny_bundle, tmp_path / "b"))
+    m = json.loads((folder / "manifest.json").read_text())
+    for plan in [m["launch"]] + [m["shapes"][-1]["launch"]] * ("shapes" in m):  # the largest shape's is the same
+        edit(plan)
+    m["manifest_sha256"] = manifest_digest(m)
+    (folder / "manifest.json").write_bytes(canonical_json(m))
+    run = run_fake(f"""
+        from colibri_sdk.errors import BundleError
+        from colibri_sdk.runtime import Runtime
+        try:
+            Runtime.load({str(folder)!r}, backend="cuda", eager=True)
+        except BundleError as exc:
+            emit(error=str(exc), live=live())
+    """)
+    assert run.rc == 0 and run.result, run
+    assert run.result["error"].startswith("manifest.json: launch[0] differs from the catalogue's launch plan"), run
+    assert set(run.result["live"].values()) == {"0"}, f"leaked after the refusal: {run.result['live']}"
+    assert not run.calls("cuLaunchKernel")

@@ -174,3 +174,18 @@ def test_the_kernel_capacity_is_ceil_in_double(orin_profile, tmp_path):
     soft.run(x, valid_tokens=[8, 8])
     ids = soft.buffer("topk_ids", np.int32).reshape(-1, 2)
     np.testing.assert_array_equal(np.flatnonzero(ids[:, 0] == 0), np.arange(10))
+
+
+def test_a_tiny_factor_keeps_one_pair_per_expert_not_none(orin_profile, tmp_path):
+    """C = ceil(T * k * f / E) is at least 1 for any factor > 0 and a call with a valid token, also where the
+    product underflows in double (f = 5e-324, the smallest the profile allows): Python and the kernel agree."""
+    assert Capacity(5e-324).limit(1, 2, 6) == 1 and Capacity(5e-324).limit(0, 2, 6) == 0
+    path = skewed_model(tmp_path / "m.colibri", bias=(1.0, 0.0))
+    x = (np.abs(np.random.default_rng(0).standard_normal((16, 48))) + 0.5).astype(np.float32)
+    spec = {"factor": 5e-324, "mode": "hard", "policy": "position"}
+    device = EmulatedDevice(capacity_profile(orin_profile, spec, 2, 8), path)
+    valid = [0, 1]
+    mask = valid_mask(2, 8, valid)
+    device.run(x, valid_tokens=valid)
+    ids = device.buffer("topk_ids", np.int32).reshape(-1, 2)
+    np.testing.assert_array_equal(np.flatnonzero(ids[:, 0] == 0), np.flatnonzero(mask)[:1])

@@ -150,3 +150,30 @@ def test_stats_count_calls_and_inputs(tmp_path):
     assert 0 < stats.p50_ms <= stats.p99_ms <= stats.max_ms
     assert stats.dropped_pairs == 0
     assert stats.as_dict()["shape"] == [2, 8]
+
+
+def test_an_array_class_whose_device_attribute_raises_is_refused_by_name(tmp_path):
+    """A broken array class (its __cuda_array_interface__ or __dlpack__ getter raises) gets an InputError naming
+    the class and attribute, never its own exception."""
+    bundle, _ = make_bundle(tmp_path)
+
+    class BrokenInterface:
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("no context\nat all")
+
+    class BrokenDLPack:
+        @property
+        def __dlpack__(self):
+            raise ValueError("bad")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    with Runtime.load(bundle, backend="cpu") as rt:
+        for array, message in ((BrokenInterface(), "input BrokenInterface.__cuda_array_interface__ raised "
+                                "RuntimeError: no context at all; allowed: a NumPy array, or a device array"),
+                               (BrokenDLPack(), "input BrokenDLPack.__dlpack__ raised ValueError: bad; allowed")):
+            with pytest.raises(InputError) as info:
+                rt.infer(array)
+            assert str(info.value).startswith(message) and "\n" not in str(info.value)

@@ -5,6 +5,7 @@ smallest shape that holds it, refuses a call larger than every shape naming the 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -182,3 +183,24 @@ def test_bad_shapes_are_refused_by_name(shapes_bundle, tmp_path, edit, message):
     _tampered(folder, edit)
     with pytest.raises(BundleError, match=message):
         Bundle.open(folder, verify=False)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "1", None, True, float("nan")])
+def test_shape_for_refuses_a_size_that_is_not_a_positive_integer(shapes_bundle, bad):
+    with Runtime.load(shapes_bundle, backend="cpu", verify=False) as rt:
+        with pytest.raises(InputError, match=r"shape_for batch = .*; allowed: an integer of 1 or more"):
+            rt.shape_for(bad, 2)
+        with pytest.raises(InputError, match=r"shape_for tokens = .*; allowed: an integer of 1 or more"):
+            rt.shape_for(1, bad)
+        assert rt.shape_for(np.int64(2), 3) == (2, 8)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--batch", "100000", "--tokens", "100000"], r"--batch 100000; allowed: 1\.\.2 \(the largest compiled shape's\)"),
+    (["--tokens", "9"], r"--tokens 9; allowed: 1\.\.8 \(the largest compiled shape's\)"),
+])
+def test_run_refuses_a_random_input_larger_than_every_shape_before_making_it(shapes_bundle, capsys, flags, message):
+    assert main(["run", str(shapes_bundle), "--backend", "cpu", "--iters", "1", "--no-verify", *flags]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("colibri-sdk run: error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err

@@ -108,3 +108,13 @@ def test_a_forgotten_runtime_is_collected_and_its_worker_ends(small_bundle):
     while worker.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not worker.is_alive()
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), float("inf"), "1", True])
+def test_a_bad_submit_timeout_is_refused_by_name(small_bundle, timeout):
+    x = np.zeros((1, 2, 64), np.float32)
+    with Runtime.load(small_bundle, backend="cpu", verify=False) as rt:
+        with pytest.raises(InputError, match=r"submit timeout = .*; allowed: None \(wait\) or a finite number of "
+                                             r"seconds >= 0"):
+            rt.submit(x, timeout=timeout)
+        assert rt.submit(x, timeout=0.5).result(timeout=60).shape == x.shape

@@ -269,14 +269,19 @@ static int check_kernels(const cJSON *kernels, const cJSON *files, cb_err *err) 
 /* `shapes` (docs/build.md, "Several shapes"): each entry an object with integer batch and tokens in range, a kernels
  * list (checked as the top-level one: relative, listed images) and a selftest with relative paths. This runtime runs
  * the top-level shape (the largest, the last entry), which the Python reader checks equals that entry. */
+#define MAX_SHAPES 64 /* colibri_sdk.bundle.manifest.MAX_SHAPES: shape.batch and shape.tokens of 8 values each */
 static int check_shapes(const cJSON *shapes, const cJSON *files, cb_err *err) {
     char where[64];
     int i = 0, rc;
     static const char *keys[] = {"batch", "tokens", "kernels", "launch", "buffers", "io_buffers", "selftest"};
     static const int types[] = {T_INT, T_INT, T_LIST, T_LIST, T_DICT, T_DICT, T_DICT};
     if (!shapes) return COLIBRI_OK;
-    if (cJSON_GetArraySize(shapes) < 1)
-        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes is empty; allowed: 1..64 entries");
+    const int count = cJSON_GetArraySize(shapes);
+    if (count < 1)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes is empty; allowed: 1..%d entries", MAX_SHAPES);
+    if (count > MAX_SHAPES)
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes has %d entries; allowed: 1..%d", count,
+                       MAX_SHAPES);
     for (const cJSON *e = shapes->child; e; e = e->next, i++) {
         if (!cJSON_IsObject(e))
             return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes[%d] is not an object; allowed: dict", i);
