@@ -171,6 +171,24 @@ __device__ __forceinline__ float half_to_float(unsigned short v) {
 #endif
 }
 
+#if COLI_QUANT
+// int8/int4 expert storage (docs/format.md "Matrix storage"), shared by the GEMV and the tensor-core kernels: the
+// scale group along the reduction dimension (0 = one per row), a row's code bytes and scale groups, the scale type.
+#define GS_ COLI_GROUP_SIZE
+#define QROW_BYTES_(cols) (COLI_QUANT == 2 ? ((cols) + 1) / 2 : (cols))
+#define QGROUPS_(cols) (GS_ == 0 ? 1 : ((cols) + GS_ - 1) / GS_)
+static_assert(COLI_QUANT == 1 || COLI_QUANT == 2, "COLI_QUANT: 0 float, 1 int8, 2 int4");
+static_assert(GS_ == 0 || GS_ == 32 || GS_ == 64 || GS_ == 128, "COLI_GROUP_SIZE: 0 (per row), 32, 64 or 128");
+static_assert(COLI_QUANT == 1 || GS_ != 0, "int4 needs a group size");
+#if COLI_SCALE_FP16
+typedef unsigned short st;  // scale: IEEE binary16 bits
+__device__ __forceinline__ float st_to_float(st v) { return half_to_float(v); }
+#else
+typedef float st;
+__device__ __forceinline__ float st_to_float(st v) { return v; }
+#endif
+#endif
+
 #if COLI_FP16
 typedef unsigned short wt;  // IEEE binary16 bits
 __device__ __forceinline__ float wt_to_float(wt v) { return half_to_float(v); }

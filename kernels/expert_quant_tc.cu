@@ -31,30 +31,16 @@
 #include "common.cuh"
 
 #if COLI_QUANT
-#define GS_ COLI_GROUP_SIZE
 #define MT_ 4                                   // 16-row tiles per pass over the weights
 #define QSB_ (COLI_QUANT == 2 ? TC_BK_ / 2 : TC_BK_)  // code bytes of one row per stage
 #define QSP_ (QSB_ + 16)                        // shared pitch: 16-byte aligned rows, spread over banks
 #define QOFF_ (COLI_QUANT == 2 ? 8 : 128)       // unsigned code u = q + QOFF_
-#define QROW_BYTES_(cols) (COLI_QUANT == 2 ? ((cols) + 1) / 2 : (cols))
-#define QGROUPS_(cols) (GS_ == 0 ? 1 : ((cols) + GS_ - 1) / GS_)
 #ifdef COLI_QUANT_STAGE_MAX  // tests set it to 0 to run the global-scale path
 #define QS_MAX_ COLI_QUANT_STAGE_MAX
 #else
 #define QS_MAX_ 2048
 #endif
-static_assert(COLI_QUANT == 1 || COLI_QUANT == 2, "COLI_QUANT: 0 float, 1 int8, 2 int4");
-static_assert(GS_ == 0 || GS_ == 32 || GS_ == 64 || GS_ == 128, "COLI_GROUP_SIZE: 0 (per row), 32, 64 or 128");
-static_assert(COLI_QUANT == 1 || GS_ != 0, "int4 needs a group size");
 static_assert(GS_ % 16 == 0, "a group holds whole 16-element mma steps");
-
-#if COLI_SCALE_FP16
-typedef unsigned short st;  // scale: IEEE binary16 bits
-__device__ __forceinline__ float st_to_float(st v) { return half_to_float(v); }
-#else
-typedef float st;
-__device__ __forceinline__ float st_to_float(st v) { return v; }
-#endif
 
 // The shared memory of one block: activation rows of a pass, the code stage of NMAT matrices, their scales.
 template <int NMAT, int QSN>

@@ -56,23 +56,10 @@ static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
 #define QEPV_ (COLI_QUANT == 2 ? 32 : 16)  // codes per 16-byte vector
 #define VCOLS_ QEPV_
 #define CHUNK_ 512  // columns of the reduction dimension staged per step: 32 (int8) or 16 (int4) vectors per row
-#define GS_ COLI_GROUP_SIZE
-#define QROW_BYTES_(cols) (COLI_QUANT == 2 ? ((cols) + 1) / 2 : (cols))
-#define QGROUPS_(cols) (GS_ == 0 ? 1 : ((cols) + GS_ - 1) / GS_)
 #define QBYTE_(c) (COLI_QUANT == 2 ? (c) / 2 : (c))  // byte of column c in a row (c even for int4)
-static_assert(COLI_QUANT == 1 || COLI_QUANT == 2, "COLI_QUANT: 0 float, 1 int8, 2 int4");
-static_assert(GS_ == 0 || GS_ == 32 || GS_ == 64 || GS_ == 128, "COLI_GROUP_SIZE: 0 (per row), 32, 64 or 128");
-static_assert(COLI_QUANT == 1 || GS_ != 0, "int4 needs a group size");
 // A 16-byte vector starts at a multiple of QEPV_ columns: it lies inside one group; chunks start on a group.
 static_assert(GS_ % QEPV_ == 0 && CHUNK_ % (GS_ == 0 ? 1 : GS_) == 0, "groups must hold whole vectors and chunks");
 typedef unsigned char ws_t;  // stored weight: code bytes
-#if COLI_SCALE_FP16
-typedef unsigned short st;  // scale: IEEE binary16 bits
-__device__ __forceinline__ float st_to_float(st v) { return half_to_float(v); }
-#else
-typedef float st;
-__device__ __forceinline__ float st_to_float(st v) { return v; }
-#endif
 #else
 typedef wt ws_t;  // stored weight: fp16 bits or fp32
 #define VCOLS_ VEC_
