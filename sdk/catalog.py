@@ -344,6 +344,18 @@ def sizes(profile: dict, header) -> Sizes:
     )
 
 
+# Scratch buffers of int32 counters are named "<user>_counters" (docs/kernels.md, "Counters"): every backend sets
+# them to zero once, after allocating them (and again after `poison`), and each kernel that counts in one sets the
+# counters it used back to zero before it exits, so every call and every graph replay starts from zeros.
+COUNTERS_SUFFIX = "_counters"
+
+
+def is_counter_buffer(name: str) -> bool:
+    """True for a scratch buffer of int32 counters (its name ends in COUNTERS_SUFFIX), which the backends zero once
+    after allocating it instead of leaving it unset."""
+    return name.endswith(COUNTERS_SUFFIX)
+
+
 def device_buffers(profile: dict, header) -> dict[str, int]:
     """Scratch buffers of one forward pass, allocated once at load: name → size in bytes.
 
@@ -368,6 +380,7 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
       shared experts only (v2 num_shared_experts S >= 1, width Is):
         shared_act       (S, tokens, Is) float32    silu(gate) * up of each shared expert per token (0 for padded)
         shared_scale     (tokens,) float32          sigmoid(x . shared_expert_gate) per token (shared_gate only)
+    A name ending in COUNTERS_SUFFIX is an int32 counter buffer, zero at every launch (`is_counter_buffer`).
     """
     s = sizes(profile, header)
     e, h, i = header.num_experts, header.hidden_size, header.intermediate_size

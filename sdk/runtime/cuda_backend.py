@@ -253,6 +253,7 @@ class CudaBackend:
         else:
             self._weights = self._upload_weights(bundle.weights_path)
         self._buffers = {name: self._alloc(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
+        self._zero_counters(catalog.device_buffers(profile, self.header))
         self._io = catalog.io_buffers(self.header)
         self._launches = [self._prepare(launch) for launch in plan]
         self._launch_layers = [int(launch["layer"]) for launch in plan]  # per-layer calls run a sub-range
@@ -283,6 +284,13 @@ class CudaBackend:
             for symbol in kernel["symbols"]:
                 functions[symbol] = check(cu.cuModuleGetFunction(module, symbol.encode()), f"cuModuleGetFunction({symbol})")
         return functions
+
+    def _zero_counters(self, sizes: dict[str, int]) -> None:
+        """Zero the int32 counter buffers (`catalog.is_counter_buffer`): the kernels that count in them expect zeros
+        and leave zeros behind."""
+        for name, ptr in self._buffers.items():
+            if catalog.is_counter_buffer(name):
+                check(self._cu.cuMemsetD32(self._cu.CUdeviceptr(ptr), 0, sizes[name] // 4), "cuMemsetD32")
 
     def _alloc(self, size: int) -> int:
         ptr = check(self._cu.cuMemAlloc(max(int(size), 1)), "cuMemAlloc")
@@ -638,6 +646,7 @@ class CudaBackend:
             sizes = catalog.device_buffers(self.bundle.manifest["profile"], self.header)
             for name, ptr in self._buffers.items():
                 check(cu.cuMemsetD32(cu.CUdeviceptr(ptr), POISON_WORD, sizes[name] // 4), "cuMemsetD32")
+            self._zero_counters(sizes)
             check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
             self._out.view(np.uint32)[:] = POISON_WORD
 

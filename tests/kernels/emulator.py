@@ -218,6 +218,9 @@ class EmulatedDevice:
         self.lib = EmulationLibrary(build_library(catalog.compile_defines(profile, self.header), units=units))
         self.sizes = catalog.sizes(profile, self.header)
         self.buffers = {name: Region(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
+        for name, region in self.buffers.items():
+            if catalog.is_counter_buffer(name):  # zero once, as every backend does (the kernels leave them zero)
+                region.bytes[:] = 0
         data = Path(weights).read_bytes()[HEADER_SIZE:]
         self.weights = Region(len(data) + catalog.WEIGHTS_TAIL_BYTES)  # as CudaBackend allocates it
         self.weights.bytes[: len(data)] = np.frombuffer(data, dtype=np.uint8)
@@ -234,8 +237,8 @@ class EmulatedDevice:
 
     def poison(self) -> None:
         """Fill every scratch buffer with POISON_WORD (float32 NaN), as CudaBackend.poison does."""
-        for region in self.buffers.values():
-            region.view(np.uint32)[:] = POISON_WORD
+        for name, region in self.buffers.items():
+            region.view(np.uint32)[:] = 0 if catalog.is_counter_buffer(name) else POISON_WORD
 
     def _load_input(self, x: np.ndarray, valid_tokens) -> tuple:
         """The runtime's input copy: x into the input buffer and, where the plan has one, the valid-token counts

@@ -27,6 +27,7 @@ static const struct {
     SYMBOL(cuMemFree, "cuMemFree_v2"),
     SYMBOL(cuMemHostAlloc, "cuMemHostAlloc"),
     SYMBOL(cuMemFreeHost, "cuMemFreeHost"),
+    SYMBOL(cuMemsetD32, "cuMemsetD32_v2"),
     SYMBOL(cuMemcpyHtoD, "cuMemcpyHtoD_v2"),
     SYMBOL(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"),
     SYMBOL(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2"),

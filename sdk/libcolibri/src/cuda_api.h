@@ -43,6 +43,7 @@ typedef struct cu_api {
     CUresult (*cuMemFree)(CUdeviceptr);
     CUresult (*cuMemHostAlloc)(void **, size_t, unsigned);
     CUresult (*cuMemFreeHost)(void *);
+    CUresult (*cuMemsetD32)(CUdeviceptr, unsigned, size_t);
     CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
     CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
     CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);

@@ -350,6 +350,10 @@ int cb_alloc_memory(colibri_ctx *c) {
     for (size_t i = 0; i < c->n_buffers; i++) {
         size_t size = (size_t)c->buffers[i].size;
         CU(c, cuMemAlloc, &c->buffers[i].ptr, size ? size : 1);
+        /* int32 counters (sdk/catalog.py COUNTERS_SUFFIX): zero once; the kernels that count leave them zero */
+        const size_t n = strlen(c->buffers[i].name), k = strlen("_counters");
+        if (n >= k && strcmp(c->buffers[i].name + n - k, "_counters") == 0)
+            CU(c, cuMemsetD32, c->buffers[i].ptr, 0u, size / 4);
     }
     CU(c, cuMemHostAlloc, (void **)&c->in_host, c->io_bytes, 0);
     CU(c, cuMemHostAlloc, (void **)&c->out_host, c->io_bytes, 0);
