@@ -536,6 +536,13 @@ static int cmd_shapes(const char *bundle, const char *dir, int argc, char **argv
     uint32_t n_shapes = 0, last = 0;
     EXPECT(colibri_shape_count(ctx, &n_shapes), COLIBRI_OK);
     EXPECT(colibri_last_shape(ctx, &last), COLIBRI_ERR_STATE); /* before any call */
+    EXPECT(colibri_last_shape(ctx, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_count(ctx, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_at(ctx, 0, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_for(ctx, 1, 1, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_for(ctx, 0, 1, &last), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_set_input_shape(ctx, NULL, NULL, 1, 1), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_count(NULL, &n_shapes), COLIBRI_ERR_INVALID_ARG);
     char chosen[4096] = "", refused[8192] = "";
     size_t nc = 0, nr = 0;
     long allocs = 0;

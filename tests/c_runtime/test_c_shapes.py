@@ -222,3 +222,17 @@ def test_hostile_shapes_are_refused_with_their_message(run_c, bundles, tmp_path,
     if py_message is not None:
         with pytest.raises(BundleError, match=py_message):
             Bundle.open(bundle)
+
+
+def test_shape_calls_under_address_sanitizer(run_c, bundles, tmp_path):
+    """The shape calls and their refusals (NULL pointers, an index out of range, no call yet, too large) under
+    AddressSanitizer + UBSan + LeakSanitizer, on the smallest shape (one token: the emulation is slow under them)."""
+    bundle = bundles["a100"]
+    kmap = kernel_map(bundle, tmp_path / "kernels.map")
+    write_inputs(tmp_path, ["1x1"], manifest(bundle)["weights"]["header"]["hidden_size"])
+    run = run_c(["shapes", bundle, tmp_path, "1x1", "!2x1", "!0x1"], kernels=kmap, cc="8.0", kernel_map=kmap)
+    assert run.rc == 0 and run.result["passed"] and run.result["chosen"] == [0], run
+    assert "ERROR: AddressSanitizer" not in run.stderr and "runtime error:" not in run.stderr, run
+    assert "LeakSanitizer" not in run.stderr, run
+    assert run.result["refused"].split("\x1f")[1] == ("colibri_set_input_shape: batch 0 x tokens 1; allowed: 1 or "
+                                                      "more each")
