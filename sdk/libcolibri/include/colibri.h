@@ -122,11 +122,12 @@ COLIBRI_API int colibri_init(const colibri_config *config, colibri_ctx **ctx);
 /* Shapes, byte sizes and what was chosen at load. */
 COLIBRI_API int colibri_io_info(const colibri_ctx *ctx, colibri_io *info);
 
-/* Copy one input into the pinned input buffer.
- *   x: float32, C-contiguous (n, tokens, hidden) at the bundle's fixed tokens and hidden.
+/* Copy one input of the largest shape into the pinned input buffer; the call runs at the largest shape (for a call
+ * of its own size at the smallest shape that holds it: colibri_set_input_shape).
+ *   x: float32, C-contiguous (n, tokens, hidden) at the largest shape's tokens (colibri_io) and hidden.
  *   input_lengths: NULL (every position valid) or n int32 lengths, each 0..tokens: positions at or past a
  *     sequence's length are ignored (copied as zeros) and are zero in the output.
- *   n: must equal the bundle's batch.
+ *   n: must equal the largest shape's batch.
  * COLIBRI_ERR_INVALID_ARG: NULL x, n != batch, a length outside 0..tokens, or NaN/Inf at a valid position.
  * COLIBRI_ERR_STATE: the input is bound to a device pointer (colibri_bind). */
 COLIBRI_API int colibri_set_input(colibri_ctx *ctx, const float *x, const int32_t *input_lengths, size_t n);

@@ -26,7 +26,7 @@
 
 #include "context.h"
 
-static _Thread_local cb_err tls_err;
+_Thread_local cb_err cb_tls_err;
 
 /* ---- small helpers ----------------------------------------------------------------------------------------- */
 uint32_t colibri_abi_version(void) { return COLIBRI_ABI_VERSION; }
@@ -39,7 +39,7 @@ const char *colibri_status_name(int status) {
     return names[status];
 }
 
-const char *colibri_last_error(const colibri_ctx *ctx) { return ctx ? ctx->err.text : tls_err.text; }
+const char *colibri_last_error(const colibri_ctx *ctx) { return ctx ? ctx->err.text : cb_tls_err.text; }
 
 /* ---- the forward pass ---------------------------------------------------------------------------------------- */
 static shape_plan *largest(colibri_ctx *c) { return &c->shapes[c->n_shapes - 1]; }
@@ -171,50 +171,40 @@ static int init_steps(colibri_ctx *c, const colibri_config *cfg, cb_bundle *b) {
 int colibri_init(const colibri_config *cfg, colibri_ctx **out) {
     if (out) *out = NULL;
     if (!cfg || !out)
-        return cb_fail(&tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_init: config and ctx must not be NULL");
+        return cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_init: config and ctx must not be NULL");
     if (cfg->struct_size != sizeof(colibri_config) || cfg->abi_version != COLIBRI_ABI_VERSION)
-        return cb_fail(&tls_err, COLIBRI_ERR_ABI,
+        return cb_fail(&cb_tls_err, COLIBRI_ERR_ABI,
                        "colibri_init: config.struct_size %u / abi_version %u; this library has %zu / %u (initialise "
                        "the config with COLIBRI_CONFIG_INIT and rebuild against this colibri.h)",
                        cfg->struct_size, cfg->abi_version, sizeof(colibri_config), COLIBRI_ABI_VERSION);
     const uint32_t known = COLIBRI_FLAG_NO_VERIFY | COLIBRI_FLAG_EAGER;
     if (cfg->flags & ~known)
-        return cb_fail(&tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_init: config.flags 0x%x; allowed: bits 0x%x",
+        return cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_init: config.flags 0x%x; allowed: bits 0x%x",
                        cfg->flags, known);
     colibri_ctx *c = calloc(1, sizeof *c);
-    if (!c) return cb_fail(&tls_err, COLIBRI_ERR_OUT_OF_MEMORY, "colibri_init: out of memory");
+    if (!c) return cb_fail(&cb_tls_err, COLIBRI_ERR_OUT_OF_MEMORY, "colibri_init: out of memory");
     c->flags = cfg->flags;
     cb_bundle b;
     int rc = init_steps(c, cfg, &b);
     cb_bundle_close(&b);
     if (rc) {
-        tls_err = c->err;
+        cb_tls_err = c->err;
         release(c);
         free(c);
         return rc;
     }
     pthread_mutex_init(&c->lock, NULL);
-    tls_err.text[0] = 0;
+    cb_tls_err.text[0] = 0;
     *out = c;
     return COLIBRI_OK;
 }
 
 int colibri_io_info(const colibri_ctx *c, colibri_io *info) {
-    if (!c || !info) return cb_fail(&tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_io_info: ctx and info must not be NULL");
+    if (!c || !info) return cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_io_info: ctx and info must not be NULL");
     *info = c->io;
     return COLIBRI_OK;
 }
 
-#define ENTER(c, name)                                                                                      \
-    if (!(c)) return cb_fail(&tls_err, COLIBRI_ERR_INVALID_ARG, name ": ctx is NULL; allowed: a context from colibri_init"); \
-    pthread_mutex_lock(&(c)->lock)
-
-/* The first shape (smallest first) with batch and tokens both at least the call's; -1 if none (Runtime._run_for). */
-static long shape_for(const colibri_ctx *c, size_t batch, size_t tokens) {
-    for (size_t k = 0; k < c->n_shapes; k++)
-        if (batch <= (size_t)c->shapes[k].batch && tokens <= (size_t)c->shapes[k].tokens) return (long)k;
-    return -1;
-}
 
 /* Stage x (batch, tokens, hidden) into the pinned input at shape k (its (batch, tokens) corner; zeros elsewhere), and
  * the valid lengths: lengths[b] (or tokens) for the call's sequences, 0 for the padding ones (Runtime._valid_counts). */
@@ -282,7 +272,7 @@ static int set_input_shape_locked(colibri_ctx *c, const float *x, const int32_t 
     if (batch < 1 || tokens < 1)
         return cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "%s: batch %zu x tokens %zu; allowed: 1 or more each", call,
                        batch, tokens);
-    const long k = shape_for(c, batch, tokens);
+    const long k = cb_shape_for(c, batch, tokens);
     if (k < 0)
         return cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "%s: input batch %zu x tokens %zu is larger than every compiled "
                        "shape; the largest is batch %d x tokens %d (build with a larger shape.batch / shape.tokens)",
@@ -419,70 +409,6 @@ static int dropped_locked(colibri_ctx *c, int64_t *pairs) {
 int colibri_dropped_pairs(colibri_ctx *c, int64_t *pairs) {
     ENTER(c, "colibri_dropped_pairs");
     int rc = dropped_locked(c, pairs);
-    pthread_mutex_unlock(&c->lock);
-    return rc;
-}
-
-/* ---- the compiled shapes ----------------------------------------------------------------------------------------- */
-int colibri_shape_count(colibri_ctx *c, uint32_t *count) {
-    ENTER(c, "colibri_shape_count");
-    int rc = COLIBRI_OK;
-    if (!count)
-        rc = cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_shape_count: count is NULL");
-    else
-        *count = (uint32_t)c->n_shapes;
-    pthread_mutex_unlock(&c->lock);
-    return rc;
-}
-
-int colibri_shape_at(colibri_ctx *c, uint32_t index, colibri_shape *shape) {
-    ENTER(c, "colibri_shape_at");
-    int rc = COLIBRI_OK;
-    if (!shape) {
-        rc = cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_shape_at: shape is NULL");
-    } else if (index >= c->n_shapes) {
-        rc = cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_shape_at: index %u; allowed: 0..%zu (the compiled "
-                     "shapes, smallest first)", index, c->n_shapes - 1);
-    } else {
-        const shape_plan *p = &c->shapes[index];
-        shape->batch = (uint32_t)p->batch;
-        shape->tokens = (uint32_t)p->tokens;
-        shape->launches = (uint32_t)p->n_launches;
-        shape->input_bytes = p->io_bytes;
-        shape->calls = p->calls;
-    }
-    pthread_mutex_unlock(&c->lock);
-    return rc;
-}
-
-int colibri_shape_for(colibri_ctx *c, size_t batch, size_t tokens, uint32_t *index) {
-    ENTER(c, "colibri_shape_for");
-    int rc = COLIBRI_OK;
-    const long k = batch && tokens ? shape_for(c, batch, tokens) : -1;
-    if (!index)
-        rc = cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_shape_for: index is NULL");
-    else if (!batch || !tokens)
-        rc = cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_shape_for: batch %zu x tokens %zu; allowed: 1 or more "
-                     "each", batch, tokens);
-    else if (k < 0)
-        rc = cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_shape_for: input batch %zu x tokens %zu is larger than "
-                     "every compiled shape; the largest is batch %d x tokens %d (build with a larger shape.batch / "
-                     "shape.tokens)", batch, tokens, c->batch, c->tokens);
-    else
-        *index = (uint32_t)k;
-    pthread_mutex_unlock(&c->lock);
-    return rc;
-}
-
-int colibri_last_shape(colibri_ctx *c, uint32_t *index) {
-    ENTER(c, "colibri_last_shape");
-    int rc = COLIBRI_OK;
-    if (!index)
-        rc = cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_last_shape: index is NULL");
-    else if (!c->has_output)
-        rc = cb_fail(&c->err, COLIBRI_ERR_STATE, "colibri_last_shape: no call yet; call colibri_infer first");
-    else
-        *index = (uint32_t)c->out_shape;
     pthread_mutex_unlock(&c->lock);
     return rc;
 }

@@ -88,6 +88,18 @@ struct colibri_ctx {
 
 int cb_cu_fail(colibri_ctx *c, const char *call, CUresult r);
 
+/* The message of the last failed colibri_init (or call on a NULL context) of this thread (colibri.c). */
+extern _Thread_local cb_err cb_tls_err;
+
+/* Take the context's mutex (refusing a NULL context); each public call on a context starts with it. */
+#define ENTER(c, name)                                                                                      \
+    if (!(c)) return cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, name ": ctx is NULL; allowed: a context from colibri_init"); \
+    pthread_mutex_lock(&(c)->lock)
+
+/* shapes.c: the index of the first shape (smallest first) with batch and tokens both at least the call's; -1 if none
+ * (sdk/runtime/runtime.py Runtime._run_for). */
+long cb_shape_for(const colibri_ctx *c, size_t batch, size_t tokens);
+
 /* Check a driver call at its call site: on failure, return COLIBRI_ERR_CUDA (or _OUT_OF_MEMORY) naming the call. */
 #define CU(c, call, ...)                                          \
     do {                                                          \
