@@ -60,6 +60,7 @@ from .manifest import (  # noqa: F401 (re-exported: the writer and the deploy im
     parse_manifest,
 )
 from .paths import LINK_RULE, check_inside, kind_of, open_inside, read_manifest
+from .records import check_buffer_records, check_profile_shape
 
 _CHUNK = 1 << 20
 
@@ -169,7 +170,9 @@ class Bundle:
             path: the bundle folder.
             verify: also check the manifest's canonical form and digest, every file's size and sha256, that no
                 unlisted file, link or special file is present, that the weights file's header equals the
-                manifest's `weights.header`, and that the weights hold no NaN/Inf (reads every byte once).
+                manifest's `weights.header`, that the weights hold no NaN/Inf (reads every byte once), and that
+                every shape's `buffers` and `io_buffers` are the catalogue's (`records.check_buffer_records`).
+                Always: `profile.shape` gives exactly the compiled shapes (`records.check_profile_shape`).
 
         Raises:
             BundleError: any violation, naming the file or key.
@@ -181,6 +184,7 @@ class Bundle:
         where = str(root / MANIFEST)
         manifest = parse_manifest(raw, where)
         check_schema(manifest, where)
+        check_profile_shape(manifest, where)
         bundle = cls(root, manifest)
         for entry in manifest["files"]:
             check_inside(root, entry["path"])
@@ -234,6 +238,8 @@ class Bundle:
                 digest = self._hash(fh, rel, rel == weights, advance if progress is not None else None)
             if digest != entry["sha256"]:
                 raise BundleError(f"{rel}: sha256 {digest} differs from the manifest's {entry['sha256']}")
+        with self.open_weights() as opened:
+            check_buffer_records(self.manifest, opened.header)
 
     def _check_contents(self, folder: Path, prefix: str, listed: set[str]) -> None:
         """Walk the folder without following links: every entry is a real folder or a listed regular file."""

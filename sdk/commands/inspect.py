@@ -56,6 +56,26 @@ def expert_storage(header: dict) -> str | None:
     return text + (" with zero points" if header.get("zero_points") else "")
 
 
+def storage_record(header: dict, dtype: str) -> dict:
+    """The experts' weight storage for `run --json` / `inspect --json` ("storage"): the manifest's `dtype` is the
+    float type of the activations, scales and float blocks, never the storage of int8/int4 experts.
+
+    Args:
+        header: the manifest's `weights.header` (v1 or v2 fields). dtype: the manifest's dtype ("fp16" | "fp32").
+
+    Returns:
+        {"experts": "int4" | "int8" | "fp16" | "fp32", "group_size": int (0 = one group per row; 0 for float),
+         "zero_points": bool, "text": "int4 g128", "int8 per row", "fp16", ... (the text output's words)}.
+    """
+    text = expert_storage(header)
+    if text is None:
+        return {"experts": dtype, "group_size": 0, "zero_points": False, "text": dtype}
+    from ..format.constants import QUANT_NAMES
+
+    return {"experts": QUANT_NAMES[header["quant"]], "group_size": int(header.get("group_size", 0)),
+            "zero_points": bool(header.get("zero_points")), "text": text}
+
+
 def inspect_bundle(path: Path, as_json: bool = False) -> int:
     """Print a bundle's manifest summary (schema checked; checksums are `colibri-sdk verify`'s job). Returns 0.
 
@@ -68,6 +88,7 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     info["top_k"] = {"bundle": m["weights"]["header"].get("top_k"),
                      "model": m["weights"].get("model_top_k", m["weights"]["header"].get("top_k"))}
     info["capacity"] = m["profile"].get("capacity")  # None: dropless
+    info["storage"] = storage_record(m["weights"]["header"], m["dtype"])
     if as_json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0

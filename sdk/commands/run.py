@@ -164,10 +164,13 @@ def print_json(report: dict, output: str | None, y) -> int:
 
 def run_report(rt, args, source: str, x, first: float, times: list[float], load_seconds: float) -> dict:
     """The `run --json` object: what the text output prints, plus `Runtime.stats().as_dict()` under "stats"."""
+    from .inspect import storage_record
+
     batch, tokens = rt.shape
     return {
         "bundle": str(rt.bundle.path),
-        "dtype": rt.dtype,
+        "dtype": rt.dtype,  # the activations' / scales' float type; int8/int4 experts: see "storage"
+        "storage": storage_record(rt.bundle.manifest["weights"]["header"], rt.dtype),
         "shape": {"batch": batch, "tokens": tokens},
         "shapes": [{"batch": b, "tokens": t} for b, t in rt.shapes],
         "shape_chosen": dict(zip(("batch", "tokens"), rt.stats().last_shape)),

@@ -150,6 +150,9 @@ def _launch_plan(manifest: dict, header) -> list[dict]:
                 f"tokens {manifest['shape']['tokens']}; allowed: the kernels colibri-sdk build compiled for it "
                 "(rebuild the bundle)"
             )
+    from ..bundle.records import check_buffer_records
+
+    check_buffer_records(manifest, header, only=(manifest["shape"]["batch"], manifest["shape"]["tokens"]))  # what a C runtime allocates
     plan = catalog.launch_plan(manifest["profile"], header)
     recorded = manifest.get("launch")
     expected = json.loads(json.dumps(plan))

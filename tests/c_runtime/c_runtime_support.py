@@ -15,6 +15,11 @@ def manifest(bundle: Path) -> dict:
     return json.loads((bundle / "manifest.json").read_text())
 
 
+def captured_launches(m: dict) -> int:
+    """Kernel launches libcolibri captures at init: every compiled shape's plan (the top-level one without `shapes`)."""
+    return sum(len(entry["launch"]) for entry in m["shapes"]) if "shapes" in m else len(m["launch"])
+
+
 def build_bundle_for(profile: str, out: Path, weights: Path, **changes) -> Path:
     """A bundle of a shipped profile (with `changes` to its top-level keys / kernels) on the given weights."""
     from colibri_sdk.bundle.writer import build_bundle

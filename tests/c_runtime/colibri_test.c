@@ -10,6 +10,11 @@
  *                                                          sharing one context (calls serialised by its mutex)
  *   colibri_test fuzz BUNDLE N SEED                        N single-byte changes / truncations of manifest.json:
  *                                                          each refused with COLIBRI_ERR_BUNDLE, never a crash
+ *   colibri_test shapes BUNDLE DIR CALL...                 one call per CALL "BxT" or "BxT:L0,L1,..." (lengths) with
+ *                                                          colibri_set_input_shape: input DIR/in_BxT.f32 (raw float32
+ *                                                          (B, T, hidden)), output written to DIR/out_BxT.f32; "!BxT":
+ *                                                          must be refused; prints the shapes, each call's shape and
+ *                                                          the refusals as one JSON line
  *
  * Linked against the static library with -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc, so the host allocations of
  * libcolibri (and of this program) between two points are counted: "no allocation per call" is checked, not assumed.
@@ -497,9 +502,118 @@ static int cmd_dropped(const char *bundle, const char *out_path, int argc, char 
     return g_failures ? 1 : 0;
 }
 
+/* ---- shapes: one call per argument at the smallest shape that holds it --------------------------------------- */
+static void json_string(const char *text) {
+    putchar('"');
+    for (const char *p = text; *p; p++) {
+        if ((unsigned char)*p < 0x20) {
+            printf("\\u%04x", (unsigned char)*p);
+            continue;
+        }
+        if (*p == '"' || *p == '\\') putchar('\\');
+        putchar(*p);
+    }
+    putchar('"');
+}
+
+static float *read_raw(const char *path, size_t count) {
+    FILE *f = fopen(path, "rb");
+    float *data = f ? malloc(count * sizeof *data) : NULL;
+    if (data && fread(data, sizeof *data, count, f) != count) {
+        free(data);
+        data = NULL;
+    }
+    if (f) fclose(f);
+    if (!data) fprintf(stderr, "FAIL: cannot read %zu float32 from %s\n", count, path);
+    return data;
+}
+
+static int cmd_shapes(const char *bundle, const char *dir, int argc, char **argv) {
+    colibri_ctx *ctx = open_ctx(bundle, 0);
+    if (!ctx) return 1;
+    colibri_io io;
+    EXPECT(colibri_io_info(ctx, &io), COLIBRI_OK);
+    uint32_t n_shapes = 0, last = 0;
+    EXPECT(colibri_shape_count(ctx, &n_shapes), COLIBRI_OK);
+    EXPECT(colibri_last_shape(ctx, &last), COLIBRI_ERR_STATE); /* before any call */
+    EXPECT(colibri_last_shape(ctx, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_count(ctx, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_at(ctx, 0, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_for(ctx, 1, 1, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_for(ctx, 0, 1, &last), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_set_input_shape(ctx, NULL, NULL, 1, 1), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_count(NULL, &n_shapes), COLIBRI_ERR_INVALID_ARG);
+    char chosen[4096] = "", refused[8192] = "";
+    size_t nc = 0, nr = 0;
+    long allocs = 0;
+    for (int a = 0; a < argc; a++) {
+        const int refuse = argv[a][0] == '!';
+        const char *spec = argv[a] + refuse;
+        unsigned b = 0, t = 0;
+        int used = 0;
+        if (sscanf(spec, "%ux%u%n", &b, &t, &used) < 2) {
+            fprintf(stderr, "FAIL: call %s is not BxT\n", argv[a]);
+            return 1;
+        }
+        int32_t lengths[64];
+        const int with_lengths = spec[used] == ':';
+        if (with_lengths) { /* "L0,L1,...": one per sequence */
+            const char *p = spec + used + 1;
+            for (unsigned i = 0; i < b && i < 64; i++) {
+                char *end;
+                lengths[i] = (int32_t)strtol(p, &end, 10);
+                p = *end == ',' ? end + 1 : end;
+            }
+        }
+        const size_t count = (size_t)b * t * io.hidden;
+        if (refuse) {
+            float one = 0.0f;
+            EXPECT(colibri_set_input_shape(ctx, &one, NULL, b, t), COLIBRI_ERR_INVALID_ARG);
+            nr += (size_t)snprintf(refused + nr, sizeof refused - nr, "%s", nr ? "\x1f" : "");
+            nr += (size_t)snprintf(refused + nr, sizeof refused - nr, "%s", colibri_last_error(ctx));
+            continue;
+        }
+        char path[4096];
+        snprintf(path, sizeof path, "%s/in_%ux%u.f32", dir, b, t);
+        float *x = read_raw(path, count), *y = malloc(count * sizeof *y);
+        if (!x || !y) return 1;
+        const long before = g_allocs;
+        EXPECT(colibri_set_input_shape(ctx, x, with_lengths ? lengths : NULL, b, t), COLIBRI_OK);
+        EXPECT(colibri_infer(ctx), COLIBRI_OK);
+        EXPECT(colibri_get_output(ctx, y, count * sizeof *y), COLIBRI_OK);
+        EXPECT(colibri_last_shape(ctx, &last), COLIBRI_OK);
+        allocs += g_allocs - before;
+        uint32_t expect_index = 99;
+        EXPECT(colibri_shape_for(ctx, b, t, &expect_index), COLIBRI_OK);
+        CHECK(expect_index == last, "call %s: colibri_shape_for says %u, the call ran at %u", spec, expect_index, last);
+        nc += (size_t)snprintf(chosen + nc, sizeof chosen - nc, "%s%u", nc ? ", " : "", last);
+        snprintf(path, sizeof path, "%s/out_%ux%u.f32", dir, b, t);
+        FILE *f = fopen(path, "wb");
+        CHECK(f && fwrite(y, sizeof *y, count, f) == count, "cannot write %s", path);
+        if (f) fclose(f);
+        free(x);
+        free(y);
+    }
+    printf("{\"passed\": %s, \"allocs\": %ld, \"chosen\": [%s], \"shapes\": [", g_failures ? "false" : "true",
+           allocs, chosen);
+    for (uint32_t i = 0; i < n_shapes; i++) {
+        colibri_shape sh;
+        EXPECT(colibri_shape_at(ctx, i, &sh), COLIBRI_OK);
+        printf("%s{\"batch\": %u, \"tokens\": %u, \"calls\": %llu, \"launches\": %u, \"input_bytes\": %zu}",
+               i ? ", " : "", sh.batch, sh.tokens, (unsigned long long)sh.calls, sh.launches, sh.input_bytes);
+    }
+    colibri_shape sh;
+    EXPECT(colibri_shape_at(ctx, n_shapes, &sh), COLIBRI_ERR_INVALID_ARG);
+    printf("], \"largest\": [%u, %u], \"refused\": ", io.batch, io.tokens);
+    json_string(refused);
+    printf("}\n");
+    colibri_free(ctx);
+    return g_failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: colibri_test run|errors|init|bind|threads|fuzz|dropped BUNDLE ...\n");
+        fprintf(stderr, "usage: colibri_test run|errors|init|bind|threads|fuzz|dropped|shapes BUNDLE ...\n");
         return 2;
     }
     const char *cmd = argv[1], *bundle = argv[2];
@@ -509,6 +623,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bind")) return cmd_bind(bundle);
     if (!strcmp(cmd, "dropped") && argc >= 4) return cmd_dropped(bundle, argv[3], argc - 4, argv + 4);
     if (!strcmp(cmd, "threads")) return cmd_threads(bundle);
+    if (!strcmp(cmd, "shapes") && argc >= 4) return cmd_shapes(bundle, argv[3], argc - 4, argv + 4);
     if (!strcmp(cmd, "fuzz") && argc >= 5) return cmd_fuzz(bundle, atoi(argv[3]), (unsigned)strtoul(argv[4], NULL, 10));
     fprintf(stderr, "unknown subcommand %s\n", cmd);
     return 2;

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from c_runtime_support import SHIPPED, manifest
+from c_runtime_support import SHIPPED, captured_launches, manifest
 
 from colibri_sdk.bundle.reader import canonical_json, manifest_digest
 
@@ -28,12 +28,14 @@ def clean(run) -> None:
 
 
 # ---- end to end -------------------------------------------------------------------------------------------------
-def check_graph_run(run, launches: int, calls: int) -> None:
-    """The graph was captured once and replayed per call; nothing was allocated after the first replay."""
+def check_graph_run(run, launches: int, calls: int, captured_total: int | None = None) -> None:
+    """Each shape's graph was captured once (`captured_total` launches over all shapes; default `launches`: one
+    shape) and replayed per call; nothing was allocated after the first replay."""
     assert run.result["passed"] is True and run.result["allocs_per_call"] == 0, run
     assert run.result["launches"] == launches
     captured = run.calls("cuLaunchKernel")
-    assert len(captured) == launches and all(line.endswith("captured=1") for line in captured), run.log[:20]
+    assert len(captured) == (captured_total or launches), run.log[:20]
+    assert all(line.endswith("captured=1") for line in captured), run.log[:20]
     assert len(run.calls("cuGraphLaunch")) == calls
     first = next(i for i, line in enumerate(run.log) if line.startswith("cuGraphLaunch"))
     assert not [line for line in run.log[first:] if line.startswith(("cuMemAlloc", "cuMemHostAlloc"))]
@@ -46,7 +48,7 @@ def test_shipped_profile_end_to_end_against_the_reference(run_c, bundles, name):
     run = run_c(["run", bundles[name], "calls=2"], kernels=name, asan=False, cc=f"{major}.{minor}")
     assert run.rc == 0, run
     assert run.result["image_kind"] == "cubin", run
-    check_graph_run(run, len(manifest(bundles[name])["launch"]), 2)
+    check_graph_run(run, len(manifest(bundles[name])["launch"]), 2, captured_launches(manifest(bundles[name])))
 
 
 @pytest.mark.skipif(not os.environ.get("COLIBRI_C_FULL"),
@@ -68,7 +70,7 @@ def test_shipped_profile_bundle_as_the_cli_builds_it(run_c, tmp_path, name):
     run = run_c(["run", bundle, "calls=1"], kernels=build_library(m["kernels"][0]["defines"]), asan=False,
                 cc=f"{major}.{minor}", timeout=300)
     assert run.rc == 0, run
-    check_graph_run(run, len(m["launch"]), 1)
+    check_graph_run(run, len(m["launch"]), 1, captured_launches(m))
 
 
 def test_end_to_end_under_address_sanitizer(run_c, bundles):
@@ -235,6 +237,11 @@ def _truncated_weights(b: Path) -> None:
         f.truncate(1000)
 
 
+def top_and_largest(m: dict, key: str) -> list:
+    """m[key] and the last `shapes` entry's (which must equal it): what an edit of the largest shape's plan changes."""
+    return [m[key]] + [m["shapes"][-1][key]] * ("shapes" in m)
+
+
 def _add_i32_out_of_range(m: dict) -> None:
     m["launch"][0]["args"].append({"kind": "i32", "value": 1 << 40})
 
@@ -271,7 +278,8 @@ HOSTILE_MANIFESTS = {
     "weights offset outside": (lambda m: m["launch"][0]["args"][1].update(offset=1 << 40), "args[1].offset"),
     "i32 out of range": (_add_i32_out_of_range, "].value; allowed: an int32"),
     "io buffer too small": (lambda m: m["buffers"].update(x0=4), "io_buffers.input is buffer x0 of 4 bytes"),
-    "unknown symbol": (lambda m: m["launch"][0].update(symbol="colibri_nope"), "names colibri_nope"),
+    "unknown symbol": (lambda m: [plan[0].update(symbol="colibri_nope") for plan in top_and_largest(m, "launch")],
+                       "names colibri_nope"),
     "shapes: unknown key": (lambda m: m["shapes"][0].update(extra=1), "manifest.json: shapes[0]: unknown key 'extra'"),
     "shapes: kernel image not listed": (lambda m: m["shapes"][0]["kernels"][1].update(ptx="kernels/missing.ptx"),
                                         'kernels[1].ptx = "kernels/missing.ptx" is not a listed file'),
@@ -321,6 +329,8 @@ def test_i32_arguments_and_a_valid_tokens_buffer_are_honoured(run_c, bundles, tm
         m["launch"][-1]["args"].append({"kind": "i32", "value": 7})  # beyond the kernel's parameters: ignored
         m["buffers"]["valid_tokens"] = 4 * m["shape"]["batch"]
         m["io_buffers"]["valid_tokens"] = "valid_tokens"
+        for key in ("launch", "buffers", "io_buffers"):  # the largest shape's entry equals the top-level keys
+            m["shapes"][-1][key] = m[key]
 
     rewrite(bundle, change)
     run = run_c(["run", bundle])

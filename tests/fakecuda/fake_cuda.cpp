@@ -23,12 +23,14 @@
 // Settings (environment, read at cuInit): COLIBRI_FAKE_CUDA_DRIVER (cuDriverGetVersion, default 12090),
 // COLIBRI_FAKE_CUDA_CC ("8.7"), COLIBRI_FAKE_CUDA_INTEGRATED ("0"/"1"), COLIBRI_FAKE_CUDA_DEVICES (1),
 // COLIBRI_FAKE_CUDA_FAIL ("cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY" fails every call, "cuMemAlloc@3=..." the 3rd only;
-// comma-separated), COLIBRI_FAKE_CUDA_LOG (a file: one line per call, for tests), COLIBRI_FAKE_CUDA_VERBOSE (name
+// comma-separated), COLIBRI_FAKE_CUDA_KERNEL_MAP (emulation library per module image, see mapped_kernels),
+// COLIBRI_FAKE_CUDA_LOG (a file: one line per call, for tests), COLIBRI_FAKE_CUDA_VERBOSE (name
 // every unresolved cuGetProcAddress lookup on stderr).
 // Every error the fake itself detects is also printed on stderr as "fake libcuda: <call>: <why>".
 #include <dlfcn.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdarg>
@@ -353,8 +355,65 @@ struct Function {
     size_t param_bytes;
 };
 
-KernelLib* kernel_lib(const char* call) {
-    std::string path = g_kernels_override.empty() ? env("COLIBRI_FAKE_CUDA_KERNELS", "") : g_kernels_override;
+// The bytes of a module image: a cubin's ELF extent (section and program headers and the file-backed sections), a
+// PTX text's length.
+size_t image_bytes(const unsigned char* img, bool cubin) {
+    if (!cubin) return std::strlen(reinterpret_cast<const char*>(img));
+    uint64_t shoff, phoff, end;
+    uint16_t phentsize, phnum, shentsize, shnum;
+    std::memcpy(&phoff, img + 0x20, 8);
+    std::memcpy(&shoff, img + 0x28, 8);
+    std::memcpy(&phentsize, img + 0x36, 2);
+    std::memcpy(&phnum, img + 0x38, 2);
+    std::memcpy(&shentsize, img + 0x3A, 2);
+    std::memcpy(&shnum, img + 0x3C, 2);
+    end = std::max<uint64_t>(shoff + uint64_t(shnum) * shentsize, phoff + uint64_t(phnum) * phentsize);
+    for (int i = 0; i < shnum; ++i) {
+        const unsigned char* sh = img + shoff + size_t(i) * shentsize;
+        uint32_t type;
+        uint64_t off, size;
+        std::memcpy(&type, sh + 4, 4);
+        std::memcpy(&off, sh + 24, 8);
+        std::memcpy(&size, sh + 32, 8);
+        if (type != 8) end = std::max(end, off + size);  // SHT_NOBITS occupies no file bytes
+    }
+    for (int i = 0; i < phnum; ++i) {
+        const unsigned char* ph = img + phoff + size_t(i) * phentsize;
+        uint64_t off, size;
+        std::memcpy(&off, ph + 8, 8);
+        std::memcpy(&size, ph + 32, 8);
+        end = std::max(end, off + size);
+    }
+    return size_t(end);
+}
+
+// COLIBRI_FAKE_CUDA_KERNEL_MAP: a file of lines "<FNV-1a 64 of the image, 16 hex digits> <emulation library>", so
+// the modules of a bundle's several shapes (each compiled with its own -D constants) each run on the emulation built
+// with their constants even when one program loads them all (libcolibri). "" when unset or not listed.
+std::string mapped_kernels(const unsigned char* img, bool cubin) {
+    std::string map = env("COLIBRI_FAKE_CUDA_KERNEL_MAP", "");
+    if (map.empty()) return "";
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0, n = image_bytes(img, cubin); i < n; ++i) h = (h ^ img[i]) * 0x100000001b3ull;
+    char key[17];
+    std::snprintf(key, sizeof key, "%016llx", static_cast<unsigned long long>(h));
+    FILE* f = std::fopen(map.c_str(), "r");
+    if (!f) return "";
+    char line[4096];
+    std::string found;
+    while (found.empty() && std::fgets(line, sizeof line, f)) {
+        std::string text(line);
+        while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
+        if (text.size() > 17 && text.compare(0, 16, key) == 0 && text[16] == ' ') found = text.substr(17);
+    }
+    std::fclose(f);
+    return found;
+}
+
+KernelLib* kernel_lib(const char* call, const std::string& mapped = "") {
+    std::string path = !mapped.empty()                 ? mapped
+                       : g_kernels_override.empty()    ? env("COLIBRI_FAKE_CUDA_KERNELS", "")
+                                                       : g_kernels_override;
     if (path.empty()) {
         complain(call, "no kernel emulation library: set COLIBRI_FAKE_CUDA_KERNELS to a library built by "
                        "tests/kernels/emulator.py");
@@ -1043,7 +1102,7 @@ API CUresult cuModuleLoadData(void** pmod, const void* image) {
             return CUDA_ERROR_NO_BINARY_FOR_GPU;
         }
     }
-    m->lib = kernel_lib("cuModuleLoadData");
+    m->lib = kernel_lib("cuModuleLoadData", mapped_kernels(img, m->kind == "cubin"));
     if (!m->lib) return CUDA_ERROR_NOT_SUPPORTED;
     std::string names;
     for (const auto& [name, e] : m->entries) names += (names.empty() ? "" : ",") + name;

@@ -6,7 +6,7 @@
  *     cfg.bundle_dir = "bundles/orin";
  *     colibri_ctx *ctx;
  *     if (colibri_init(&cfg, &ctx) != COLIBRI_OK) { fprintf(stderr, "%s\n", colibri_last_error(NULL)); ... }
- *     colibri_io io;  colibri_io_info(ctx, &io);                   // shapes and byte sizes
+ *     colibri_io io;  colibri_io_info(ctx, &io);                   // the largest shape, byte sizes
  *     colibri_set_input(ctx, x, lengths, io.batch);                // x: float32 (batch, tokens, hidden)
  *     colibri_infer(ctx);                                          // one cuGraphLaunch + one synchronisation
  *     colibri_get_output(ctx, y, io.output_bytes);                 // y: float32 (batch, tokens, hidden)
@@ -44,6 +44,9 @@ extern "C" {
 
 /* Bumped when a struct layout or a call's meaning changes incompatibly. */
 #define COLIBRI_ABI_VERSION 1u
+/* Bumped when calls or structs are only added (a program built against a lower minor links and runs unchanged):
+ * 1 = the compiled shapes (colibri_set_input_shape, colibri_shape_count / _at / _for, colibri_last_shape). */
+#define COLIBRI_ABI_MINOR 1u
 
 /* Status codes: stable integers. */
 enum {
@@ -81,7 +84,8 @@ typedef struct colibri_config {
 #define COLIBRI_CONFIG_INIT {sizeof(colibri_config), COLIBRI_ABI_VERSION, NULL, 0, 0u, NULL}
 
 typedef struct colibri_io {
-    uint32_t batch, tokens, hidden; /* the bundle's fixed shape: input and output are float32 (batch, tokens, hidden) */
+    uint32_t batch, tokens, hidden; /* the bundle's largest compiled shape (the only one of a single-shape bundle):
+                                       colibri_set_input's x and the output are float32 (batch, tokens, hidden) */
     size_t input_bytes;             /* batch * tokens * hidden * 4 */
     size_t output_bytes;            /* the same */
     uint32_t launches;              /* kernel launches per call (the manifest's launch plan) */
@@ -90,9 +94,18 @@ typedef struct colibri_io {
     int compute_capability[2];      /* the device's (major, minor) */
     int driver_version;             /* cuDriverGetVersion: 1000 * major + 10 * minor */
     char arch[16];                  /* the bundle's arch, e.g. "sm_87" */
-    char dtype[8];                  /* the bundle's weight dtype: "fp16" | "fp32" */
+    char dtype[8];                  /* the bundle's float type: "fp16" | "fp32" (the manifest's dtype: activations,
+                                       scales; int8/int4 weight storage is weights.header.quant, docs/format.md) */
     char device_name[64];
 } colibri_io;
+
+/* One compiled shape of the bundle (the manifest's `shapes`, docs/build.md "Several shapes"). */
+typedef struct colibri_shape {
+    uint32_t batch, tokens; /* the shape: a call of at most batch sequences of at most tokens tokens runs here */
+    uint32_t launches;      /* kernel launches per call at this shape */
+    size_t input_bytes;     /* batch * tokens * hidden * 4: the padded input (and output) of a call at this shape */
+    uint64_t calls;         /* colibri_infer calls run at this shape so far (the Python runtime's shapes_chosen) */
+} colibri_shape;
 
 typedef struct colibri_ctx colibri_ctx;
 
@@ -109,20 +122,35 @@ COLIBRI_API int colibri_init(const colibri_config *config, colibri_ctx **ctx);
 /* Shapes, byte sizes and what was chosen at load. */
 COLIBRI_API int colibri_io_info(const colibri_ctx *ctx, colibri_io *info);
 
-/* Copy one input into the pinned input buffer.
- *   x: float32, C-contiguous (n, tokens, hidden) at the bundle's fixed tokens and hidden.
+/* Copy one input of the largest shape into the pinned input buffer; the call runs at the largest shape (for a call
+ * of its own size at the smallest shape that holds it: colibri_set_input_shape).
+ *   x: float32, C-contiguous (n, tokens, hidden) at the largest shape's tokens (colibri_io) and hidden.
  *   input_lengths: NULL (every position valid) or n int32 lengths, each 0..tokens: positions at or past a
  *     sequence's length are ignored (copied as zeros) and are zero in the output.
- *   n: must equal the bundle's batch.
+ *   n: must equal the largest shape's batch.
  * COLIBRI_ERR_INVALID_ARG: NULL x, n != batch, a length outside 0..tokens, or NaN/Inf at a valid position.
  * COLIBRI_ERR_STATE: the input is bound to a device pointer (colibri_bind). */
 COLIBRI_API int colibri_set_input(colibri_ctx *ctx, const float *x, const int32_t *input_lengths, size_t n);
+
+/* Copy one input of its own size into pinned memory, at the smallest compiled shape that holds it: the first of the
+ * bundle's shapes (smallest first: by batch*tokens, then batch, then tokens) with batch and tokens both at least the
+ * call's, as the Python runtime's Runtime.shape_for. The input is padded with zeros to that shape (padding positions
+ * are not valid tokens); colibri_infer runs that shape's graph and colibri_get_output returns the call's part.
+ *   x: float32, C-contiguous (batch, tokens, hidden).
+ *   input_lengths: NULL (every position valid) or batch int32 lengths, each 0..tokens.
+ * COLIBRI_ERR_INVALID_ARG: NULL x, batch or tokens 0, a call larger than the largest shape ("input batch B x tokens T
+ * is larger than every compiled shape; the largest is ..."), a length outside 0..tokens, NaN/Inf at a valid
+ * position. COLIBRI_ERR_STATE: the input or the output is bound to device memory (colibri_bind: it holds the largest
+ * shape; use colibri_set_input). */
+COLIBRI_API int colibri_set_input_shape(colibri_ctx *ctx, const float *x, const int32_t *input_lengths, size_t batch,
+                                        size_t tokens);
 
 /* Run the bundle on the current input: one cuGraphLaunch (or the eager launches). On the context's own stream it
  * waits for the result; on a stream given by colibri_set_stream it returns once the work is enqueued. */
 COLIBRI_API int colibri_infer(colibri_ctx *ctx);
 
-/* Copy the output of the last infer into y (float32 (batch, tokens, hidden)); y_bytes must equal output_bytes.
+/* Copy the output of the last infer into y: float32 (batch, tokens, hidden) of that call's input (output_bytes after
+ * colibri_set_input; batch * tokens * hidden * 4 after colibri_set_input_shape); y_bytes must equal it.
  * Waits for the stream first. COLIBRI_ERR_STATE before any infer or while the output is bound. */
 COLIBRI_API int colibri_get_output(colibri_ctx *ctx, float *y, size_t y_bytes);
 
@@ -139,6 +167,18 @@ COLIBRI_API int colibri_set_stream(colibri_ctx *ctx, void *cuda_stream);
  * capacity_dropped buffer, one int32 per layer written by colibri_capacity on every call); 0 for a dropless bundle.
  * Waits for the stream. COLIBRI_ERR_INVALID_ARG: pairs NULL. COLIBRI_ERR_STATE: before any colibri_infer. */
 COLIBRI_API int colibri_dropped_pairs(colibri_ctx *ctx, int64_t *pairs);
+
+/* The compiled shapes: *count of them (1 for a bundle of one shape), and shape `index` (0 .. count-1, smallest
+ * first; the last is colibri_io_info's). COLIBRI_ERR_INVALID_ARG: NULL pointer, index out of range. */
+COLIBRI_API int colibri_shape_count(colibri_ctx *ctx, uint32_t *count);
+COLIBRI_API int colibri_shape_at(colibri_ctx *ctx, uint32_t index, colibri_shape *shape);
+
+/* The index of the shape a call of (batch, tokens) runs at (colibri_set_input_shape's choice). COLIBRI_ERR_INVALID_ARG:
+ * NULL index, batch or tokens 0, or a call larger than the largest shape. */
+COLIBRI_API int colibri_shape_for(colibri_ctx *ctx, size_t batch, size_t tokens, uint32_t *index);
+
+/* The index of the shape the last colibri_infer ran at. COLIBRI_ERR_STATE: no output yet. */
+COLIBRI_API int colibri_last_shape(colibri_ctx *ctx, uint32_t *index);
 
 /* The one-line message of the last failed call on ctx, or, with ctx NULL, of the last failed colibri_init in this
  * thread. "" when there was none. Valid until the next call on ctx (or in this thread). */

@@ -267,8 +267,49 @@ static int check_kernels(const cJSON *kernels, const cJSON *files, cb_err *err) 
 }
 
 /* `shapes` (docs/build.md, "Several shapes"): each entry an object with integer batch and tokens in range, a kernels
- * list (checked as the top-level one: relative, listed images) and a selftest with relative paths. This runtime runs
- * the top-level shape (the largest, the last entry), which the Python reader checks equals that entry. */
+ * list (checked as the top-level one: relative, listed images) and a selftest with relative paths; the entries
+ * strictly increasing in (batch*tokens, batch, tokens) and the last one the largest in batch and in tokens, as
+ * colibri_sdk.bundle.manifest._check_shapes. That the last equals the top-level keys is cb_check_largest, run after
+ * the launch plans are read (load.c), so a fault in a top-level plan is named by its own rule first. */
+static void shape_dims(const cJSON *e, long long *batch, long long *tokens);
+
+/* Strictly increasing in (batch*tokens, batch, tokens); the last the largest in both (the Python reader's words). */
+static int check_shape_order(const cJSON *shapes, cb_err *err) {
+    long long pb = 0, pt = 0, lb, lt;
+    int sorted = 1, i = 0;
+    const int n = cJSON_GetArraySize(shapes);
+    shape_dims(cJSON_GetArrayItem(shapes, n - 1), &lb, &lt);
+    for (const cJSON *e = shapes->child; e; e = e->next, i++) {
+        long long b, t;
+        shape_dims(e, &b, &t);
+        if (i && !(b * t > pb * pt || (b * t == pb * pt && (b > pb || (b == pb && t > pt))))) sorted = 0;
+        pb = b;
+        pt = t;
+    }
+    if (!sorted) {
+        char got[64 * 32] = "";
+        size_t len = 0;
+        i = 0;
+        for (const cJSON *e = shapes->child; e && len < sizeof got; e = e->next, i++) {
+            long long b, t;
+            shape_dims(e, &b, &t);
+            len += (size_t)snprintf(got + len, sizeof got - len, "%s(%lld, %lld)", i ? ", " : "", b, t);
+        }
+        return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes must be sorted smallest first (by batch*tokens, "
+                       "batch, tokens) without duplicates; got [%s]", got);
+    }
+    i = 0;
+    for (const cJSON *e = shapes->child; e && e->next; e = e->next, i++) {
+        long long b, t;
+        shape_dims(e, &b, &t);
+        if (b > lb || t > lt)
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes[%d] is batch %lld x tokens %lld, beyond the "
+                           "largest (last) shape batch %lld x tokens %lld; allowed: the last shape has the largest "
+                           "batch and the largest tokens", i, b, t, lb, lt);
+    }
+    return COLIBRI_OK;
+}
+
 #define MAX_SHAPES 64 /* colibri_sdk.bundle.manifest.MAX_SHAPES: shape.batch and shape.tokens of 8 values each */
 static int check_shapes(const cJSON *shapes, const cJSON *files, cb_err *err) {
     char where[64];
@@ -304,6 +345,29 @@ static int check_shapes(const cJSON *shapes, const cJSON *files, cb_err *err) {
         if ((rc = expect(st, "input", T_STR, where, err)) || (rc = expect(st, "output", T_STR, where, err))) return rc;
         if ((rc = check_relative(cb_json_str(st, "input"), "shapes[].selftest.input", err))) return rc;
         if ((rc = check_relative(cb_json_str(st, "output"), "shapes[].selftest.output", err))) return rc;
+    }
+    return check_shape_order(shapes, err);
+}
+
+/* The sizes (batch, tokens) of entry i of `shapes` (already checked to be integers). */
+static void shape_dims(const cJSON *e, long long *batch, long long *tokens) {
+    cb_json_int(e, "batch", batch);
+    cb_json_int(e, "tokens", tokens);
+}
+
+int cb_check_largest(const cb_bundle *b, cb_err *err) {
+    const cJSON *m = b->manifest, *shapes = cJSON_GetObjectItemCaseSensitive(m, "shapes");
+    if (!shapes) return COLIBRI_OK;
+    const int n = cJSON_GetArraySize(shapes);
+    const cJSON *last = cJSON_GetArrayItem(shapes, n - 1), *shape = cJSON_GetObjectItemCaseSensitive(m, "shape");
+    static const char *keys[] = {"batch", "tokens", "kernels", "launch", "buffers", "io_buffers", "selftest"};
+    for (size_t i = 0; i < N(keys); i++) {
+        const int dim = i < 2;
+        const cJSON *top = cJSON_GetObjectItemCaseSensitive(dim ? shape : m, keys[i]);
+        if (!top || !cJSON_Compare(cJSON_GetObjectItemCaseSensitive(last, keys[i]), top, 1))
+            return cb_fail(err, COLIBRI_ERR_BUNDLE, "manifest.json: shapes[%d].%s differs from the top-level %s%s; "
+                           "allowed: the last (largest) shape is the top-level one", n - 1, keys[i],
+                           dim ? "shape." : "", keys[i]);
     }
     return COLIBRI_OK;
 }

@@ -73,6 +73,8 @@ typedef struct cb_bundle {
 /* Open and check a bundle folder (docs/c_runtime.md, "Refusals"); verify: sha256 of every file + unlisted scan. */
 int cb_bundle_open(cb_bundle *b, const char *dir, int verify, cb_err *err);
 void cb_bundle_close(cb_bundle *b);
+/* The last `shapes` entry equals the top-level shape, kernels, launch, buffers, io_buffers and selftest (none: OK). */
+int cb_check_largest(const cb_bundle *b, cb_err *err);
 /* Open a file listed in the manifest: every component without following symlinks, a regular file. */
 int cb_bundle_open_file(const cb_bundle *b, const char *rel, int *fd, uint64_t *size, cb_err *err);
 /* Read a whole listed file into malloc'ed memory; `extra` zero bytes are appended (PTX wants a NUL). */

@@ -1,4 +1,4 @@
-/* load.c: the steps of colibri_init after the bundle checks (colibri.c lists them): the manifest's buffers and
+/* load.c: the steps of colibri_init after the bundle checks (colibri.c lists them): each shape's buffers and
  * launch plan, the device, the image choice, the modules, the weight upload and every allocation. */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -57,10 +57,10 @@ int cb_select_image(colibri_ctx *c, const cb_bundle *b, int dev_major, int dev_m
     return COLIBRI_OK;
 }
 
-/* ---- the launch plan ---------------------------------------------------------------------------------------- */
-static long find_buffer(const colibri_ctx *c, const char *name) {
-    for (size_t i = 0; i < c->n_buffers; i++)
-        if (c->buffers[i].name && strcmp(c->buffers[i].name, name) == 0) return (long)i;
+/* ---- the shapes and their launch plans ------------------------------------------------------------------------ */
+static long find_buffer(const shape_plan *s, const char *name) {
+    for (size_t i = 0; i < s->n_buffers; i++)
+        if (s->buffers[i].name && strcmp(s->buffers[i].name, name) == 0) return (long)i;
     return -1;
 }
 
@@ -72,27 +72,77 @@ static int int_in(const cJSON *v, long long lo, long long hi, long long *out) {
     return 1;
 }
 
-/* buffers and io_buffers of the manifest: sizes, names, the I/O buffers big enough. */
-int cb_read_buffers(colibri_ctx *c, const cb_bundle *b) {
+/* The context's shapes: the `shapes` entries but the last, then the largest from the top-level keys (a bundle
+ * without `shapes` has only that one); each one's buffers and launch plan checked (the largest first, so a fault in
+ * a top-level key is named as such), the buffer pool, then the largest against the last `shapes` entry. */
+int cb_read_shapes(colibri_ctx *c, const cb_bundle *b) {
+    const cJSON *entries = cJSON_GetObjectItemCaseSensitive(b->manifest, "shapes");
+    const size_t n = entries ? (size_t)cJSON_GetArraySize(entries) : 1;
+    c->shapes = calloc(n, sizeof *c->shapes);
+    if (!c->shapes) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    c->n_shapes = n;
+    size_t i = 0;
+    for (const cJSON *e = entries ? entries->child : NULL; e && i + 1 < n; e = e->next, i++) {
+        shape_plan *s = &c->shapes[i];
+        long long batch, tokens;
+        cb_json_int(e, "batch", &batch);
+        cb_json_int(e, "tokens", &tokens);
+        s->json = e;
+        snprintf(s->where, sizeof s->where, "shapes[%zu].", i);
+        s->batch = (int)batch;
+        s->tokens = (int)tokens;
+    }
+    shape_plan *largest = &c->shapes[n - 1];
+    largest->json = b->manifest;
+    largest->batch = c->batch;
+    largest->tokens = c->tokens;
+    int rc;
+    for (size_t k = 0; k < n; k++) {
+        shape_plan *s = &c->shapes[(k + n - 1) % n]; /* the largest first */
+        s->valid_buf = s->dropped_buf = -1;
+        s->io_bytes = (size_t)s->batch * (size_t)s->tokens * (size_t)c->hidden * sizeof(float);
+        if ((rc = cb_read_buffers(c, s)) || (rc = cb_walk_plan(c, b, s, 0))) return rc;
+    }
+    size_t total = 0;
+    for (size_t k = 0; k < n; k++) total += c->shapes[k].n_buffers;
+    c->pool = calloc(total ? total : 1, sizeof *c->pool);
+    if (!c->pool) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    for (size_t k = 0; k < n; k++) /* one allocation per name, of the largest size any shape gives it */
+        for (size_t j = 0; j < c->shapes[k].n_buffers; j++) {
+            buffer *sb = &c->shapes[k].buffers[j];
+            size_t p = 0;
+            while (p < c->n_pool && strcmp(c->pool[p].name, sb->name)) p++;
+            if (p == c->n_pool) {
+                c->pool[p].name = sb->name;
+                c->n_pool++;
+            }
+            if (sb->size > c->pool[p].size) c->pool[p].size = sb->size;
+            sb->pool = p;
+        }
+    return cb_check_largest(b, &c->err);
+}
+
+/* A shape's buffers and io_buffers: sizes, names, the I/O buffers big enough for that shape. */
+int cb_read_buffers(colibri_ctx *c, shape_plan *s) {
     char esc[128];
-    const cJSON *m = b->manifest;
-    const cJSON *bufs = cJSON_GetObjectItemCaseSensitive(m, "buffers");
-    const cJSON *io = cJSON_GetObjectItemCaseSensitive(m, "io_buffers");
-    if (!cJSON_GetObjectItemCaseSensitive(m, "launch") || !bufs || !io)
+    const char *w = s->where;
+    const cJSON *bufs = cJSON_GetObjectItemCaseSensitive(s->json, "buffers");
+    const cJSON *io = cJSON_GetObjectItemCaseSensitive(s->json, "io_buffers");
+    if (!cJSON_GetObjectItemCaseSensitive(s->json, "launch") || !bufs || !io)
         return cb_fail(&c->err, COLIBRI_ERR_BUNDLE,
                        "manifest.json: no launch plan, buffers or io_buffers; the C runtime needs a bundle built by "
                        "colibri-sdk with these keys: rebuild it (colibri-sdk build)");
-    c->n_buffers = (size_t)cJSON_GetArraySize(bufs);
-    c->buffers = calloc(c->n_buffers ? c->n_buffers : 1, sizeof *c->buffers);
-    if (!c->buffers) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    s->n_buffers = (size_t)cJSON_GetArraySize(bufs);
+    s->buffers = calloc(s->n_buffers ? s->n_buffers : 1, sizeof *s->buffers);
+    if (!s->buffers) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
     size_t i = 0;
     for (const cJSON *e = bufs->child; e; e = e->next, i++) {
         long long size;
         if (!int_in(e, 0, MAX_BUFFER_BYTES, &size))
-            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: buffers.%s is not a byte size; allowed: an "
-                           "integer in 0..2^40", cb_escape(e->string, esc, sizeof esc));
-        c->buffers[i].name = e->string;
-        c->buffers[i].size = size;
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %sbuffers.%s is not a byte size; allowed: an "
+                           "integer in 0..2^40", w, cb_escape(e->string, esc, sizeof esc));
+        s->buffers[i].name = e->string;
+        s->buffers[i].size = size;
     }
     const char *names[3] = {"input", "output", "valid_tokens"};
     long idx[3] = {-1, -1, -1};
@@ -100,27 +150,28 @@ int cb_read_buffers(colibri_ctx *c, const cb_bundle *b) {
         int k = !strcmp(e->string, "input") ? 0 : !strcmp(e->string, "output") ? 1
               : !strcmp(e->string, "valid_tokens") ? 2 : -1;
         if (k < 0)
-            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: io_buffers.%s; allowed keys: input, output, "
-                           "valid_tokens", cb_escape(e->string, esc, sizeof esc));
-        if (!cJSON_IsString(e) || (idx[k] = find_buffer(c, e->valuestring)) < 0)
-            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: io_buffers.%s does not name a buffer; "
-                           "allowed: a key of buffers", names[k]);
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %sio_buffers.%s; allowed keys: input, output, "
+                           "valid_tokens", w, cb_escape(e->string, esc, sizeof esc));
+        if (!cJSON_IsString(e) || (idx[k] = find_buffer(s, e->valuestring)) < 0)
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %sio_buffers.%s does not name a buffer; "
+                           "allowed: a key of %sbuffers", w, names[k], w);
     }
     if (idx[0] < 0 || idx[1] < 0)
-        return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: io_buffers needs input and output");
+        return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %sio_buffers needs input and output", w);
     for (int k = 0; k < 3; k++) {
-        long long need = k < 2 ? (long long)c->io_bytes : 4LL * c->batch;
-        if (idx[k] >= 0 && c->buffers[idx[k]].size < need)
-            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: io_buffers.%s is buffer %s of %lld bytes; "
-                           "allowed: at least %lld", names[k], c->buffers[idx[k]].name, c->buffers[idx[k]].size, need);
+        long long need = k < 2 ? (long long)s->io_bytes : 4LL * s->batch;
+        if (idx[k] >= 0 && s->buffers[idx[k]].size < need)
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %sio_buffers.%s is buffer %s of %lld bytes; "
+                           "allowed: at least %lld (batch %d x tokens %d)", w, names[k], s->buffers[idx[k]].name,
+                           s->buffers[idx[k]].size, need, s->batch, s->tokens);
     }
-    c->in_buf = (size_t)idx[0];
-    c->out_buf = (size_t)idx[1];
-    c->valid_buf = idx[2];
-    c->dropped_buf = find_buffer(c, "capacity_dropped"); /* sdk/catalog.py CAPACITY_DROPPED */
-    if (c->dropped_buf >= 0 && (c->buffers[c->dropped_buf].size < 4 || c->buffers[c->dropped_buf].size % 4))
-        return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: buffers.capacity_dropped is %lld bytes; allowed: "
-                       "a positive multiple of 4 (one int32 per layer)", c->buffers[c->dropped_buf].size);
+    s->in_buf = (size_t)idx[0];
+    s->out_buf = (size_t)idx[1];
+    s->valid_buf = idx[2];
+    s->dropped_buf = find_buffer(s, "capacity_dropped"); /* sdk/catalog.py CAPACITY_DROPPED */
+    if (s->dropped_buf >= 0 && (s->buffers[s->dropped_buf].size < 4 || s->buffers[s->dropped_buf].size % 4))
+        return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %sbuffers.capacity_dropped is %lld bytes; allowed: "
+                       "a positive multiple of 4 (one int32 per layer)", w, s->buffers[s->dropped_buf].size);
     return COLIBRI_OK;
 }
 
@@ -135,30 +186,31 @@ static int dims3(const cJSON *v, unsigned out[3], long long hi) {
     return 1;
 }
 
-/* Walk the plan: fill = 0 checks it and counts arguments; fill = 1 (after load) writes functions and values. */
-int cb_walk_plan(colibri_ctx *c, const cb_bundle *b, int fill) {
+/* Walk a shape's plan: fill = 0 checks it and counts arguments; fill = 1 (after load) writes functions and values. */
+int cb_walk_plan(colibri_ctx *c, const cb_bundle *b, shape_plan *s, int fill) {
     char esc[128];
-    const cJSON *plan = cJSON_GetObjectItemCaseSensitive(b->manifest, "launch");
+    const char *w = s->where;
+    const cJSON *plan = cJSON_GetObjectItemCaseSensitive(s->json, "launch");
     size_t li = 0, ai = 0;
     for (const cJSON *l = plan->child; l; l = l->next, li++) {
         const char *symbol = cJSON_IsObject(l) ? cb_json_str(l, "symbol") : NULL;
-        launch tmp, *L = fill ? &c->launches[li] : &tmp;
+        launch tmp, *L = fill ? &s->launches[li] : &tmp;
         long long shared;
         if (!symbol || !dims3(cJSON_GetObjectItemCaseSensitive(l, "grid"), L->grid, 0x7FFFFFFF) ||
             !dims3(cJSON_GetObjectItemCaseSensitive(l, "block"), L->block, 1024) ||
             !int_in(cJSON_GetObjectItemCaseSensitive(l, "shared_bytes"), 0, 1 << 30, &shared) ||
             !cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(l, "args")))
-            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu] needs symbol (str), grid and block "
-                           "(3 positive integers), shared_bytes (integer >= 0) and args (list)", li);
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %slaunch[%zu] needs symbol (str), grid and "
+                           "block (3 positive integers), shared_bytes (integer >= 0) and args (list)", w, li);
         L->shared = (unsigned)shared;
         L->first_arg = ai;
         if (fill) {
             L->fn = NULL;
-            for (size_t f = 0; f < c->n_functions; f++)
-                if (strcmp(c->functions[f].symbol, symbol) == 0) L->fn = c->functions[f].fn;
+            for (size_t f = 0; f < s->n_functions; f++)
+                if (strcmp(s->functions[f].symbol, symbol) == 0) L->fn = s->functions[f].fn;
             if (!L->fn)
-                return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu] names %s; the bundle's kernels "
-                               "do not define it", li, cb_escape(symbol, esc, sizeof esc));
+                return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %slaunch[%zu] names %s; the %skernels do "
+                               "not define it", w, li, cb_escape(symbol, esc, sizeof esc), *w ? w : "bundle's ");
         }
         size_t k = 0;
         for (const cJSON *a = cJSON_GetObjectItemCaseSensitive(l, "args")->child; a; a = a->next, k++, ai++) {
@@ -167,37 +219,38 @@ int cb_walk_plan(colibri_ctx *c, const cb_bundle *b, int fill) {
             long long x;
             if (kind && !strcmp(kind, "buffer")) {
                 const char *name = cb_json_str(a, "name");
-                long bi = name ? find_buffer(c, name) : -1;
+                long bi = name ? find_buffer(s, name) : -1;
                 if (bi < 0)
-                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu].args[%zu] names buffer %s; "
-                                   "allowed: a key of buffers", li, k, name ? cb_escape(name, esc, sizeof esc) : "None");
-                value = fill ? c->buffers[bi].ptr : 0;
+                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %slaunch[%zu].args[%zu] names buffer "
+                                   "%s; allowed: a key of %sbuffers", w, li, k,
+                                   name ? cb_escape(name, esc, sizeof esc) : "None", w);
+                value = fill ? c->pool[s->buffers[bi].pool].ptr : 0;
             } else if (kind && !strcmp(kind, "weights")) {
                 if (!int_in(cJSON_GetObjectItemCaseSensitive(a, "offset"), 0, (long long)b->header.data_size - 1, &x))
-                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu].args[%zu].offset; allowed: "
-                                   "an integer in 0..%llu (the weight bytes)", li, k,
+                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %slaunch[%zu].args[%zu].offset; "
+                                   "allowed: an integer in 0..%llu (the weight bytes)", w, li, k,
                                    (unsigned long long)b->header.data_size - 1);
                 value = fill ? c->weights + (uint64_t)x : 0;
             } else if (kind && !strcmp(kind, "i32")) {
                 if (!int_in(cJSON_GetObjectItemCaseSensitive(a, "value"), INT32_MIN, INT32_MAX, &x))
-                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu].args[%zu].value; allowed: "
-                                   "an int32", li, k);
+                    return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %slaunch[%zu].args[%zu].value; "
+                                   "allowed: an int32", w, li, k);
                 int32_t v32 = (int32_t)x;
                 memcpy(&value, &v32, sizeof v32);
             } else if (!(kind && !strcmp(kind, "null"))) {
-                return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: launch[%zu].args[%zu] kind %s; allowed: "
-                               "buffer, weights, null, i32", li, k, kind ? cb_escape(kind, esc, sizeof esc) : "None");
+                return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %slaunch[%zu].args[%zu] kind %s; allowed: "
+                               "buffer, weights, null, i32", w, li, k, kind ? cb_escape(kind, esc, sizeof esc) : "None");
             }
             if (fill) {
-                c->arg_values[ai] = value;
-                c->arg_params[ai] = &c->arg_values[ai];
+                s->arg_values[ai] = value;
+                s->arg_params[ai] = &s->arg_values[ai];
             }
         }
         L->nargs = k;
     }
     if (!fill) {
-        c->n_launches = li;
-        c->n_args = ai;
+        s->n_launches = li;
+        s->n_args = ai;
     }
     return COLIBRI_OK;
 }
@@ -226,33 +279,33 @@ int cb_open_device(colibri_ctx *c, int ordinal) {
     return COLIBRI_OK;
 }
 
-int cb_load_modules(colibri_ctx *c, const cb_bundle *b) {
-    const cJSON *kernels = cJSON_GetObjectItemCaseSensitive(b->manifest, "kernels");
+int cb_load_modules(colibri_ctx *c, const cb_bundle *b, shape_plan *p) {
+    const cJSON *kernels = cJSON_GetObjectItemCaseSensitive(p->json, "kernels");
     size_t n_symbols = 0, nk = (size_t)cJSON_GetArraySize(kernels);
     for (const cJSON *k = kernels->child; k; k = k->next)
         n_symbols += (size_t)cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(k, "symbols"));
-    c->modules = calloc(nk ? nk : 1, sizeof *c->modules);
-    c->functions = calloc(n_symbols ? n_symbols : 1, sizeof *c->functions);
-    if (!c->modules || !c->functions) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    p->modules = calloc(nk ? nk : 1, sizeof *p->modules);
+    p->functions = calloc(n_symbols ? n_symbols : 1, sizeof *p->functions);
+    if (!p->modules || !p->functions) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
     const char *kind = c->io.image_kind ? "ptx" : "cubin";
     for (const cJSON *k = kernels->child; k; k = k->next) {
         unsigned char *image;
         size_t size;
         int rc = cb_bundle_read(b, cb_json_str(k, kind), 1, &image, &size, &c->err); /* PTX: NUL-terminated */
         if (rc) return rc;
-        CUresult r = c->cu.cuModuleLoadData(&c->modules[c->n_modules], image);
+        CUresult r = c->cu.cuModuleLoadData(&p->modules[p->n_modules], image);
         free(image);
         if (r) {
             char call[160], esc[96];
             snprintf(call, sizeof call, "cuModuleLoadData(%s.%s)", cb_escape(cb_json_str(k, "name"), esc, sizeof esc), kind);
             return cb_cu_fail(c, call, r);
         }
-        CUmodule mod = c->modules[c->n_modules++];
+        CUmodule mod = p->modules[p->n_modules++];
         for (const cJSON *s = cJSON_GetObjectItemCaseSensitive(k, "symbols")->child; s; s = s->next) {
-            function *f = &c->functions[c->n_functions];
+            function *f = &p->functions[p->n_functions];
             f->symbol = strdup(s->valuestring);
             if (!f->symbol) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
-            c->n_functions++;
+            p->n_functions++;
             r = c->cu.cuModuleGetFunction(&f->fn, mod, s->valuestring);
             if (r) {
                 char call[160], esc[96];
@@ -347,13 +400,14 @@ int cb_upload_weights(colibri_ctx *c, const cb_bundle *b) {
 }
 
 int cb_alloc_memory(colibri_ctx *c) {
-    for (size_t i = 0; i < c->n_buffers; i++) {
-        size_t size = (size_t)c->buffers[i].size;
-        CU(c, cuMemAlloc, &c->buffers[i].ptr, size ? size : 1);
-        /* int32 counters (sdk/catalog.py COUNTERS_SUFFIX): zero once; the kernels that count leave them zero */
-        const size_t n = strlen(c->buffers[i].name), k = strlen("_counters");
-        if (n >= k && strcmp(c->buffers[i].name + n - k, "_counters") == 0)
-            CU(c, cuMemsetD32, c->buffers[i].ptr, 0u, size / 4);
+    for (size_t i = 0; i < c->n_pool; i++) {
+        size_t size = (size_t)c->pool[i].size;
+        CU(c, cuMemAlloc, &c->pool[i].ptr, size ? size : 1);
+        /* int32 counters (sdk/catalog.py COUNTERS_SUFFIX): zero once; the kernels that count leave them zero, so
+           shapes sharing the buffer each find zeros */
+        const size_t n = strlen(c->pool[i].name), k = strlen("_counters");
+        if (n >= k && strcmp(c->pool[i].name + n - k, "_counters") == 0)
+            CU(c, cuMemsetD32, c->pool[i].ptr, 0u, size / 4);
     }
     CU(c, cuMemHostAlloc, (void **)&c->in_host, c->io_bytes, 0);
     CU(c, cuMemHostAlloc, (void **)&c->out_host, c->io_bytes, 0);
@@ -361,14 +415,21 @@ int cb_alloc_memory(colibri_ctx *c) {
     memset(c->in_host, 0, c->io_bytes);
     memset(c->out_host, 0, c->io_bytes);
     for (int i = 0; i < c->batch; i++) c->lengths_host[i] = c->tokens;
-    if (c->dropped_buf >= 0)
-        CU(c, cuMemHostAlloc, (void **)&c->dropped_host, (size_t)c->buffers[c->dropped_buf].size, 0);
+    long long dropped = 0;
+    for (size_t k = 0; k < c->n_shapes; k++) {
+        const shape_plan *s = &c->shapes[k];
+        if (s->dropped_buf >= 0 && s->buffers[s->dropped_buf].size > dropped) dropped = s->buffers[s->dropped_buf].size;
+    }
+    if (dropped) CU(c, cuMemHostAlloc, (void **)&c->dropped_host, (size_t)dropped, 0);
     c->out_lengths = calloc((size_t)c->batch, sizeof *c->out_lengths);
-    c->launches = calloc(c->n_launches ? c->n_launches : 1, sizeof *c->launches);
-    c->arg_values = calloc(c->n_args ? c->n_args : 1, sizeof *c->arg_values);
-    c->arg_params = calloc(c->n_args ? c->n_args : 1, sizeof *c->arg_params);
-    if (!c->out_lengths || !c->launches || !c->arg_values || !c->arg_params)
-        return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    if (!c->out_lengths) return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    for (size_t k = 0; k < c->n_shapes; k++) {
+        shape_plan *s = &c->shapes[k];
+        s->launches = calloc(s->n_launches ? s->n_launches : 1, sizeof *s->launches);
+        s->arg_values = calloc(s->n_args ? s->n_args : 1, sizeof *s->arg_values);
+        s->arg_params = calloc(s->n_args ? s->n_args : 1, sizeof *s->arg_params);
+        if (!s->launches || !s->arg_values || !s->arg_params)
+            return cb_fail(&c->err, COLIBRI_ERR_OUT_OF_MEMORY, "out of memory");
+    }
     return COLIBRI_OK;
 }
-
