@@ -10,7 +10,8 @@
 //   COLI_TC                        1: the tiled path runs on tensor cores (colibri_gate_up_tc, colibri_down_tc)
 //   COLI_FP16                      1: weights stored as IEEE fp16, 0: fp32. Activations and accumulation: fp32
 //   COLI_ATOMIC_AGG                1: the down kernels atomicAdd into the layer output (order not fixed)
-//                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
+//                                  0: per-(token, slot) rows summed in slot order, folded into the tiled down
+//                                  kernels (fold_aggregate below) or colibri_down_gemv
 //   COLI_ROUTING                   0: softmax over the k selected logits, 1: softmax over all, then select
 //   COLI_RESIDUAL                  1: layer output = input + MoE(input), 0: layer output = MoE(input)
 //   COLI_QUANT                     storage of the expert matrices: 0 float (COLI_FP16), 1 int8, 2 int4 (read by
@@ -498,9 +499,15 @@ __device__ __forceinline__ void fold_write_rows(const FoldList& list, const floa
 }
 
 // Every thread of the block calls it, after writing its pair_out entries of column slice n0 .. n0 + ncols for the
-// pairs rows[0 .. nrows) (global memory: the block's rows of the padded order, -1 for padding rows).
+// pairs rows[0 .. nrows) (global memory: the block's rows of the padded order, -1 for padding rows). Not inlined:
+// inlined into colibri_down it made ptxas spill (sm_80, 32 registers); called once per block, the call costs little.
+#ifdef COLI_CPU_EMULATION
+#define COLI_NOINLINE __attribute__((noinline))  // g++: the CUDA keyword __noinline__ is a GCC attribute name
+#else
+#define COLI_NOINLINE __noinline__
+#endif
 template <int THREADS>
-__device__ __forceinline__ void fold_aggregate(const int* __restrict__ rows, int nrows, const float* __restrict__ x,
+__device__ COLI_NOINLINE void fold_aggregate(const int* __restrict__ rows, int nrows, const float* __restrict__ x,
                                                const int* __restrict__ topk_ids, const float* pair_out,
                                                float* __restrict__ x_next, int* __restrict__ counters, int n0,
                                                int ncols, FoldList& list) {
