@@ -528,8 +528,8 @@ __device__ COLI_NOINLINE void fold_aggregate(const int* __restrict__ rows, int n
                 }
             }
         }
+        __threadfence();  // acquire, before the barrier: rows counted by other blocks are read after their counts
         __syncthreads();
-        __threadfence();  // acquire: the rows counted by other blocks are read after their counts were seen
         fold_write_rows<THREADS>(list, x, topk_ids, pair_out, x_next, n0, ncols);
     }
 }
