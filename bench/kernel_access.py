@@ -35,6 +35,8 @@ The sector model assumes no cache: a weight sector read by two blocks counts twi
     python bench/kernel_access.py            # the table
     python bench/kernel_access.py --json     # one object: the worst case over tokens 1-16 of each ratio
     python bench/kernel_access.py --tokens 64 --storages int8 int4-g128 int4-g32   # the quantized tiled rows
+    python bench/kernel_access.py --tokens 64 --max-pairs 64 --shapes mixtral/16 qwen3/4 --storages fp16 int8
+                                                # the tiled path of both shapes (bench/results/kernel_access_foldagg.txt)
 """
 
 from __future__ import annotations
@@ -165,11 +167,15 @@ def main(argv=None) -> int:
     parser.add_argument("--storages", nargs="*", default=list(STORAGES), choices=list(STORAGES))
     parser.add_argument("--tokens", nargs="*", type=int, default=[c[0] for c in CASES],
                         choices=[c[0] for c in CASES], help="valid tokens of the cases to run")
+    parser.add_argument("--max-pairs", type=int, choices=[c[2] for c in CASES if c[2] is not None],
+                        help="only the cases with this small_batch.max_pairs (64: the 64/64m64 rows, the tiled path "
+                             "for every shape)")
     args = parser.parse_args(argv)
     worst = {"weight_sector_efficiency": 1.0, "activation_sector_efficiency": 1.0, "weight_bytes_ratio": 0.0,
              "expert_bytes_ratio": 0.0}
     tiled_quant = {"weight_sector_efficiency": 1.0, "expert_bytes_ratio": 0.0}  # int8/int4 on the tiled path
     cases = []
+    printed = 0  # lines of the table printed so far
     lines = [f"{'shape':<11} {'storage':<9} {'tokens':>8} {'path':<5} {'kernel':<22} {'w-sect':>7} {'a-sect':>7} "
              f"{'w-bytes':>8} {'x-bytes':>8} {'w-B/instr':>9} {'launch/layer':>12}"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
                     continue
                 path = make_model(Path(tmp) / f"{shape.replace('/', '-')}-{storage}.colibri", **dims, storage=storage)
                 for valid, tokens, max_pairs in CASES:
-                    if valid not in args.tokens:
+                    if valid not in args.tokens or (args.max_pairs is not None and max_pairs != args.max_pairs):
                         continue
                     m = measure(path, valid, tokens, max_pairs)
                     label = f"{valid}/{tokens}" + ("" if max_pairs is None else f"m{max_pairs}")
@@ -201,6 +207,9 @@ def main(argv=None) -> int:
                                   "activation_sector_efficiency": a,
                                   "weight_bytes_ratio": b, "expert_bytes_ratio": x,
                                   "launches_per_layer": m["launches"]})
+                    if not args.json:  # as each case ends: a long run shows its rows before it finishes
+                        print("\n".join(lines[printed:]), flush=True)
+                        printed = len(lines)
                     if STORAGES[storage] is not None and m["path"] == "tiled":
                         tiled_quant["weight_sector_efficiency"] = min(tiled_quant["weight_sector_efficiency"], w)
                         tiled_quant["expert_bytes_ratio"] = max(tiled_quant["expert_bytes_ratio"], x)
@@ -212,7 +221,6 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({**worst, "tiled_quantized": tiled_quant, "cases": cases}, indent=1))
     else:
-        print("\n".join(lines))
         if any(c["valid_tokens"] <= 16 for c in cases):
             print("worst over tokens 1-16: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
         if any(c["path"] == "tiled" and STORAGES[c["storage"]] is not None for c in cases):

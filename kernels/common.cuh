@@ -10,7 +10,8 @@
 //   COLI_TC                        1: the tiled path runs on tensor cores (colibri_gate_up_tc, colibri_down_tc)
 //   COLI_FP16                      1: weights stored as IEEE fp16, 0: fp32. Activations and accumulation: fp32
 //   COLI_ATOMIC_AGG                1: the down kernels atomicAdd into the layer output (order not fixed)
-//                                  0: per-(token, slot) rows summed in slot order by colibri_aggregate
+//                                  0: per-(token, slot) rows summed in slot order, folded into the tiled down
+//                                  kernels (fold_aggregate below) or colibri_down_gemv
 //   COLI_ROUTING                   0: softmax over the k selected logits, 1: softmax over all, then select
 //   COLI_RESIDUAL                  1: layer output = input + MoE(input), 0: layer output = MoE(input)
 //   COLI_QUANT                     storage of the expert matrices: 0 float (COLI_FP16), 1 int8, 2 int4 (read by
@@ -451,4 +452,109 @@ __device__ __forceinline__ unsigned codes_pair_sub(unsigned u_lo, unsigned u_hi,
     asm("sub.f16x2 %0, %1, %2;" : "=r"(d) : "r"(magic), "r"(bias2));
     return d;
 #endif
+}
+
+// ---- ordered aggregation folded into the tiled down kernels (COLI_ATOMIC_AGG 0, tiled path) -----------------------
+// docs/kernels.md "Aggregation folded into down (tiled path)". The down kernels write pair_out[p, n0 .. n0 + ncols)
+// (routing weight * down per pair) for the pairs of their rows and their column slice, then count them: a counter
+// per (token, column block) in `down_counters` ((tokens, gridDim.y) int32, zero at every launch: docs/kernels.md
+// "Counters"). The block whose count completes a token's kept pairs (topk_ids[t, j] != NO_EXPERT: padded tokens and
+// pairs dropped by colibri_capacity are not kept) sums that token's slots over its column slice, in order:
+//     s = 0; for j in 0..k-1: if kept(j): s += pair_out[t*k + j, n]          x_next[t, n] = x[t, n] + s  or  s
+// (the "last block" pattern of the CUDA samples' threadFenceReduction: stores, __threadfence, atomicAdd; the last
+// block reads the other blocks' rows through L2 with __ldcg after a fence) and sets the counter back to 0. The same
+// float32 additions in the same order as the former separate aggregate kernel: bitwise deterministic whatever the
+// block order. Tokens with no kept pair are written by the blocks with blockIdx.x == 0 (fold_unrouted_rows).
+#define FOLD_ROWS_ 128  // the entries of FoldList: pairs (or tokens) examined per step, min(FOLD_ROWS_, threads)
+
+// A list of tokens in shared memory, built by one step of the fold.
+struct FoldList {
+    int tokens[FOLD_ROWS_];
+    int count;
+};
+
+// The number of kept (token, slot) pairs of token t: slots whose expert is not NO_EXPERT.
+__device__ __forceinline__ int kept_pairs(const int* __restrict__ topk_ids, int t) {
+    int kept = 0;
+#pragma unroll
+    for (int j = 0; j < K_; ++j) kept += __ldg(topk_ids + t * K_ + j) < E_ ? 1 : 0;
+    return kept;
+}
+
+// x_next[t, n0 .. n0 + ncols) for the n tokens of the list: the sum of their kept slots' pair_out rows in slot
+// order (+ x with COLI_RESIDUAL). pair_out rows of other blocks are read through L2 (__ldcg): written in this launch.
+template <int THREADS>
+__device__ __forceinline__ void fold_write_rows(const FoldList& list, const float* __restrict__ x,
+                                                const int* __restrict__ topk_ids, const float* pair_out,
+                                                float* __restrict__ x_next, int n0, int ncols) {
+    const int n = list.count;
+    for (int i = threadIdx.x; i < n * ncols; i += THREADS) {
+        const int t = list.tokens[i / ncols], col = n0 + i % ncols;
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K_; ++j)
+            if (__ldg(topk_ids + t * K_ + j) < E_) s += __ldcg(pair_out + ((size_t)t * K_ + j) * H_ + col);
+        x_next[(size_t)t * H_ + col] = COLI_RESIDUAL ? __ldg(x + (size_t)t * H_ + col) + s : s;
+    }
+}
+
+// Every thread of the block calls it, after writing its pair_out entries of column slice n0 .. n0 + ncols for the
+// pairs rows[0 .. nrows) (global memory: the block's rows of the padded order, -1 for padding rows). Not inlined:
+// inlined into colibri_down it made ptxas spill (sm_80, 32 registers); called once per block, the call costs little.
+#ifdef COLI_CPU_EMULATION
+#define COLI_NOINLINE __attribute__((noinline))  // g++: the CUDA keyword __noinline__ is a GCC attribute name
+#else
+#define COLI_NOINLINE __noinline__
+#endif
+template <int THREADS>
+__device__ COLI_NOINLINE void fold_aggregate(const int* __restrict__ rows, int nrows, const float* __restrict__ x,
+                                               const int* __restrict__ topk_ids, const float* pair_out,
+                                               float* __restrict__ x_next, int* __restrict__ counters, int n0,
+                                               int ncols, FoldList& list) {
+    constexpr int STEP = THREADS < FOLD_ROWS_ ? THREADS : FOLD_ROWS_;
+    __threadfence();  // release: this thread's pair_out stores are visible device-wide before its block counts them
+    for (int r0 = 0; r0 < nrows; r0 += STEP) {
+        __syncthreads();  // every thread fenced (first step); the previous step's list fully used
+        if (threadIdx.x == 0) list.count = 0;
+        __syncthreads();
+        if ((int)threadIdx.x < STEP && r0 + (int)threadIdx.x < nrows) {
+            const int p = __ldg(rows + r0 + threadIdx.x);
+            if (p >= 0) {  // a block holds at most one pair of a token (one expert), so one count per token
+                const int t = p / K_;
+                int* counter = counters + (size_t)t * gridDim.y + blockIdx.y;
+                if (atomicAdd(counter, 1) == kept_pairs(topk_ids, t) - 1) {
+                    *counter = 0;  // every block of (t, column block) has counted: zero for the next launch
+                    list.tokens[atomicAdd(&list.count, 1)] = t;
+                }
+            }
+        }
+        __threadfence();  // acquire, before the barrier: rows counted by other blocks are read after their counts
+        __syncthreads();
+        fold_write_rows<THREADS>(list, x, topk_ids, pair_out, x_next, n0, ncols);
+    }
+}
+
+// Called by every thread of the blocks with blockIdx.x == 0 (one per column slice, whether or not they have rows):
+// x_next[t, n0 .. n0 + ncols) of the tokens without a kept pair (padded tokens, tokens whose every pair the
+// capacity dropped) = x[t] + 0 (COLI_RESIDUAL) or 0, as the sum over no slot. No other block writes these rows.
+template <int THREADS>
+__device__ __forceinline__ void fold_unrouted_rows(const float* __restrict__ x, const int* __restrict__ topk_ids,
+                                                   float* __restrict__ x_next, int n0, int ncols, FoldList& list) {
+    constexpr int STEP = THREADS < FOLD_ROWS_ ? THREADS : FOLD_ROWS_;
+    for (int t0 = 0; t0 < T_; t0 += STEP) {
+        __syncthreads();  // the previous step's list fully used
+        if (threadIdx.x == 0) list.count = 0;
+        __syncthreads();
+        const int t = t0 + (int)threadIdx.x;
+        if ((int)threadIdx.x < STEP && t < T_ && kept_pairs(topk_ids, t) == 0)
+            list.tokens[atomicAdd(&list.count, 1)] = t;
+        __syncthreads();
+        const int n = list.count;
+        for (int i = threadIdx.x; i < n * ncols; i += THREADS) {
+            const int u = list.tokens[i / ncols], col = n0 + i % ncols;
+            const float s = 0.0f;
+            x_next[(size_t)u * H_ + col] = COLI_RESIDUAL ? __ldg(x + (size_t)u * H_ + col) + s : s;
+        }
+    }
+    __syncthreads();  // the list is free for the caller's fold_aggregate
 }

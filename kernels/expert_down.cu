@@ -1,25 +1,29 @@
-// expert_down.cu: tiled down projection of the experts scaled by the routing weight, and the aggregation over the
-// k slots of each token.
+// expert_down.cu: tiled down projection of the experts scaled by the routing weight, with the ordered aggregation
+// over the k slots of each token folded in (no separate aggregate kernel).
 //
 // colibri_down — grid (blocks, ceil(hidden / BLOCK_N)), block (COLI_DOWN_THREADS). Same tiling as colibri_gate_up
 //   (expert_gate_up.cu) over the padded expert order, reducing over the intermediate dimension:
 //       v = topk_weights[p] * sum_i act[p, i] * down[e, n, i]          for each pair p of the tile, column n
-//   COLI_ATOMIC_AGG 0: pair_out[p, n] = v   (every pair_out row is written: each pair belongs to one expert)
-//   COLI_ATOMIC_AGG 1: atomicAdd(x_next[p / k, n], v); x_next was set by colibri_routing; pair_out is unused (null)
-//   down: (experts, hidden, intermediate) row-major, the layer's slice; act: (tokens*k, intermediate) fp32.
-//   With COLI_EXPERT_BIAS, v = topk_weights[p] * (sum + down_bias[e, n]) (an extra argument; common.cuh
-//   down_epilogue).
-//
-// colibri_aggregate — grid (tokens), block (COLI_DOWN_THREADS); ordered aggregation only. For token t, column h:
-//       s = pair_out[t*k + 0, h] + pair_out[t*k + 1, h] + ... + pair_out[t*k + k-1, h]     (slots in order)
-//   slots holding NO_EXPERT (padded tokens, routing.cu) add nothing: their pair_out rows are never written.
-//       x_next[t, h] = x[t, h] + s (COLI_RESIDUAL) or s
-//   A fixed summation order: the output is bitwise identical from run to run.
+//   COLI_ATOMIC_AGG 0: pair_out[p, n] = v (every kept pair's row is written: each pair belongs to one expert), then
+//       the fold (common.cuh fold_aggregate): the block that completes a token's kept pairs for its column slice
+//       (a counter per (token, column block) in down_counters) writes, for each column n of the slice,
+//           s = pair_out[t*k + 0, n] + pair_out[t*k + 1, n] + ... + pair_out[t*k + k-1, n]   (slots in order)
+//           x_next[t, n] = x[t, n] + s (COLI_RESIDUAL) or s
+//       slots holding NO_EXPERT (padded tokens, routing.cu; pairs dropped by capacity.cu) add nothing: their
+//       pair_out rows are never written. The blocks (0, j) also write the rows of the tokens without a kept pair
+//       (x[t] + 0 or 0: common.cuh fold_unrouted_rows). A fixed summation order: bitwise identical from run to run.
+//   COLI_ATOMIC_AGG 1: atomicAdd(x_next[p / k, n], v); x_next was set by colibri_routing; pair_out, x, topk_ids and
+//       down_counters are unused (null).
+//   down: (experts, hidden, intermediate) row-major, the layer's slice; act: (tokens*k, intermediate) fp32;
+//   x, x_next: (tokens, hidden) fp32; topk_ids: (tokens, k) int32; down_counters: (tokens, gridDim.y) int32, zero at
+//   launch and left zero. With COLI_EXPERT_BIAS, v = topk_weights[p] * (sum + down_bias[e, n]) (an extra argument;
+//   common.cuh down_epilogue).
 //
 // colibri_down_tc — grid (blocks, ceil(hidden / 32)), block (128): colibri_down on tensor cores when COLI_TC, tiled
-//   like colibri_gate_up_tc (expert_gate_up.cu) with the act rows split into hi + lo fp16.
+//   like colibri_gate_up_tc (expert_gate_up.cu) with the act rows split into hi + lo fp16; the same fold.
 //
-// Limits: routing.block_m * BLOCK_N / THREADS <= 32, (block_m + BLOCK_N) * (BLOCK_K+1) * 4 bytes <= 48 KiB.
+// Limits: routing.block_m * BLOCK_N / THREADS <= 32, (block_m + BLOCK_N) * (BLOCK_K+1) * 4 + block_m * 4 + 516
+// (the fold's list) bytes <= 48 KiB.
 // Any hidden / intermediate size.
 #include "common.cuh"
 
@@ -29,13 +33,15 @@
 #define ACC_ ((BM_ * BN_ + THREADS_ - 1) / THREADS_)
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024, "down threads: multiple of 32 in 32..1024");
 static_assert(ACC_ <= 32, "down: routing.block_m * down.block_n / down.threads must be <= 32");
-static_assert((BM_ + BN_) * (BK_ + 1) * 4 <= 48 * 1024,
-              "down: (routing.block_m + block_n) * (block_k+1) * 4 bytes of shared memory must be <= 48 KiB");
+static_assert((BM_ + BN_) * (BK_ + 1) * 4 + BM_ * 4 + (int)sizeof(FoldList) <= 48 * 1024,
+              "down: (routing.block_m + block_n) * (block_k+1) * 4 + block_m * 4 + 516 bytes of shared memory must "
+              "be <= 48 KiB");
 
 extern "C" __global__ void __launch_bounds__(THREADS_)
 colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
              const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts, float* __restrict__ pair_out,
-             float* __restrict__ x_next
+             float* __restrict__ x_next, const float* __restrict__ x, const int* __restrict__ topk_ids,
+             int* __restrict__ down_counters
                      DOWN_BIAS_PARAMS) {
     DOWN_BIAS_NONE
     __shared__ float as[BM_][BK_ + 1];
@@ -43,9 +49,14 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
     __shared__ int pairs[BM_];
 
     const int b = blockIdx.x;
+    const int n0 = blockIdx.y * BN_;
+#if !COLI_ATOMIC_AGG
+    __shared__ FoldList fold;
+    const int ncols = H_ - n0 < BN_ ? H_ - n0 : BN_;
+    if (b == 0) fold_unrouted_rows<THREADS_>(x, topk_ids, x_next, n0, ncols, fold);  // uniform: the whole block
+#endif
     const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
-    const int n0 = blockIdx.y * BN_;
     const int tid = threadIdx.x;
     for (int m = tid; m < BM_; m += THREADS_) pairs[m] = __ldg(sorted_pairs + b * BM_ + m);
     const wt* d_e = down + (size_t)e * H_ * I_;
@@ -95,29 +106,18 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
             }
         }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS_)
-colibri_aggregate(const float* __restrict__ x, const int* __restrict__ topk_ids, const float* __restrict__ pair_out,
-                  float* __restrict__ x_next) {
-    __shared__ bool routed[K_];
-    const int t = blockIdx.x;
-    if (threadIdx.x < K_) routed[threadIdx.x] = __ldg(topk_ids + t * K_ + threadIdx.x) < E_;
-    __syncthreads();
-    for (int h = threadIdx.x; h < H_; h += THREADS_) {
-        float s = 0.0f;
-#pragma unroll
-        for (int j = 0; j < K_; ++j)
-            if (routed[j]) s += __ldg(pair_out + ((size_t)t * K_ + j) * H_ + h);
-        x_next[(size_t)t * H_ + h] = COLI_RESIDUAL ? __ldg(x + (size_t)t * H_ + h) + s : s;
-    }
+#if !COLI_ATOMIC_AGG
+    fold_aggregate<THREADS_>(sorted_pairs + (size_t)b * BM_, BM_, x, topk_ids, pair_out, x_next, down_counters, n0,
+                             ncols, fold);
+#endif
 }
 
 // colibri_down_tc: colibri_down on tensor cores (common.cuh tc_tile), launched instead of it when COLI_TC.
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
                 const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
-                float* __restrict__ pair_out, float* __restrict__ x_next
+                float* __restrict__ pair_out, float* __restrict__ x_next, const float* __restrict__ x,
+                const int* __restrict__ topk_ids, int* __restrict__ down_counters
                      DOWN_BIAS_PARAMS) {
     DOWN_BIAS_NONE
     __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
@@ -125,9 +125,14 @@ colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, cons
     __shared__ __align__(16) unsigned short ws[TC_STAGES_][1][TC_BN_][TC_PITCH_];
     __shared__ int pairs[16];
     const int b = blockIdx.x;
+    const int n0 = blockIdx.y * TC_BN_;
+#if !COLI_ATOMIC_AGG
+    __shared__ FoldList fold;
+    const int ncols = H_ - n0 < TC_BN_ ? H_ - n0 : TC_BN_;
+    if (b == 0) fold_unrouted_rows<TC_THREADS_>(x, topk_ids, x_next, n0, ncols, fold);  // uniform: the whole block
+#endif
     const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
-    const int n0 = blockIdx.y * TC_BN_;
     if (threadIdx.x < 16) pairs[threadIdx.x] = __ldg(sorted_pairs + b * 16 + threadIdx.x);
     const wt* w[1] = {down + (size_t)e * H_ * I_};
     float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
@@ -145,4 +150,8 @@ colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, cons
 #endif
         }
     }
+#if !COLI_ATOMIC_AGG
+    fold_aggregate<TC_THREADS_>(sorted_pairs + (size_t)b * 16, 16, x, topk_ids, pair_out, x_next, down_counters, n0,
+                                ncols, fold);
+#endif
 }

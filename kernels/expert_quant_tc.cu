@@ -9,6 +9,9 @@
 //       (common.cuh gate_up_epilogue: SwiGLU or the clamped SwiGLU; biases with COLI_EXPERT_BIAS)
 // colibri_down_qtc — grid (experts, ceil(hidden / 32)), block (128):
 //     v = topk_weights[p] * (sum_i act[p, i] * Wd[e, n, i] + bd[e, n]);  pair_out[p, n] = v (ordered) | atomicAdd(x_next) (atomic)
+//   ordered: then the fold of expert_down.cu (common.cuh fold_aggregate over the expert's rows: the block that
+//   completes a token's kept pairs for its 32 columns writes x_next[t] = (x[t] +) the slots' sum in slot order;
+//   blocks (0, j) write the rows of tokens without a kept pair, fold_unrouted_rows).
 //   with W[e, n, c] = scale[e, n, g] * (q[e, n, c] - zero[e, n, g]), g = c / COLI_GROUP_SIZE (0: one per row).
 //   Block (e, j) takes expert e (no rows: it exits) and output columns n0 = 32j .. n0 + 31; warp w owns columns
 //   n0 + 8w .. + 7 (one n8 tile of mma.sync m16n8k16). The expert's rows of the padded order (routing.cu
@@ -266,23 +269,31 @@ colibri_gate_up_qtc(const float* __restrict__ x, const unsigned char* __restrict
 #endif
 }
 
-// Arguments as colibri_down_tc but expert_offsets in place of block_experts, then the down scale and zero-point
-// blocks, then the down bias (COLI_EXPERT_BIAS); common.cuh down_epilogue.
+// Arguments as colibri_down_tc (x, topk_ids and down_counters included) but expert_offsets in place of
+// block_experts, then the down scale and zero-point blocks, then the down bias (COLI_EXPERT_BIAS); common.cuh
+// down_epilogue.
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_down_qtc(const float* __restrict__ act, const unsigned char* __restrict__ down,
                  const float* __restrict__ topk_weights, const int* __restrict__ sorted_pairs,
                  const int* __restrict__ expert_offsets, float* __restrict__ pair_out, float* __restrict__ x_next,
+                 const float* __restrict__ x, const int* __restrict__ topk_ids, int* __restrict__ down_counters,
                  const void* __restrict__ down_scales, const signed char* __restrict__ down_zeros
                      DOWN_BIAS_PARAMS) {
     DOWN_BIAS_NONE
 #if COLI_QUANT
+    const int n0 = blockIdx.y * TC_BN_;
+#if !COLI_ATOMIC_AGG
+    __shared__ FoldList fold;
+    const int ncols = H_ - n0 < TC_BN_ ? H_ - n0 : TC_BN_;
+    if (blockIdx.x == 0) fold_unrouted_rows<TC_THREADS_>(x, topk_ids, x_next, n0, ncols, fold);  // uniform
+#endif
     const int e = blockIdx.x, start = __ldg(expert_offsets + e), end = __ldg(expert_offsets + e + 1);
     if (start >= end) return;  // uniform, before any barrier
     constexpr int G = QGROUPS_(I_);
     const size_t first = (size_t)e * H_;
     const QtcMatrix w[1] = {{down + first * QROW_BYTES_(I_), static_cast<const st*>(down_scales) + first * G,
                              COLI_ZERO_POINTS ? down_zeros + first * G : nullptr}};
-    qtc_expert<1, I_, H_, false>(act, w, sorted_pairs, start, end, blockIdx.y * TC_BN_,
+    qtc_expert<1, I_, H_, false>(act, w, sorted_pairs, start, end, n0,
                                  [&](int p, int col, const float (&a)[1][4], int i) {
                                      const float v = down_epilogue(a[0][i], __ldg(topk_weights + p), down_bias, e,
                                                                    col);
@@ -292,5 +303,9 @@ colibri_down_qtc(const float* __restrict__ act, const unsigned char* __restrict_
                                      pair_out[(size_t)p * H_ + col] = v;
 #endif
                                  });
+#if !COLI_ATOMIC_AGG
+    fold_aggregate<TC_THREADS_>(sorted_pairs + start, end - start, x, topk_ids, pair_out, x_next, down_counters, n0,
+                                ncols, fold);
+#endif
 #endif
 }

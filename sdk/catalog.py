@@ -107,7 +107,7 @@ KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(
         "down",
         "expert_down.cu",
-        ("colibri_down", "colibri_aggregate", "colibri_down_tc"),
+        ("colibri_down", "colibri_down_tc"),
         (
             THREADS,
             Param("block_n", 16, 256, power_of_two=True, doc="hidden columns per tile"),
@@ -350,6 +350,19 @@ def sizes(profile: dict, header) -> Sizes:
 COUNTERS_SUFFIX = "_counters"
 
 
+# The counters of the ordered aggregation folded into the tiled down kernels (kernels/common.cuh fold_aggregate).
+DOWN_COUNTERS = "down_counters"
+
+
+def down_column_blocks(profile: dict, header) -> int:
+    """Column blocks of the tiled down kernel (its grid's y): ceil(hidden / 32) for colibri_down_tc and
+    colibri_down_qtc (TC_BLOCK_N), ceil(hidden / kernels.down.block_n) for colibri_down. `down_counters` holds one
+    int32 counter per (token, column block)."""
+    s = sizes(profile, header)
+    width = TC_BLOCK_N if s.tensor_core or s.quant_tensor_core else profile["kernels"]["down"]["block_n"]
+    return _ceil_div(header.hidden_size, width)
+
+
 def is_counter_buffer(name: str) -> bool:
     """True for a scratch buffer of int32 counters (its name ends in COUNTERS_SUFFIX), which the backends zero once
     after allocating it instead of leaving it unset."""
@@ -373,6 +386,9 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
         sorted_pairs     (padded,) int32            pair index token*top_k+slot per row, -1 for padding rows
         block_experts    (blocks,) int32            expert of each tile of block_m rows, -1 for unused tiles
         pair_out         (pairs, hidden) float32    routing weight * down per pair (ordered aggregation only)
+        down_counters    (tokens, down column blocks) int32   ordered aggregation only: kept pairs counted per
+                                                    (token, column block of the down kernel: `down_column_blocks`)
+                                                    by the fold of the down kernels; zero between launches
       expert capacity only (profile `capacity`):
         capacity_rank    (2 * pairs,) int32         each pair's rank in its expert's priority order, then keep flags
         capacity_dropped (layers,) int32            pairs dropped by layer l's capacity in the latest call
@@ -401,6 +417,7 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
         )
         if profile["aggregation"] == "ordered":
             buffers["pair_out"] = s.pairs * h * FLOAT32_BYTES
+            buffers[DOWN_COUNTERS] = s.tokens * down_column_blocks(profile, header) * INT32_BYTES
     if profile.get("capacity") is not None:
         buffers["capacity_rank"] = 2 * s.pairs * INT32_BYTES
         buffers[CAPACITY_DROPPED] = header.num_layers * INT32_BYTES
@@ -489,9 +506,13 @@ def launch_plan(profile: dict, header) -> list[dict]:
     the output is copied out of `io_buffers(header)["output"]` after the last.
 
     Per layer, GEMV path (tokens*top_k <= `kernels.small_batch.max_pairs`): routing → gate/up GEMV → down GEMV (the
-    aggregation folded in), 3 launches. Tiled path: routing → align → gate/up → down → aggregate (ordered
-    aggregation only), 5 or 4 launches; with shared experts, colibri_shared_gate_up and colibri_shared_down
-    follow (2 more launches, both paths). v2 features add `weights` arguments at the end of a launch's list, each
+    aggregation folded in), 3 launches. Tiled path: routing → align → gate/up → down, 4 launches in both
+    aggregation modes: ordered, the down kernel also sums each token's slots in slot order into x_next (the last
+    of its blocks for a token and column block does: `down_counters`, docs/kernels.md "Aggregation folded into down
+    (tiled path)"); atomic, it adds each pair into x_next with atomicAdd. The tiled down kernels take (act, down,
+    topk_weights, sorted_pairs, block_experts | expert_offsets, pair_out, x_next, x, topk_ids, down_counters) —
+    pair_out and down_counters null with atomic aggregation. With shared experts, colibri_shared_gate_up and
+    colibri_shared_down follow (2 more launches, both paths). v2 features add `weights` arguments at the end of a launch's list, each
     only when the file has it: colibri_routing router_bias, correction_bias, shared_expert_gate + the shared_scale
     buffer; the gate/up kernels gate_bias, up_bias and the down kernels down_bias (after any quantized
     arguments); the shared kernels take the shared blocks (and, quantized, their scale and zero-point blocks).
@@ -548,6 +569,7 @@ def launch_plan(profile: dict, header) -> list[dict]:
             plan.extend(_shared_launches(profile, header, layer, s))
             continue
         pair_out = _buf("pair_out") if ordered else {"kind": "null"}
+        counters = _buf(DOWN_COUNTERS) if ordered else {"kind": "null"}
         plan.append(
             _launch(
                 layer, "routing", "colibri_align", (1, 1, 1), k["routing"]["threads"],
@@ -572,16 +594,10 @@ def launch_plan(profile: dict, header) -> list[dict]:
                                                      *_quant_args(header, ("gate_proj", "up_proj"), layer),
                                                      *gate_up_bias]))
         plan.append(
-            _launch(layer, *down_launch, [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next,
-                                          *_quant_args(header, ("down_proj",), layer), *down_bias])
+            _launch(layer, *down_launch, [_buf("act"), down, _buf("topk_weights"), *tiles, pair_out, x_next, x,
+                                          _buf("topk_ids"), counters, *_quant_args(header, ("down_proj",), layer),
+                                          *down_bias])
         )
-        if ordered:
-            plan.append(
-                _launch(
-                    layer, "down", "colibri_aggregate", (s.tokens, 1, 1), k["down"]["threads"],
-                    [x, _buf("topk_ids"), _buf("pair_out"), x_next],
-                )
-            )
         plan.extend(_shared_launches(profile, header, layer, s))
     return plan
 

@@ -122,7 +122,7 @@ def test_cli_build_prints_the_resource_table(kernel_dir, tmp_path, capsys, monke
     assert cli.main(["build", "--profile", "rtx4090", "--demo"]) == 0
     out = capsys.readouterr().out
     assert "bundles/rtx4090: geforce-rtx-4090 (sm_89, fp16" in out
-    for symbol in ("colibri_routing", "colibri_align", "colibri_gate_up", "colibri_down", "colibri_aggregate"):
+    for symbol in ("colibri_routing", "colibri_align", "colibri_gate_up", "colibri_down", "colibri_down_tc"):
         assert symbol in out
     assert (tmp_path / "bundles" / "rtx4090" / "kernels" / "routing.sm_89.cubin").is_file()
     # A second build replaces the earlier bundle in place only with --force.

@@ -62,7 +62,7 @@ def expected_parameter(arg: dict, layer: int) -> str:
     if arg["kind"] == "weights":
         return arg["tensor"].replace("_proj", "").replace(".", "_")  # gate_proj.scales → gate_scales
     if arg["kind"] == "null":
-        return "pair_out"
+        return "null"
     name = arg["name"]
     if name == f"x{layer % 2}":
         return "x"
@@ -104,12 +104,17 @@ def test_plan_binds_every_parameter(orin_profile, overrides, header_kwargs):
     plan = catalog.launch_plan(profile, header)
     specs = {k.name: k for k in catalog.KERNELS}
     small = catalog.sizes(profile, header).small_batch
-    per_layer = 3 if small else 4 if profile["aggregation"] == "atomic" else 5
+    per_layer = 3 if small else 4  # tiled: the ordered aggregation is folded into the down kernel
     assert len(plan) == per_layer * header.num_layers
+    atomic = profile["aggregation"] == "atomic"
+    assert (catalog.DOWN_COUNTERS in buffers) == (not small and not atomic)
     for launch in plan:
         symbol, layer = launch["symbol"], launch["layer"]
         assert symbol in specs[launch["kernel"]].symbols
         names = [expected_parameter(a, layer) for a in launch["args"]]
+        # atomic aggregation: the down kernel's pair_out and down_counters are null (and only those)
+        names = [p if n == "null" and atomic and p in ("pair_out", "down_counters") else n
+                 for n, p in zip(names, params[symbol])] + names[len(params[symbol]):]
         assert names == params[symbol], f"layer {layer} {symbol}: plan binds {names}, source takes {params[symbol]}"
         for arg in launch["args"]:
             if arg["kind"] == "buffer":
@@ -121,7 +126,9 @@ def test_plan_binds_every_parameter(orin_profile, overrides, header_kwargs):
         tc = symbol.endswith("_tc")  # the tensor-core tile has a fixed block
         assert launch["block"][0] == (catalog.TC_THREADS if tc else profile["kernels"][launch["kernel"]]["threads"])
         assert launch["block"][1:] == [1, 1] and launch["shared_bytes"] == 0
-    assert plan[-1]["args"][-1] == {"kind": "buffer", "name": catalog.io_buffers(header)["output"]}
+    last = plan[-1]  # the last launch writes the output buffer, as its x_next
+    x_next = params[last["symbol"]].index("x_next")
+    assert last["args"][x_next] == {"kind": "buffer", "name": catalog.io_buffers(header)["output"]}
 
 
 @pytest.mark.parametrize("overrides,header_kwargs", CASES)
@@ -139,7 +146,7 @@ def test_grids_cover_the_outputs(orin_profile, overrides, header_kwargs):
         assert gz == 1
         s = launch["symbol"]
         pairs = tokens * header.top_k
-        if s in ("colibri_routing", "colibri_aggregate"):
+        if s == "colibri_routing":
             assert (gx, gy) == (tokens, 1)
         elif s == "colibri_align":
             assert (gx, gy) == (1, 1)
@@ -172,11 +179,15 @@ def test_buffer_sizes(orin_profile):
     assert b["block_experts"] == 4 * ((pairs + 64 * (block_m - 1)) // block_m)
     assert b["x0"] == b["x1"] == tokens * 100 * 4
     assert b["act"] == pairs * 75 * 4 and b["pair_out"] == pairs * 100 * 4
+    # hidden 100 is not a multiple of 8: the scalar down tile, ceil(100 / block_n) column blocks per token
+    assert b[catalog.DOWN_COUNTERS] == tokens * -(-100 // profile["kernels"]["down"]["block_n"]) * 4
+    assert catalog.is_counter_buffer(catalog.DOWN_COUNTERS)
     assert b["topk_ids"] == b["topk_weights"] == pairs * 4
     assert b["expert_counts"] == 64 * 4 and b["expert_offsets"] == 65 * 4
     assert b["valid_tokens"] == 2 * 4
     profile["aggregation"] = "atomic"
     assert "pair_out" not in catalog.device_buffers(profile, header)
+    assert catalog.DOWN_COUNTERS not in catalog.device_buffers(profile, header)
     profile["shape"] = {"batch": 2, "tokens": 4}  # 64 pairs: the GEMV path needs no padded order, no pair_out
     gemv = catalog.device_buffers(profile, header)
     assert sorted(gemv) == ["act", "topk_ids", "topk_weights", "valid_tokens", "x0", "x1"]
@@ -261,7 +272,7 @@ def test_v2_feature_plan_binds_every_parameter(orin_profile, quant, tokens):
     assert buffers["shared_act"] == 2 * tokens * 48 * 4 and buffers["shared_scale"] == tokens * 4
     small = catalog.sizes(profile, header).small_batch
     assert small == (tokens == 4)
-    assert len(plan) == (5 if small else 7) * header.num_layers
+    assert len(plan) == (5 if small else 6) * header.num_layers  # tiled: aggregation folded into down
     for layer in range(header.num_layers):
         symbols = [launch["symbol"] for launch in plan if launch["layer"] == layer]
         assert symbols[-2:] == ["colibri_shared_gate_up", "colibri_shared_down"]

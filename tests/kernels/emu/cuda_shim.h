@@ -511,6 +511,16 @@ __attribute__((always_inline)) inline T __ldg(const T* p) {
     return *p;
 }
 
+// A global load through L2 (ld.global.cg: data other blocks of the same launch wrote): the same record as __ldg.
+template <class T>
+__attribute__((always_inline)) inline T __ldcg(const T* p) {
+    if (coli_emu::acc_model.on) coli_emu::record_load(p, sizeof(T));
+    return *p;
+}
+// Blocks run one after another and a block's fibers switch only at synchronisation points, so every store is
+// visible to every later load: a memory fence has nothing to order here (the GPU memory model is not emulated).
+inline void __threadfence() {}
+
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __half_bits_to_float(unsigned short h) { return coli_emu::half_bits_to_float(h); }
