@@ -20,6 +20,6 @@ if [ ! -f /usr/include/openssl/evp.h ] && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && apt-get install -y -qq libssl-dev >/dev/null
 fi
 source scripts/setup_env.sh all
-# One pytest worker per core (pytest-xdist); each test file stays on one worker, tests/c_runtime and tests/examples
-# run whole on one (tests/conftest.py). `bash scripts/test.sh -n 0` runs everything in this process.
-python -m pytest -q -ra -n auto --dist loadgroup "$@"
+# One pytest worker per core (pytest-xdist); each test file runs on one worker, so its module fixtures are made once.
+# `bash scripts/test.sh -n 0` runs everything in one process.
+python -m pytest -q -ra -n auto --dist loadfile "$@"

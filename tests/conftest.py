@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import nvrtc_cache_support
 import pytest
@@ -24,23 +22,3 @@ def demo_model_path(tmp_path_factory):
 def rng():
     return np.random.default_rng(1234)
 
-
-# Parallel runs (`pytest -n auto --dist loadgroup`, pytest-xdist): each test file runs on one worker, so module
-# fixtures are made once; these folders run whole on one worker because their session fixtures are costly to make
-# twice (tests/c_runtime: the sanitizer builds of libcolibri; tests/examples: the example's bundle, built by the CLI
-# in a subprocess). Without -n the marks change nothing.
-WHOLE_FOLDER_GROUPS = ("c_runtime", "examples")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    tests = Path(__file__).parent
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        try:
-            parts = item.path.relative_to(tests).parts
-        except ValueError:
-            continue
-        group = parts[0] if parts[0] in WHOLE_FOLDER_GROUPS else "/".join(parts)
-        item.add_marker(pytest.mark.xdist_group(group))
