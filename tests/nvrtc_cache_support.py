@@ -16,7 +16,6 @@ test processes that compile the same key write the same bytes), and are read bac
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -70,7 +69,6 @@ def _write(entry: Path, out: nvrtc.CompiledSource) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-@functools.wraps(nvrtc.compile_source)
 def cached_compile_source(source, name, arch, defines=None, include_dirs=None, toolkit=None):
     """`colibri_sdk.aot.nvrtc.compile_source`, answered from the cache when the same input was compiled before."""
     entry = CACHE / _key(source, name, arch, defines, include_dirs, toolkit)
