@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything the tests need on a fresh Debian/Ubuntu machine and run them.
 #   - OpenSSH server (deploy tests start their own sshd on 127.0.0.1); installed with apt when running as root
-#   - .venv with colibri-sdk[all]: NVRTC 12 + CUDA headers from pip, transformers + CPU torch, paramiko
+#   - .venv with colibri-sdk[all]: NVRTC 12 + CUDA headers from pip, transformers + CPU torch, paramiko, pytest-xdist
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k format`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,4 +20,6 @@ if [ ! -f /usr/include/openssl/evp.h ] && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && apt-get install -y -qq libssl-dev >/dev/null
 fi
 source scripts/setup_env.sh all
-python -m pytest -q -ra "$@"
+# One pytest worker per core (pytest-xdist); each test file runs on one worker, so its module fixtures are made once.
+# `bash scripts/test.sh -n 0` runs everything in one process.
+python -m pytest -q -ra -n auto --dist loadfile "$@"

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import nvrtc_cache_support
 import pytest
 
 from colibri_sdk.demo import write_demo_model
+
+# Bundle builds compile through a content-keyed NVRTC cache (tests/nvrtc_cache_support.py); the NVRTC tests do not.
+nvrtc_cache_support.install()
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +21,4 @@ def demo_model_path(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+

@@ -127,7 +127,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("path, value, match", CASES, ids=[f"{c[0]}={c[1]!r}"[:40] for c in CASES])
+@pytest.mark.parametrize("path, value, match", CASES, ids=[f"{c[0]}={'<deleted>' if c[1] is DELETE else repr(c[1])}"[:40] for c in CASES])
 def test_schema_violation_names_key_value_and_rule(path, value, match):
     data = orin_dict()
     _set(data, path, value if value is DELETE else copy.deepcopy(value))

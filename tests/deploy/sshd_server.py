@@ -7,11 +7,13 @@ answers. Needs root (sshd switches to the logged-in user) and the `openssh-serve
 
 from __future__ import annotations
 
+import fcntl
 import getpass
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +67,15 @@ class SshServer:
         user_key = keygen(workdir / "user_ed25519")
         authorized = workdir / "authorized_keys"
         authorized.write_text((user_key.with_suffix(".pub")).read_text())
-        port = port or free_port()
+        # Parallel test workers each start an sshd: one at a time picks a free port and waits until its sshd
+        # listens there, so no two pick the same port (the lock file is beside the other temp files).
+        with open(Path(tempfile.gettempdir()) / "colibri-test-sshd.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return cls._start_locked(workdir, host_keys, user_key, authorized, port or free_port())
+
+    @classmethod
+    def _start_locked(cls, workdir: Path, host_keys: list, user_key: Path, authorized: Path,
+                      port: int) -> "SshServer":
         config = workdir / "sshd_config"
         lines = [
             "ListenAddress 127.0.0.1",

@@ -14,6 +14,7 @@ written): it proves nothing about GPU timing, the GPU memory model, occupancy or
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -72,7 +73,8 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
         source_dir: folder of the .cu sources and common.cuh (default: the catalogue's kernels/).
         units: (source file, entry points) to compile (default: every catalogue kernel).
 
-    The library is cached under the temp folder by a hash of compiler, flags, defines and every source byte.
+    The library is cached under the temp folder by a hash of compiler, flags, defines and every source byte; one
+    process at a time builds a given key (a lock file beside it), the others then load what it built.
 
     Raises:
         EmulationError: g++ missing or a compile/link error (the compiler's output is in the message).
@@ -91,6 +93,16 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
     if out.exists():
         return out
     CACHE.mkdir(parents=True, exist_ok=True)
+    # One build per key at a time across processes (parallel test workers): the others wait, then find it built.
+    with open(CACHE / f"{out.parent.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        return _build(out, flags, source_dir, units)
+
+
+def _build(out: Path, flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]]) -> Path:
+    """Compile and link the library into a private folder, then rename it to `out`."""
     work = Path(tempfile.mkdtemp(dir=CACHE, prefix="build-"))
     includes = [f"-I{EMU_DIR}", f"-I{source_dir}"]
     compiles = [(EMU_DIR / "runner.cpp", work / "runner.o")]
