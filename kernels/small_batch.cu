@@ -343,15 +343,13 @@ __device__ __forceinline__ void stage_run(const T* __restrict__ src, int n, Put 
     const int lead = (int)(a & 31ull) / (int)sizeof(T);  // entries of the window before the run
     const int nvec = (lead + n + per - 1) / per, lane = threadIdx.x & 31;
     for (int v0 = (int)threadIdx.x - lane; v0 < nvec; v0 += THREADS_) {  // uniform per warp
-        const int v = v0 + lane < nvec ? v0 + lane : nvec - 1;
-        const uint4 raw = __ldg(base + v);
-        if (v0 + lane < nvec) {
-            const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+        // No branch around the load: its entries i of a lane past the window are >= n, so nothing is put.
+        const uint4 raw = __ldg(base + (v0 + lane < nvec ? v0 + lane : nvec - 1));
+        const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-            for (int m = 0; m < per; ++m) {
-                const int i = v * per + m - lead;
-                if (i >= 0 && i < n) put(i, w, m);
-            }
+        for (int m = 0; m < per; ++m) {
+            const int i = (v0 + lane) * per + m - lead;
+            if (i >= 0 && i < n) put(i, w, m);
         }
     }
 }
