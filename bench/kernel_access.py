@@ -25,8 +25,9 @@ Shapes (fp16, the shipped h200 profile with `shape.tokens` 16 or 64):
     mixtral/16  the Mixtral-8x7B layer scaled down 16x, ratios kept: hidden 256, intermediate 896, 8 experts, top-2
                 (full size, 4096 x 14336, takes minutes per case on the emulation)
     qwen3/4     the Qwen3-30B-A3B layer scaled down 4x: hidden 512, intermediate 192, 128 experts, top-8
-    odd         odd sizes: hidden 2050, intermediate 770, 8 experts, top-2 (fp16 rows of 4100 and 1540 bytes, int4 rows
-                of 1025 and 385: no row after the first starts 16-byte aligned in every matrix)
+    odd         odd sizes: hidden 2050, intermediate 770, 8 experts, top-2 (fp16 rows of 4100 and 1540 bytes, int8 rows
+                of 2050 and 770, int4 rows of 1025 and 385: rows start at every offset of a 32-byte sector);
+                storages fp16, int8 and int4 g128 only
 Cases: 1, 4 and 16 valid tokens in a 16-token bundle, 64 in a 64-token bundle (the GEMV path for the Mixtral shape:
 128 pairs <= max_pairs 128), and 64/64m64: the same with small_batch.max_pairs 64 (the tiled path for both shapes);
 padded rows are zeros. `--tokens 64` runs the 64-token cases only.
@@ -65,7 +66,7 @@ SHAPES = {
     "qwen3/4": dict(hidden=512, inter=192, experts=128, top_k=8),
     "odd": dict(hidden=2050, inter=770, experts=8, top_k=2),
 }
-ODD_STORAGES = ("fp16", "int4-g128")  # the odd shape is 8x larger per expert: two storages keep the run short
+ODD_STORAGES = ("fp16", "int8", "int4-g128")  # the odd shape is 8x larger per expert: three storages keep the run short
 # (valid tokens, bundle tokens, small_batch.max_pairs: None = the h200 profile's 128); 64/64 with max_pairs 64 puts
 # the Mixtral shape (128 pairs) on the tiled path too
 CASES = ((1, 16, None), (4, 16, None), (16, 16, None), (64, 64, None), (64, 64, 64))

@@ -5,14 +5,13 @@
 //
 // colibri_gate_up_gemv — grid (ceil(intermediate / WARPS), min(experts, tokens*k)), block (COLI_SMALL_BATCH_THREADS).
 //   Block (c, s) takes the s-th expert e selected by a valid token (increasing expert index; slots past the last
-//   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. Float weights, chunk-major: for
-//   each chunk of CHUNK_ columns each warp loads its part of row n of gate[e] and of up[e] into registers (16-byte
+//   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. Chunk-major (float and int8/int4
+//   weights): for each chunk of CHUNK_ columns each warp loads its part of row n of gate[e] and of up[e] into registers (16-byte
 //   loads, two per row per lane in flight, L1 bypassed), then for each group of PASS_ pairs routed to e (8; 4 above
 //   512 threads) their x rows of the chunk are staged in shared memory and multiplied; chunk sums go to a shared
 //   partial per (pair, row), so every weight byte is streamed once:
 //       act[p, n] = silu(gate[e, n, :] . x[p / k, :]) * (up[e, n, :] . x[p / k, :])       only pairs p routed to e
 //   (with biases and the clamped SwiGLU when the file has them: common.cuh gate_up_epilogue)
-//   Quantized weights, pass-major: for each group of PASS_ pairs the chunks are streamed (once per group).
 // colibri_down_gemv — grid (ceil(hidden / (ROWS*WARPS))), same block; ROWS = 2 (1 above 512 threads). Rows
 //   n0 .. n0 + ROWS*WARPS - 1 of the layer output, ROWS consecutive hidden rows per warp. For every selected expert
 //   in increasing index, its rows of down[e] are streamed and the act rows of its pairs staged as above:
@@ -26,18 +25,20 @@
 // The expert epilogue (biases, clamped SwiGLU; common.cuh gate_up_epilogue / down_epilogue) follows COLI_EXPERT_BIAS
 //   and COLI_ACTIVATION; the bias blocks are extra arguments after the quantized ones.
 //
-// Loads: a float weight row of any length and start is read with 16-byte vector loads through its aligned window
-// (Window, chunk_dot: from its start rounded down to 32 bytes, the bytes outside the row masked); quantized rows
-// with 16-byte loads when their start is 16-byte aligned, else scalar. Lane sums are combined with an xor butterfly
-// in a fixed order, then chunks in order: deterministic bits.
+// Loads: a weight row (float, int8 or int4) of any length and start is read with 16-byte vector loads through its
+// aligned window (Window, chunk_dot: from its start rounded down to 32 bytes; the bytes outside the row masked, or,
+// for codes, multiplied by staged zeros). Lane sums are combined with an xor butterfly in a fixed order, then chunks
+// in order: deterministic bits.
 // Quantized weights (COLI_QUANT 1 int8, 2 int4; docs/format.md "Matrix storage"): a row holds codes (int8 bytes, or
 // int4 nibbles q+8 with column 2j in the low nibble of byte j), its scales (one per COLI_GROUP_SIZE columns along
 // the reduction dimension, 0 = one per row, the last group partial) and, with COLI_ZERO_POINTS, int8 zero points,
 // in their own blocks (extra kernel arguments, after the float ones). A lane dequantizes in registers:
 // w = scale * (q - zero), one float32 rounding as the reference; the codes are streamed in 16-byte loads (16 int8
-// or 32 int4 per lane). The scales (and zero points) of a block's rows, one contiguous run per scale block, are
-// staged in shared memory by the whole block (consecutive threads, consecutive entries) when they fit in QS_MAX_
-// entries per matrix; else each lane reads the scale of its vector's group (consecutive lanes, consecutive groups). Scales are fp16 (COLI_SCALE_FP16 1) or fp32; the router of such a file is fp32.
+// or 32 int4 per lane), a vector of a shifted window spanning up to two scale groups. The scales (and zero points)
+// of a block's rows, one contiguous run per scale block, are staged in shared memory by the whole block with
+// 16-byte loads over the run's aligned window (stage_run) when they fit in QS_MAX_ entries per matrix; else each
+// lane reads the scales of its vector's groups. Scales are fp16 (COLI_SCALE_FP16 1) or fp32; the router of such a
+// file is fp32.
 // Limits: common.cuh; tokens * ROWS*WARPS * 4 bytes of output tile <= 16 KiB; the rank step of build_order costs
 // O((tokens*k)^2 / threads) shared-memory reads per block (small for the shapes of this path).
 #include "common.cuh"
@@ -49,6 +50,9 @@
 #define PASS_ (THREADS_ > 512 ? 4 : 8)
 #define DOWN_ROWS_ (THREADS_ > 512 ? 1 : 2)
 #define TILE_ (WARPS_ * DOWN_ROWS_)
+// Blocks per SM the routed GEMV kernels are compiled for: int8/int4 blocks of up to 256 threads are held to 128
+// registers per thread, so that two blocks (16 warps) share an SM as the float ones do.
+#define QMINB_ (COLI_QUANT && THREADS_ <= 256 ? 2 : 1)
 #define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");
@@ -56,9 +60,9 @@ static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
 #define QEPV_ (COLI_QUANT == 2 ? 32 : 16)  // codes per 16-byte vector
 #define VCOLS_ QEPV_
 #define CHUNK_ 512  // columns of the reduction dimension staged per step: 32 (int8) or 16 (int4) vectors per row
-#define QBYTE_(c) (COLI_QUANT == 2 ? (c) / 2 : (c))  // byte of column c in a row (c even for int4)
-// A 16-byte vector starts at a multiple of QEPV_ columns: it lies inside one group; chunks start on a group.
-static_assert(GS_ % QEPV_ == 0 && CHUNK_ % (GS_ == 0 ? 1 : GS_) == 0, "groups must hold whole vectors and chunks");
+// A group holds whole vectors' worth of columns, so a vector of a row's window (which starts anywhere in a group
+// when the row is not 32-byte aligned) spans at most two groups (q_fma_vec).
+static_assert(GS_ % QEPV_ == 0, "a scale group must be a multiple of the codes per 16-byte vector");
 typedef unsigned char ws_t;  // stored weight: code bytes
 #else
 typedef wt ws_t;  // stored weight: fp16 bits or fp32
@@ -66,25 +70,18 @@ typedef wt ws_t;  // stored weight: fp16 bits or fp32
 #define CHUNK_ (64 * VEC_)  // columns staged per step: 64 vectors per row, two per lane (fp16 512, fp32 256)
 #define QROW_BYTES_(cols) ((cols) * (int)sizeof(wt))
 #endif
-// A weight row is read through its aligned window (chunk_dot): the 16-byte vectors from its start rounded down to 32
-// bytes (a sector, so that a warp's 32 vectors touch 16 whole sectors). A row of `cols` columns whose byte length is
-// not a multiple of 32 may start up to 31 bytes (< 2 * VCOLS_ columns) into its window (a shift); the staged
+// A weight row (float elements or int8/int4 codes) is read through its aligned window (chunk_dot): the
+// 16-byte vectors from its start rounded down to 32 bytes (a sector, so that a warp's 32 vectors touch 16 whole
+// sectors). A row of `cols` columns whose byte length is not a multiple of 32 may start up to 31 bytes
+// (< 2 * VCOLS_ columns) into its window (a shift); the staged
 // activations then begin MARGIN_(cols) = 2 * VCOLS_ columns before each chunk, and the row takes NCHUNKS_(cols)
 // chunks of CHUNK_ / VCOLS_ vectors. Rows of whole sectors start 32-byte aligned (the weights buffer does; every
 // expert matrix of a .colibri file starts at a multiple of its row length): no margin.
 #define NVC_ (CHUNK_ / VCOLS_)           // vectors per row per chunk
 #define VPL_ ((NVC_ + 31) / 32)          // of them per lane
-#if COLI_QUANT  // quantized rows: 16-byte loads where a row is aligned, else scalar (chunk_dot_q), no margin
-#define MARGIN_(cols) 0
-#else
 #define MARGIN_(cols) (QROW_BYTES_(cols) % 32 ? 2 * VCOLS_ : 0)
-#endif
 #define NCHUNKS_(cols) (((cols) + (MARGIN_(cols) ? 2 * VCOLS_ - 1 : 0) + CHUNK_ - 1) / CHUNK_)
-#if COLI_QUANT
-#define SW_ CHUNK_                       // staged columns per pair (no margin)
-#else
 #define SW_ (CHUNK_ + 2 * VCOLS_)        // staged columns per pair (margin included)
-#endif
 static_assert(T_ * TILE_ * 4 <= 16 * 1024 && 2 * T_ * WARPS_ * 4 <= 16 * 1024,
               "small_batch: batch*tokens * rows per block * 4 bytes must be <= 16 KiB (lower max_pairs or threads)");
 
@@ -208,50 +205,27 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ src, int ro
     }
 }
 
-#if COLI_QUANT
-// Quantized rows (pass-major loop): rows src[rows[j]] [c0, c0 + len) for j < cnt into stage[j][0 .. len), float4
-// loads where aligned.
-__device__ __forceinline__ void stage_rows_q(const float* __restrict__ src, int row_len, const int* rows, int cnt,
-                                             int c0, int len, float (*stage)[SW_]) {
-    if (row_len % 4 == 0) {
-        const int per_row = (len + 3) / 4;
-        for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
-            const int j = i / per_row, c = (i % per_row) * 4;
-            const float* row = src + (size_t)rows[j] * row_len + c0;
-            if (c + 4 <= len) {
-                const float4 v = __ldg(reinterpret_cast<const float4*>(row + c));
-                stage[j][c] = v.x;
-                stage[j][c + 1] = v.y;
-                stage[j][c + 2] = v.z;
-                stage[j][c + 3] = v.w;
-            } else {
-                for (int q = c; q < len; ++q) stage[j][q] = __ldg(row + q);
-            }
-        }
-    } else {
-        for (int i = threadIdx.x; i < cnt * len; i += THREADS_) {
-            const int j = i / len, c = i % len;
-            stage[j][c] = __ldg(src + (size_t)rows[j] * row_len + c0 + c);
-        }
-    }
-}
-#endif
-
-// The aligned window of a float weight row: vector k holds columns k*VCOLS_ - shift ..
-// k*VCOLS_ - shift + VCOLS_ - 1; nv vectors cover the row. It reads at most 31 bytes before the row (inside the
-// weights buffer, which starts 256-byte aligned) and 15 after it (the weights allocation has
-// catalog.WEIGHTS_TAIL_BYTES more); the columns outside the row are masked.
+// The aligned window of a weight row (float elements, int8 codes or int4 nibbles): vector k holds columns
+// k*VCOLS_ - shift .. k*VCOLS_ - shift + VCOLS_ - 1 (16 bytes hold VCOLS_ columns, so a byte offset b in the sector is
+// b * VCOLS_ / 16 columns); nv vectors cover the row. It reads at most 31 bytes before the row (inside the weights
+// buffer, which starts 256-byte aligned) and 15 after it (the weights allocation has catalog.WEIGHTS_TAIL_BYTES
+// more); the columns outside the row are masked (float) or meet zero activations (codes: finite weights).
 struct Window {
     const uint4* base;
     int shift, nv;
 };
 __device__ __forceinline__ Window window(const void* row, int cols) {
     const unsigned long long a = reinterpret_cast<unsigned long long>(row);
-    const int shift = (int)(a & 31ull) / (int)sizeof(wt);
+    const int shift = (int)(a & 31ull) * VCOLS_ / 16;
     return Window{reinterpret_cast<const uint4*>(a & ~31ull), shift, (cols + shift + VCOLS_ - 1) / VCOLS_};
 }
 
-// The lane's vectors of chunk q of NROWS windows: vector q*NVC_ + 32u + lane for u < VPL_ (zero past the window).
+// The lane's vectors of chunk q of NROWS windows: vector q*NVC_ + 32u + lane for u < VPL_. A load is issued by the
+// whole warp when any of its 32 vectors lies in the chunk and the window (uniform per warp): lanes past them load
+// the last such vector again (a sector the instruction fetches anyway; chunk_dot skips those lanes), so each load
+// is one warp instruction over whole sectors, the same lanes in every row. (Lanes that skip a load would, in the
+// emulator's access model, where g++ leaves the row loop rolled and all rows share one load site, pair with another
+// row's load of other lanes: the half sectors of the fp16 colibri_down_gemv's odd rows.)
 template <int NROWS>
 __device__ __forceinline__ void load_chunk(const Window win[NROWS], int q, uint4 raw[NROWS][VPL_]) {
     const int lane = threadIdx.x & 31;
@@ -259,8 +233,10 @@ __device__ __forceinline__ void load_chunk(const Window win[NROWS], int q, uint4
     for (int r = 0; r < NROWS; ++r)
 #pragma unroll
         for (int u = 0; u < VPL_; ++u) {
-            const int i = 32 * u + lane, k = q * NVC_ + i;
-            raw[r][u] = i < NVC_ && k < win[r].nv ? ld_stream(win[r].base + k) : make_uint4(0, 0, 0, 0);
+            const int first = q * NVC_ + 32 * u;  // the warp's first vector
+            const int end = q * NVC_ + NVC_ < win[r].nv ? q * NVC_ + NVC_ : win[r].nv;
+            const int k = first + lane < end ? first + lane : end - 1;
+            raw[r][u] = 32 * u < NVC_ && first < end ? ld_stream(win[r].base + k) : make_uint4(0, 0, 0, 0);
         }
 }
 
@@ -291,12 +267,35 @@ __device__ __forceinline__ void fma_vec_masked(const float w[VEC_], const float 
     }
 }
 
+#if COLI_QUANT
+// The scales and zero points of one quantized weight row (its codes are read through its Window): staged in shared
+// memory (s: float, z: the row's groups 0..G-1; chunk_dot<.., true>) or in global memory (s: st; chunk_dot<.., false>).
+// z is null without zero points.
+struct QRow {
+    const void* s;
+    const signed char* z;
+};
+template <bool STAGED>
+__device__ __forceinline__ float q_scale(const QRow& r, int g) {
+    return STAGED ? static_cast<const float*>(r.s)[g] : st_to_float(__ldg(static_cast<const st*>(r.s) + g));
+}
+template <bool STAGED>
+__device__ __forceinline__ int q_zero(const QRow& r, int g) {
+    if (!COLI_ZERO_POINTS) return 0;
+    return STAGED ? (int)r.z[g] : (int)__ldg(r.z + g);
+}
+#else
+struct QRow {};  // float rows have no scales
+#endif
+
+// Lane partials of chunk q of NROWS weight rows (windows win, `cols` columns; the lane's vectors in raw; for codes
+// their scales in rows) against the staged activations (stage column 0 = row column q*CHUNK_ - margin):
+// acc[r][j] += its products for pairs j < cnt. STAGED: the rows' scales are in shared memory (codes only).
 #if !COLI_QUANT
-// Lane partials of chunk q of NROWS float weight rows (windows win, `cols` columns; the lane's vectors in raw) against
-// the staged activations (stage column 0 = row column q*CHUNK_ - margin): acc[r][j] += its products for pairs j < cnt.
-template <int NROWS>
-__device__ __forceinline__ void chunk_dot(const Window win[NROWS], const uint4 raw[NROWS][VPL_], int q, int cols,
-                                          int margin, const float (*stage)[SW_], int cnt, float acc[NROWS][PASS_]) {
+template <int NROWS, bool STAGED = false>
+__device__ __forceinline__ void chunk_dot(const Window win[NROWS], const QRow*, const uint4 raw[NROWS][VPL_], int q,
+                                          int cols, int margin, const float (*stage)[SW_], int cnt,
+                                          float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < NROWS; ++r) {
@@ -317,28 +316,10 @@ __device__ __forceinline__ void chunk_dot(const Window win[NROWS], const uint4 r
 #endif
 
 #if COLI_QUANT
-// One quantized weight row: its codes, and its scales and zero points (null without zero points) either staged in
-// shared memory (s_sh, z_sh: the row's groups 0..G-1) or read from global memory (s_gl, z_gl).
-struct QRow {
-    const unsigned char* codes;
-    const float* s_sh;
-    const signed char* z_sh;
-    const st* s_gl;
-    const signed char* z_gl;
-};
-
-__device__ __forceinline__ float q_scale(const QRow& r, int g) {
-    return r.s_sh ? r.s_sh[g] : st_to_float(__ldg(r.s_gl + g));
-}
-__device__ __forceinline__ int q_zero(const QRow& r, int g) {
-    if (!COLI_ZERO_POINTS) return 0;
-    return r.z_sh ? (int)r.z_sh[g] : (int)__ldg(r.z_gl + g);
-}
-
 // Scale staging: the scales (and zero points) of all rows of a block, consecutive rows of one expert, hence one
-// contiguous run of each scale block, are copied to shared memory by the whole block (coalesced) before its rows
-// are streamed, when they fit in QS_MAX_ entries per matrix (decided at compile time); else each lane reads the
-// scale of its vector's group from global memory.
+// contiguous run of each scale block, are copied to shared memory by the whole block before its rows are streamed,
+// when they fit in QS_MAX_ entries per matrix (decided at compile time); else each lane reads the scales of its
+// vector's groups from global memory.
 #ifdef COLI_QUANT_STAGE_MAX  // tests set it to 0 to run the global-scale path
 #define QS_MAX_ COLI_QUANT_STAGE_MAX
 #else
@@ -349,110 +330,115 @@ __device__ __forceinline__ int q_zero(const QRow& r, int g) {
 #define QS_GU_N_ (QS_GU_ ? WARPS_ * QGROUPS_(H_) : 1)
 #define QS_DOWN_N_ (QS_DOWN_ ? TILE_ * QGROUPS_(I_) : 1)
 
+// Entries [0, n) of a run of T (fp16 / fp32 scales, int8 zero points) starting anywhere: put(i, words, m) receives
+// entry i as entry m of the 16-byte vector `words`. The run is read with 16-byte loads through its aligned window
+// (from its start rounded down to 32 bytes to its end rounded up to 16: at most 31 bytes before it, inside the
+// weights buffer, and 15 after it, inside catalog.WEIGHTS_TAIL_BYTES), 32 consecutive vectors per warp instruction;
+// lanes past the window load its last vector again (as load_chunk). Every thread of the block calls it.
+template <typename T, typename Put>
+__device__ __forceinline__ void stage_run(const T* __restrict__ src, int n, Put put) {
+    constexpr int per = 16 / (int)sizeof(T);
+    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
+    const uint4* base = reinterpret_cast<const uint4*>(a & ~31ull);
+    const int lead = (int)(a & 31ull) / (int)sizeof(T);  // entries of the window before the run
+    const int nvec = (lead + n + per - 1) / per, lane = threadIdx.x & 31;
+    for (int v0 = (int)threadIdx.x - lane; v0 < nvec; v0 += THREADS_) {  // uniform per warp
+        // No branch around the load: its entries i of a lane past the window are >= n, so nothing is put.
+        const uint4 raw = __ldg(base + (v0 + lane < nvec ? v0 + lane : nvec - 1));
+        const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int m = 0; m < per; ++m) {
+            const int i = (v0 + lane) * per + m - lead;
+            if (i >= 0 && i < n) put(i, w, m);
+        }
+    }
+}
+
+// The scales (as float) and zero points of rows first_row .. first_row + nrows - 1 (`groups` each) into s_sh, z_sh.
 // Every thread of the block calls it; the caller's next barrier makes the copy visible.
 __device__ __forceinline__ void stage_scales(const st* __restrict__ scales, const signed char* __restrict__ zeros,
                                              size_t first_row, int nrows, int groups, float* s_sh,
                                              signed char* z_sh) {
     const size_t at = first_row * (size_t)groups;
-    for (int i = threadIdx.x; i < nrows * groups; i += THREADS_) {
-        s_sh[i] = st_to_float(__ldg(scales + at + i));
-        if (COLI_ZERO_POINTS) z_sh[i] = __ldg(zeros + at + i);
-    }
-}
-
-// Code of column c of a row (scalar path).
-__device__ __forceinline__ int q_code(const QRow& r, int c) {
-#if COLI_QUANT == 2
-    const unsigned b = __ldg(r.codes + c / 2);
-    return (int)((c & 1) ? b >> 4 : b & 15u) - 8;
+    const int n = nrows * groups;
+    stage_run(scales + at, n, [&](int i, const unsigned* w, int m) {
+#if COLI_SCALE_FP16
+        s_sh[i] = st_to_float((st)((w[m / 2] >> (16 * (m % 2))) & 0xffffu));
 #else
-    return (int)(signed char)__ldg(r.codes + c);
+        s_sh[i] = __uint_as_float(w[m]);
 #endif
+    });
+    if (COLI_ZERO_POINTS)
+        stage_run(zeros + at, n,
+                  [&](int i, const unsigned* w, int m) { z_sh[i] = (signed char)((w[m / 4] >> (8 * (m % 4))) & 255u); });
 }
 
-// acc[j] += dequantized vector . stage[j][h .. h + QEPV_): the vector holds columns c .. c + QEPV_ - 1 (one group).
-__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int c, const float (*stage)[SW_], int h,
-                                          int cnt, float acc[PASS_]) {
-    const int g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
-    const float s = q_scale(r, g);
-    const int z = q_zero(r, g);
+// acc[j] += the dequantized vector . stage[j][h .. h + QEPV_) for the pairs j < cnt. The vector holds columns
+// col .. col + QEPV_ - 1 of a row of `cols` columns; those outside the row (col < 0: the previous row's codes; past
+// the row: the next row's, an int4 padding nibble or the buffer's tail) are finite weights against staged zeros.
+// It spans at most two groups: elements from `split` on take the next group's scale and zero point.
+template <bool STAGED>
+__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int col, int cols, const float (*stage)[SW_],
+                                          int h, int cnt, float acc[PASS_]) {
+    int ga = 0, gb = 0, split = QEPV_;
+    if (GS_ != 0) {
+        constexpr int G = GS_ == 0 ? 1 : GS_;
+        ga = (col < 0 ? 0 : col) / G;
+        const int next = (ga + 1) * G;  // first column of the next group
+        split = next - col;
+        gb = split < QEPV_ && next < cols ? ga + 1 : ga;
+    }
+    const float sa = q_scale<STAGED>(r, ga), sb = q_scale<STAGED>(r, gb);
+    const int za = q_zero<STAGED>(r, ga), zb = q_zero<STAGED>(r, gb);
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int b = 0; b < QEPV_; b += 8) {
-        float f[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int e = b + i;
+    for (int i = 0; i < QEPV_; ++i) {  // element-major: one weight live at a time (64 registers above 512 threads)
 #if COLI_QUANT == 2
-            const int q = (int)((w[e / 8] >> (4 * (e % 8))) & 15u) - 8;  // element e: nibble e of the 16 bytes
+        const int q = (int)((w[i / 8] >> (4 * (i % 8))) & 15u) - 8;  // element i: nibble i of the 16 bytes
 #else
-            const int q = (int)(signed char)((w[e / 4] >> (8 * (e % 4))) & 255u);
+        const int q = (int)(signed char)((w[i / 4] >> (8 * (i % 4))) & 255u);
 #endif
-            f[i] = s * (float)(q - z);
-        }
+        const float f = i < split ? sa * (float)(q - za) : sb * (float)(q - zb);  // one rounding, as the reference
 #pragma unroll
-        for (int j = 0; j < PASS_; ++j) {
-            if (j < cnt) {
-                float a = acc[j];
-#pragma unroll
-                for (int i = 0; i < 8; ++i) a += f[i] * stage[j][h + b + i];
-                acc[j] = a;
-            }
-        }
+        for (int j = 0; j < PASS_; ++j)
+            if (j < cnt) acc[j] += f * stage[j][h + i];
     }
 }
 
-// As chunk_dot for quantized rows: columns c0 .. c0 + len - 1 of each row (c0 a multiple of CHUNK_).
-template <int NROWS>
-__device__ __forceinline__ void chunk_dot_q(const QRow row[NROWS], int c0, int len, const float (*stage)[SW_],
-                                            int cnt, float acc[NROWS][PASS_]) {
+// chunk_dot for int8/int4 rows: the same windows, chunks and staged columns as float rows.
+template <int NROWS, bool STAGED>
+__device__ __forceinline__ void chunk_dot(const Window win[NROWS], const QRow rows[NROWS],
+                                          const uint4 raw[NROWS][VPL_], int q, int cols, int margin,
+                                          const float (*stage)[SW_], int cnt, float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
-    bool aligned = true;
 #pragma unroll
-    for (int r = 0; r < NROWS; ++r)
-        aligned &= (reinterpret_cast<unsigned long long>(row[r].codes + QBYTE_(c0)) & 15ull) == 0;
-    int scalar_from = 0;
-    if (aligned) {
-        const int nvec = len / QEPV_;
-        for (int v = lane; v < nvec; v += 64) {
-            const bool second = v + 32 < nvec;
-            uint4 raw[NROWS][2];
+    for (int r = 0; r < NROWS; ++r) {
 #pragma unroll
-            for (int r = 0; r < NROWS; ++r) {
-                const uint4* p = reinterpret_cast<const uint4*>(row[r].codes + QBYTE_(c0));
-                raw[r][0] = ld_stream(p + v);
-                raw[r][1] = second ? ld_stream(p + v + 32) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int r = 0; r < NROWS; ++r) {
-                q_fma_vec(raw[r][0], row[r], c0 + v * QEPV_, stage, v * QEPV_, cnt, acc[r]);
-                if (second) q_fma_vec(raw[r][1], row[r], c0 + (v + 32) * QEPV_, stage, (v + 32) * QEPV_, cnt, acc[r]);
-            }
-        }
-        scalar_from = nvec * QEPV_;
-    }
-    for (int h = scalar_from + lane; h < len; h += 32) {
-        const int c = c0 + h, g = GS_ == 0 ? 0 : c / (GS_ == 0 ? 1 : GS_);
-#pragma unroll
-        for (int r = 0; r < NROWS; ++r) {
-            const float w = q_scale(row[r], g) * (float)(q_code(row[r], c) - q_zero(row[r], g));
-#pragma unroll
-            for (int j = 0; j < PASS_; ++j)
-                if (j < cnt) acc[r][j] += w * stage[j][h];
+        for (int u = 0; u < VPL_; ++u) {
+            const int i = 32 * u + lane, k = q * NVC_ + i;
+            if (i >= NVC_ || k >= win[r].nv) continue;
+            q_fma_vec<STAGED>(raw[r][u], rows[r], k * VCOLS_ - win[r].shift, cols, stage,
+                              i * VCOLS_ - win[r].shift + margin, cnt, acc[r]);
         }
     }
 }
 
-// Row `row` of a matrix with `cols` columns; s_sh / z_sh: its staged scales and zero points, or null (global).
-__device__ __forceinline__ QRow q_row(const unsigned char* codes, const st* scales, const signed char* zeros,
-                                      size_t row, int cols, const float* s_sh, const signed char* z_sh) {
+// The scales of row `row` of a matrix with `cols` columns: staged (s_sh, z_sh: its groups in shared memory) or, with
+// s_sh null, in the global scale and zero-point blocks.
+__device__ __forceinline__ QRow q_row(const st* scales, const signed char* zeros, size_t row, int cols,
+                                      const float* s_sh, const signed char* z_sh) {
     const size_t g = (size_t)QGROUPS_(cols);
-    return QRow{codes + row * (size_t)QROW_BYTES_(cols), s_sh, COLI_ZERO_POINTS ? z_sh : nullptr, scales + row * g,
-                COLI_ZERO_POINTS ? zeros + row * g : zeros};
+    if (s_sh) return QRow{s_sh, COLI_ZERO_POINTS ? z_sh : nullptr};
+    return QRow{scales + row * g, COLI_ZERO_POINTS ? zeros + row * g : nullptr};
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(THREADS_, 1)
+// The window of row `row` of a weight matrix (float elements or codes) with `cols` columns.
+__device__ __forceinline__ Window row_window(const ws_t* matrix, size_t row, int cols) {
+    return window(reinterpret_cast<const unsigned char*>(matrix) + row * (size_t)QROW_BYTES_(cols), cols);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS_, QMINB_)
 colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate, const ws_t* __restrict__ up,
                      const int* __restrict__ valid_tokens, const int* __restrict__ topk_ids, float* __restrict__ act
 #if COLI_QUANT  // the scale and zero-point blocks (zero points: null without them), after the float arguments
@@ -464,9 +450,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][SW_];
     __shared__ int tokens[PASS_];
-#if !COLI_QUANT
     __shared__ float part[2][T_][WARPS_];  // gate and up dot products of the expert's pairs, summed over chunks
-#endif
     const int slot = blockIdx.y;
     if (slot >= valid_pairs(valid_tokens)) return;  // at most one expert per valid pair; uniform, before any barrier
     build_order(topk_ids, order);
@@ -475,61 +459,30 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n = blockIdx.x * WARPS_ + warp;
     const bool has_row = n < I_;  // warps past the last row still take part in the barriers
     const size_t row = (size_t)e * I_ + (has_row ? n : 0);
+    const Window win[2] = {row_window(gate, row, H_), row_window(up, row, H_)};
 #if COLI_QUANT
+    constexpr bool staged = QS_GU_;
     __shared__ float qs[2][QS_GU_N_];
     __shared__ signed char qz[2][COLI_ZERO_POINTS ? QS_GU_N_ : 1];
-    const float* s_sh[2] = {nullptr, nullptr};
-    const signed char* z_sh[2] = {nullptr, nullptr};
-    if (QS_GU_) {  // compile-time
+    constexpr int G = QGROUPS_(H_);
+    if (staged) {  // compile-time; visible after the first barrier of the chunk loop below
         const int r0 = blockIdx.x * WARPS_, nrows = I_ - r0 < WARPS_ ? I_ - r0 : WARPS_;
-        constexpr int G = QGROUPS_(H_);
         stage_scales(gate_scales, gate_zeros, (size_t)e * I_ + r0, nrows, G, qs[0], qz[0]);
         stage_scales(up_scales, up_zeros, (size_t)e * I_ + r0, nrows, G, qs[1], qz[1]);
-        for (int m = 0; m < 2; ++m) {
-            s_sh[m] = qs[m] + warp * G;
-            z_sh[m] = qz[m] + (COLI_ZERO_POINTS ? warp * G : 0);
-        }
-    }  // visible after the first barrier of the chunk loop below
-    const QRow rows[2] = {q_row(gate, gate_scales, gate_zeros, row, H_, s_sh[0], z_sh[0]),
-                          q_row(up, up_scales, up_zeros, row, H_, s_sh[1], z_sh[1])};
-
+    }
+    // The rows' scale pointers are rebuilt where they are used, not held across the loops (registers).
+#define GU_ROWS_                                                                                                      \
+    const QRow rows[2] = {q_row(gate_scales, gate_zeros, row, H_, staged ? qs[0] + warp * G : nullptr,              \
+                                qz[0] + (COLI_ZERO_POINTS ? warp * G : 0)),                                          \
+                          q_row(up_scales, up_zeros, row, H_, staged ? qs[1] + warp * G : nullptr,                  \
+                                qz[1] + (COLI_ZERO_POINTS ? warp * G : 0))};
 #else
-    const Window win[2] = {window(gate + row * H_, H_), window(up + row * H_, H_)};
+    constexpr bool staged = false;
+#define GU_ROWS_ const QRow* rows = nullptr;
 #endif
 
-#if COLI_QUANT
-    // Quantized rows keep the pass-major loop (an expert with more than PASS_ pairs streams its rows once per PASS_
-    // pairs): the chunk-major loop below needs more than the 64 registers of a 1024-thread block.
-    for (int g0 = 0; g0 < count; g0 += PASS_) {
-        const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
-        __syncthreads();  // tokens[] of the previous pass fully used
-        if ((int)threadIdx.x < cnt) tokens[threadIdx.x] = order.sorted[first + g0 + threadIdx.x] / K_;
-        float acc[2][PASS_];
-#pragma unroll
-        for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
-        for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
-            const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
-            __syncthreads();  // tokens[] written; the previous chunk fully used
-            stage_rows_q(x, H_, tokens, cnt, h0, len, stage);
-            __syncthreads();
-            if (has_row) {
-                chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
-            }
-        }
-        if (has_row) {  // uniform per warp
-#pragma unroll
-            for (int j = 0; j < PASS_; ++j) {
-                if (j < cnt) {
-                    const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
-                    if (lane == 0)
-                        act[(size_t)order.sorted[first + g0 + j] * I_ + n] = gate_up_epilogue(g, u, gate_bias, up_bias, e, n);
-                }
-            }
-        }
-    }
-#else
     // Chunk-major: each chunk of the two rows is loaded once into registers and used by every pass of the expert's
-    // pairs, so an expert's weights are streamed once however many pairs it has.
+    // pairs, so an expert's weights (codes and scales included) are streamed once however many pairs it has.
     for (int q = 0; q < NCHUNKS_(H_); ++q) {
         uint4 raw[2][VPL_];
         if (has_row) load_chunk<2>(win, q, raw);
@@ -544,7 +497,8 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
                 float acc[2][PASS_];
 #pragma unroll
                 for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
-                chunk_dot<2>(win, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
+                GU_ROWS_
+                chunk_dot<2, staged>(win, rows, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
 #pragma unroll
                 for (int j = 0; j < PASS_; ++j) {
                     if (j < cnt) {
@@ -562,10 +516,10 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
         for (int j = 0; j < count; ++j)
             act[(size_t)order.sorted[first + j] * I_ + n] =
                 gate_up_epilogue(part[0][j][warp], part[1][j][warp], gate_bias, up_bias, e, n);
-#endif
+#undef GU_ROWS_
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS_, 1)
+extern "C" __global__ void __launch_bounds__(THREADS_, QMINB_)
 colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, const ws_t* __restrict__ down,
                   const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
                   float* __restrict__ x_next
@@ -588,75 +542,26 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
     const bool any_row = n_first < H_;
 
 #if COLI_QUANT
+    constexpr bool staged = QS_DOWN_;
+    constexpr int G = QGROUPS_(I_);
     __shared__ float qs[QS_DOWN_N_];
     __shared__ signed char qz[COLI_ZERO_POINTS ? QS_DOWN_N_ : 1];
+#else
+    constexpr bool staged = false;
 #endif
     for (int s = 0; s < order.nused; ++s) {
         const int e = order.used[s], count = order.counts[e], first = order.offsets[e];
+        Window win[DOWN_ROWS_];
 #if COLI_QUANT
-        if (QS_DOWN_) {  // compile-time; visible after the first barrier of the chunk loop below
+        if (staged) {  // compile-time; visible after the first barrier of the chunk loop below
             __syncthreads();  // the previous expert's scales fully used
             const int nrows = H_ - n0 < TILE_ ? H_ - n0 : TILE_;
-            stage_scales(down_scales, down_zeros, (size_t)e * H_ + n0, nrows, QGROUPS_(I_), qs, qz);
+            stage_scales(down_scales, down_zeros, (size_t)e * H_ + n0, nrows, G, qs, qz);
         }
-        // The rows' scale pointers are rebuilt where they are used (q_rows), not held across the chunk loop.
-        auto q_rows = [&](QRow rows[DOWN_ROWS_]) {
-#pragma unroll
-            for (int r = 0; r < DOWN_ROWS_; ++r) {
-                const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
-                rows[r] = q_row(down, down_scales, down_zeros, (size_t)e * H_ + n, I_,
-                                QS_DOWN_ ? qs + local * QGROUPS_(I_) : nullptr,
-                                QS_DOWN_ ? qz + (COLI_ZERO_POINTS ? local * QGROUPS_(I_) : 0) : nullptr);
-            }
-        };
-#else
-        Window win[DOWN_ROWS_];
+#endif
 #pragma unroll
         for (int r = 0; r < DOWN_ROWS_; ++r)
-            win[r] = window(down + ((size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first)) * I_, I_);
-#endif
-#if COLI_QUANT
-        // Quantized rows keep the pass-major loop (as colibri_gate_up_gemv).
-        for (int g0 = 0; g0 < count; g0 += PASS_) {
-            const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
-            __syncthreads();  // pairs[] of the previous pass fully used
-            if ((int)threadIdx.x < cnt) {
-                const int p = order.sorted[first + g0 + threadIdx.x];
-                pairs[threadIdx.x] = p;
-                wts[threadIdx.x] = __ldg(topk_weights + p);
-            }
-            float acc[DOWN_ROWS_][PASS_];
-#pragma unroll
-            for (int r = 0; r < DOWN_ROWS_; ++r)
-#pragma unroll
-                for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
-            for (int c0 = 0; c0 < I_; c0 += CHUNK_) {
-                const int len = I_ - c0 < CHUNK_ ? I_ - c0 : CHUNK_;
-                __syncthreads();
-                stage_rows_q(act, I_, pairs, cnt, c0, len, stage);
-                __syncthreads();
-                if (any_row) {
-                    QRow rows[DOWN_ROWS_];
-                    q_rows(rows);
-                    chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
-                }
-            }
-            if (any_row) {  // uniform per warp
-#pragma unroll
-                for (int j = 0; j < PASS_; ++j) {
-                    if (j < cnt) {
-#pragma unroll
-                        for (int r = 0; r < DOWN_ROWS_; ++r) {
-                            const float v = warp_sum(acc[r][j]);
-                            if (lane == 0 && n_first + r < H_)
-                                y[pairs[j] / K_][warp * DOWN_ROWS_ + r] +=
-                                    down_epilogue(v, wts[j], down_bias, e, n_first + r);
-                        }
-                    }
-                }
-            }
-        }
-#else
+            win[r] = row_window(down, (size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first), I_);
         // Chunk-major as in colibri_gate_up_gemv: each chunk of the warp's rows is loaded once for all passes; the
         // chunk's products are added into y per pair (experts in increasing index, chunks in order: a fixed order).
         for (int q = 0; q < NCHUNKS_(I_); ++q) {
@@ -679,7 +584,18 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                     for (int r = 0; r < DOWN_ROWS_; ++r)
 #pragma unroll
                         for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
-                    chunk_dot<DOWN_ROWS_>(win, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
+#if COLI_QUANT  // the rows' scale pointers are rebuilt where they are used, not held across the loops (registers)
+                    QRow rows[DOWN_ROWS_];
+#pragma unroll
+                    for (int r = 0; r < DOWN_ROWS_; ++r) {
+                        const int n = n_first + r < H_ ? n_first + r : n_first, local = n - n0;
+                        rows[r] = q_row(down_scales, down_zeros, (size_t)e * H_ + n, I_,
+                                        staged ? qs + local * G : nullptr, qz + (COLI_ZERO_POINTS ? local * G : 0));
+                    }
+#else
+                    const QRow* rows = nullptr;
+#endif
+                    chunk_dot<DOWN_ROWS_, staged>(win, rows, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
 #pragma unroll
                     for (int j = 0; j < PASS_; ++j) {
                         if (j < cnt) {
@@ -698,7 +614,6 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                 }
             }
         }
-#endif
     }
     __syncthreads();
     for (int i = threadIdx.x; i < T_ * TILE_; i += THREADS_) {
@@ -762,36 +677,27 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ sha
         for (int t = lane; t < T_; t += 32)
             if (!token_valid(valid_tokens, t)) shared_act[((size_t)s * T_ + t) * SI_ + i] = 0.0f;
     }
+    const size_t row = (size_t)(has_row ? r : 0);
+    const Window win[2] = {row_window(shared_gate, row, H_), row_window(shared_up, row, H_)};
 #if COLI_QUANT
-    const QRow rows[2] = {q_row(shared_gate, shared_gate_scales, shared_gate_zeros, has_row ? r : 0, H_, nullptr, nullptr),
-                          q_row(shared_up, shared_up_scales, shared_up_zeros, has_row ? r : 0, H_, nullptr, nullptr)};
+    const QRow rows[2] = {q_row(shared_gate_scales, shared_gate_zeros, row, H_, nullptr, nullptr),
+                          q_row(shared_up_scales, shared_up_zeros, row, H_, nullptr, nullptr)};
 #else
-    const size_t row_at = (size_t)(has_row ? r : 0) * H_;
-    const Window win[2] = {window(shared_gate + row_at, H_), window(shared_up + row_at, H_)};
+    const QRow* rows = nullptr;
 #endif
     for (int g0 = 0; g0 < ntokens; g0 += PASS_) {  // pass-major: the rows streamed once per PASS_ valid tokens
         const int cnt = ntokens - g0 < PASS_ ? ntokens - g0 : PASS_;
         float acc[2][PASS_];
 #pragma unroll
         for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
-#if COLI_QUANT
-        for (int h0 = 0; h0 < H_; h0 += CHUNK_) {
-            const int len = H_ - h0 < CHUNK_ ? H_ - h0 : CHUNK_;
-            __syncthreads();  // the previous chunk fully used
-            stage_rows_q(x, H_, tokens + g0, cnt, h0, len, stage);
-            __syncthreads();
-            if (has_row) chunk_dot_q<2>(rows, h0, len, stage, cnt, acc);
-        }
-#else
         for (int q = 0; q < NCHUNKS_(H_); ++q) {
             uint4 raw[2][VPL_];
             if (has_row) load_chunk<2>(win, q, raw);
             __syncthreads();  // the previous chunk fully used
             stage_rows(x, H_, tokens + g0, cnt, q * CHUNK_ - MARGIN_(H_), stage);
             __syncthreads();
-            if (has_row) chunk_dot<2>(win, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
+            if (has_row) chunk_dot<2, false>(win, rows, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
         }
-#endif
         if (has_row) {  // uniform per warp
 #pragma unroll
             for (int j = 0; j < PASS_; ++j) {
@@ -834,36 +740,28 @@ colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict
             for (int r = 0; r < DOWN_ROWS_; ++r)
 #pragma unroll
                 for (int j = 0; j < PASS_; ++j) acc[r][j] = 0.0f;
-#if COLI_QUANT
-            for (int c0 = 0; c0 < SI_; c0 += CHUNK_) {
-                const int len = SI_ - c0 < CHUNK_ ? SI_ - c0 : CHUNK_;
-                __syncthreads();
-                stage_rows_q(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, c0, len, stage);
-                __syncthreads();
-                if (any_row) {
-                    QRow rows[DOWN_ROWS_];
-#pragma unroll
-                    for (int r = 0; r < DOWN_ROWS_; ++r) {
-                        const int n = n_first + r < H_ ? n_first + r : n_first;
-                        rows[r] = q_row(shared_down, shared_down_scales, shared_down_zeros, (size_t)s * H_ + n, SI_, nullptr, nullptr);
-                    }
-                    chunk_dot_q<DOWN_ROWS_>(rows, c0, len, stage, cnt, acc);
-                }
-            }
-#else
             Window win[DOWN_ROWS_];
+#if COLI_QUANT
+            QRow rows[DOWN_ROWS_];
+#else
+            const QRow* rows = nullptr;
+#endif
 #pragma unroll
-            for (int r = 0; r < DOWN_ROWS_; ++r)
-                win[r] = window(shared_down + ((size_t)s * H_ + (n_first + r < H_ ? n_first + r : n_first)) * SI_, SI_);
+            for (int r = 0; r < DOWN_ROWS_; ++r) {
+                const size_t row = (size_t)s * H_ + (n_first + r < H_ ? n_first + r : n_first);
+                win[r] = row_window(shared_down, row, SI_);
+#if COLI_QUANT
+                rows[r] = q_row(shared_down_scales, shared_down_zeros, row, SI_, nullptr, nullptr);
+#endif
+            }
             for (int q = 0; q < NCHUNKS_(SI_); ++q) {
                 uint4 raw[DOWN_ROWS_][VPL_];
                 if (any_row) load_chunk<DOWN_ROWS_>(win, q, raw);
                 __syncthreads();
                 stage_rows(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, q * CHUNK_ - MARGIN_(SI_), stage);
                 __syncthreads();
-                if (any_row) chunk_dot<DOWN_ROWS_>(win, raw, q, SI_, MARGIN_(SI_), stage, cnt, acc);
+                if (any_row) chunk_dot<DOWN_ROWS_, false>(win, rows, raw, q, SI_, MARGIN_(SI_), stage, cnt, acc);
             }
-#endif
             if (any_row) {  // every lane ends with the same sums
 #pragma unroll
                 for (int r = 0; r < DOWN_ROWS_; ++r)
