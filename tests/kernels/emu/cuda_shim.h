@@ -511,6 +511,15 @@ __attribute__((always_inline)) inline T __ldg(const T* p) {
     return *p;
 }
 
+// A load through L2 only (ld.global.cg), for data other blocks of the same launch wrote: a plain load here,
+// recorded like __ldg. __threadfence orders nothing that needs ordering on one CPU thread.
+template <class T>
+__attribute__((always_inline)) inline T __ldcg(const T* p) {
+    if (coli_emu::acc_model.on) coli_emu::record_load(p, sizeof(T));
+    return *p;
+}
+inline void __threadfence() {}
+
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __half_bits_to_float(unsigned short h) { return coli_emu::half_bits_to_float(h); }
