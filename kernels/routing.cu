@@ -5,7 +5,8 @@
 //   SR_ = COLI_ROUTER_SLICE_ROWS (the last one may be short); sdk/catalog.py `router_grid` sets both. Block
 //   (s, g) stages the activations x[t, slice s] of group g's tokens in shared memory (0 for a padded token, whose
 //   row is not read), reads its slice of the router once — rows h0 .. h0+rows of the (hidden, experts) matrix, one
-//   contiguous run: thread i of a pass reads element i, i + RT_, ... — and writes its partial logits
+//   contiguous run: thread i of a pass reads element i, i + RT_, ... (16-byte vectors for a float32 router with
+//   experts a multiple of 4, up to 512 threads; else scalars) — and writes its partial logits
 //   routing_partials[g, s, t, e] = sum_{h in slice s} x[t, h] * router[h, e] for every token t of the group (and,
 //   with COLI_SHARED_GATE, column `experts`: x[t, slice] . shared_expert_gate[slice]). So the router is read once
 //   per group of TG_ tokens (once per call up to 16 tokens), by ceil(hidden / SR_) blocks even at one token.
