@@ -1,67 +1,91 @@
 // routing.cu: router and the padded expert order of one MoE layer.
 //
-// colibri_routing — grid (tokens), block (COLI_ROUTING_THREADS). One block per token t; a padded token (common.cuh,
-//   token_valid) writes topk_ids[t, :] = NO_EXPERT (= experts), topk_weights[t, :] = 0 and reads nothing else:
+// colibri_routing — grid (slices, groups), block (COLI_ROUTING_THREADS). The tokens are cut into groups of
+//   TG_ = COLI_ROUTER_GROUP_TOKENS (the last one may be short) and the hidden rows into slices of
+//   SR_ = COLI_ROUTER_SLICE_ROWS (the last one may be short); sdk/catalog.py `router_grid` sets both. Block
+//   (s, g) stages the activations x[t, slice s] of group g's tokens in shared memory (0 for a padded token, whose
+//   row is not read), reads its slice of the router once — rows h0 .. h0+rows of the (hidden, experts) matrix, one
+//   contiguous run: thread i of a pass reads element i, i + RT_, ... (16-byte vectors for a float32 router with
+//   experts a multiple of 4, up to 512 threads; else scalars) — and writes its partial logits
+//   routing_partials[g, s, t, e] = sum_{h in slice s} x[t, h] * router[h, e] for every token t of the group (and,
+//   with COLI_SHARED_GATE, column `experts`: x[t, slice] . shared_expert_gate[slice]). So the router is read once
+//   per group of TG_ tokens (once per call up to 16 tokens), by ceil(hidden / SR_) blocks even at one token.
+//   The LAST block of a group to finish (the "last block" pattern: every block writes its partials,
+//   __threadfence(), then atomicAdd on routing_counters[g]; the block that sees slices - 1 goes on, reading the
+//   others' partials through L2 with __ldcg) sums the partials in increasing slice order and selects per token:
 //   z[e]      = sum_h x[t, h] * router[h, e] (+ router_bias[e])   fp32 accumulation; router (hidden, experts)
 //   p[e]      = z (COLI_ROUTING 0) | softmax(z) (1) | sigmoid(z) (2)                    scores
 //   c[e]      = p[e] (+ correction_bias[e], routing 2)                                 selection keys
 //   groups    COLI_N_GROUP > 1: only the experts of the COLI_TOPK_GROUP best groups are eligible (group score: the
 //             max of c in the group, or the sum of its two largest; ties towards the lower group index)
-//   top-k     the k largest c among the eligible, larger first, ties towards the lower expert index (warp 0, k
-//             arg-max passes); routing 0 and ungrouped routing 1 select on z (the same order, as v1)
+//   top-k     the k largest c among the eligible, larger first, ties towards the lower expert index (one warp per
+//             token, k arg-max passes); routing 0 and ungrouped routing 1 select on z (the same order, as v1)
 //   weights   routing 0: softmax over the k selected z; 1, 2: p[S_j], divided by (sum_j p[S_j] + 1e-20) with
 //             COLI_NORM_TOPK; then times routed_scaling_factor (COLI_ROUTED_SCALING_BITS)
 //   writes    topk_ids[t, j] (int32), topk_weights[t, j] (fp32), j = 0..k-1; with COLI_SHARED_GATE also
 //             shared_scale[t] = sigmoid(x[t, :] . shared_expert_gate) (0 for a padded token)
+//   A padded token (common.cuh token_valid) gets topk_ids[t, :] = NO_EXPERT (= experts), topk_weights[t, :] = 0.
 //   The formulas are docs/format.md "Semantics v2" (transformers Mixtral/Qwen2-MoE/DeepseekV2/V3/GptOss routers).
-//   with COLI_ATOMIC_AGG on the tiled path it also sets the layer output row x_next[t, :] to x[t, :] (residual) or 0,
-//   for the down kernels to atomicAdd into (padded tokens included).
-//   Logits: when experts is a multiple of the 16-byte vector (8 fp16 / 4 fp32) and the router is 16-byte aligned,
-//   thread i reads router vectors i, i + THREADS, ... (consecutive lanes, consecutive 16 bytes; a vector holds VEC
-//   experts of one row h); else thread i takes expert i % E and every (THREADS/E)-th row. Either way the partial
-//   sums of each expert are added in thread-group order: the result does not depend on scheduling.
+//   With COLI_ATOMIC_AGG on the tiled path block (s, g) also sets the layer output x_next[t, slice s] to x[t, slice
+//   s] (residual) or 0, for the down kernels to atomicAdd into (padded tokens included).
+//   With COLI_ROUTING_FUSED_ALIGN (tiled path without expert capacity) the last group to finish (a second counter,
+//   routing_counters[groups]) also builds the padded expert order (align_pairs below), so colibri_align is not
+//   launched. Each counter is set back to 0 by the block that saw its final count.
+//   Determinism: each logit is summed over the rows of a slice in a fixed thread-group order, over the slices in
+//   increasing order, whichever block finishes last: the bits do not depend on scheduling.
 //
-// colibri_align — grid (1), block (COLI_ROUTING_THREADS), tiled path only. Groups the (token, slot) pairs
-//   p = t*k + j of valid tokens by expert into the padded order: expert e owns rows [offsets[e], offsets[e+1]), its
-//   count rounded up to block_m rows; the first count rows hold its pairs in increasing p, the rest -1. Pairs of
-//   padded tokens (NO_EXPERT) are in no expert's rows. Tile b (rows b*block_m ..) belongs to block_experts[b], or
-//   -1 past the last used row: those tiles exit at once. Sizes are fixed (docs/kernels.md, "Padded expert order"):
-//   sorted_pairs (tokens*k + experts*(block_m-1)) int32, block_experts (that / block_m) int32,
-//   expert_counts (experts) int32, expert_offsets (experts+1) int32. Every entry is written on every call.
+// colibri_align — grid (1), block (COLI_ROUTING_THREADS), tiled path with expert capacity only (it runs after
+//   colibri_capacity). Groups the (token, slot) pairs p = t*k + j of valid tokens by expert into the padded order:
+//   expert e owns rows [offsets[e], offsets[e+1]), its count rounded up to block_m rows; the first count rows hold
+//   its pairs in increasing p, the rest -1. Pairs of padded tokens (NO_EXPERT) are in no expert's rows. Tile b
+//   (rows b*block_m ..) belongs to block_experts[b], or -1 past the last used row: those tiles exit at once. Sizes
+//   are fixed (docs/kernels.md, "Padded expert order"): sorted_pairs (tokens*k + experts*(block_m-1)) int32,
+//   block_experts (that / block_m) int32, expert_counts (experts) int32, expert_offsets (experts+1) int32. Every
+//   entry is written on every call.
 //
 // Limits: experts <= 256, top-k <= COLI_MAX_TOP_K (common.cuh). Any hidden size.
 #include "common.cuh"
 
 #define RT_ COLI_ROUTING_THREADS
 static_assert(RT_ % 32 == 0 && RT_ >= 32 && RT_ <= 1024, "COLI_ROUTING_THREADS must be a multiple of 32 in 32..1024");
+#if !defined(COLI_ROUTER_GROUP_TOKENS) || !defined(COLI_ROUTER_SLICE_ROWS) || !defined(COLI_ROUTING_FUSED_ALIGN)
+#error "COLI_ROUTER_GROUP_TOKENS, COLI_ROUTER_SLICE_ROWS and COLI_ROUTING_FUSED_ALIGN come from sdk/catalog.py"
+#endif
+#define TG_ COLI_ROUTER_GROUP_TOKENS
+#define SR_ COLI_ROUTER_SLICE_ROWS
+#define SLICES_ ((H_ + SR_ - 1) / SR_)
+#define TGROUPS_ ((T_ + TG_ - 1) / TG_)
+static_assert(TG_ >= 1 && TG_ <= 16 && TG_ <= T_, "COLI_ROUTER_GROUP_TOKENS must be in 1..min(16, tokens)");
+static_assert(SR_ >= 1 && SR_ <= 256, "COLI_ROUTER_SLICE_ROWS must be in 1..256");
+static_assert(!COLI_ROUTING_FUSED_ALIGN || !COLI_GEMV, "COLI_ROUTING_FUSED_ALIGN is for the tiled path");
 
 // The router's stored type: float32 in a v2 file (COLI_ROUTER_F32), else the weights' type.
 #if COLI_ROUTER_F32
 typedef float rw_t;
-#define RVEC_ 4
 __device__ __forceinline__ float rw_to_float(rw_t v) { return v; }
-__device__ __forceinline__ void runpack16(uint4 raw, float out[RVEC_]) {
-    out[0] = __uint_as_float(raw.x);
-    out[1] = __uint_as_float(raw.y);
-    out[2] = __uint_as_float(raw.z);
-    out[3] = __uint_as_float(raw.w);
-}
 #else
 typedef wt rw_t;
-#define RVEC_ VEC_
 __device__ __forceinline__ float rw_to_float(rw_t v) { return wt_to_float(v); }
-__device__ __forceinline__ void runpack16(uint4 raw, float out[RVEC_]) { unpack16(raw, out); }
 #endif
 
-// Logit partial-sum groups: THREADS/E groups of E threads when E <= THREADS, else one group looping over experts.
-#define GROUPS_ ((RT_ >= E_) ? (RT_ / E_) : 1)
-// Vector path: VPR_ 16-byte vectors per router row (a power of two), ROWS_ rows read at once; the partial sums
-// are combined per warp (VPR_ < 32) or per thread group (VPR_ >= 32) into VGROUPS_ groups.
-#define VPR_ (E_ / RVEC_)
-#define VEC_PATH_ (E_ % RVEC_ == 0 && (VPR_ & (VPR_ - 1)) == 0 && RT_ % VPR_ == 0)
-#define ROWS_ (VEC_PATH_ ? RT_ / VPR_ : 1)
-#define VGROUPS_ (!VEC_PATH_ ? 1 : VPR_ < 32 ? RT_ / 32 : RT_ / VPR_)
-#define PART_ ((VGROUPS_ > GROUPS_ ? VGROUPS_ : GROUPS_) * E_)
+// Logits of a slice: passes of EPASS_ experts; in a pass thread i takes expert e0 + i % EPASS_ and the rows
+// i / EPASS_, + RGROUPS_, ... of the slice (RGROUPS_ row groups), so the threads of a pass read one contiguous run of
+// the router. The row groups' sums are combined in increasing group order, RTOK_ tokens per shared-memory round.
+#define EPASS_ (E_ <= RT_ ? E_ : RT_)
+#define RGROUPS_ (RT_ / EPASS_)
+#define PART_ 2048  // floats of one reduction round
+#define RTOK_ (PART_ / RT_ > TG_ ? TG_ : PART_ / RT_)
+// Vector path (a 4-byte router, experts a multiple of 4, the router 16-byte aligned, <= 512 threads: registers):
+// thread i of a pass takes the 16-byte vector of experts 4c..4c+3, c = v0 + i % VPASS_, of the rows i / VPASS_,
+// + VGROUPS_, ...; VTOK_ tokens of 4 experts per reduction round.
+#define RVEC_ 4
+#define VPR_ (E_ >= RVEC_ ? E_ / RVEC_ : 1)  // vectors per router row
+#define VPASS_ (VPR_ <= RT_ ? VPR_ : RT_)
+#define VGROUPS_ (RT_ / VPASS_)
+#define VTOK_ (PART_ / (RVEC_ * RT_) < 1 ? 1 : PART_ / (RVEC_ * RT_) > TG_ ? TG_ : PART_ / (RVEC_ * RT_))
+#define VEC_ROUTER_ (sizeof(rw_t) == 4 && E_ % RVEC_ == 0 && RT_ <= 512)
+#define EP_ (E_ + COLI_SHARED_GATE)  // columns of routing_partials: the experts, then the shared gate
+#define WARPS_ (RT_ / 32)
 
 // Selection: routing 0, and routing 1 without groups, select on the logits (softmax is monotonic: the same experts,
 // as v1); the others on the scores p (softmax or sigmoid), plus the correction bias (COLI_CORRECTION_BIAS).
@@ -70,6 +94,26 @@ __device__ __forceinline__ void runpack16(uint4 raw, float out[RVEC_]) { unpack1
 #define NEG_BIG_ (-3.402823466e38f)  // below every finite score
 
 __device__ __forceinline__ float sigmoidf_(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+// Shared memory, one phase after the other (a barrier between them): the slice's logits, the selection, the align.
+union RoutingShared {
+    struct {
+        float xs[TG_ * SR_];         // x[t, slice] of the group's tokens, 0 for padded tokens
+        float gate[SR_];             // shared_expert_gate[slice]
+        float part[PART_];           // one round of the row groups' sums
+    } logit;
+    struct {
+        float z[TG_ * E_];           // logits of the group's tokens
+        float keys[TG_ * E_];        // selection keys (scores, + correction bias)
+        int sel[TG_ * K_];           // selected experts
+        float gscore[TG_ * COLI_N_GROUP];
+        unsigned char gkeep[TG_ * COLI_N_GROUP];
+    } select;
+    struct {
+        int counts[E_];
+        int offsets[E_ + 1];
+    } align;
+};
 
 // The group limit (warp 0, COLI_N_GROUP > 1): marks in `taken` (bit q of lane l: expert l + 32q) every expert of a
 // group that is not among the COLI_TOPK_GROUP best, so the top-k passes never pick it. A group's score is the
@@ -108,234 +152,118 @@ __device__ __forceinline__ unsigned group_limit(const float* key, float* gscore,
     return taken;
 }
 
-// The router arguments of a v2 file, each present only with its feature (after the v1 arguments, in this order):
-//   router_bias (experts,) float32           COLI_ROUTER_BIAS
-//   correction_bias (experts,) float32       COLI_CORRECTION_BIAS
-//   shared_expert_gate (hidden,) float32, shared_scale (tokens,) float32 out      COLI_SHARED_GATE
-extern "C" __global__ void __launch_bounds__(RT_)
-colibri_routing(const float* __restrict__ x, const rw_t* __restrict__ router, const int* __restrict__ valid_tokens,
-                int* __restrict__ topk_ids, float* __restrict__ topk_weights, float* __restrict__ x_next
-#if COLI_ROUTER_BIAS
-                , const float* __restrict__ router_bias
-#endif
-#if COLI_CORRECTION_BIAS
-                , const float* __restrict__ correction_bias
-#endif
-#if COLI_SHARED_GATE
-                , const float* __restrict__ shared_expert_gate, float* __restrict__ shared_scale
-#endif
-) {
-    __shared__ float part[PART_];
-    __shared__ float logits[E_];
-    __shared__ int sel_id[K_];
-#if !SEL_ON_LOGITS_
-    __shared__ float keys[E_];  // selection keys
-#endif
-#if COLI_N_GROUP > 1
-    __shared__ float gscore[COLI_N_GROUP];
-    __shared__ unsigned char gkeep[COLI_N_GROUP];
-#endif
-    const int t = blockIdx.x;
-    const float* xt = x + (size_t)t * H_;
-
-#if COLI_ATOMIC_AGG && !COLI_GEMV
-    // The layer output row the down kernels add into.
-    float* out = x_next + (size_t)t * H_;
-    for (int h = threadIdx.x; h < H_; h += RT_) out[h] = COLI_RESIDUAL ? __ldg(xt + h) : 0.0f;
-#endif
-    if (!token_valid(valid_tokens, t)) {  // the same for the whole block, before any barrier
-        if (threadIdx.x < K_) {
-            topk_ids[t * K_ + threadIdx.x] = NO_EXPERT;
-            topk_weights[t * K_ + threadIdx.x] = 0.0f;
-        }
-#if COLI_SHARED_GATE
-        if (threadIdx.x == 0) shared_scale[t] = 0.0f;
-#endif
-        return;
-    }
-
-    // 1. Router logits, fp32 accumulation.
-    if (VEC_PATH_ && (reinterpret_cast<unsigned long long>(router) & 15ull) == 0) {
-        // Row h of the router is VPR_ vectors; thread i always holds experts c..c+RVEC_-1, c = (i % VPR_) * RVEC_,
-        // of rows i / VPR_, + ROWS_, ... (ROWS_ rows in flight per block).
-        const int c = (threadIdx.x % VPR_) * RVEC_;
-        float acc[RVEC_];
-#pragma unroll
-        for (int q = 0; q < RVEC_; ++q) acc[q] = 0.0f;
-        const uint4* rv = reinterpret_cast<const uint4*>(router) + c / RVEC_;
-#pragma unroll 4
-        for (int h = threadIdx.x / VPR_; h < H_; h += ROWS_) {
-            float w[RVEC_];
-            runpack16(ld_stream(rv + (size_t)h * VPR_), w);
-            const float xv = __ldg(xt + h);
-#pragma unroll
-            for (int q = 0; q < RVEC_; ++q) acc[q] += xv * w[q];
-        }
-        if (VPR_ < 32) {  // lanes l, l ^ VPR_, ... hold the same experts: combine them, a fixed butterfly
-#pragma unroll
-            for (int offset = 16; offset >= (VPR_ < 32 ? VPR_ : 32); offset >>= 1) {
-#pragma unroll
-                for (int q = 0; q < RVEC_; ++q) acc[q] += __shfl_xor_sync(FULL_MASK, acc[q], offset);
-            }
-        }
-        if (VPR_ >= 32 || (threadIdx.x & 31) < VPR_) {
-            const int g = VPR_ < 32 ? threadIdx.x / 32 : threadIdx.x / VPR_;
-#pragma unroll
-            for (int q = 0; q < RVEC_; ++q) part[g * E_ + c + q] = acc[q];
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < E_; e += RT_) {
-            float z = 0.0f;
-            for (int q = 0; q < VGROUPS_; ++q) z += part[q * E_ + e];
-            logits[e] = z;
-        }
-    } else if (RT_ >= E_) {
-        const int e = threadIdx.x % E_;
-        const int g = threadIdx.x / E_;
-        if (g < GROUPS_) {
-            float acc = 0.0f;
-            for (int h = g; h < H_; h += GROUPS_)
-                acc += __ldg(xt + h) * rw_to_float(__ldg(router + (size_t)h * E_ + e));
-            part[g * E_ + e] = acc;
-        }
-    } else {
-        for (int e = threadIdx.x; e < E_; e += RT_) {
-            float acc = 0.0f;
-            for (int h = 0; h < H_; ++h) acc += __ldg(xt + h) * rw_to_float(__ldg(router + (size_t)h * E_ + e));
-            part[e] = acc;
-        }
-    }
-    if (!(VEC_PATH_ && (reinterpret_cast<unsigned long long>(router) & 15ull) == 0)) {
-        __syncthreads();
-        for (int e = threadIdx.x; e < E_; e += RT_) {
-            float z = 0.0f;
-            for (int g = 0; g < GROUPS_; ++g) z += part[g * E_ + e];
-            logits[e] = z;
-        }
-    }
-#if COLI_ROUTER_BIAS
-    // Each logit is written and biased by the same thread (e = threadIdx.x + i*RT_ in both loops above).
-    for (int e = threadIdx.x; e < E_; e += RT_) logits[e] += __ldg(router_bias + e);
-#endif
-#if COLI_SHARED_GATE
-    {  // the shared experts' gate sigmoid(x . g_sh): thread partials, warp butterflies, warps in order
-        __shared__ float sg_part[RT_ / 32];
-        float acc = 0.0f;
-        for (int h = threadIdx.x; h < H_; h += RT_) acc += __ldg(xt + h) * __ldg(shared_expert_gate + h);
-        acc = warp_sum(acc);
-        if ((threadIdx.x & 31) == 0) sg_part[threadIdx.x / 32] = acc;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float z = 0.0f;
-            for (int w = 0; w < RT_ / 32; ++w) z += sg_part[w];
-            shared_scale[t] = sigmoidf_(z);
-        }
-    }
-#endif
-    __syncthreads();
-
-    // 2. Top-k and weights, warp 0. Lane l owns experts l, l+32, ... (bit q of `taken`: expert l + 32q chosen, or
-    // excluded by the group limit).
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
+// Top-k and weights of one valid token, by one warp (all 32 lanes). logits (experts,) in shared memory; keys,
+// sel_id, gscore, gkeep: the token's shared scratch. Lane l owns experts l, l+32, ... (bit q of `taken`: expert
+// l + 32q chosen, or excluded by the group limit). Writes ids[0..k-1], weights[0..k-1] (global memory).
+__device__ __forceinline__ void select_token(const float* logits, float* keys, int* sel_id, float* gscore,
+                                             unsigned char* gkeep, const float* correction_bias, int lane,
+                                             int* ids, float* weights) {
 #if COLI_ROUTING == 1  // softmax over all experts: its max and denominator
-        float lane_max = NEG_BIG_;
-        for (int e = lane; e < E_; e += 32) lane_max = logits[e] > lane_max ? logits[e] : lane_max;
+    float lane_max = NEG_BIG_;
+    for (int e = lane; e < E_; e += 32) lane_max = logits[e] > lane_max ? logits[e] : lane_max;
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float other = __shfl_xor_sync(FULL_MASK, lane_max, offset);
-            lane_max = other > lane_max ? other : lane_max;
-        }
-        const float z_max = lane_max;
-        float lane_sum = 0.0f;
-        for (int e = lane; e < E_; e += 32) lane_sum += expf(logits[e] - z_max);
-        const float denom = warp_sum(lane_sum);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(FULL_MASK, lane_max, offset);
+        lane_max = other > lane_max ? other : lane_max;
+    }
+    const float z_max = lane_max;
+    float lane_sum = 0.0f;
+    for (int e = lane; e < E_; e += 32) lane_sum += expf(logits[e] - z_max);
+    const float denom = warp_sum(lane_sum);
 #endif
 #if SEL_ON_LOGITS_
-        const float* key = logits;
+    const float* key = logits;
+    (void)keys;
+    (void)correction_bias;
 #else
-        for (int e = lane; e < E_; e += 32) {
+    for (int e = lane; e < E_; e += 32) {
 #if COLI_ROUTING == 1
-            keys[e] = expf(logits[e] - z_max) / denom;
+        keys[e] = expf(logits[e] - z_max) / denom;
 #else
-            keys[e] = sigmoidf_(logits[e]) + (COLI_CORRECTION_BIAS ? __ldg(correction_bias + e) : 0.0f);
+        keys[e] = sigmoidf_(logits[e]) + (COLI_CORRECTION_BIAS ? __ldg(correction_bias + e) : 0.0f);
 #endif
-        }
-        __syncwarp();
-        const float* key = keys;
+    }
+    __syncwarp();
+    const float* key = keys;
 #endif
 #if COLI_N_GROUP > 1
-        unsigned int taken = group_limit(key, gscore, gkeep, lane);
+    unsigned int taken = group_limit(key, gscore, gkeep, lane);
 #else
-        unsigned int taken = 0;
+    unsigned int taken = 0;
+    (void)gscore;
+    (void)gkeep;
 #endif
-        for (int j = 0; j < K_; ++j) {
-            float best = 0.0f;
-            int best_e = -1;  // -1: nothing yet; ranks below every expert
-            for (int q = 0, e = lane; e < E_; ++q, e += 32) {
-                const float z = key[e];
-                // e increases, so a strict > keeps the lower index on ties.
-                if (!((taken >> q) & 1u) && (best_e < 0 || z > best)) {
-                    best = z;
-                    best_e = e;
-                }
+    for (int j = 0; j < K_; ++j) {
+        float best = 0.0f;
+        int best_e = -1;  // -1: nothing yet; ranks below every expert
+        for (int q = 0, e = lane; e < E_; ++q, e += 32) {
+            const float z = key[e];
+            // e increases, so a strict > keeps the lower index on ties.
+            if (!((taken >> q) & 1u) && (best_e < 0 || z > best)) {
+                best = z;
+                best_e = e;
             }
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) {
-                const float other = __shfl_xor_sync(FULL_MASK, best, offset);
-                const int other_e = __shfl_xor_sync(FULL_MASK, best_e, offset);
-                if (other_e >= 0 && (best_e < 0 || other > best || (other == best && other_e < best_e))) {
-                    best = other;
-                    best_e = other_e;
-                }
-            }
-            // Every lane now holds the same (best, best_e): the order above is total on (key desc, index asc),
-            // and k <= the eligible experts, so best_e >= 0.
-            if (lane == (best_e & 31)) taken |= 1u << (best_e >> 5);
-            if (lane == 0) sel_id[j] = best_e;
         }
-        __syncwarp();
-        // Weights of the k selected experts (every lane computes all k, in slot order: the same bits everywhere).
-        float w = 0.0f;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other = __shfl_xor_sync(FULL_MASK, best, offset);
+            const int other_e = __shfl_xor_sync(FULL_MASK, best_e, offset);
+            if (other_e >= 0 && (best_e < 0 || other > best || (other == best && other_e < best_e))) {
+                best = other;
+                best_e = other_e;
+            }
+        }
+        // Every lane now holds the same (best, best_e): the order above is total on (key desc, index asc),
+        // and k <= the eligible experts, so best_e >= 0.
+        if (lane == (best_e & 31)) taken |= 1u << (best_e >> 5);
+        if (lane == 0) sel_id[j] = best_e;
+    }
+    __syncwarp();
+    // Weights of the k selected experts (every lane computes all k, in slot order: the same bits everywhere).
+    float w = 0.0f;
 #if COLI_ROUTING == 0
-        // softmax over the k selected logits; logits[sel_id[0]] is the largest, so every exp() <= 1.
-        const float z_top = logits[sel_id[0]];
-        float denom_k = 0.0f;
-        for (int j = 0; j < K_; ++j) denom_k += expf(logits[sel_id[j]] - z_top);
-        if (lane < K_) w = expf(logits[sel_id[lane]] - z_top) / denom_k;
+    // softmax over the k selected logits; logits[sel_id[0]] is the largest, so every exp() <= 1.
+    const float z_top = logits[sel_id[0]];
+    float denom_k = 0.0f;
+    for (int j = 0; j < K_; ++j) denom_k += expf(logits[sel_id[j]] - z_top);
+    if (lane < K_) w = expf(logits[sel_id[lane]] - z_top) / denom_k;
 #else
 #if COLI_ROUTING == 1
 #define SCORE_(e) (expf(logits[e] - z_max) / denom)
 #else
 #define SCORE_(e) sigmoidf_(logits[e])
 #endif
-        if (lane < K_) w = SCORE_(sel_id[lane]);
+    if (lane < K_) w = SCORE_(sel_id[lane]);
 #if COLI_NORM_TOPK
-        float sum = 0.0f;
-        for (int j = 0; j < K_; ++j) sum += SCORE_(sel_id[j]);
-        w = w / (sum + 1e-20f);
+    float sum = 0.0f;
+    for (int j = 0; j < K_; ++j) sum += SCORE_(sel_id[j]);
+    w = w / (sum + 1e-20f);
 #endif
 #undef SCORE_
 #endif
-        if (COLI_ROUTED_SCALING_BITS != 0x3f800000u) w *= __uint_as_float(COLI_ROUTED_SCALING_BITS);
-        if (lane < K_) {
-            topk_ids[t * K_ + lane] = sel_id[lane];
-            topk_weights[t * K_ + lane] = w;
-        }
+    if (COLI_ROUTED_SCALING_BITS != 0x3f800000u) w *= __uint_as_float(COLI_ROUTED_SCALING_BITS);
+    if (lane < K_) {
+        ids[lane] = sel_id[lane];
+        weights[lane] = w;
     }
+    __syncwarp();  // sel_id is read above by every lane before the warp's next token overwrites it
 }
 
-extern "C" __global__ void __launch_bounds__(RT_)
-colibri_align(const int* __restrict__ topk_ids, int* __restrict__ expert_counts, int* __restrict__ expert_offsets,
-              int* __restrict__ sorted_pairs, int* __restrict__ block_experts) {
-    __shared__ int counts[E_];
-    __shared__ int offsets[E_ + 1];
-    const int tid = threadIdx.x;
+// The padded expert order (docs/kernels.md "Padded expert order") from topk_ids, by one whole block. L2: read
+// topk_ids with __ldcg (written by other blocks of the same launch) instead of __ldg.
+template <bool L2>
+__device__ __forceinline__ int load_id(const int* p) {
+    return L2 ? __ldcg(p) : __ldg(p);
+}
 
+template <bool L2>
+__device__ __forceinline__ void align_pairs(const int* topk_ids, int* expert_counts, int* expert_offsets,
+                                            int* sorted_pairs, int* block_experts, int* counts, int* offsets) {
+    const int tid = threadIdx.x;
     for (int e = tid; e < E_; e += RT_) counts[e] = 0;
     __syncthreads();
     for (int p = tid; p < PAIRS_; p += RT_) {
-        const int e = __ldg(topk_ids + p);
+        const int e = load_id<L2>(topk_ids + p);
         if (e < E_) atomicAdd(&counts[e], 1);  // a count: order-free; NO_EXPERT pairs are skipped
     }
     __syncthreads();
@@ -379,7 +307,252 @@ colibri_align(const int* __restrict__ topk_ids, int* __restrict__ expert_counts,
         int row = offsets[e];
 #pragma unroll 1
         for (int p = 0; p < PAIRS_; ++p) {
-            if (__ldg(topk_ids + p) == e) sorted_pairs[row++] = p;
+            if (load_id<L2>(topk_ids + p) == e) sorted_pairs[row++] = p;
         }
     }
+}
+
+// The "last block" step: every thread's global writes are made visible (__threadfence), then thread 0 counts this
+// block in *counter; true in every thread of the block that saw the count reach `blocks` (it resets the counter to 0
+// for the next call). Called by all threads of the block.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int blocks, int* flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done = atomicAdd(counter, 1);
+        *flag = done == blocks - 1;
+        if (done == blocks - 1) *counter = 0;
+        __threadfence();  // the other blocks' writes are read after their count
+    }
+    __syncthreads();
+    return *flag != 0;
+}
+
+// The partial logits of one slice, scalar loads: out[t * EP_ + e] = sum over the slice's rows of xs[t, r] *
+// router[h0 + r, e], for the TG_ tokens (zeros when `any` is false: no valid token, no router byte read).
+__device__ __forceinline__ void slice_logits(const rw_t* __restrict__ router, int h0, int rows, bool any,
+                                             const float* xs, float* part, float* __restrict__ out) {
+    const int tid = threadIdx.x;
+    for (int e0 = 0; e0 < E_; e0 += EPASS_) {
+        const int e = e0 + tid % EPASS_, g = tid / EPASS_;
+        float acc[TG_];
+#pragma unroll
+        for (int t = 0; t < TG_; ++t) acc[t] = 0.0f;
+        if (any && g < RGROUPS_ && e < E_) {
+            const rw_t* col = router + (size_t)h0 * E_ + e;
+#if RT_ > 512  // 8 independent router loads in flight per thread (4 above 512 threads: 64 registers)
+#pragma unroll 4
+#else
+#pragma unroll 8
+#endif
+            for (int r = g; r < rows; r += RGROUPS_) {
+                const float w = rw_to_float(__ldg(col + (size_t)r * E_));
+#pragma unroll
+                for (int t = 0; t < TG_; ++t) acc[t] += xs[t * SR_ + r] * w;
+            }
+        }
+#pragma unroll
+        for (int t1 = 0; t1 < TG_; t1 += RTOK_) {
+#pragma unroll
+            for (int q = 0; q < RTOK_; ++q)
+                if (t1 + q < TG_) part[q * RT_ + tid] = acc[t1 + q];
+            __syncthreads();
+            for (int i = tid; i < RTOK_ * EPASS_; i += RT_) {
+                const int q = i / EPASS_, c = i % EPASS_, t = t1 + q;
+                if (t < TG_ && e0 + c < E_) {
+                    float z = 0.0f;
+                    for (int gg = 0; gg < RGROUPS_; ++gg) z += part[q * RT_ + gg * EPASS_ + c];
+                    out[t * EP_ + e0 + c] = z;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// The same with 16-byte router loads (VEC_ROUTER_, the router 16-byte aligned): each thread holds 4 experts.
+__device__ __forceinline__ void slice_logits_vec(const rw_t* __restrict__ router, int h0, int rows, bool any,
+                                                 const float* xs, float* part, float* __restrict__ out) {
+    const int tid = threadIdx.x;
+    for (int v0 = 0; v0 < VPR_; v0 += VPASS_) {
+        const int v = v0 + tid % VPASS_, g = tid / VPASS_;
+        float acc[TG_][RVEC_];
+#pragma unroll
+        for (int t = 0; t < TG_; ++t)
+#pragma unroll
+            for (int q = 0; q < RVEC_; ++q) acc[t][q] = 0.0f;
+        if (any && g < VGROUPS_ && v < VPR_) {
+            const uint4* col = reinterpret_cast<const uint4*>(router + (size_t)h0 * E_) + v;
+#pragma unroll 4
+            for (int r = g; r < rows; r += VGROUPS_) {
+                const uint4 raw = ld_stream(col + (size_t)r * VPR_);
+                const float w[RVEC_] = {__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
+                                        __uint_as_float(raw.w)};
+#pragma unroll
+                for (int t = 0; t < TG_; ++t) {
+                    const float xv = xs[t * SR_ + r];
+#pragma unroll
+                    for (int q = 0; q < RVEC_; ++q) acc[t][q] += xv * w[q];
+                }
+            }
+        }
+#pragma unroll
+        for (int t1 = 0; t1 < TG_; t1 += VTOK_) {
+#pragma unroll
+            for (int q = 0; q < VTOK_; ++q)
+                if (t1 + q < TG_)
+#pragma unroll
+                    for (int k = 0; k < RVEC_; ++k) part[(q * RT_ + tid) * RVEC_ + k] = acc[t1 + q][k];
+            __syncthreads();
+            for (int i = tid; i < VTOK_ * VPASS_ * RVEC_; i += RT_) {
+                const int q = i / (VPASS_ * RVEC_), c = i % (VPASS_ * RVEC_) / RVEC_, k = i % RVEC_, t = t1 + q;
+                if (t < TG_ && v0 + c < VPR_) {
+                    float z = 0.0f;
+                    for (int gg = 0; gg < VGROUPS_; ++gg) z += part[(q * RT_ + gg * VPASS_ + c) * RVEC_ + k];
+                    out[t * EP_ + (v0 + c) * RVEC_ + k] = z;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// The router arguments of a v2 file, each present only with its feature (after the v1 arguments, in this order):
+//   router_bias (experts,) float32           COLI_ROUTER_BIAS
+//   correction_bias (experts,) float32       COLI_CORRECTION_BIAS
+//   shared_expert_gate (hidden,) float32, shared_scale (tokens,) float32 out      COLI_SHARED_GATE
+// Scratch: routing_partials (groups, slices, TG_, experts + COLI_SHARED_GATE) float32, routing_counters
+// (groups + 1) int32 (zero at entry, left zero); expert_counts .. block_experts: the padded expert order (null
+// without COLI_ROUTING_FUSED_ALIGN).
+// __launch_bounds__(RT_, 1): ptxas may use 65536 / RT_ registers (at 1024 threads it otherwise keeps to 32 and
+// spills in the selection).
+extern "C" __global__ void __launch_bounds__(RT_, 1)
+colibri_routing(const float* __restrict__ x, const rw_t* __restrict__ router, const int* __restrict__ valid_tokens,
+                int* __restrict__ topk_ids, float* __restrict__ topk_weights, float* __restrict__ x_next,
+                float* __restrict__ routing_partials, int* __restrict__ routing_counters, int* __restrict__ expert_counts,
+                int* __restrict__ expert_offsets, int* __restrict__ sorted_pairs, int* __restrict__ block_experts
+#if COLI_ROUTER_BIAS
+                , const float* __restrict__ router_bias
+#endif
+#if COLI_CORRECTION_BIAS
+                , const float* __restrict__ correction_bias
+#endif
+#if COLI_SHARED_GATE
+                , const float* __restrict__ shared_expert_gate, float* __restrict__ shared_scale
+#endif
+) {
+    __shared__ RoutingShared sm;
+    __shared__ int flag;
+    __shared__ int any_valid;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int slice = blockIdx.x, group = blockIdx.y;
+    const int h0 = slice * SR_, rows = H_ - h0 < SR_ ? H_ - h0 : SR_;
+    const int t0 = group * TG_;
+#if !COLI_CORRECTION_BIAS
+    const float* correction_bias = nullptr;
+#endif
+
+    // 1. Stage x[t, slice] (0 for padded tokens and past the last token), set the atomic-mode output rows.
+    if (tid == 0) {
+        int any = 0;
+        for (int t = 0; t < TG_ && t0 + t < T_; ++t) any |= token_valid(valid_tokens, t0 + t) ? 1 : 0;
+        any_valid = any;
+    }
+    for (int i = tid; i < TG_ * SR_; i += RT_) {
+        const int t = i / SR_, r = i % SR_, tt = t0 + t;
+        float v = 0.0f;
+        if (r < rows && tt < T_) {
+            const bool valid = token_valid(valid_tokens, tt);
+            const float* xr = x + (size_t)tt * H_ + h0 + r;
+#if COLI_ATOMIC_AGG && !COLI_GEMV
+            // The layer output row the down kernels add into (padded tokens included).
+            const float xv = COLI_RESIDUAL || valid ? __ldg(xr) : 0.0f;
+            x_next[(size_t)tt * H_ + h0 + r] = COLI_RESIDUAL ? xv : 0.0f;
+            v = valid ? xv : 0.0f;
+#else
+            if (valid) v = __ldg(xr);
+#endif
+        }
+        sm.logit.xs[i] = v;
+    }
+#if COLI_SHARED_GATE
+    for (int r = tid; r < rows; r += RT_) sm.logit.gate[r] = __ldg(shared_expert_gate + h0 + r);
+#endif
+    __syncthreads();
+
+    // 2. The slice's partial logits: router rows read once, each used for the group's TG_ tokens.
+    float* out = routing_partials + (size_t)(group * SLICES_ + slice) * TG_ * EP_;
+    if (VEC_ROUTER_ && (reinterpret_cast<unsigned long long>(router) & 15ull) == 0) {
+        slice_logits_vec(router, h0, rows, any_valid != 0, sm.logit.xs, sm.logit.part, out);
+    } else {
+        slice_logits(router, h0, rows, any_valid != 0, sm.logit.xs, sm.logit.part, out);
+    }
+#if COLI_SHARED_GATE
+    // The shared experts' gate x[t, slice] . g_sh[slice]: one warp per token, lane partials, a warp butterfly.
+    for (int t = warp; t < TG_; t += WARPS_) {
+        float acc = 0.0f;
+        for (int r = lane; r < rows; r += 32) acc += sm.logit.xs[t * SR_ + r] * sm.logit.gate[r];
+        acc = warp_sum(acc);
+        if (lane == 0) out[t * EP_ + E_] = acc;
+    }
+#endif
+
+    // 3. The last slice block of the group: logits = the slices' partials in increasing slice order.
+    if (!last_to_arrive(routing_counters + group, SLICES_, &flag)) return;
+    const float* in = routing_partials + (size_t)group * SLICES_ * TG_ * EP_;
+    for (int i = tid; i < TG_ * E_; i += RT_) {
+        const int t = i / E_, e = i % E_;
+        float z = 0.0f;
+        if (t0 + t < T_ && token_valid(valid_tokens, t0 + t))  // padded tokens' logits are never used
+            for (int s = 0; s < SLICES_; ++s) z += __ldcg(in + ((size_t)s * TG_ + t) * EP_ + e);
+#if COLI_ROUTER_BIAS
+        z += __ldg(router_bias + e);
+#endif
+        sm.select.z[i] = z;
+    }
+#if COLI_SHARED_GATE
+    for (int t = tid; t < TG_ && t0 + t < T_; t += RT_) {
+        float z = 0.0f;
+        const bool valid = token_valid(valid_tokens, t0 + t);
+        if (valid)
+            for (int s = 0; s < SLICES_; ++s) z += __ldcg(in + ((size_t)s * TG_ + t) * EP_ + E_);
+        shared_scale[t0 + t] = valid ? sigmoidf_(z) : 0.0f;
+    }
+#endif
+    __syncthreads();
+
+    // 4. Top-k and weights: warp w takes the group's tokens w, w + warps, ...
+    for (int t = warp; t < TG_ && t0 + t < T_; t += WARPS_) {
+        const int tt = t0 + t;
+        if (!token_valid(valid_tokens, tt)) {  // the same for the whole warp
+            if (lane < K_) {
+                topk_ids[tt * K_ + lane] = NO_EXPERT;
+                topk_weights[tt * K_ + lane] = 0.0f;
+            }
+            continue;
+        }
+        select_token(sm.select.z + t * E_, sm.select.keys + t * E_, sm.select.sel + t * K_,
+                     sm.select.gscore + t * COLI_N_GROUP, sm.select.gkeep + t * COLI_N_GROUP, correction_bias, lane,
+                     topk_ids + tt * K_, topk_weights + tt * K_);
+    }
+
+#if COLI_ROUTING_FUSED_ALIGN
+    // 5. The last group: the padded expert order of all pairs (topk_ids of every group, read through L2).
+    if (!last_to_arrive(routing_counters + TGROUPS_, TGROUPS_, &flag)) return;
+    align_pairs<true>(topk_ids, expert_counts, expert_offsets, sorted_pairs, block_experts, sm.align.counts,
+                      sm.align.offsets);
+#else
+    (void)expert_counts;
+    (void)expert_offsets;
+    (void)sorted_pairs;
+    (void)block_experts;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(RT_)
+colibri_align(const int* __restrict__ topk_ids, int* __restrict__ expert_counts, int* __restrict__ expert_offsets,
+              int* __restrict__ sorted_pairs, int* __restrict__ block_experts) {
+    __shared__ int counts[E_];
+    __shared__ int offsets[E_ + 1];
+    align_pairs<false>(topk_ids, expert_counts, expert_offsets, sorted_pairs, block_experts, counts, offsets);
 }

@@ -227,7 +227,8 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
          routed_scaling_factor; 0x3f800000 = 1.0), "COLI_EXPERT_BIAS" (1 = gate/up/down biases), "COLI_ACTIVATION"
          (0 SwiGLU, 1 clamped SwiGLU), "COLI_SWIGLU_LIMIT_BITS", "COLI_SWIGLU_ALPHA_BITS" (float32 bits),
          "COLI_SHARED_EXPERTS" (S, 0 = none), "COLI_SHARED_INTER" (their width), "COLI_SHARED_GATE" (1 = sigmoid
-         gate)}
+         gate), the router grid (`router_grid`): "COLI_ROUTER_GROUP_TOKENS", "COLI_ROUTER_SLICE_ROWS",
+         "COLI_ROUTING_FUSED_ALIGN" (1 = colibri_routing builds the padded expert order)}
         A v2 file is copied into the bundle as it is and the profile's dtype does not apply: the kernels follow
         the file's storage (COLI_FP16 = its fp16 float matrices; 0 for int8/int4: docs/kernels.md, "Quantized
         weights"); its router is float32 (COLI_ROUTER_F32).
@@ -257,6 +258,9 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         "COLI_SCALE_FP16": 1 if quant(header) and header.dtype == 1 else 0,
     }
     defines.update(feature_defines(header))
+    grid = router_grid(profile, header)
+    defines.update(COLI_ROUTER_GROUP_TOKENS=grid.group_tokens, COLI_ROUTER_SLICE_ROWS=grid.slice_rows,
+                   COLI_ROUTING_FUSED_ALIGN=1 if grid.fused_align else 0)
     for kernel, params in sorted(profile["kernels"].items()):
         for param, value in sorted(params.items()):
             defines[f"COLI_{kernel.upper()}_{param.upper()}"] = int(value)
@@ -344,6 +348,52 @@ def sizes(profile: dict, header) -> Sizes:
     )
 
 
+# The router kernel's grid (kernels/routing.cu colibri_routing): tokens in groups of at most ROUTER_GROUP_TOKENS, each
+# group's router read once, cut into slices of ROUTER_ROWS_PER_TOKEN rows per group token (at least
+# ROUTER_MIN_SLICE_ROWS), so the partial logits the last block of a group adds up are 1/ROUTER_ROWS_PER_TOKEN of the
+# router's elements, and a one-token bundle spreads its router over hidden / 32 blocks.
+ROUTER_GROUP_TOKENS = 16
+ROUTER_ROWS_PER_TOKEN = 16
+ROUTER_MIN_SLICE_ROWS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterGrid:
+    """The grid of colibri_routing (docs/kernels.md "Router").
+
+    Attributes:
+        group_tokens: tokens per group, min(tokens, ROUTER_GROUP_TOKENS): each block computes the logits of one
+            group's tokens, so the router is read once per group.
+        slice_rows: hidden rows per slice, max(ROUTER_MIN_SLICE_ROWS, ROUTER_ROWS_PER_TOKEN * group_tokens).
+        slices: ceil(hidden / slice_rows), grid x.
+        groups: ceil(tokens / group_tokens), grid y.
+        fused_align: the routing kernel also builds the padded expert order (tiled path without expert capacity:
+            colibri_capacity must drop pairs before the order is built, so with capacity colibri_align follows it).
+        counters: int32 entries of routing_counters, groups + 1 (one per group, one for the align).
+        partials: float32 entries of routing_partials, groups * slices * group_tokens * (experts + shared gate).
+    """
+
+    group_tokens: int
+    slice_rows: int
+    slices: int
+    groups: int
+    fused_align: bool
+    counters: int
+    partials: int
+
+
+def router_grid(profile: dict, header) -> RouterGrid:
+    """colibri_routing's grid (slices, groups) and scratch sizes for a validated profile dict and a header."""
+    s = sizes(profile, header)
+    group = min(s.tokens, ROUTER_GROUP_TOKENS)
+    rows = max(ROUTER_MIN_SLICE_ROWS, ROUTER_ROWS_PER_TOKEN * group)
+    slices, groups = _ceil_div(header.hidden_size, rows), _ceil_div(s.tokens, group)
+    columns = header.num_experts + (1 if getattr(header, "shared_gate", 0) else 0)
+    return RouterGrid(group_tokens=group, slice_rows=rows, slices=slices, groups=groups,
+                      fused_align=not s.small_batch and profile.get("capacity") is None,
+                      counters=groups + 1, partials=groups * slices * group * columns)
+
+
 # Scratch buffers of int32 counters are named "<user>_counters" (docs/kernels.md, "Counters"): every backend sets
 # them to zero once, after allocating them (and again after `poison`), and each kernel that counts in one sets the
 # counters it used back to zero before it exits, so every call and every graph replay starts from zeros.
@@ -380,6 +430,9 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
                                                     in every slot of a padded token
         topk_weights     (tokens, top_k) float32    routing weights (0 for padded tokens)
         act              (pairs, intermediate) float32   silu(gate) * up per pair (rows of padded tokens unwritten)
+        routing_partials (groups, slices, group_tokens, experts [+ 1 shared gate]) float32   partial router logits
+                                                    per hidden slice (`router_grid`)
+        routing_counters (groups + 1,) int32        colibri_routing's last-block counters (zero between calls)
       tiled path only (`Sizes.small_batch` False):
         expert_counts    (experts,) int32           (token, slot) pairs per expert
         expert_offsets   (experts + 1,) int32       start of each expert's rows in the padded order
@@ -407,6 +460,8 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
         "topk_ids": s.pairs * INT32_BYTES,
         "topk_weights": s.pairs * FLOAT32_BYTES,
         "act": s.pairs * i * FLOAT32_BYTES,
+        "routing_partials": router_grid(profile, header).partials * FLOAT32_BYTES,
+        "routing_counters": router_grid(profile, header).counters * INT32_BYTES,
     }
     if not s.small_batch:
         buffers.update(
@@ -506,13 +561,18 @@ def launch_plan(profile: dict, header) -> list[dict]:
     the output is copied out of `io_buffers(header)["output"]` after the last.
 
     Per layer, GEMV path (tokens*top_k <= `kernels.small_batch.max_pairs`): routing → gate/up GEMV → down GEMV (the
-    aggregation folded in), 3 launches. Tiled path: routing → align → gate/up → down, 4 launches in both
-    aggregation modes: ordered, the down kernel also sums each token's slots in slot order into x_next (the last
-    of its blocks for a token and column block does: `down_counters`, docs/kernels.md "Aggregation folded into down
-    (tiled path)"); atomic, it adds each pair into x_next with atomicAdd. The tiled down kernels take (act, down,
-    topk_weights, sorted_pairs, block_experts | expert_offsets, pair_out, x_next, x, topk_ids, down_counters) —
-    pair_out and down_counters null with atomic aggregation. With shared experts, colibri_shared_gate_up and
-    colibri_shared_down follow (2 more launches, both paths). v2 features add `weights` arguments at the end of a launch's list, each
+    aggregation folded in), 3 launches. Tiled path: routing (which also builds the padded expert order) → gate/up →
+    down, 3 launches in both aggregation modes (with expert capacity routing → capacity → align → gate/up → down:
+    colibri_align builds the order of the kept pairs). Ordered aggregation: the down kernel also sums each token's
+    slots in slot order into x_next (the last of its blocks for a token and column block does: `down_counters`,
+    docs/kernels.md "Aggregation folded into down (tiled path)"); atomic: it adds each pair into x_next with
+    atomicAdd. colibri_routing's grid is (`router_grid` slices, groups), its arguments x, router, valid_tokens,
+    topk_ids, topk_weights, x_next, routing_partials, routing_counters, then expert_counts, expert_offsets,
+    sorted_pairs, block_experts (null unless `router_grid(...).fused_align`), then the v2 ones below. The tiled down
+    kernels take (act, down, topk_weights, sorted_pairs, block_experts | expert_offsets, pair_out, x_next, x,
+    topk_ids, down_counters) — pair_out and down_counters null with atomic aggregation. With shared experts,
+    colibri_shared_gate_up and colibri_shared_down follow (2 more launches, both paths). v2 features add `weights`
+    arguments at the end of a launch's list, each
     only when the file has it: colibri_routing router_bias, correction_bias, shared_expert_gate + the shared_scale
     buffer; the gate/up kernels gate_bias, up_bias and the down kernels down_bias (after any quantized
     arguments); the shared kernels take the shared blocks (and, quantized, their scale and zero-point blocks).
@@ -528,14 +588,17 @@ def launch_plan(profile: dict, header) -> list[dict]:
     e, h, i = header.num_experts, header.hidden_size, header.intermediate_size
     ordered = profile["aggregation"] == "ordered"
     valid = _buf("valid_tokens")
+    grid = router_grid(profile, header)
     plan = []
     for layer in range(header.num_layers):
         x, x_next = _buf(f"x{layer % 2}"), _buf(f"x{(layer + 1) % 2}")
+        order = ([_buf(name) for name in ("expert_counts", "expert_offsets", "sorted_pairs", "block_experts")]
+                 if grid.fused_align else [{"kind": "null"}] * 4)
         plan.append(
             _launch(
-                layer, "routing", "colibri_routing", (s.tokens, 1, 1), k["routing"]["threads"],
+                layer, "routing", "colibri_routing", (grid.slices, grid.groups, 1), k["routing"]["threads"],
                 [x, _weights(header, "router", layer), valid, _buf("topk_ids"), _buf("topk_weights"), x_next,
-                 *_routing_feature_args(header, layer)],
+                 _buf("routing_partials"), _buf("routing_counters"), *order, *_routing_feature_args(header, layer)],
             )
         )
         if profile.get("capacity") is not None:
@@ -570,13 +633,14 @@ def launch_plan(profile: dict, header) -> list[dict]:
             continue
         pair_out = _buf("pair_out") if ordered else {"kind": "null"}
         counters = _buf(DOWN_COUNTERS) if ordered else {"kind": "null"}
-        plan.append(
-            _launch(
-                layer, "routing", "colibri_align", (1, 1, 1), k["routing"]["threads"],
-                [_buf("topk_ids"), _buf("expert_counts"), _buf("expert_offsets"), _buf("sorted_pairs"),
-                 _buf("block_experts")],
+        if not grid.fused_align:  # after colibri_capacity: the order holds the kept pairs only
+            plan.append(
+                _launch(
+                    layer, "routing", "colibri_align", (1, 1, 1), k["routing"]["threads"],
+                    [_buf("topk_ids"), _buf("expert_counts"), _buf("expert_offsets"), _buf("sorted_pairs"),
+                     _buf("block_experts")],
+                )
             )
-        )
         tiles = [_buf("sorted_pairs"), _buf("block_experts")]
         if s.quant_tensor_core:
             tiles = [_buf("sorted_pairs"), _buf("expert_offsets")]

@@ -215,16 +215,18 @@ class EmulatedDevice:
     Args:
         profile: a validated profile dict.
         weights: path of a .colibri file.
+        kernels: run only the launches of these catalogue kernels (e.g. ("routing",)), in plan order; None: all.
 
     Raises:
         EmulationError: the library does not build, or a launch fails.
     """
 
-    def __init__(self, profile: dict, weights: str | os.PathLike):
+    def __init__(self, profile: dict, weights: str | os.PathLike, kernels: tuple[str, ...] | None = None):
         with ColibriFile(weights) as f:
             self.header = f.header
         self.profile = profile
-        self.plan = catalog.launch_plan(profile, self.header)
+        self.plan = [launch for launch in catalog.launch_plan(profile, self.header)
+                     if kernels is None or launch["kernel"] in kernels]
         launched = {launch["kernel"] for launch in self.plan}  # only the sources the plan launches are compiled
         units = [(spec.source, spec.symbols) for spec in catalog.KERNELS if spec.name in launched]
         self.lib = EmulationLibrary(build_library(catalog.compile_defines(profile, self.header), units=units))

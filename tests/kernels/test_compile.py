@@ -208,3 +208,27 @@ def test_family_kernels_compile_without_spills(orin_profile, family):
         for symbol in spec.symbols:
             r = out.resources[symbol]
             assert r["spill_store_bytes"] == 0 and r["stack_bytes"] == 0, (spec.source, symbol, r)
+
+
+# colibri_routing of v2 files (a float32 router: the 16-byte vector path up to 512 threads): 16-token groups, the
+# fused align on the tiled path, 256 experts with every routing feature, 1024 threads (the scalar path).
+ROUTER_V2 = dict(routing=2, norm_topk=1, n_group=8, topk_group=4, group_score=2, correction_bias=1,
+                 routed_scaling_factor=2.5, router_bias=1, num_shared_experts=1, shared_intermediate_size=64,
+                 shared_gate=1)
+
+
+@pytest.mark.parametrize("experts,tokens,threads,features", [
+    (128, 16, 512, {}), (128, 64, 128, {}), (256, 16, 128, ROUTER_V2), (256, 64, 1024, ROUTER_V2),
+], ids=["e128-16tokens-512threads", "e128-64tokens-tiled", "e256-every-feature", "e256-tiled-1024threads"])
+def test_routing_compiles_without_spills(orin_profile, experts, tokens, threads, features):
+    from colibri_sdk.format import HeaderV2
+
+    header = HeaderV2(1, experts, 8, 2048, 768, dtype=1, **features)
+    profile = profile_with(orin_profile, {"shape": {"batch": 1, "tokens": tokens},
+                                          "kernels_routing": {"threads": threads}})
+    source = (catalog.kernel_dir() / "routing.cu").read_text()
+    out = compile_source(source, "routing.cu", "sm_90", catalog.compile_defines(profile, header),
+                         [catalog.kernel_dir()])
+    r = out.resources["colibri_routing"]
+    assert r["spill_store_bytes"] == r["spill_load_bytes"] == r["stack_bytes"] == 0, r
+    assert r["shared_bytes"] <= 34 * 1024, r

@@ -143,8 +143,7 @@ def test_quantized_weights_on_the_tiled_shape_take_the_quantized_tensor_core_ker
     path = make_quant_model(tmp_path / "m.colibri", quant="int4", group=128, hidden=128, inter=64)
     with ColibriFile(path) as f:
         plan = catalog.launch_plan(profile, f.header)
-    assert [launch["symbol"] for launch in plan] == ["colibri_routing", "colibri_align", "colibri_gate_up_qtc",
-                                                     "colibri_down_qtc"]
+    assert [launch["symbol"] for launch in plan] == ["colibri_routing", "colibri_gate_up_qtc", "colibri_down_qtc"]
 
 
 @pytest.mark.parametrize("name", ["int4-g128-zeros-1024-threads", "int8-g64-zeros-partial"])

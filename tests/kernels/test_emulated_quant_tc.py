@@ -86,7 +86,7 @@ def test_tiled_quantized_plan_binds_every_parameter(orin_profile, zeros):
     profile = make_profile(orin_profile, tokens=64)
     params = kernel_parameters(quant=True)
     plan = catalog.launch_plan(profile, header)
-    assert [launch["symbol"] for launch in plan] == ["colibri_routing", "colibri_align", *QTC_SYMBOLS] * 2
+    assert [launch["symbol"] for launch in plan] == ["colibri_routing", *QTC_SYMBOLS] * 2
     for launch in plan:
         if launch["kernel"] != "expert_quant":
             continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from itertools import zip_longest
 
 import numpy as np
 import pytest
@@ -57,12 +58,20 @@ def _signatures(text: str, enabled: set[str]) -> str:
     return FEATURE_PARAMS.sub(one, text)
 
 
-def expected_parameter(arg: dict, layer: int) -> str:
-    """The kernel parameter name a plan argument must bind to."""
+# Pointer parameters a plan may bind to null: the pairs' outputs of atomic aggregation, the padded expert order
+# colibri_routing builds only on the tiled path without expert capacity.
+NULLABLE = ("pair_out", "down_counters", "expert_counts", "expert_offsets", "sorted_pairs", "block_experts")
+
+
+def expected_parameter(arg: dict, layer: int, param: str | None = None) -> str:
+    """The kernel parameter name a plan argument must bind to (`param`: the source's parameter at that place; a
+    null binds to it when it is one of NULLABLE; no argument there: "(missing)")."""
+    if arg is None:
+        return "(missing)"
     if arg["kind"] == "weights":
         return arg["tensor"].replace("_proj", "").replace(".", "_")  # gate_proj.scales → gate_scales
     if arg["kind"] == "null":
-        return "null"
+        return param if param in NULLABLE else "pair_out"
     name = arg["name"]
     if name == f"x{layer % 2}":
         return "x"
@@ -75,7 +84,7 @@ def test_tiled_path_takes_tensor_cores_where_it_can(orin_profile):
     """fp16, block_m 16, hidden and intermediate multiples of 8: tensor-core kernels; else the scalar tiles."""
     profile = copy.deepcopy(orin_profile)
     profile["shape"] = {"batch": 1, "tokens": 64}
-    symbols = lambda header: [l["symbol"] for l in catalog.launch_plan(profile, header)][2:4]  # noqa: E731
+    symbols = lambda header: [l["symbol"] for l in catalog.launch_plan(profile, header)][1:3]  # noqa: E731
     assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4)) == ["colibri_gate_up_tc", "colibri_down_tc"]
     assert symbols(make_header(hidden=100, inter=512, experts=8, top_k=4)) == ["colibri_gate_up", "colibri_down"]
     profile["kernels"]["routing"]["block_m"] = 32
@@ -104,17 +113,17 @@ def test_plan_binds_every_parameter(orin_profile, overrides, header_kwargs):
     plan = catalog.launch_plan(profile, header)
     specs = {k.name: k for k in catalog.KERNELS}
     small = catalog.sizes(profile, header).small_batch
-    per_layer = 3 if small else 4  # tiled: the ordered aggregation is folded into the down kernel
+    per_layer = 3  # GEMV; tiled: the align is in colibri_routing, the ordered aggregation in the down kernel
     assert len(plan) == per_layer * header.num_layers
     atomic = profile["aggregation"] == "atomic"
     assert (catalog.DOWN_COUNTERS in buffers) == (not small and not atomic)
     for launch in plan:
         symbol, layer = launch["symbol"], launch["layer"]
         assert symbol in specs[launch["kernel"]].symbols
-        names = [expected_parameter(a, layer) for a in launch["args"]]
-        # atomic aggregation: the down kernel's pair_out and down_counters are null (and only those)
-        names = [p if n == "null" and atomic and p in ("pair_out", "down_counters") else n
-                 for n, p in zip(names, params[symbol])] + names[len(params[symbol]):]
+        names = [expected_parameter(a, layer, p) for a, p in zip_longest(launch["args"], params[symbol])]
+        if symbol.startswith("colibri_down") and not small:  # pair_out, down_counters null exactly when atomic
+            nulls = {p for a, p in zip(launch["args"], params[symbol]) if a["kind"] == "null"}
+            assert nulls == ({"pair_out", "down_counters"} if atomic else set()), f"{symbol}: null {nulls}"
         assert names == params[symbol], f"layer {layer} {symbol}: plan binds {names}, source takes {params[symbol]}"
         for arg in launch["args"]:
             if arg["kind"] == "buffer":
@@ -146,8 +155,10 @@ def test_grids_cover_the_outputs(orin_profile, overrides, header_kwargs):
         assert gz == 1
         s = launch["symbol"]
         pairs = tokens * header.top_k
-        if s == "colibri_routing":
-            assert (gx, gy) == (tokens, 1)
+        if s == "colibri_routing":  # hidden slices x token groups, each group's router rows read by one block
+            grid = catalog.router_grid(profile, header)
+            assert (gx - 1) * grid.slice_rows < h <= gx * grid.slice_rows
+            assert (gy - 1) * grid.group_tokens < tokens <= gy * grid.group_tokens
         elif s == "colibri_align":
             assert (gx, gy) == (1, 1)
         elif s == "colibri_gate_up":
@@ -185,12 +196,16 @@ def test_buffer_sizes(orin_profile):
     assert b["topk_ids"] == b["topk_weights"] == pairs * 4
     assert b["expert_counts"] == 64 * 4 and b["expert_offsets"] == 65 * 4
     assert b["valid_tokens"] == 2 * 4
+    # 48 tokens: 3 groups of 16, one slice of 256 >= 100 rows; 16 tokens x 64 experts of partial logits per block
+    assert b["routing_partials"] == 3 * 1 * 16 * 64 * 4 and b["routing_counters"] == (3 + 1) * 4
     profile["aggregation"] = "atomic"
     assert "pair_out" not in catalog.device_buffers(profile, header)
     assert catalog.DOWN_COUNTERS not in catalog.device_buffers(profile, header)
     profile["shape"] = {"batch": 2, "tokens": 4}  # 64 pairs: the GEMV path needs no padded order, no pair_out
     gemv = catalog.device_buffers(profile, header)
-    assert sorted(gemv) == ["act", "topk_ids", "topk_weights", "valid_tokens", "x0", "x1"]
+    assert sorted(gemv) == ["act", "routing_counters", "routing_partials", "topk_ids", "topk_weights",
+                            "valid_tokens", "x0", "x1"]
+    assert gemv["routing_partials"] == 1 * 1 * 8 * 64 * 4 and gemv["routing_counters"] == 2 * 4  # one group of 8
 
 
 def test_io_buffers_name_scratch_buffers(orin_profile):
@@ -237,7 +252,7 @@ def test_quantized_plan_binds_every_parameter(orin_profile, zeros):
     params = kernel_parameters(quant=True)
     for launch in catalog.launch_plan(orin_profile, header)[1::3] + catalog.launch_plan(orin_profile, header)[2::3]:
         symbol, layer = launch["symbol"], launch["layer"]
-        names = [expected_parameter(a, layer) for a in launch["args"]]
+        names = [expected_parameter(a, layer, p) for a, p in zip_longest(launch["args"], params[symbol])]
         want = params[symbol]
         assert len(names) == len(want), (symbol, names, want)
         for name, param, arg in zip(names, want, launch["args"]):
@@ -272,13 +287,13 @@ def test_v2_feature_plan_binds_every_parameter(orin_profile, quant, tokens):
     assert buffers["shared_act"] == 2 * tokens * 48 * 4 and buffers["shared_scale"] == tokens * 4
     small = catalog.sizes(profile, header).small_batch
     assert small == (tokens == 4)
-    assert len(plan) == (5 if small else 6) * header.num_layers  # tiled: aggregation folded into down
+    assert len(plan) == (5 if small else 6) * header.num_layers
     for layer in range(header.num_layers):
         symbols = [launch["symbol"] for launch in plan if launch["layer"] == layer]
         assert symbols[-2:] == ["colibri_shared_gate_up", "colibri_shared_down"]
     for launch in plan:
         symbol, layer = launch["symbol"], launch["layer"]
-        names = [expected_parameter(a, layer) for a in launch["args"]]
+        names = [expected_parameter(a, layer, p) for a, p in zip_longest(launch["args"], params[symbol])]
         # zero points are null: the file has none
         names = [p if a["kind"] == "null" and p.endswith("_zeros") else n
                  for n, p, a in zip(names, params[symbol], launch["args"])] + names[len(params[symbol]):]
