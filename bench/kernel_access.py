@@ -164,6 +164,8 @@ def fmt1(v: float | None) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object (worst case over tokens 1-16)")
+    parser.add_argument("--json-out", type=Path, metavar="FILE",
+                        help="also write the --json object to FILE (with the table on stdout: one run, both outputs)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--storages", nargs="*", default=list(STORAGES), choices=list(STORAGES))
     parser.add_argument("--tokens", nargs="*", type=int, default=[c[0] for c in CASES],
@@ -219,8 +221,11 @@ def main(argv=None) -> int:
                         worst["activation_sector_efficiency"] = min(worst["activation_sector_efficiency"], a)
                         worst["weight_bytes_ratio"] = max(worst["weight_bytes_ratio"], b)
                         worst["expert_bytes_ratio"] = max(worst["expert_bytes_ratio"], x)
+    result = json.dumps({**worst, "tiled_quantized": tiled_quant, "cases": cases}, indent=1)
+    if args.json_out is not None:
+        args.json_out.write_text(result + "\n")
     if args.json:
-        print(json.dumps({**worst, "tiled_quantized": tiled_quant, "cases": cases}, indent=1))
+        print(result)
     else:
         if any(c["valid_tokens"] <= 16 for c in cases):
             print("worst over tokens 1-16: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()))
