@@ -50,9 +50,10 @@
 #define PASS_ (THREADS_ > 512 ? 4 : 8)
 #define DOWN_ROWS_ (THREADS_ > 512 ? 1 : 2)
 #define TILE_ (WARPS_ * DOWN_ROWS_)
-// Blocks per SM the routed GEMV kernels are compiled for: int8/int4 blocks of up to 256 threads are held to 128
-// registers per thread, so that two blocks (16 warps) share an SM as the float ones do.
-#define QMINB_ (COLI_QUANT && THREADS_ <= 256 ? 2 : 1)
+// Blocks per SM the routed GEMV kernels are compiled for: 1, so ptxas may give a thread up to 255 registers (at 256
+// threads) — holding int8/int4 blocks to 128 registers (two blocks per SM) spilled for some sizes and storages
+// (int4 g32/g128 at hidden 64, intermediate 32), and the build refuses spills.
+#define QMINB_ 1
 #define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");

@@ -132,7 +132,7 @@ def test_folded_float_down_equals_the_former_aggregate(orin_profile, tmp_path, n
     path = make_model(tmp_path / "m.colibri", **model_kwargs)
     device = EmulatedDevice(make_profile(orin_profile, **profile_kwargs), path)
     assert [launch["symbol"] for launch in device.plan] == [
-        "colibri_routing", "colibri_align", symbol.replace("down", "gate_up"), symbol] * 2
+        "colibri_routing", symbol.replace("down", "gate_up"), symbol] * 2  # the align is in colibri_routing
     check_calls(device, path, valid, seed=len(name))
 
 
@@ -142,7 +142,7 @@ def test_folded_quantized_down_equals_the_former_aggregate(orin_profile, tmp_pat
     path = make_quant_model(tmp_path / "m.colibri", **model_kwargs)
     device = EmulatedDevice(make_profile(orin_profile, **profile_kwargs), path)
     assert [launch["symbol"] for launch in device.plan] == [
-        "colibri_routing", "colibri_align", "colibri_gate_up_qtc", "colibri_down_qtc"] * 2
+        "colibri_routing", "colibri_gate_up_qtc", "colibri_down_qtc"] * 2
     check_calls(device, path, valid, seed=len(name))
 
 
