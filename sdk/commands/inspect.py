@@ -34,7 +34,10 @@ def run(args) -> int:
         return 0
     print(f"{path}  ({info['file_bytes']:,} bytes)")
     kw = max([18] + [len(key) for key in info["header"]])  # v2 names (shared_intermediate_size, ...) are longer
+    quantized = info["header"].get("quant", "float") != "float"  # v1 headers have no quant
     for key, value in info["header"].items():
+        if key == "dtype" and quantized:  # v2 int8/int4: dtype is the scales' type (docs/format.md, v2 header)
+            value = f"{value} (the scales; experts: quant below)"
         print(f"  {key:<{kw}} {value}")
     bw = max([10] + [len(row["block"]) for row in info["blocks"]])
     print(f"  {'block':<{bw}} {'offset':>14} {'bytes':>14}  shape")

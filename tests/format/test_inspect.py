@@ -80,6 +80,8 @@ def test_inspect_table_columns_line_up_with_v2_names(tmp_path, capsys):
     import re
 
     lines = capsys.readouterr().out.splitlines()
+    assert "  dtype                    float16 (the scales; experts: quant below)" in lines
+    assert "  quant                    int4" in lines
     start = next(i for i, line in enumerate(lines) if line.startswith("  block "))
     value_columns = {re.match(r"  \S+ +", line).end() for line in lines[1:start]}
     bytes_ends = {re.match(r"  \S+ +\S+ +\S+", line).end() for line in lines[start:]}
