@@ -60,6 +60,10 @@ THREADS = Param("threads", 32, 1024, multiple_of=32, doc="threads per block")
 # compiled.
 MAX_TOP_K = 16
 
+# The most experts per layer the kernels are compiled for (kernels/common.cuh static_asserts COLI_EXPERTS <= 256;
+# docs/kernels.md "Limits"). `build` refuses a model above it, naming this limit, before anything is compiled.
+MAX_EXPERTS = 256
+
 # Bytes allocated on the device after the weights (the .colibri data): the GEMV kernels read every weight row through
 # its aligned window of 16-byte vectors (docs/kernels.md "The GEMV path"), up to 15 bytes past the row's end, so the
 # last row of the file may reach past the data. The C runtime has the same value (libcolibri internal.h).

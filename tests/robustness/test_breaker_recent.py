@@ -1,0 +1,30 @@
+"""Hostile input to the most recent changes: each refusal is one typed line naming the bad value and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from robustness_helpers import cli_error
+
+from colibri_sdk.format import Header, write_model
+
+
+def _weights(path: Path, experts: int, top_k: int, hidden: int = 8, inter: int = 8) -> Path:
+    """A one-layer fp16 model with the given experts and top-k (N(0, 0.2) experts, N(0, 1) router)."""
+    header = Header(num_layers=1, num_experts=experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
+                    dtype=1, composition=1)
+    rng = np.random.default_rng(3)
+    return write_model(path, header, rng.standard_normal((1, experts, inter, hidden)) * 0.2,
+                       rng.standard_normal((1, experts, inter, hidden)) * 0.2,
+                       rng.standard_normal((1, experts, hidden, inter)) * 0.2,
+                       rng.standard_normal((1, hidden, experts)))
+
+
+def test_build_refuses_more_experts_than_the_kernels_take(tmp_path, capsys):
+    # 257 experts: kernels/common.cuh static_asserts COLI_EXPERTS <= 256; the build must say so before NVRTC runs
+    weights = _weights(tmp_path / "e257.colibri", 257, 2)
+    line = cli_error(capsys, "build", "--profile", "orin", "--weights", str(weights), "-o", str(tmp_path / "b"))
+    assert line == (f"colibri-sdk build: error: {weights}: num_experts = 257; allowed: 1..256 (MAX_EXPERTS, the most "
+                    "experts per layer the kernels are compiled for)")
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial-*"))
