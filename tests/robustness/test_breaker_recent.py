@@ -28,3 +28,29 @@ def test_build_refuses_more_experts_than_the_kernels_take(tmp_path, capsys):
     assert line == (f"colibri-sdk build: error: {weights}: num_experts = 257; allowed: 1..256 (MAX_EXPERTS, the most "
                     "experts per layer the kernels are compiled for)")
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial-*"))
+
+
+def test_storage_of_fp32_v2_experts_in_an_fp16_bundle_is_fp32(tmp_path, capsys):
+    # a v2 file is copied as it is: fp32 float experts stay fp32 in an fp16 profile's bundle; `storage` must say so
+    import json
+
+    from colibri_sdk import cli
+    from colibri_sdk.format import HeaderV2, write_arrays
+
+    h = HeaderV2(num_layers=1, num_experts=4, top_k=2, hidden_size=16, intermediate_size=16, dtype=0, composition=1)
+    rng = np.random.default_rng(6)
+    arrays = {k: 0.2 * rng.standard_normal(((1, h.count(k)) if h.is_matrix(k) else (1,)) + h.shape(k))
+              for k in h.kinds}
+    weights = write_arrays(tmp_path / "f32.colibri", h, arrays)
+    out = tmp_path / "b"
+    assert cli.main(["build", "--profile", "orin", "--weights", str(weights), "-o", str(out), "--tokens", "2",
+                     "--batch", "1", "-q"]) == 0
+    fp32 = {"experts": "fp32", "group_size": 0, "zero_points": False, "text": "fp32"}
+    for argv in (["inspect", str(out), "--json"], ["run", str(out), "--backend", "cpu", "--iters", "1", "--json"]):
+        capsys.readouterr()
+        assert cli.main(argv) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["storage"] == fp32, (argv[0], report["storage"])
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out)]) == 0
+    assert "\n  experts        fp32 (the weights' own storage)\n" in capsys.readouterr().out
