@@ -16,7 +16,7 @@ import json
 from .. import catalog
 from ..errors import BundleError
 from ..profile import shape_list
-from .manifest import MANIFEST
+from .manifest import MANIFEST, MAX_SHAPES
 
 
 def _entries(manifest: dict) -> list[tuple[str, dict, tuple[int, int]]]:
@@ -41,11 +41,15 @@ def check_profile_shape(manifest: dict, where: str = MANIFEST) -> None:
         [(int(manifest["shape"]["batch"]), int(manifest["shape"]["tokens"]))]
     shape = manifest["profile"].get("shape")
     try:
-        listed = shape_list(shape)
+        counts = [len(v) if isinstance(v, list) else 1 for v in (shape["batch"], shape["tokens"])]
+        # no product of hostile lists is formed: more than MAX_SHAPES pairs cannot be the compiled shapes
+        listed = shape_list(shape) if counts[0] * counts[1] <= MAX_SHAPES else f"{counts[0]} x {counts[1]} pairs"
     except (TypeError, KeyError, ValueError):
         listed = None
     if listed != compiled:
-        raise BundleError(f"{where}: profile.shape = {json.dumps(shape, sort_keys=True)} gives the shapes {listed}; "
+        text = json.dumps(shape, sort_keys=True)
+        text = text if len(text) <= 200 else text[:200] + "..."
+        raise BundleError(f"{where}: profile.shape = {text} gives the shapes {listed}; "
                           f"allowed: the compiled shapes {compiled} (shapes / shape)")
 
 

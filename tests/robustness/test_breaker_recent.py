@@ -54,3 +54,22 @@ def test_storage_of_fp32_v2_experts_in_an_fp16_bundle_is_fp32(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["inspect", str(out)]) == 0
     assert "\n  experts        fp32 (the weights' own storage)\n" in capsys.readouterr().out
+
+
+def test_profile_shape_of_huge_lists_is_refused_without_forming_their_product(bundle):
+    # profile.shape lists of 1000 values each (1,000,000 pairs) in a re-digested manifest: refused in one short line
+    # (the product was listed in full in the message, and a 64 MiB manifest could make it hang)
+    import pytest
+    from robustness_helpers import load_manifest, save_manifest
+
+    from colibri_sdk.bundle import Bundle
+    from colibri_sdk.errors import BundleError
+
+    m = load_manifest(bundle)
+    m["profile"]["shape"] = {"batch": list(range(1, 1001)), "tokens": list(range(1, 1001))}
+    save_manifest(bundle, m)
+    with pytest.raises(BundleError) as exc:
+        Bundle.open(bundle, verify=False)
+    message = str(exc.value)
+    assert "\n" not in message and len(message) < 600, len(message)
+    assert "gives the shapes 1000 x 1000 pairs; allowed: the compiled shapes [(1, 16)" in message
