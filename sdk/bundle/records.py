@@ -41,7 +41,10 @@ def check_profile_shape(manifest: dict, where: str = MANIFEST) -> None:
         [(int(manifest["shape"]["batch"]), int(manifest["shape"]["tokens"]))]
     shape = manifest["profile"].get("shape")
     try:
-        counts = [len(v) if isinstance(v, list) else 1 for v in (shape["batch"], shape["tokens"])]
+        values = [v if isinstance(v, list) else [v] for v in (shape["batch"], shape["tokens"])]
+        if not all(type(x) is int for v in values for x in v):  # no 1.5, True or "16" read as an int
+            raise TypeError("profile.shape values must be integers")
+        counts = [len(v) for v in values]
         # no product of hostile lists is formed: more than MAX_SHAPES pairs cannot be the compiled shapes
         listed = shape_list(shape) if counts[0] * counts[1] <= MAX_SHAPES else f"{counts[0]} x {counts[1]} pairs"
     except (TypeError, KeyError, ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from robustness_helpers import cli_error
 
 from colibri_sdk.format import Header, write_model
@@ -59,7 +60,6 @@ def test_storage_of_fp32_v2_experts_in_an_fp16_bundle_is_fp32(tmp_path, capsys):
 def test_profile_shape_of_huge_lists_is_refused_without_forming_their_product(bundle):
     # profile.shape lists of 1000 values each (1,000,000 pairs) in a re-digested manifest: refused in one short line
     # (the product was listed in full in the message, and a 64 MiB manifest could make it hang)
-    import pytest
     from robustness_helpers import load_manifest, save_manifest
 
     from colibri_sdk.bundle import Bundle
@@ -73,3 +73,20 @@ def test_profile_shape_of_huge_lists_is_refused_without_forming_their_product(bu
     message = str(exc.value)
     assert "\n" not in message and len(message) < 600, len(message)
     assert "gives the shapes 1000 x 1000 pairs; allowed: the compiled shapes [(1, 16)" in message
+
+
+@pytest.mark.parametrize("batch, tokens", [([1.5, 4], 16), ([True, 4], 16), (["1", "4"], "16"), ([1, 4], 16.0)])
+def test_profile_shape_values_must_be_integers(bundle, batch, tokens):
+    # int() read 1.5 as 1, True as 1 and "16" as 16, so these manifests opened as if they named the compiled shapes
+    from robustness_helpers import load_manifest, save_manifest
+
+    from colibri_sdk.bundle import Bundle
+    from colibri_sdk.errors import BundleError
+
+    m = load_manifest(bundle)
+    assert [(e["batch"], e["tokens"]) for e in m["shapes"]] == [(1, 16), (4, 16)]
+    m["profile"]["shape"] = {"batch": batch, "tokens": tokens}
+    save_manifest(bundle, m)
+    with pytest.raises(BundleError, match=r"profile\.shape = .* gives the shapes None; allowed: the compiled shapes "
+                                          r"\[\(1, 16\), \(4, 16\)\] \(shapes / shape\)$"):
+        Bundle.open(bundle, verify=False)
