@@ -550,6 +550,16 @@ def down_gemv_rows(threads: int) -> int:
     return (threads // 32) * (1 if threads > 512 else 2)
 
 
+GEMV_TILE_BYTES = 16 * 1024  # kernels/small_batch.cu: the static_assert on its per-token shared-memory tiles
+
+
+def gemv_max_tokens(threads: int) -> int:
+    """The most batch*tokens small_batch.cu compiles for at `threads` per block (it is compiled for every bundle):
+    its output tile `tokens * down_gemv_rows(threads) * 4` bytes and its partials `2 * tokens * warps * 4` bytes are
+    each at most GEMV_TILE_BYTES (the static_assert there)."""
+    return GEMV_TILE_BYTES // (4 * max(down_gemv_rows(threads), 2 * (threads // 32)))
+
+
 def launch_plan(profile: dict, header) -> list[dict]:
     """The kernel launches of one forward pass, in order.
 

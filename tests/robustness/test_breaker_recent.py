@@ -90,3 +90,14 @@ def test_profile_shape_values_must_be_integers(bundle, batch, tokens):
     with pytest.raises(BundleError, match=r"profile\.shape = .* gives the shapes None; allowed: the compiled shapes "
                                           r"\[\(1, 16\), \(4, 16\)\] \(shapes / shape\)$"):
         Bundle.open(bundle, verify=False)
+
+
+def test_shapes_beyond_the_gemv_tiles_are_refused_before_nvrtc(tmp_path, capsys):
+    # 5 x 64 = 320 tokens at 256 small_batch threads: small_batch.cu (compiled for every bundle) static_asserts
+    # tokens * 16 rows * 4 <= 16 KiB; the build printed NVRTC's log, and its hint "lower max_pairs" did not help
+    weights = _weights(tmp_path / "m.colibri", 4, 2)
+    line = cli_error(capsys, "build", "--profile", "orin", "--weights", str(weights), "-o", str(tmp_path / "b"),
+                     "--batch", "5", "--tokens", "64")
+    assert line.endswith("with --batch 5, --tokens 64: shape batch*tokens = 320 (batch 5 x tokens 64); allowed: at "
+                         "most 256 at kernels.small_batch.threads = 256 (the GEMV kernels' 16 KiB shared-memory "
+                         "tiles, kernels/small_batch.cu); lower kernels.small_batch.threads or the shape"), line
