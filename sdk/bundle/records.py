@@ -28,6 +28,12 @@ def _entries(manifest: dict) -> list[tuple[str, dict, tuple[int, int]]]:
     return entries
 
 
+def _short(value, limit: int = 200) -> str:
+    """`value` as sorted JSON, cut to `limit` characters ("..." after): a hostile record stays a short line."""
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def check_profile_shape(manifest: dict, where: str = MANIFEST) -> None:
     """`profile.shape`, when the profile records one (every build does), must give exactly the compiled shapes:
     `shapes` (or the top-level `shape` without it).
@@ -50,9 +56,7 @@ def check_profile_shape(manifest: dict, where: str = MANIFEST) -> None:
     except (TypeError, KeyError, ValueError):
         listed = None
     if listed != compiled:
-        text = json.dumps(shape, sort_keys=True)
-        text = text if len(text) <= 200 else text[:200] + "..."
-        raise BundleError(f"{where}: profile.shape = {text} gives the shapes {listed}; "
+        raise BundleError(f"{where}: profile.shape = {_short(shape)} gives the shapes {listed}; "
                           f"allowed: the compiled shapes {compiled} (shapes / shape)")
 
 
@@ -79,7 +83,7 @@ def check_buffer_records(manifest: dict, header, where: str = MANIFEST, only: tu
             want = compute()
             if record[key] != json.loads(json.dumps(want)):
                 raise BundleError(
-                    f"{where}: {prefix}{key} = {json.dumps(record[key], sort_keys=True)} differs from the catalogue's "
+                    f"{where}: {prefix}{key} = {_short(record[key])} differs from the catalogue's "
                     f"{json.dumps(want, sort_keys=True)} for the profile at batch {bt[0]} x tokens {bt[1]} and the "
                     "weights; allowed: what colibri-sdk build writes (rebuild the bundle)"
                 )

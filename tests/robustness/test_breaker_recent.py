@@ -101,3 +101,18 @@ def test_shapes_beyond_the_gemv_tiles_are_refused_before_nvrtc(tmp_path, capsys)
     assert line.endswith("with --batch 5, --tokens 64: shape batch*tokens = 320 (batch 5 x tokens 64); allowed: at "
                          "most 256 at kernels.small_batch.threads = 256 (the GEMV kernels' 16 KiB shared-memory "
                          "tiles, kernels/small_batch.cu); lower kernels.small_batch.threads or the shape"), line
+
+
+def test_a_hostile_buffers_record_is_quoted_in_a_short_line(bundle):
+    # 20,000 extra buffer names in shapes[0].buffers (re-digested): refused, quoting the record cut short
+    from robustness_helpers import load_manifest, save_manifest
+
+    from colibri_sdk.bundle import Bundle
+    from colibri_sdk.errors import BundleError
+
+    m = load_manifest(bundle)
+    m["shapes"][0]["buffers"].update({f"b{i:05d}": 4 for i in range(20000)})
+    save_manifest(bundle, m)
+    with pytest.raises(BundleError, match=r"shapes\[0\]\.buffers = \{.*\.\.\. differs from the catalogue's") as exc:
+        Bundle.open(bundle)
+    assert len(str(exc.value)) < 1000, len(str(exc.value))
