@@ -60,6 +60,10 @@ THREADS = Param("threads", 32, 1024, multiple_of=32, doc="threads per block")
 # compiled.
 MAX_TOP_K = 16
 
+# The most experts per layer the kernels are compiled for (kernels/common.cuh static_asserts COLI_EXPERTS <= 256;
+# docs/kernels.md "Limits"). `build` refuses a model above it, naming this limit, before anything is compiled.
+MAX_EXPERTS = 256
+
 # Bytes allocated on the device after the weights (the .colibri data): the GEMV kernels read every weight row through
 # its aligned window of 16-byte vectors (docs/kernels.md "The GEMV path"), up to 15 bytes past the row's end, so the
 # last row of the file may reach past the data. The C runtime has the same value (libcolibri internal.h).
@@ -544,6 +548,16 @@ def _ceil_div(a: int, b: int) -> int:
 def down_gemv_rows(threads: int) -> int:
     """Hidden rows per block of colibri_down_gemv: 2 per warp, 1 above 512 threads (small_batch.cu DOWN_ROWS_)."""
     return (threads // 32) * (1 if threads > 512 else 2)
+
+
+GEMV_TILE_BYTES = 16 * 1024  # kernels/small_batch.cu: the static_assert on its per-token shared-memory tiles
+
+
+def gemv_max_tokens(threads: int) -> int:
+    """The most batch*tokens small_batch.cu compiles for at `threads` per block (it is compiled for every bundle):
+    its output tile `tokens * down_gemv_rows(threads) * 4` bytes and its partials `2 * tokens * warps * 4` bytes are
+    each at most GEMV_TILE_BYTES (the static_assert there)."""
+    return GEMV_TILE_BYTES // (4 * max(down_gemv_rows(threads), 2 * (threads // 32)))
 
 
 def launch_plan(profile: dict, header) -> list[dict]:

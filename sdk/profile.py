@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .catalog import KERNELS
+from .catalog import KERNELS, gemv_max_tokens
 from .errors import ProfileError
 
 DTYPES = ("fp16", "fp32")
@@ -205,6 +205,13 @@ def _check_limits(data: dict, source: str) -> None:
     batch, tokens = shape_list(data["shape"])[-1]
     if batch * tokens > MAX_TOKENS:
         raise ProfileError(f"{source}: shape batch*tokens = {batch * tokens}; allowed: at most {MAX_TOKENS}")
+    threads = data["kernels"]["small_batch"]["threads"]
+    if batch * tokens > gemv_max_tokens(threads):
+        raise ProfileError(
+            f"{source}: shape batch*tokens = {batch * tokens} (batch {batch} x tokens {tokens}); allowed: at most "
+            f"{gemv_max_tokens(threads)} at kernels.small_batch.threads = {threads} (the GEMV kernels' 16 KiB "
+            "shared-memory tiles, kernels/small_batch.cu); lower kernels.small_batch.threads or the shape"
+        )
     major, minor = parse_arch(data["target"]["arch"])
     cc = major * 10 + minor
     if cc not in ARCH_SHARED_MEMORY:

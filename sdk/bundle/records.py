@@ -16,7 +16,7 @@ import json
 from .. import catalog
 from ..errors import BundleError
 from ..profile import shape_list
-from .manifest import MANIFEST
+from .manifest import MANIFEST, MAX_SHAPES
 
 
 def _entries(manifest: dict) -> list[tuple[str, dict, tuple[int, int]]]:
@@ -26,6 +26,12 @@ def _entries(manifest: dict) -> list[tuple[str, dict, tuple[int, int]]]:
     for n, entry in enumerate(manifest.get("shapes", [])):
         entries.append((f"shapes[{n}].", entry, (int(entry["batch"]), int(entry["tokens"]))))
     return entries
+
+
+def _short(value, limit: int = 200) -> str:
+    """`value` as sorted JSON, cut to `limit` characters ("..." after): a hostile record stays a short line."""
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def check_profile_shape(manifest: dict, where: str = MANIFEST) -> None:
@@ -41,11 +47,16 @@ def check_profile_shape(manifest: dict, where: str = MANIFEST) -> None:
         [(int(manifest["shape"]["batch"]), int(manifest["shape"]["tokens"]))]
     shape = manifest["profile"].get("shape")
     try:
-        listed = shape_list(shape)
+        values = [v if isinstance(v, list) else [v] for v in (shape["batch"], shape["tokens"])]
+        if not all(type(x) is int for v in values for x in v):  # no 1.5, True or "16" read as an int
+            raise TypeError("profile.shape values must be integers")
+        counts = [len(v) for v in values]
+        # no product of hostile lists is formed: more than MAX_SHAPES pairs cannot be the compiled shapes
+        listed = shape_list(shape) if counts[0] * counts[1] <= MAX_SHAPES else f"{counts[0]} x {counts[1]} pairs"
     except (TypeError, KeyError, ValueError):
         listed = None
     if listed != compiled:
-        raise BundleError(f"{where}: profile.shape = {json.dumps(shape, sort_keys=True)} gives the shapes {listed}; "
+        raise BundleError(f"{where}: profile.shape = {_short(shape)} gives the shapes {listed}; "
                           f"allowed: the compiled shapes {compiled} (shapes / shape)")
 
 
@@ -72,7 +83,7 @@ def check_buffer_records(manifest: dict, header, where: str = MANIFEST, only: tu
             want = compute()
             if record[key] != json.loads(json.dumps(want)):
                 raise BundleError(
-                    f"{where}: {prefix}{key} = {json.dumps(record[key], sort_keys=True)} differs from the catalogue's "
+                    f"{where}: {prefix}{key} = {_short(record[key])} differs from the catalogue's "
                     f"{json.dumps(want, sort_keys=True)} for the profile at batch {bt[0]} x tokens {bt[1]} and the "
                     "weights; allowed: what colibri-sdk build writes (rebuild the bundle)"
                 )

@@ -179,11 +179,16 @@ def check_top_k(weights: Path) -> None:
     """Refuse weights whose top-k exceeds what the kernels are compiled for, before anything is copied or compiled.
 
     Raises:
-        CompileError: top_k > catalog.MAX_TOP_K, naming both.
+        CompileError: top_k > catalog.MAX_TOP_K, or num_experts > catalog.MAX_EXPERTS, naming the value and the limit.
         FormatError: the file is not a valid .colibri file.
     """
     with ColibriFile(weights) as f:
-        top_k = f.header.top_k
+        top_k, experts = f.header.top_k, f.header.num_experts
+    if experts > catalog.MAX_EXPERTS:
+        raise CompileError(
+            f"{weights}: num_experts = {experts}; allowed: 1..{catalog.MAX_EXPERTS} (MAX_EXPERTS, the most experts per "
+            "layer the kernels are compiled for)"
+        )
     if top_k > catalog.MAX_TOP_K:
         raise CompileError(
             f"{weights}: top_k = {top_k}; allowed: 1..{catalog.MAX_TOP_K} (MAX_TOP_K, the most experts per token the "

@@ -47,13 +47,19 @@ def run(args) -> int:
     return 0
 
 
-def expert_storage(header: dict) -> str | None:
-    """"int4 g128", "int8 per row", ... for int8/int4 experts (a v2 header as a dict), None for float experts."""
+FLOAT_STORAGE = {0: "fp32", 1: "fp16"}  # a header's dtype code -> the name a manifest's dtype uses
+
+
+def expert_storage(header: dict, dtype: str | None = None) -> str | None:
+    """"int4 g128", "int8 per row", ... for int8/int4 experts (a v2 header as a dict); for float experts the header's
+    own float type ("fp32") where it differs from the manifest's `dtype` (a v2 file is copied into a bundle as it is,
+    so an fp32 v2 file in an fp16 profile's bundle keeps fp32 experts), else None."""
     from ..format.constants import QUANT_NAMES
 
     quant = header.get("quant", 0)
     if not quant or quant not in QUANT_NAMES:
-        return None
+        own = FLOAT_STORAGE.get(header.get("dtype"))
+        return own if dtype is not None and own is not None and own != dtype else None
     group = header.get("group_size", 0)
     text = f"{QUANT_NAMES[quant]} {'per row' if not group else f'g{group}'}"
     return text + (" with zero points" if header.get("zero_points") else "")
@@ -70,9 +76,10 @@ def storage_record(header: dict, dtype: str) -> dict:
         {"experts": "int4" | "int8" | "fp16" | "fp32", "group_size": int (0 = one group per row; 0 for float),
          "zero_points": bool, "text": "int4 g128", "int8 per row", "fp16", ... (the text output's words)}.
     """
-    text = expert_storage(header)
-    if text is None:
-        return {"experts": dtype, "group_size": 0, "zero_points": False, "text": dtype}
+    text = expert_storage(header, dtype)
+    if not header.get("quant"):
+        text = text or dtype
+        return {"experts": text, "group_size": 0, "zero_points": False, "text": text}
     from ..format.constants import QUANT_NAMES
 
     return {"experts": QUANT_NAMES[header["quant"]], "group_size": int(header.get("group_size", 0)),
@@ -113,9 +120,9 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     model_k, k = m["weights"].get("model_top_k"), m["weights"]["header"].get("top_k")
     if model_k is not None and model_k != k:
         rows.append(("top-k", f"{k} (override; the model's own k is {model_k})"))
-    storage = expert_storage(m["weights"]["header"])
+    storage = expert_storage(m["weights"]["header"], m["dtype"])
     if storage:
-        rows.append(("experts", f"{storage} (the weights' own storage; dtype applies to float experts)"))
+        rows.append(("experts", f"{storage} (the weights' own storage)"))
     cap = m["profile"].get("capacity")
     rows.append(("capacity", "dropless" if not cap else
                  f"factor {cap['factor']:g}, {cap.get('mode', 'hard')}, policy {cap.get('policy', 'score')}"))

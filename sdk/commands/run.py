@@ -127,7 +127,7 @@ def run(args) -> int:
         print(f"backend  {rt.backend_name} ({mode})")
         from .inspect import expert_storage
 
-        if storage := expert_storage(rt.bundle.manifest["weights"]["header"]):
+        if storage := expert_storage(rt.bundle.manifest["weights"]["header"], rt.bundle.manifest["dtype"]):
             print(f"experts  {storage} (the weights' own storage)")
         if rt.top_k != rt.model_top_k:
             print(f"top-k    {rt.top_k} (build override; the model's own k is {rt.model_top_k})")

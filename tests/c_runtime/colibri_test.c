@@ -320,6 +320,7 @@ static int cmd_bind(const char *bundle) {
     CHECK(mem_alloc(&din, io.input_bytes) == 0 && mem_alloc(&dout, io.output_bytes) == 0, "cuMemAlloc");
     CHECK(stream_create(&stream, 1) == 0, "cuStreamCreate");
     CHECK(htod(din, x, io.input_bytes) == 0, "cuMemcpyHtoD");
+    EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK); /* staged before the bind: dropped by it */
     EXPECT(colibri_bind(ctx, din, dout), COLIBRI_OK);
     EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_ERR_STATE);
     EXPECT(colibri_set_stream(ctx, stream), COLIBRI_OK);
@@ -337,6 +338,9 @@ static int cmd_bind(const char *bundle) {
     CHECK(bad == 0, "bound output: %zu of %zu values differ from the reference", bad, ne);
     /* unbind: back to the pinned buffers, on the caller's stream (get_output waits for it) */
     EXPECT(colibri_bind(ctx, 0, 0), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_ERR_STATE); /* no pinned input staged since the bind */
+    CHECK(!strcmp(colibri_last_error(ctx), "colibri_infer: no input yet; call colibri_set_input first"), "%s",
+          colibri_last_error(ctx));
     memset(y, 0, io.output_bytes);
     EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK);
     EXPECT(colibri_infer(ctx), COLIBRI_OK);

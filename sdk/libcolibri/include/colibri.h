@@ -156,7 +156,9 @@ COLIBRI_API int colibri_get_output(colibri_ctx *ctx, float *y, size_t y_bytes);
 
 /* Use caller device memory for the input and/or the output (CUdeviceptr values; 0 keeps the pinned host buffer):
  * the graph then copies device to device, and set_input / get_output are refused for the bound side. Each must
- * hold input_bytes / output_bytes and stay valid while bound. Re-captures the graph (allocates); call it once. */
+ * hold input_bytes / output_bytes and stay valid while bound. Re-captures the graph (allocates); call it once.
+ * Binding an input (or an output while the staged input is at a smaller shape) drops the pinned input staged
+ * before: colibri_infer after unbinding is COLIBRI_ERR_STATE until the next set_input. */
 COLIBRI_API int colibri_bind(colibri_ctx *ctx, uint64_t device_input, uint64_t device_output);
 
 /* Run on a caller's CUstream (created in the device's primary context); NULL returns to the context's own stream.

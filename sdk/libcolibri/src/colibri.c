@@ -368,7 +368,7 @@ static int bind_locked(colibri_ctx *c, uint64_t in, uint64_t out) {
         c->in_shape = c->n_shapes - 1;
         c->in_batch = c->batch;
         c->in_tokens = c->tokens;
-        if (!in) c->has_input = 0;
+        c->has_input = 0; /* a pinned input staged before is not the largest shape's with these lengths any more */
     }
     c->has_output = 0;
     rc = capture(c, largest(c));
