@@ -82,7 +82,7 @@ def run(args) -> int:
     from ..bundle.writer import build_bundle
     from ..errors import ProfileError
     from ..profile import load_profile
-    from .inspect import expert_storage, format_resources
+    from .inspect import expert_storage, format_resources, stored_form
     from .progress import StepBars
 
     start = time.perf_counter()
@@ -121,7 +121,7 @@ def run(args) -> int:
     h = m["weights"]["header"]
     shapes = ", ".join(f"{e['batch']}x{e['tokens']}" for e in m.get("shapes") or [m["shape"]])
     print(
-        f"{result.path}: {profile.name} ({m['arch']}, {m['dtype']}, batch {m['shape']['batch']} x tokens "
+        f"{result.path}: {profile.name} ({m['arch']}, {stored_form(h, m['dtype'])}, batch {m['shape']['batch']} x tokens "
         f"{m['shape']['tokens']}, {m['aggregation']} aggregation), NVRTC {m['nvrtc_version']}, "
         f"min driver {m['min_driver']}"
     )

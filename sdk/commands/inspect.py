@@ -21,6 +21,65 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def routing_facts(header: dict) -> dict:
+    """What a file's routing computes, in words and flags, the same for every routing scheme (docs/format.md,
+    "Semantics v2"; `colibri_sdk.reference.route_v2`). A header's `norm_topk` field is only read for routing 1 and
+    2 (it must be 0 for routing 0): `topk_softmax` (Mixtral, gpt-oss, Qwen3-MoE / OLMoE with `norm_topk_prob`) takes
+    the softmax of the k selected logits, so its weights are renormalised by construction (transformers'
+    `MixtralTopKRouter`: softmax, top-k, divide by the sum; `GptOssTopKRouter`: top-k, softmax over the k).
+
+    Args:
+        header: a header's raw fields (`Header` / `HeaderV2` attributes or a manifest's `weights.header`): v1 files
+            have no v2 fields, which then take their v1 meaning (no groups, no biases, no scaling).
+
+    Returns:
+        {"scores": "softmax of the k selected logits" | "softmax over all experts" | "sigmoid",
+         "selection": e.g. "top-2 logits", "top-8 sigmoid scores + correction bias, within the best 4 of 8 groups
+         (group score top2_sum)", "renormalized": bool (the k weights are divided by their sum, or sum to 1),
+         "scaling": float (routed_scaling_factor), "router_bias": bool,
+         "text": the one-line summary `inspect` prints}.
+    """
+    from ..format.constants import GROUP_SCORE_NAMES, ROUTING_SIGMOID_TOPK, ROUTING_TOPK_SOFTMAX
+
+    routing, k = header.get("routing", 0), header.get("top_k")
+    if routing == ROUTING_TOPK_SOFTMAX:
+        scores, chosen, renormalized = "softmax of the k selected logits", "logits", True
+    else:
+        scores = "sigmoid" if routing == ROUTING_SIGMOID_TOPK else "softmax over all experts"
+        chosen = "sigmoid scores" if routing == ROUTING_SIGMOID_TOPK else "softmax scores"
+        renormalized = bool(header.get("norm_topk"))
+    if header.get("correction_bias"):
+        chosen += " + correction bias"
+    selection = f"top-{k} {chosen}"
+    n_group = header.get("n_group", 1)
+    if n_group > 1:
+        selection += (f", within the best {header.get('topk_group')} of {n_group} groups "
+                      f"(group score {GROUP_SCORE_NAMES.get(header.get('group_score'), header.get('group_score'))})")
+    scaling = float(header.get("routed_scaling_factor", 1.0))
+    text = (f"select the {selection}" + (" (router bias on the logits)" if header.get("router_bias") else "")
+            + f"; weights: {scores}, "
+            + ("renormalised (sum 1)" if renormalized else "not renormalised")
+            + (f", x {scaling:g}" if scaling != 1.0 else ""))
+    return {"scores": scores, "selection": selection, "renormalized": renormalized, "scaling": scaling,
+            "router_bias": bool(header.get("router_bias")), "text": text}
+
+
+def _shown_value(key: str, value, header: dict):
+    """A header field as the text table shows it: `norm_topk` of routing 0 says what the routing does."""
+    from ..format.constants import ROUTING_TOPK_SOFTMAX
+
+    if key == "norm_topk" and header.get("routing", 0) == ROUTING_TOPK_SOFTMAX:
+        return "implied (routing topk_softmax: the softmax of the k selected logits sums to 1; the field is 0)"
+    return value
+
+
+def _raw_fields(header) -> dict:
+    """A Header / HeaderV2's raw field values (codes, not names) by attribute name."""
+    import dataclasses
+
+    return {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
+
+
 def run(args) -> int:
     path = Path(args.path)
     if path.is_dir():
@@ -28,7 +87,9 @@ def run(args) -> int:
     from ..format import ColibriFile
 
     with ColibriFile(path) as f:
-        info = {"path": str(path), "header": f.header.to_dict(), "file_bytes": f.header.file_size, "blocks": f.layout()}
+        raw = _raw_fields(f.header)
+        info = {"path": str(path), "header": f.header.to_dict(), "routing": routing_facts(raw),
+                "file_bytes": f.header.file_size, "blocks": f.layout()}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -38,7 +99,8 @@ def run(args) -> int:
     for key, value in info["header"].items():
         if key == "dtype" and quantized:  # v2 int8/int4: dtype is the scales' type (docs/format.md, v2 header)
             value = f"{value} (the scales; experts: quant below)"
-        print(f"  {key:<{kw}} {value}")
+        print(f"  {key:<{kw}} {_shown_value(key, value, raw)}")
+    print(f"  {'routing_rule':<{kw}} {info['routing']['text']}")
     bw = max([10] + [len(row["block"]) for row in info["blocks"]])
     print(f"  {'block':<{bw}} {'offset':>14} {'bytes':>14}  shape")
     for row in info["blocks"]:
@@ -86,6 +148,20 @@ def storage_record(header: dict, dtype: str) -> dict:
             "zero_points": bool(header.get("zero_points")), "text": text}
 
 
+def stored_form(header: dict, dtype: str) -> str:
+    """The one-line summary's words for a bundle's weights (`build`, `run`): "fp16"; "int4 g128 with zero points,
+    fp16 scales" / "int8 per row, fp16 scales" for int8/int4 experts (the manifest's `dtype` is then the scales'
+    and activations' type); "fp32 experts, fp16 activations" for a v2 float file whose experts keep their own type.
+
+    Args:
+        header: the manifest's `weights.header`. dtype: the manifest's dtype ("fp16" | "fp32").
+    """
+    record = storage_record(header, dtype)
+    if header.get("quant"):
+        return f"{record['text']}, {dtype} scales"
+    return dtype if record["text"] == dtype else f"{record['text']} experts, {dtype} activations"
+
+
 def inspect_bundle(path: Path, as_json: bool = False) -> int:
     """Print a bundle's manifest summary (schema checked; checksums are `colibri-sdk verify`'s job). Returns 0.
 
@@ -99,6 +175,7 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
                      "model": m["weights"].get("model_top_k", m["weights"]["header"].get("top_k"))}
     info["capacity"] = m["profile"].get("capacity")  # None: dropless
     info["storage"] = storage_record(m["weights"]["header"], m["dtype"])
+    info["routing"] = routing_facts(m["weights"]["header"])
     if as_json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
@@ -137,8 +214,10 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
             header = Header(**{k: v for k, v in recorded.items() if k in HEADER_FIELDS}).to_dict()
     except FormatError as exc:
         raise BundleError(f"{bundle.path}/manifest.json: weights.header: {exc}") from exc
-    described = ", ".join(f"{k} {v}" for k, v in header.items() if k not in ("magic", "version"))
+    described = ", ".join(f"{k} {'implied by the routing' if k == 'norm_topk' and not recorded.get('routing') else v}"
+                          for k, v in header.items() if k not in ("magic", "version"))
     print(f"  weights        {m['weights']['file']}: {described}")
+    print(f"  routing        {routing_facts(recorded)['text']}")
     print(format_resources(m["kernels"]))
     print(f"  {'file':<36} {'bytes':>14}  sha256")
     for entry in m["files"]:

@@ -85,28 +85,25 @@ def run(args) -> int:
         if out.is_dir() or not out.parent.is_dir():
             why = "is a folder" if out.is_dir() else f"folder {out.parent} does not exist"
             raise InputError(f"--output {args.output}: {why}; allowed: a file path in an existing folder")
+    if args.input and (args.batch is not None or args.tokens is not None):
+        raise InputError("--batch / --tokens size the random input; --input gives its own shape")
+    from ..bundle import Bundle
+
     start = time.perf_counter()
+    bundle = Bundle.open(args.bundle, verify=False)  # the manifest only: the arguments are checked before any work
+    batch, tokens = check_random_shape(args, bundle.shape)
     if not args.no_verify:  # the checksums first, with a progress bar (they read every byte of the weights)
-        from ..bundle import Bundle
         from .progress import StepBars
 
         with StepBars(quiet=args.quiet, desc_prefix="run: ") as bars:
-            Bundle.open(args.bundle, verify=False).verify(progress=bars)
+            bundle.verify(progress=bars)
     rt = Runtime.load(args.bundle, backend=args.backend, eager=args.eager, verify=False)
     load_seconds = time.perf_counter() - start
     with rt:
-        batch, tokens = rt.shape
         if args.input:
-            if args.batch is not None or args.tokens is not None:
-                raise InputError("--batch / --tokens size the random input; --input gives its own shape")
             x = load_input(args.input)
             source = args.input
         else:
-            batch = batch if args.batch is None else args.batch
-            tokens = tokens if args.tokens is None else args.tokens
-            for flag, value, largest in (("--batch", batch, rt.shape[0]), ("--tokens", tokens, rt.shape[1])):
-                if not 1 <= value <= largest:  # before the input is made: a huge one would not fit in memory
-                    raise InputError(f"{flag} {value}; allowed: 1..{largest} (the largest compiled shape's)")
             x = np.random.default_rng(args.seed).standard_normal((batch, tokens, rt.hidden_size)).astype(np.float32)
             source = f"random N(0, 1), seed {args.seed}"
         start = time.perf_counter()
@@ -120,13 +117,14 @@ def run(args) -> int:
         if args.json:
             return print_json(run_report(rt, args, source, x, first, times, load_seconds), args.output, y)
         mode = {"cpu": "NumPy"}.get(rt.backend_name, "eager launches" if args.eager else "CUDA Graph replay")
+        from .inspect import expert_storage, stored_form
+
         fixed_b, fixed_t = rt.shape
-        print(f"bundle   {rt.bundle.path}  ({rt.dtype}, batch {fixed_b} x tokens {fixed_t}, hidden {rt.hidden_size})")
+        form = stored_form(rt.bundle.manifest["weights"]["header"], rt.dtype)
+        print(f"bundle   {rt.bundle.path}  ({form}, batch {fixed_b} x tokens {fixed_t}, hidden {rt.hidden_size})")
         if len(rt.shapes) > 1:
             print(f"shapes   {', '.join(f'{b}x{t}' for b, t in rt.shapes)} (batch x tokens)")
         print(f"backend  {rt.backend_name} ({mode})")
-        from .inspect import expert_storage
-
         if storage := expert_storage(rt.bundle.manifest["weights"]["header"], rt.bundle.manifest["dtype"]):
             print(f"experts  {storage} (the weights' own storage)")
         if rt.top_k != rt.model_top_k:
@@ -149,6 +147,25 @@ def run(args) -> int:
         save_output(args.output, y)
         print(f"output   {args.output}  {y.dtype} {tuple(y.shape)}")
     return 0
+
+
+def check_random_shape(args, largest: tuple[int, int]) -> tuple[int, int]:
+    """The (batch, tokens) of the random input: --batch / --tokens, else the largest compiled shape's.
+
+    Checked before the bundle is verified or loaded, so that a bad value is the one line printed (no backend notice
+    before it) and a huge value makes no input that would not fit in memory.
+
+    Raises:
+        InputError: --batch or --tokens outside 1..the largest compiled shape's, naming the flag and the value.
+    """
+    from ..errors import InputError
+
+    batch = largest[0] if args.batch is None else args.batch
+    tokens = largest[1] if args.tokens is None else args.tokens
+    for flag, value, top in (("--batch", batch, largest[0]), ("--tokens", tokens, largest[1])):
+        if not 1 <= value <= top:
+            raise InputError(f"{flag} {value}; allowed: 1..{top} (the largest compiled shape's)")
+    return batch, tokens
 
 
 def print_json(report: dict, output: str | None, y) -> int:

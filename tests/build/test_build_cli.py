@@ -171,8 +171,20 @@ def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
     out = tmp_path / "b"
     assert cli.main(["build", "--profile", "orin", "--weights", str(tmp_path / "q.colibri"), "-o", str(out),
                      "--batch", "1", "--tokens", "4", "-q"]) == 0
-    assert "intermediate 64, int4 g32 experts)" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{out}: jetson-agx-orin-64gb (sm_87, int4 g32, fp16 scales, batch 1 x tokens 4, "), lines
+    assert "intermediate 64, int4 g32 experts)" in lines[1]
     assert cli.main(["inspect", str(out)]) == 0
     assert "  experts        int4 g32 (the weights' own storage" in capsys.readouterr().out
     assert cli.main(["run", str(out), "--backend", "cpu", "--iters", "1", "-q"]) == 0
-    assert "\nexperts  int4 g32 (the weights' own storage)\n" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "\nexperts  int4 g32 (the weights' own storage)\n" in out_text
+    assert out_text.startswith(f"bundle   {out}  (int4 g32, fp16 scales, batch 1 x tokens 4, hidden 64)\n")
+    # a batch the bundle has no shape for: the argument error alone, before any backend notice or checksum
+    assert cli.main(["run", str(out), "--batch", "5"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "colibri-sdk run: error: --batch 5; allowed: 1..1 (the largest compiled shape's)\n"
+    assert captured.out == ""
+    assert cli.main(["run", str(out), "--tokens", "5", "--backend", "cuda"]) == 1
+    assert capsys.readouterr().err == ("colibri-sdk run: error: --tokens 5; allowed: 1..4 (the largest compiled "
+                                       "shape's)\n")

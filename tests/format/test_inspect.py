@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from colibri_sdk import cli
 
 
@@ -115,3 +117,72 @@ def test_inspect_a_bundle_of_v2_weights_shows_every_v2_field(tmp_path, capsys):
     for shown in ("routing sigmoid_topk", "quant int4", "n_group 2", "group_score top2_sum", "correction_bias True",
                   "num_shared_experts 1", "routed_scaling_factor 2.5"):
         assert shown in line, line
+
+
+def _v2_file(tmp_path, name, **fields):
+    import numpy as np
+
+    from colibri_sdk.format import HeaderV2, write_arrays
+
+    h = HeaderV2(num_layers=1, num_experts=8, top_k=2, hidden_size=8, intermediate_size=6, dtype=1, **fields)
+    rng = np.random.default_rng(1)
+    arrays = {k: rng.standard_normal(((1, h.count(k)) if h.is_matrix(k) else (1,)) + h.shape(k)).astype(np.float32)
+              for k in h.kinds}
+    return h, write_arrays(tmp_path / f"{name}.colibri", h, arrays)
+
+
+# Each scheme as its transformers router computes it (docs/format.md "Semantics v2"): Mixtral softmax → top-k →
+# divide by the sum (MixtralTopKRouter); Qwen3-MoE / OLMoE without norm_topk_prob: softmax → top-k, not divided;
+# with it: divided; DeepSeek-V2: softmax, group-limited (max), not renormalised, scaled; DeepSeek-V3: sigmoid,
+# selection on sigmoid + correction bias within the best groups (top-2 sum), renormalised, scaled; gpt-oss: top-k of
+# the biased logits, softmax over the k.
+ROUTING_CASES = {
+    "mixtral": (dict(routing=0), True, "select the top-2 logits; weights: softmax of the k selected logits, "
+                "renormalised (sum 1)"),
+    "qwen3_no_norm": (dict(routing=1), False, "select the top-2 softmax scores; weights: softmax over all experts, "
+                      "not renormalised"),
+    "qwen3_norm": (dict(routing=1, norm_topk=1), True, "select the top-2 softmax scores; weights: softmax over all "
+                   "experts, renormalised (sum 1)"),
+    "deepseek_v2": (dict(routing=1, n_group=4, topk_group=2, group_score=1, routed_scaling_factor=16.0), False,
+                    "select the top-2 softmax scores, within the best 2 of 4 groups (group score max); weights: "
+                    "softmax over all experts, not renormalised, x 16"),
+    "deepseek_v3": (dict(routing=2, norm_topk=1, correction_bias=1, n_group=4, topk_group=2, group_score=2,
+                         routed_scaling_factor=2.5), True,
+                    "select the top-2 sigmoid scores + correction bias, within the best 2 of 4 groups (group score "
+                    "top2_sum); weights: sigmoid, renormalised (sum 1), x 2.5"),
+    "gpt_oss": (dict(routing=0, router_bias=1), True, "select the top-2 logits (router bias on the logits); weights: "
+                "softmax of the k selected logits, renormalised (sum 1)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTING_CASES))
+def test_inspect_routing_facts_are_true_for_every_scheme(tmp_path, capsys, case):
+    """The shown routing facts say what the routing computes: a Mixtral file (routing topk_softmax, whose
+    norm_topk field must be 0) is shown renormalised; and the reference engine's weights agree (sum 1 or not)."""
+    import numpy as np
+
+    from colibri_sdk.reference import route_v2
+
+    fields, renormalized, text = ROUTING_CASES[case]
+    h, path = _v2_file(tmp_path, case, **fields)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)["routing"]
+    assert facts["renormalized"] is renormalized and facts["text"] == text
+    logits = np.random.default_rng(2).standard_normal((16, 8))
+    bias = np.linspace(-0.1, 0.1, 8) if h.correction_bias else None
+    _, weights = route_v2(logits, h, bias)
+    sums = weights.sum(axis=-1) / h.routed_scaling_factor
+    assert np.allclose(sums, 1.0, atol=1e-9) is renormalized
+    assert cli.main(["inspect", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"  routing_rule             {text}" in lines
+    norm_line = next(line for line in lines if line.startswith("  norm_topk "))
+    assert ("implied (routing topk_softmax" in norm_line) is (fields["routing"] == 0)
+    if fields["routing"] != 0:
+        assert norm_line.split()[1] == str(bool(fields.get("norm_topk")))
+
+
+def test_inspect_v1_routing_facts(small_file, capsys):
+    path, _, _ = small_file  # v1, routing 0 (Mixtral)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["routing"]["renormalized"] is True
