@@ -2,14 +2,17 @@
 
 1. Time to build every shipped profile from scratch with the demo model (goal: all of them in <= 30 s on 2 cores):
    per profile (every compiled shape of it), the wall time of a whole `build_bundle` and of the NVRTC compilation alone, with 1 and with 2
-   parallel NVRTC compilations.
+   parallel NVRTC compilations; and the same build again through a warm NVRTC cache (`colibri_sdk.aot.cache`,
+   a cache folder of its own, filled by the first build of the run): the time a rebuild with nothing changed takes.
+   The other builds run without the cache.
 2. Peak memory of a build against the size of its weights (goal: flat, the build streams the weights): two
    Mixtral-like models with the same tensor shapes (hidden 4096, 8 experts, top-2) and 1 and 4 layers, each built
    for the orin profile (fp16) in a fresh process, once from fp16 weights (copied) and once from fp32 weights
    (converted to fp16). Printed: the peak resident set (VmHWM) of the build process, peak ÷ weights, and the
    growth of the peak per byte of weights between the two sizes (0 = flat).
 
-    python bench/build_bench.py [--repeat 3] [--small-gb 0.3] [--large-gb 1.2] [--out bench/results/build_bench.txt]
+    python bench/build_bench.py [--repeat 3] [--small-gb 0.3] [--large-gb 1.2] [--no-memory]
+                                [--out bench/results/build_bench.txt]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_sdk.aot.cache import NvrtcCache
 from colibri_sdk.bundle.writer import build_bundle
 from colibri_sdk.aot.kernels import compile_catalog
 from colibri_sdk.aot.nvrtc import nvrtc_version
@@ -51,7 +55,7 @@ def status_mb(key):
 
 profile = load_profile("orin")
 base = status_mb("VmRSS")
-result = build_bundle(profile, sys.argv[2], sys.argv[1], force=True)
+result = build_bundle(profile, sys.argv[2], sys.argv[1], force=True, nvrtc_cache=False)
 print(json.dumps({"base_mb": base, "peak_mb": status_mb("VmHWM"), "converted": result.converted}))
 """
 
@@ -112,6 +116,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--small-gb", type=float, default=0.3, help="weights of the small model (fp16 GB)")
     parser.add_argument("--large-gb", type=float, default=1.2, help="weights of the large model (fp16 GB)")
+    parser.add_argument("--no-memory", action="store_true", help="section 1 only (build times)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "build_bench.txt"))
     args = parser.parse_args()
 
@@ -120,15 +125,18 @@ def main() -> int:
         f"build_bench: {len(packaged_names())} shipped profiles, demo model, NVRTC {major}.{minor}, "
         f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}, repeat {args.repeat}",
         "seconds, best of the repeats (median)",
-        f"{'profile':<10} {'compile, 1 worker':>26} {'compile, 2 workers':>26} {'whole build, 2 workers':>26}  shapes",
+        f"{'profile':<10} {'compile, 1 worker':>26} {'compile, 2 workers':>26} {'whole build, 2 workers':>26} "
+        f"{'rebuild, warm cache':>26}  shapes",
     ]
     print("\n".join(lines))
-    totals = {"c1": [], "c2": [], "b2": []}
+    totals = {"c1": [], "c2": [], "b2": [], "bc": []}
     with tempfile.TemporaryDirectory(prefix="colibri-build-bench-") as tmp:
+        cache = NvrtcCache(Path(tmp) / "nvrtc-cache")
         for name in packaged_names():
             profile = load_profile(name)
             header = demo_header(profile.dtype)
-            times = {"c1": [], "c2": [], "b2": []}
+            times = {"c1": [], "c2": [], "b2": [], "bc": []}
+            build_bundle(profile, Path(tmp) / name, workers=2, force=True, nvrtc_cache=cache)  # fills the cache
             for _ in range(args.repeat):
                 for key, workers in (("c1", 1), ("c2", 2)):
                     start = time.perf_counter()
@@ -136,23 +144,30 @@ def main() -> int:
                         compile_catalog(profile.for_shape(batch, tokens), header, workers=workers)
                     times[key].append(time.perf_counter() - start)
                 start = time.perf_counter()
-                build_bundle(profile, Path(tmp) / name, workers=2, force=True)
+                build_bundle(profile, Path(tmp) / name, workers=2, force=True, nvrtc_cache=False)
                 times["b2"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                build_bundle(profile, Path(tmp) / name, workers=2, force=True, nvrtc_cache=cache)
+                times["bc"].append(time.perf_counter() - start)
             for key in totals:
                 totals[key].append(min(times[key]))
             shapes = ",".join(f"{b}x{t}" for b, t in profile.shapes)
-            line = f"{name:<10} {best(times['c1']):>26} {best(times['c2']):>26} {best(times['b2']):>26}  {shapes}"
+            line = (f"{name:<10} {best(times['c1']):>26} {best(times['c2']):>26} {best(times['b2']):>26} "
+                    f"{best(times['bc']):>26}  {shapes}")
             print(line)
             lines.append(line)
     total = (
-        f"{'all':<10} {sum(totals['c1']):>26.2f} {sum(totals['c2']):>26.2f} {sum(totals['b2']):>26.2f}\n"
+        f"{'all':<10} {sum(totals['c1']):>26.2f} {sum(totals['c2']):>26.2f} {sum(totals['b2']):>26.2f} "
+        f"{sum(totals['bc']):>26.2f}\n"
         f"all shipped profiles built in {sum(totals['b2']):.2f} s (goal <= 30 s); compile speed-up of 2 workers over 1: "
-        f"{sum(totals['c1']) / sum(totals['c2']):.2f}x"
+        f"{sum(totals['c1']) / sum(totals['c2']):.2f}x; a rebuild through a warm NVRTC cache takes "
+        f"{sum(totals['bc']) / sum(totals['b2']):.3f}x the time of a build without it"
     )
     print(total)
     lines.append(total)
-    with tempfile.TemporaryDirectory(prefix="colibri-build-mem-") as tmp:
-        lines += memory_rows(Path(tmp), args.small_gb, args.large_gb)
+    if not args.no_memory:
+        with tempfile.TemporaryDirectory(prefix="colibri-build-mem-") as tmp:
+            lines += memory_rows(Path(tmp), args.small_gb, args.large_gb)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     return 0

@@ -66,8 +66,9 @@ def check_resources(spec: catalog.KernelSpec, resources: dict, profile) -> None:
             )
 
 
-def compile_kernel(spec: catalog.KernelSpec, profile, header, kernel_dir: Path) -> CompiledKernel:
-    """Compile and check one catalogue kernel for `profile` (a `colibri_sdk.profile.Profile`).
+def compile_kernel(spec: catalog.KernelSpec, profile, header, kernel_dir: Path, cache=None) -> CompiledKernel:
+    """Compile and check one catalogue kernel for `profile` (a `colibri_sdk.profile.Profile`), through `cache` (an
+    `colibri_sdk.aot.cache.NvrtcCache`) when given. The checks run on cached output as on fresh output.
 
     Raises:
         CompileError: the source is missing, NVRTC fails (log with file and line), the cubin names another SM, or
@@ -79,13 +80,15 @@ def compile_kernel(spec: catalog.KernelSpec, profile, header, kernel_dir: Path) 
     except OSError as exc:
         raise CompileError(f"kernel source {path} cannot be read: {exc.strerror}") from exc
     defines = catalog.compile_defines(profile.to_dict(), header)
-    output = compile_source(source, spec.source, profile.arch, defines, [Path(kernel_dir)], toolkit=profile.toolkit)
+    compile_fn = compile_source if cache is None else cache.compile_source
+    output = compile_fn(source, spec.source, profile.arch, defines, [Path(kernel_dir)], toolkit=profile.toolkit)
     check_cubin_arch(output.cubin, profile.arch, f"{spec.source} cubin")
     check_resources(spec, output.resources, profile)
     return CompiledKernel(spec, defines, output)
 
 
-def compile_catalog(profile, header, kernel_dir: Path | None = None, workers: int = 2) -> list[CompiledKernel]:
+def compile_catalog(profile, header, kernel_dir: Path | None = None, workers: int = 2,
+                    cache=None) -> list[CompiledKernel]:
     """Compile the catalogue kernels of `profile` (`catalog.kernels_for`: the capacity kernel only with a
     `capacity`), in catalogue order.
 
@@ -94,14 +97,16 @@ def compile_catalog(profile, header, kernel_dir: Path | None = None, workers: in
         header: the weights' `colibri_sdk.format.Header` (sizes become compile-time constants).
         kernel_dir: folder of the .cu sources; default `catalog.kernel_dir()`.
         workers: NVRTC compilations run at once (NVRTC programs are independent; the calls release the GIL).
+        cache: an `NvrtcCache` to answer and keep compilations (None: NVRTC runs for every kernel).
 
     Raises:
         CompileError: see `compile_kernel`; the first failure in catalogue order is raised.
     """
     folder = Path(kernel_dir) if kernel_dir is not None else catalog.kernel_dir()
     if workers <= 1:
-        return [compile_kernel(spec, profile, header, folder) for spec in catalog.kernels_for(profile.to_dict())]
+        return [compile_kernel(spec, profile, header, folder, cache)
+                for spec in catalog.kernels_for(profile.to_dict())]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(compile_kernel, spec, profile, header, folder)
+        futures = [pool.submit(compile_kernel, spec, profile, header, folder, cache)
                    for spec in catalog.kernels_for(profile.to_dict())]
         return [f.result() for f in futures]

@@ -476,11 +476,11 @@ def make_manifest(
 
 
 def _build_shape(root: Path, profile, header: Header, batch: int, tokens: int, tag: str, kernel_dir, workers: int,
-                 progress: Progress, steps) -> ShapeBuild:
+                 progress: Progress, steps, cache=None) -> ShapeBuild:
     """Compile, plan and self-test one shape: the catalogue functions get a copy of the profile with this scalar
     shape (`Profile.for_shape`); its kernel images and self-test vectors are written under `root`."""
     sub = profile.for_shape(batch, tokens)
-    kernels = compile_catalog(sub, header, kernel_dir, workers=workers)
+    kernels = compile_catalog(sub, header, kernel_dir, workers=workers, cache=cache)
     plan = catalog.launch_plan(sub.to_dict(), header)
     check_launch_plan(plan, kernels, sub)
     entries = [_kernel_entry(k, profile.arch, tag) for k in kernels]
@@ -516,7 +516,7 @@ class _Steps:
 
 
 def _write_contents(
-    root: Path, profile, weights: Path | None, kernel_dir: Path | None, workers: int, progress: Progress
+    root: Path, profile, weights: Path | None, kernel_dir: Path | None, workers: int, progress: Progress, cache=None
 ) -> tuple[dict, list[CompiledKernel], str]:
     """Write every bundle file under `root` and return (manifest, compiled kernels, the weights' source dtype)."""
     (root / "kernels").mkdir()
@@ -549,7 +549,7 @@ def _write_contents(
     # The largest shape keeps the single-shape file names (it is the top-level one); the others' carry their tag.
     largest = profile.shapes[-1]
     shapes = [_build_shape(root, profile, header, b, t, "" if (b, t) == largest else shape_tag(b, t), kernel_dir,
-                           workers, progress, steps) for b, t in profile.shapes]
+                           workers, progress, steps, cache) for b, t in profile.shapes]
     manifest = make_manifest(profile, header, shapes, root, digests, model_top_k)
     (root / MANIFEST).write_bytes(canonical_json(manifest))
     steps.done("manifest: written")
@@ -643,6 +643,15 @@ def _check_force(out: Path, archive: bool, force: bool) -> None:
         raise BundleError(f"{tar} exists; refusing to replace the archive without --force (or choose another -o)")
 
 
+def _nvrtc_cache(choice):
+    """build_bundle's `nvrtc_cache` argument → an NvrtcCache or None."""
+    from ..aot.cache import NvrtcCache
+
+    if choice is True:
+        return NvrtcCache()
+    return choice or None
+
+
 def build_bundle(
     profile,
     out: str | os.PathLike,
@@ -653,6 +662,7 @@ def build_bundle(
     workers: int = 2,
     force: bool = False,
     progress: Progress | None = None,
+    nvrtc_cache=True,
 ) -> BuildResult:
     """Build a bundle for `profile` into the folder `out`.
 
@@ -668,6 +678,8 @@ def build_bundle(
         force: replace an earlier bundle at `out` (and its archive).
         progress: called as `progress(step, done_bytes, total_bytes)` during the steps that read or write the
             weights ("weights", "sha256", "self-test"); see `Progress`.
+        nvrtc_cache: True = the NVRTC cache at `colibri_sdk.aot.cache.default_cache_dir()`; an `NvrtcCache`; or
+            False / None = run NVRTC for every kernel. The bundle's bytes are the same either way.
 
     Raises:
         CompileError: top_k above catalog.MAX_TOP_K (before compiling), NVRTC, the cubin's SM, spills, shared
@@ -694,7 +706,7 @@ def build_bundle(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         manifest, kernels, source_dtype = _write_contents(
-            tmp, profile, weights, kernel_dir, workers, progress or _no_progress
+            tmp, profile, weights, kernel_dir, workers, progress or _no_progress, _nvrtc_cache(nvrtc_cache)
         )
         tmp.chmod(0o755)
         _place(tmp, out)

@@ -34,6 +34,9 @@ def register(sub) -> None:
                    "kernel set, launch plan and CUDA Graph per batch x tokens pair")
     p.add_argument("--top-k", type=int, metavar="K",
                    help="experts per token in place of the model's own k (recorded in the manifest; docs/build.md)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="run NVRTC for every kernel, neither reading nor writing the NVRTC cache "
+                   "($COLIBRI_CACHE_DIR, default ${XDG_CACHE_HOME:-~/.cache}/colibri-sdk/nvrtc; docs/build.md)")
     # --kernels DIR: compile the kernel sources of another folder (kernel development); not in --help.
     p.add_argument("--kernels", metavar="DIR", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -79,6 +82,7 @@ def blame_flags(exc, source: str, flags: list[str]):
 
 
 def run(args) -> int:
+    from ..aot.cache import NvrtcCache
     from ..bundle.writer import build_bundle
     from ..errors import ProfileError
     from ..profile import load_profile
@@ -109,9 +113,10 @@ def run(args) -> int:
 
             profile = Profile.from_dict({**profile.to_dict(), **overrides}, profile.source)
         out = Path(args.output) if args.output else Path("bundles") / profile.stem
+        cache = None if args.no_cache else NvrtcCache()
         with StepBars(quiet=args.quiet, desc_prefix="build: ") as bars:
             result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive,
-                                  force=args.force, progress=bars)
+                                  force=args.force, progress=bars, nvrtc_cache=cache or False)
     except ProfileError as exc:
         blamed = blame_flags(exc, profile.source, flags)
         if blamed is exc:
@@ -146,6 +151,11 @@ def run(args) -> int:
     total = sum(f["size"] for f in m["files"])
     print(f"  {len(m['files'])} files + manifest, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass"
           + (" (the largest shape)" if len(m.get("shapes") or []) > 1 else ""))
+    if cache is None:
+        print("  nvrtc cache: not used (--no-cache)")
+    else:
+        print(f"  nvrtc cache: {cache.hits} of {cache.hits + cache.misses} compilations from the cache "
+              f"({cache.folder})")
     if result.archive is not None:
         print(f"  archive: {result.archive}")
     print(f"  built in {time.perf_counter() - start:.2f} s")

@@ -1,0 +1,203 @@
+"""A content-addressed cache of NVRTC output, so that a rebuild compiles only what changed (docs/build.md,
+"NVRTC cache").
+
+An entry is keyed by a sha256 of everything that decides the cubin and PTX bytes: the entry format, the NVRTC
+version, the target arch, the CUDA major the profile asks for, the NVRTC options in order (`-arch`, the standard,
+every `-I` folder, every `-D` constant), the source's name and bytes, and the name and bytes of every file under
+each include folder (the kernels folder with `common.cuh`, and the CUDA headers when they are installed). The same
+key therefore always stands for the same NVRTC input, and NVRTC gives the same bytes for the same input: a bundle
+built through the cache is bit-identical to one built without it (tests/build/test_nvrtc_cache.py).
+
+Location: `$COLIBRI_CACHE_DIR` when set, else `${XDG_CACHE_HOME:-~/.cache}/colibri-sdk/nvrtc`. One file per
+entry, `<key>.nvrtc`:
+
+    b"colibri-nvrtc-cache 1\\n"          the format line
+    64 hex digits + b"\\n"                sha256 of everything after this line
+    8 bytes little-endian: n            the length of the JSON meta that follows
+    meta (n bytes, UTF-8 JSON)          {"key", "cubin_bytes", "ptx_bytes", "log", "options"}
+    cubin bytes, then PTX bytes
+
+An entry is written to a temporary file in the cache folder and renamed into place (`os.replace`, atomic on POSIX):
+a reader sees a whole entry or none. An entry whose format line, digest, key or sizes do not match (truncated,
+corrupt, or another key's) is ignored, compiled again and replaced: the cache never hands out a wrong cubin. A
+cache folder that cannot be written makes the build compile as if there were no cache (one warning).
+
+No library is used: an entry is a file named by a digest; none of the packages this project depends on offers a
+content-addressed file cache, and the ones that do (diskcache, joblib.Memory) would add a dependency, pickles or a
+SQLite index for what `hashlib`, `os.replace` and one folder do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import threading
+from pathlib import Path
+
+from . import nvrtc
+from .nvrtc import CompiledSource, compile_options
+
+log = logging.getLogger(__name__)
+
+FORMAT_LINE = b"colibri-nvrtc-cache 1\n"
+SUFFIX = ".nvrtc"
+ENV_DIR = "COLIBRI_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """`$COLIBRI_CACHE_DIR`, else `$XDG_CACHE_HOME/colibri-sdk/nvrtc`, else `~/.cache/colibri-sdk/nvrtc` (an empty
+    variable counts as unset; a relative XDG_CACHE_HOME is ignored, as the XDG base directory specification says)."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path("~/.cache").expanduser()
+    return base / "colibri-sdk" / "nvrtc"
+
+
+_folder_digests: dict[tuple, str] = {}
+_folder_lock = threading.Lock()
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 of the relative path and bytes of every file under `folder` (sorted; "" when it is not a folder).
+    Remembered per process for an unchanged listing (path, size and mtime of every file)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return ""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    listing = tuple((p.relative_to(folder).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    memo = (str(folder.resolve()), listing)
+    with _folder_lock:
+        if memo in _folder_digests:
+            return _folder_digests[memo]
+    digest = hashlib.sha256()
+    for path, (rel, _, _) in zip(files, listing):
+        data = path.read_bytes()
+        digest.update(rel.encode() + b"\0" + struct.pack("<Q", len(data)) + data)
+    with _folder_lock:
+        _folder_digests[memo] = digest.hexdigest()
+    return _folder_digests[memo]
+
+
+def cache_key(source: str, name: str, arch: str, defines: dict | None, include_dirs, toolkit: int | None) -> str:
+    """The sha256 (64 hex digits) of one NVRTC compilation's input, as `nvrtc.compile_source` would run it."""
+    headers = nvrtc.find_cuda_include_dir()
+    dirs = [Path(d) for d in (include_dirs or [])] + ([headers] if headers else [])
+    record = {
+        "format": FORMAT_LINE.decode().strip(),
+        "nvrtc": list(nvrtc.nvrtc_version()),
+        "arch": arch,
+        "toolkit": toolkit,
+        "options": compile_options(arch, defines or {}, dirs),
+        "name": name,
+        "source": hashlib.sha256(source.encode()).hexdigest(),
+        "includes": [[str(d), folder_digest(d)] for d in dirs],
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def encode_entry(key: str, out: CompiledSource) -> bytes:
+    """The bytes of the entry file for `out` (layout in the module docstring)."""
+    meta = json.dumps({"key": key, "cubin_bytes": len(out.cubin), "ptx_bytes": len(out.ptx), "log": out.log,
+                       "options": list(out.options)}, sort_keys=True).encode()
+    body = struct.pack("<Q", len(meta)) + meta + out.cubin + out.ptx
+    return FORMAT_LINE + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+
+
+def decode_entry(data: bytes, key: str) -> CompiledSource | None:
+    """The CompiledSource an entry file holds, or None when it is not a whole, intact entry for `key`."""
+    head = len(FORMAT_LINE) + 65
+    if len(data) < head + 8 or not data.startswith(FORMAT_LINE) or data[head - 1:head] != b"\n":
+        return None
+    body = data[head:]
+    if hashlib.sha256(body).hexdigest().encode() != data[len(FORMAT_LINE):head - 1]:
+        return None
+    (n,) = struct.unpack("<Q", body[:8])
+    try:
+        meta = json.loads(body[8:8 + n])
+        cubin_bytes, ptx_bytes = int(meta["cubin_bytes"]), int(meta["ptx_bytes"])
+        ok = meta["key"] == key and 8 + n + cubin_bytes + ptx_bytes == len(body) and min(cubin_bytes, ptx_bytes) >= 0
+        logtext, options = str(meta["log"]), tuple(str(o) for o in meta["options"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    if not ok:
+        return None
+    cubin = body[8 + n:8 + n + cubin_bytes]
+    ptx = body[8 + n + cubin_bytes:]
+    return CompiledSource(cubin, ptx, logtext, nvrtc.parse_resources(logtext), options)
+
+
+class NvrtcCache:
+    """NVRTC output by content (`cache_key`), one file per entry in `folder`; thread-safe.
+
+    Attributes:
+        folder: where the entries live (`default_cache_dir()` unless given).
+        hits, misses: compilations answered from the cache / run by NVRTC (a corrupt entry counts as a miss).
+    """
+
+    def __init__(self, folder: str | os.PathLike | None = None):
+        self.folder = Path(folder) if folder is not None else default_cache_dir()
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def path(self, key: str) -> Path:
+        """The entry file of `key`."""
+        return self.folder / f"{key}{SUFFIX}"
+
+    def get(self, key: str) -> CompiledSource | None:
+        """The entry of `key`, or None when it is missing or not intact (then it is logged at debug level)."""
+        try:
+            data = self.path(key).read_bytes()
+        except OSError:
+            return None
+        found = decode_entry(data, key)
+        if found is None:
+            log.debug("nvrtc cache: ignoring the damaged entry %s (compiled again)", self.path(key))
+        return found
+
+    def put(self, key: str, out: CompiledSource) -> None:
+        """Write the entry of `key` atomically (a temporary file renamed into place); a folder that cannot be
+        written is warned about once and otherwise ignored."""
+        tmp = None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key[:16]}-", suffix=".tmp")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(encode_entry(key, out))
+            os.replace(tmp, self.path(key))
+            tmp = None
+        except OSError as exc:
+            with self._lock:
+                warn, self._warned = not self._warned, True
+            if warn:
+                log.warning("nvrtc cache: cannot write to %s (%s); compiling without the cache",
+                            self.folder, exc.strerror or exc)
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+    def compile_source(self, source: str, name: str, arch: str, defines: dict | None = None,
+                       include_dirs=None, toolkit: int | None = None) -> CompiledSource:
+        """`nvrtc.compile_source` answered from the cache when the same input was compiled before; a successful
+        compilation is stored (a failure raises CompileError every time and stores nothing).
+
+        Raises:
+            CompileError: as `nvrtc.compile_source`.
+        """
+        key = cache_key(source, name, arch, defines, include_dirs, toolkit)
+        found = self.get(key)
+        if found is not None:
+            with self._lock:
+                self.hits += 1
+            return found
+        out = nvrtc.compile_source(source, name, arch, defines, include_dirs, toolkit=toolkit)
+        with self._lock:
+            self.misses += 1
+        self.put(key, out)
+        return out
