@@ -175,7 +175,10 @@ static int cmd_errors(const char *bundle) {
     CHECK(!strcmp(colibri_status_name(42), "COLIBRI_ERR_UNKNOWN"), "unknown status name");
     CHECK(COLIBRI_OK == 0 && COLIBRI_ERR_INVALID_ARG == 1 && COLIBRI_ERR_BUNDLE == 2 && COLIBRI_ERR_NO_DRIVER == 3 &&
           COLIBRI_ERR_UNSUPPORTED_DEVICE == 4 && COLIBRI_ERR_CUDA == 5 && COLIBRI_ERR_OUT_OF_MEMORY == 6 &&
-          COLIBRI_ERR_STATE == 7 && COLIBRI_ERR_ABI == 8, "the status codes are stable integers");
+          COLIBRI_ERR_STATE == 7 && COLIBRI_ERR_ABI == 8 && COLIBRI_ERR_NONFINITE_OUTPUT == 9,
+          "the status codes are stable integers");
+    CHECK(!strcmp(colibri_status_name(COLIBRI_ERR_NONFINITE_OUTPUT), "COLIBRI_ERR_NONFINITE_OUTPUT"), "status name 9");
+    CHECK(COLIBRI_ABI_MINOR >= 2u, "COLIBRI_ABI_MINOR %u: the non-finite output code is an addition", COLIBRI_ABI_MINOR);
 
     colibri_config cfg = COLIBRI_CONFIG_INIT;
     cfg.bundle_dir = bundle;
@@ -270,6 +273,51 @@ static int cmd_errors(const char *bundle) {
     free(y);
     free(len);
     printf("{\"passed\": %s}\n", g_failures ? "false" : "true");
+    return g_failures ? 1 : 0;
+}
+
+/* ---- nonfinite: a finite input that overflows inside a layer ----------------------------------------------------- */
+static void json_string(const char *s);
+
+static int cmd_nonfinite(const char *bundle) {
+    colibri_ctx *ctx = open_ctx(bundle, 0);
+    if (!ctx) return 1;
+    colibri_io io;
+    EXPECT(colibri_io_info(ctx, &io), COLIBRI_OK);
+    size_t nx = 0;
+    float *x = selftest(bundle, "input", &nx);
+    const size_t n = (size_t)io.batch * io.tokens * io.hidden;
+    CHECK(x && nx == n && io.tokens >= 2, "self-test input of %zu values, tokens %u", nx, io.tokens);
+    if (g_failures) return 1;
+    float *y = malloc(io.output_bytes);
+    for (size_t i = 0; i < io.hidden; i++) x[io.hidden + i] = 1e19f; /* batch 0, token 1: finite, overflows float32 */
+    EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_ERR_NONFINITE_OUTPUT);
+    char message[1024];
+    snprintf(message, sizeof message, "%s", colibri_last_error(ctx));
+    int filled = 0; /* y holds the output as computed: non-finite at the bad token, finite elsewhere */
+    for (size_t i = 0; i < io.hidden; i++) filled |= !isfinite(y[io.hidden + i]);
+    CHECK(filled, "y was not filled with the computed (non-finite) values");
+    for (size_t i = 0; i < io.hidden; i++) CHECK(isfinite(y[i]), "token 0 column %zu: %g", i, (double)y[i]);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_ERR_NONFINITE_OUTPUT); /* asked again: the same */
+    int32_t *len = malloc(io.batch * sizeof *len);
+    for (uint32_t b = 0; b < io.batch; b++) len[b] = (int32_t)io.tokens;
+    len[0] = 1; /* token 1 of batch 0 is padding now: its input is ignored and its output is zero */
+    EXPECT(colibri_set_input(ctx, x, len, io.batch), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+    for (size_t i = 0; i < io.hidden; i++) x[io.hidden + i] = 0.5f;
+    EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK); /* a finite output again */
+    printf("{\"passed\": %s, \"message\": ", g_failures ? "false" : "true");
+    json_string(message);
+    printf("}\n");
+    free(x);
+    free(y);
+    free(len);
+    colibri_free(ctx);
     return g_failures ? 1 : 0;
 }
 
@@ -617,12 +665,13 @@ static int cmd_shapes(const char *bundle, const char *dir, int argc, char **argv
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: colibri_test run|errors|init|bind|threads|fuzz|dropped|shapes BUNDLE ...\n");
+        fprintf(stderr, "usage: colibri_test run|errors|nonfinite|init|bind|threads|fuzz|dropped|shapes BUNDLE ...\n");
         return 2;
     }
     const char *cmd = argv[1], *bundle = argv[2];
     if (!strcmp(cmd, "run")) return cmd_run(bundle, argc - 3, argv + 3);
     if (!strcmp(cmd, "errors")) return cmd_errors(bundle);
+    if (!strcmp(cmd, "nonfinite")) return cmd_nonfinite(bundle);
     if (!strcmp(cmd, "init") && argc >= 4) return cmd_init(bundle, atoi(argv[3]), argc >= 5 ? argv[4] : NULL);
     if (!strcmp(cmd, "bind")) return cmd_bind(bundle);
     if (!strcmp(cmd, "dropped") && argc >= 4) return cmd_dropped(bundle, argv[3], argc - 4, argv + 4);

@@ -44,9 +44,10 @@ extern "C" {
 
 /* Bumped when a struct layout or a call's meaning changes incompatibly. */
 #define COLIBRI_ABI_VERSION 1u
-/* Bumped when calls or structs are only added (a program built against a lower minor links and runs unchanged):
- * 1 = the compiled shapes (colibri_set_input_shape, colibri_shape_count / _at / _for, colibri_last_shape). */
-#define COLIBRI_ABI_MINOR 1u
+/* Bumped when calls, structs or status codes are only added (a program built against a lower minor links and runs
+ * unchanged): 1 = the compiled shapes (colibri_set_input_shape, colibri_shape_count / _at / _for,
+ * colibri_last_shape); 2 = COLIBRI_ERR_NONFINITE_OUTPUT (colibri_get_output checks the output). */
+#define COLIBRI_ABI_MINOR 2u
 
 /* Status codes: stable integers. */
 enum {
@@ -63,7 +64,8 @@ enum {
     COLIBRI_ERR_OUT_OF_MEMORY = 6,      /* host or device allocation failed */
     COLIBRI_ERR_STATE = 7,              /* call out of order: infer before any input, get_output before infer,
                                            get_output while the output is bound to a device pointer */
-    COLIBRI_ERR_ABI = 8                 /* config.struct_size or config.abi_version differs from this library's */
+    COLIBRI_ERR_ABI = 8,                /* config.struct_size or config.abi_version differs from this library's */
+    COLIBRI_ERR_NONFINITE_OUTPUT = 9    /* colibri_get_output: NaN/Inf at a valid output position (minor 2) */
 };
 
 /* config.flags */
@@ -151,7 +153,10 @@ COLIBRI_API int colibri_infer(colibri_ctx *ctx);
 
 /* Copy the output of the last infer into y: float32 (batch, tokens, hidden) of that call's input (output_bytes after
  * colibri_set_input; batch * tokens * hidden * 4 after colibri_set_input_shape); y_bytes must equal it.
- * Waits for the stream first. COLIBRI_ERR_STATE before any infer or while the output is bound. */
+ * Waits for the stream first. COLIBRI_ERR_STATE before any infer or while the output is bound.
+ * COLIBRI_ERR_NONFINITE_OUTPUT: NaN or Inf at a valid position (e.g. a finite input near 1e19 overflowing float32
+ * inside an expert; the Python runtime's NonFiniteOutputError): y is still filled, the message names how many
+ * positions and the first (batch, token). Positions past a sequence's length are zeros and not checked. */
 COLIBRI_API int colibri_get_output(colibri_ctx *ctx, float *y, size_t y_bytes);
 
 /* Use caller device memory for the input and/or the output (CUdeviceptr values; 0 keeps the pinned host buffer):

@@ -34,7 +34,8 @@ uint32_t colibri_abi_version(void) { return COLIBRI_ABI_VERSION; }
 const char *colibri_status_name(int status) {
     static const char *names[] = {"COLIBRI_OK", "COLIBRI_ERR_INVALID_ARG", "COLIBRI_ERR_BUNDLE",
                                   "COLIBRI_ERR_NO_DRIVER", "COLIBRI_ERR_UNSUPPORTED_DEVICE", "COLIBRI_ERR_CUDA",
-                                  "COLIBRI_ERR_OUT_OF_MEMORY", "COLIBRI_ERR_STATE", "COLIBRI_ERR_ABI"};
+                                  "COLIBRI_ERR_OUT_OF_MEMORY", "COLIBRI_ERR_STATE", "COLIBRI_ERR_ABI",
+                                  "COLIBRI_ERR_NONFINITE_OUTPUT"};
     if (status < 0 || status >= (int)(sizeof names / sizeof names[0])) return "COLIBRI_ERR_UNKNOWN";
     return names[status];
 }
@@ -342,11 +343,27 @@ static int get_output_locked(colibri_ctx *c, float *y, size_t y_bytes) {
         return rc;
     }
     const size_t per_seq = (size_t)c->shapes[c->out_shape].tokens * row; /* the shape's layout in out_host */
+    size_t bad = 0, first_b = 0, first_t = 0;
     for (int b = 0; b < c->out_batch; b++) {
         const size_t valid = (size_t)c->out_lengths[b] * row;
         memcpy(y + b * tokens * row, c->out_host + b * per_seq, valid * sizeof(float));
         memset(y + b * tokens * row + valid, 0, (tokens * row - valid) * sizeof(float));
+        /* NaN/Inf at a valid position (exponent bits all ones), counted per position as the Python runtime's
+         * NonFiniteOutputError does (sdk/runtime/runtime.py _nonfinite_output) */
+        const uint32_t *bits = (const uint32_t *)(y + b * tokens * row);
+        for (size_t t = 0; t < (size_t)c->out_lengths[b]; t++)
+            for (size_t i = 0; i < row; i++)
+                if ((bits[t * row + i] & 0x7F800000u) == 0x7F800000u) {
+                    if (!bad++) first_b = (size_t)b, first_t = t;
+                    break;
+                }
     }
+    if (bad)
+        return cb_fail(&c->err, COLIBRI_ERR_NONFINITE_OUTPUT, "colibri_get_output: the output is non-finite (NaN or "
+                       "Inf) at %zu valid position%s, first at (batch %zu, token %zu), from %s: a value overflowed the "
+                       "float type inside a layer (float32's largest is 3.4e38), or a kernel result is wrong; y holds "
+                       "the output as computed", bad, bad == 1 ? "" : "s", first_b, first_t,
+                       c->bound_in ? "a device input (not checked on the host)" : "a finite input");
     return COLIBRI_OK;
 }
 

@@ -75,6 +75,63 @@ static int int_in(const cJSON *v, long long lo, long long hi, long long *out) {
 /* The context's shapes: the `shapes` entries but the last, then the largest from the top-level keys (a bundle
  * without `shapes` has only that one); each one's buffers and launch plan checked (the largest first, so a fault in
  * a top-level key is named as such), the buffer pool, then the largest against the last `shapes` entry. */
+/* The least bytes a buffer needs at shape s, for the buffers whose size follows from the shape and the weights'
+ * header alone (sdk/catalog.py device_buffers; T = batch * tokens, pairs = T * top_k): the kernels index them up to
+ * that size, so a recorded size below it would let them write outside the allocation. The buffers sized by the
+ * profile's kernel parameters (routing_partials, routing_counters, sorted_pairs, block_experts, down_counters) are
+ * not checked here; the Python reader compares every buffer with the catalogue. -1: no rule for this name. */
+static long long buffer_minimum(const char *name, const cb_header *h, long long shared, long long shared_inter,
+                                long long batch, long long tokens, char *why, size_t why_len) {
+    const long long T = batch * tokens, pairs = T * h->top_k;
+    static const struct { const char *name; int what; } rules[] = {
+        {"x0", 0}, {"x1", 0}, {"valid_tokens", 1}, {"topk_ids", 2}, {"topk_weights", 2}, {"act", 3},
+        {"expert_counts", 4}, {"expert_offsets", 5}, {"pair_out", 6}, {"capacity_rank", 7},
+        {"capacity_dropped", 8}, {"shared_act", 9}, {"shared_scale", 10}};
+    for (size_t i = 0; i < sizeof rules / sizeof rules[0]; i++) {
+        if (strcmp(name, rules[i].name)) continue;
+        switch (rules[i].what) {
+        case 0: snprintf(why, why_len, "tokens %lld x hidden %u float32", T, h->hidden_size); return T * h->hidden_size * 4;
+        case 1: snprintf(why, why_len, "batch %lld int32", batch); return batch * 4;
+        case 2: snprintf(why, why_len, "pairs %lld (tokens x top_k) x 4 bytes", pairs); return pairs * 4;
+        case 3:
+            snprintf(why, why_len, "pairs %lld x intermediate %u float32", pairs, h->intermediate_size);
+            return pairs * h->intermediate_size * 4;
+        case 4: snprintf(why, why_len, "experts %u int32", h->num_experts); return (long long)h->num_experts * 4;
+        case 5: snprintf(why, why_len, "experts + 1 = %u int32", h->num_experts + 1); return ((long long)h->num_experts + 1) * 4;
+        case 6: snprintf(why, why_len, "pairs %lld x hidden %u float32", pairs, h->hidden_size); return pairs * h->hidden_size * 4;
+        case 7: snprintf(why, why_len, "2 x pairs %lld int32", pairs); return 2 * pairs * 4;
+        case 8: snprintf(why, why_len, "layers %u int32", h->num_layers); return (long long)h->num_layers * 4;
+        case 9:
+            snprintf(why, why_len, "shared experts %lld x tokens %lld x shared intermediate %lld float32", shared, T,
+                     shared_inter);
+            return shared * T * shared_inter * 4;
+        default: snprintf(why, why_len, "tokens %lld float32", T); return T * 4;
+        }
+    }
+    return -1;
+}
+
+static int check_buffer_minimums(colibri_ctx *c, const cb_bundle *b, const shape_plan *s) {
+    const cJSON *weights = cJSON_GetObjectItemCaseSensitive(b->manifest, "weights");
+    const cJSON *header = weights ? cJSON_GetObjectItemCaseSensitive(weights, "header") : NULL;
+    long long shared = 0, shared_inter = 0; /* v2 fields (docs/format.md); a v1 header has none */
+    if (header) {
+        cb_json_int(header, "num_shared_experts", &shared);
+        cb_json_int(header, "shared_intermediate_size", &shared_inter);
+    }
+    char why[160];
+    for (size_t i = 0; i < s->n_buffers; i++) {
+        const long long need = buffer_minimum(s->buffers[i].name, &b->header, shared, shared_inter, s->batch,
+                                              s->tokens, why, sizeof why);
+        if (need >= 0 && s->buffers[i].size < need)
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %sbuffers.%s is %lld bytes; allowed: at least "
+                           "%lld (%s at batch %d x tokens %d, from the manifest's shape and weights.header as "
+                           "sdk/catalog.py device_buffers sizes it)", s->where, s->buffers[i].name,
+                           s->buffers[i].size, need, why, s->batch, s->tokens);
+    }
+    return COLIBRI_OK;
+}
+
 int cb_read_shapes(colibri_ctx *c, const cb_bundle *b) {
     const cJSON *entries = cJSON_GetObjectItemCaseSensitive(b->manifest, "shapes");
     const size_t n = entries ? (size_t)cJSON_GetArraySize(entries) : 1;
@@ -101,7 +158,8 @@ int cb_read_shapes(colibri_ctx *c, const cb_bundle *b) {
         shape_plan *s = &c->shapes[(k + n - 1) % n]; /* the largest first */
         s->valid_buf = s->dropped_buf = -1;
         s->io_bytes = (size_t)s->batch * (size_t)s->tokens * (size_t)c->hidden * sizeof(float);
-        if ((rc = cb_read_buffers(c, s)) || (rc = cb_walk_plan(c, b, s, 0))) return rc;
+        if ((rc = cb_read_buffers(c, s)) || (rc = check_buffer_minimums(c, b, s)) || (rc = cb_walk_plan(c, b, s, 0)))
+            return rc;
     }
     size_t total = 0;
     for (size_t k = 0; k < n; k++) total += c->shapes[k].n_buffers;
