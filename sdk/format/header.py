@@ -84,21 +84,15 @@ class Header:
             )
 
     # ---- bytes ------------------------------------------------------------------------------------------------
+    def packed_start(self) -> tuple:
+        """The values of bytes 0..21, in `HEADER_STRUCT` order: magic, version and the nine v1 fields (the start
+        v1 and v2 headers share)."""
+        return (MAGIC, self.version, self.num_layers, self.num_experts, self.top_k, self.hidden_size,
+                self.intermediate_size, self.dtype, self.routing, self.composition)
+
     def pack(self) -> bytes:
         """The 64 header bytes, little-endian, unused reserved bytes zero."""
-        head = struct.pack(
-            HEADER_STRUCT,
-            MAGIC,
-            self.version,
-            self.num_layers,
-            self.num_experts,
-            self.top_k,
-            self.hidden_size,
-            self.intermediate_size,
-            self.dtype,
-            self.routing,
-            self.composition,
-        )
+        head = struct.pack(HEADER_STRUCT, *self.packed_start())
         return head + bytes(HEADER_SIZE - len(head))
 
     @classmethod
@@ -109,12 +103,8 @@ class Header:
             FormatError: short header, bad magic, unknown version, dtype, routing or composition code, a size of
                 zero, top_k > num_experts, or a non-zero reserved byte this version does not define.
         """
-        if len(data) < HEADER_SIZE:
-            raise FormatError(f"file is {len(data)} bytes; a .colibri file starts with a {HEADER_SIZE}-byte header")
-        fields = struct.unpack_from(HEADER_STRUCT, data)
-        magic, version = fields[0], fields[1]
-        if magic != MAGIC:
-            raise FormatError(f"bad magic {magic!r}; expected {MAGIC!r}")
+        fields = unpack_start(data, HEADER_STRUCT)
+        version = fields[1]
         if version == VERSION_2:
             from .header_v2 import HeaderV2
 
@@ -227,6 +217,20 @@ class Header:
             "routing": ROUTING_NAMES[self.routing],
             "composition": COMPOSITION_NAMES[self.composition],
         }
+
+
+def unpack_start(data: bytes, layout: str) -> tuple:
+    """`struct.unpack_from(layout, data)` once the checks every header version shares have passed.
+
+    Raises:
+        FormatError: `data` is shorter than the 64-byte header, or its magic is not b"COLI".
+    """
+    if len(data) < HEADER_SIZE:
+        raise FormatError(f"file is {len(data)} bytes; a .colibri file starts with a {HEADER_SIZE}-byte header")
+    fields = struct.unpack_from(layout, data)
+    if fields[0] != MAGIC:
+        raise FormatError(f"bad magic {fields[0]!r}; expected {MAGIC!r}")
+    return fields
 
 
 def _hex(value) -> str:

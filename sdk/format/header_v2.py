@@ -45,7 +45,7 @@ from .constants import (
     VERSION_2,
     ZEROS_SUFFIX,
 )
-from .header import Header
+from .header import Header, unpack_start
 from .rules_v2 import check_experts, check_layer_map, check_routing, check_storage
 
 F32 = np.dtype("<f4")
@@ -176,16 +176,7 @@ class HeaderV2(Header):
         """The 64 header bytes (docs/format.md, v2 header table)."""
         return struct.pack(
             HEADER_V2_STRUCT,
-            MAGIC,
-            self.version,
-            self.num_layers,
-            self.num_experts,
-            self.top_k,
-            self.hidden_size,
-            self.intermediate_size,
-            self.dtype,
-            self.routing,
-            self.composition,
+            *self.packed_start(),
             *(getattr(self, name) for name in HEADER_V2_FIELDS),
             *(getattr(self, name) for name in HEADER_V2_FLOATS),
         )
@@ -203,11 +194,7 @@ class HeaderV2(Header):
             FormatError: short data, bad magic or version, any field outside its allowed set, a non-zero padding
                 byte after the layer map.
         """
-        if len(data) < HEADER_SIZE:
-            raise FormatError(f"file is {len(data)} bytes; a .colibri file starts with a {HEADER_SIZE}-byte header")
-        fields = struct.unpack_from(HEADER_V2_STRUCT, data)
-        if fields[0] != MAGIC:
-            raise FormatError(f"bad magic {fields[0]!r}; expected {MAGIC!r}")
+        fields = unpack_start(data, HEADER_V2_STRUCT)
         if fields[1] != VERSION_2:
             raise FormatError(f"unsupported version 0x{fields[1]:04x}; HeaderV2 reads 0x0200")
         layers = fields[2]

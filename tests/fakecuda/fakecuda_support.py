@@ -34,3 +34,38 @@ class FakeRun:
 
     def __repr__(self) -> str:
         return f"rc={self.rc}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
+
+
+def orin_profile_data(tokens: int, batch: int = 1) -> dict:
+    """The shipped Orin profile as a dict (a copy), at batch x tokens."""
+    import copy
+
+    from colibri_sdk.profile import load_profile
+
+    data = copy.deepcopy(load_profile("orin", toolchain=False).data)
+    data["shape"] = {"batch": batch, "tokens": tokens}
+    return data
+
+
+def run_bundle_on_fake(run_fake, bundle: Path, kernels: Path, tokens: int, hidden: int, seed: int):
+    """One call of the CUDA backend on the fake driver (kernels: the emulation library for the bundle's constants)
+    on an N(0, 1) (tokens, hidden) float32 input of `seed`, and the bundle's self-test there; asserts that it ran on
+    "cuda" and that the self-test passed.
+
+    Returns:
+        (x, y): the input and the backend's output, (tokens, hidden) float32 each.
+    """
+    import numpy as np
+
+    code = f"""
+    from colibri_sdk.runtime import Runtime
+    x = np.random.default_rng({seed}).standard_normal(({tokens}, {hidden})).astype(np.float32)
+    with Runtime.load({str(bundle)!r}, backend="cuda") as rt:
+        y = rt.infer(x)
+        emit(y=y.tolist(), selftest=bool(rt.self_test().passed), backend=rt.backend_name)
+    """
+    run = run_fake(code, kernels=kernels)
+    assert run.rc == 0 and run.result, run
+    assert run.result["backend"] == "cuda" and run.result["selftest"] is True
+    x = np.random.default_rng(seed).standard_normal((tokens, hidden)).astype(np.float32)
+    return x, np.asarray(run.result["y"], dtype=np.float32)

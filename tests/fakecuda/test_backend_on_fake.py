@@ -289,19 +289,24 @@ def test_cli_verify_and_run_on_cuda(run_fake, tiny_bundle, tmp_path):
     assert broken.rc == 1 and "cuGraphInstantiate failed: CUDA_ERROR_OUT_OF_MEMORY" in broken.stderr, broken
 
 
-def test_kernels_compiled_for_another_shape_are_refused_before_any_launch(run_fake, tiny_bundle, tmp_path):
-    """kernels[].defines (re-digested after the edit; e.g. another shape's kernel entries moved into this one) must
-    be the catalogue's compile constants for the bundle's profile, shape and weights."""
+def _edited_copy(bundle: Path, folder: Path, key: str, edit) -> Path:
+    """A copy of `bundle` at `folder` whose manifest[key] was changed by `edit` (in the largest `shapes` entry too,
+    which must equal the top level) and re-digested: only the rule the edit breaks can refuse it."""
     import json
 
     from colibri_sdk.bundle import canonical_json, manifest_digest
 
-    folder = Path(shutil.copytree(tiny_bundle, tmp_path / "b"))
+    folder = Path(shutil.copytree(bundle, folder))
     m = json.loads((folder / "manifest.json").read_text())
-    for kernels in [m["kernels"]] + [m["shapes"][-1]["kernels"]] * ("shapes" in m):
-        kernels[1]["defines"]["COLI_BATCH"] = 2
+    for record in [m] + m.get("shapes", [])[-1:]:
+        edit(record[key])
     m["manifest_sha256"] = manifest_digest(m)
     (folder / "manifest.json").write_bytes(canonical_json(m))
+    return folder
+
+
+def _load_refused(run_fake, folder: Path):
+    """Runtime.load(folder, backend="cuda") on the fake driver; the run emits the BundleError and the live objects."""
     run = run_fake(f"""
         from colibri_sdk.errors import BundleError
         from colibri_sdk.runtime import Runtime
@@ -311,6 +316,15 @@ def test_kernels_compiled_for_another_shape_are_refused_before_any_launch(run_fa
             emit(error=str(exc), live=live())
     """)
     assert run.rc == 0 and run.result, run
+    return run
+
+
+def test_kernels_compiled_for_another_shape_are_refused_before_any_launch(run_fake, tiny_bundle, tmp_path):
+    """kernels[].defines (re-digested after the edit; e.g. another shape's kernel entries moved into this one) must
+    be the catalogue's compile constants for the bundle's profile, shape and weights."""
+    folder = _edited_copy(tiny_bundle, tmp_path / "b", "kernels",
+                          lambda kernels: kernels[1]["defines"].update(COLI_BATCH=2))
+    run = _load_refused(run_fake, folder)
     assert run.result["error"].startswith("manifest.json: kernels[1] ("), run
     assert "defines differ from the catalogue's compile constants" in run.result["error"]
     assert set(run.result["live"].values()) == {"0"}, f"leaked after the refusal: {run.result['live']}"
@@ -326,25 +340,8 @@ def test_kernels_compiled_for_another_shape_are_refused_before_any_launch(run_fa
 def test_an_edited_launch_plan_is_refused_before_any_launch(run_fake, tiny_bundle, tmp_path, edit):
     """The manifest's launch plan (re-digested after the edit) must be the catalogue's for the bundle's profile
     and model: a grid, buffer or weights offset of its own would launch the kernels outside their buffers."""
-    import json
-
-    from colibri_sdk.bundle import canonical_json, manifest_digest
-
-    folder = Path(shutil.copytree(tiny_bundle, tmp_path / "b"))
-    m = json.loads((folder / "manifest.json").read_text())
-    for plan in [m["launch"]] + [m["shapes"][-1]["launch"]] * ("shapes" in m):  # the largest shape's is the same
-        edit(plan)
-    m["manifest_sha256"] = manifest_digest(m)
-    (folder / "manifest.json").write_bytes(canonical_json(m))
-    run = run_fake(f"""
-        from colibri_sdk.errors import BundleError
-        from colibri_sdk.runtime import Runtime
-        try:
-            Runtime.load({str(folder)!r}, backend="cuda", eager=True)
-        except BundleError as exc:
-            emit(error=str(exc), live=live())
-    """)
-    assert run.rc == 0 and run.result, run
+    folder = _edited_copy(tiny_bundle, tmp_path / "b", "launch", edit)
+    run = _load_refused(run_fake, folder)
     assert run.result["error"].startswith("manifest.json: launch[0] differs from the catalogue's launch plan"), run
     assert set(run.result["live"].values()) == {"0"}, f"leaked after the refusal: {run.result['live']}"
     assert not run.calls("cuLaunchKernel")

@@ -7,14 +7,12 @@ run, not a GPU run."""
 
 from __future__ import annotations
 
-import copy
 import shutil
 import sys
 
-import numpy as np
 import pytest
 import yaml
-from fakecuda_support import TESTS
+from fakecuda_support import TESTS, orin_profile_data, run_bundle_on_fake
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver"),
@@ -30,7 +28,6 @@ TOKENS = 4
 def test_converted_family_bundle_runs_on_the_fake_driver_and_the_cpu(run_fake, tmp_path, family):
     from colibri_sdk import cli
     from colibri_sdk.bundle import Bundle
-    from colibri_sdk.profile import load_profile
     from colibri_sdk.runtime import Runtime
     from emulator import build_library
     from test_emulated_families import assert_close, reference_v2
@@ -39,9 +36,7 @@ def test_converted_family_bundle_runs_on_the_fake_driver_and_the_cpu(run_fake, t
     model.save_pretrained(tmp_path / "ckpt")
     weights = tmp_path / "m.colibri"
     assert hf_models.convert_cli(tmp_path / "ckpt", weights, "--dtype", "fp16") == 0
-    profile = copy.deepcopy(load_profile("orin", toolchain=False).data)
-    profile["shape"] = {"batch": 1, "tokens": TOKENS}
-    (tmp_path / "board.yaml").write_text(yaml.safe_dump(profile))
+    (tmp_path / "board.yaml").write_text(yaml.safe_dump(orin_profile_data(TOKENS)))
     bundle = tmp_path / "bundle"
     assert cli.main(["build", "--profile", str(tmp_path / "board.yaml"), "--weights", str(weights), "-o",
                      str(bundle), "--quiet"]) == 0
@@ -54,20 +49,8 @@ def test_converted_family_bundle_runs_on_the_fake_driver_and_the_cpu(run_fake, t
         assert recorded["expert_bias"] == 1 and recorded["activation"] == 1 and recorded["router_bias"] == 1
     assert recorded["version"] == 0x0200
     lib = build_library(opened.manifest["kernels"][0]["defines"])
-    hidden = recorded["hidden_size"]
-    code = f"""
-    from colibri_sdk.runtime import Runtime
-    x = np.random.default_rng(5).standard_normal(({TOKENS}, {hidden})).astype(np.float32)
-    with Runtime.load({str(bundle)!r}, backend="cuda") as rt:
-        y = rt.infer(x)
-        selftest = rt.self_test()
-        emit(y=y.tolist(), selftest=bool(selftest.passed), backend=rt.backend_name)
-    """
-    run = run_fake(code, kernels=lib)
-    assert run.rc == 0 and run.result, run
-    assert run.result["backend"] == "cuda" and run.result["selftest"] is True
-    x = np.random.default_rng(5).standard_normal((TOKENS, hidden)).astype(np.float32)
+    x, y = run_bundle_on_fake(run_fake, bundle, lib, TOKENS, recorded["hidden_size"], seed=5)
     ref, _, stable, _ = reference_v2(weights, x)
-    assert_close(np.asarray(run.result["y"], dtype=np.float32), ref, stable)
+    assert_close(y, ref, stable)
     with Runtime.load(bundle, backend="cpu") as rt:
         assert_close(rt.infer(x), ref, stable)

@@ -41,6 +41,22 @@ def deepseek_config(version: int, **kw):
     return cls(**base)
 
 
+def _routed_and_shared(block, shared):
+    """(experts E, intermediate I, arrays) of a block with fused experts (`experts.gate_up_proj` (E, 2I, H)
+    gate-first, `experts.down_proj` (E, H, I)), a `gate` router and one shared SwiGLU expert module `shared`: the
+    .colibri arrays of one layer (`write_arrays` kinds), each with its leading layer axis."""
+    E, I = block.experts.gate_up_proj.shape[0], block.experts.gate_up_proj.shape[1] // 2
+    gate_up = _np(block.experts.gate_up_proj)
+    arrays = {
+        "gate_proj": gate_up[None, :, :I], "up_proj": gate_up[None, :, I:], "down_proj": _np(block.experts.down_proj)[None],
+        "router": _np(block.gate.weight).T[None],
+        "shared_gate_proj": _np(shared.gate_proj.weight)[None, None],
+        "shared_up_proj": _np(shared.up_proj.weight)[None, None],
+        "shared_down_proj": _np(shared.down_proj.weight)[None, None],
+    }
+    return E, I, arrays
+
+
 def deepseek_block(version: int, seed: int = 0, bias_std: float = 0.0, **kw):
     """DeepseekV3MoE / DeepseekV2Moe with random weights; `bias_std` > 0 randomises V3's correction bias."""
     config = deepseek_config(version, **kw)
@@ -50,15 +66,7 @@ def deepseek_block(version: int, seed: int = 0, bias_std: float = 0.0, **kw):
         from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe as Block
     block = Block(config).eval()
     randomise(block, seed)
-    E, I = block.experts.gate_up_proj.shape[0], block.experts.gate_up_proj.shape[1] // 2
-    gate_up = _np(block.experts.gate_up_proj)
-    arrays = {
-        "gate_proj": gate_up[None, :, :I], "up_proj": gate_up[None, :, I:], "down_proj": _np(block.experts.down_proj)[None],
-        "router": _np(block.gate.weight).T[None],
-        "shared_gate_proj": _np(block.shared_experts.gate_proj.weight)[None, None],
-        "shared_up_proj": _np(block.shared_experts.up_proj.weight)[None, None],
-        "shared_down_proj": _np(block.shared_experts.down_proj.weight)[None, None],
-    }
+    E, I, arrays = _routed_and_shared(block, block.shared_experts)
     n_group = config.n_group if (version == 3 or config.topk_method == "group_limited_greedy") else 1
     fields = dict(
         num_experts=E, top_k=config.num_experts_per_tok, hidden_size=config.hidden_size, intermediate_size=I,
@@ -87,16 +95,8 @@ def qwen2_moe_block(seed: int = 0, norm_topk_prob: bool = False):
     )
     block = Qwen2MoeSparseMoeBlock(config).eval()
     randomise(block, seed)
-    E, I = block.experts.gate_up_proj.shape[0], block.experts.gate_up_proj.shape[1] // 2
-    gate_up = _np(block.experts.gate_up_proj)
-    arrays = {
-        "gate_proj": gate_up[None, :, :I], "up_proj": gate_up[None, :, I:], "down_proj": _np(block.experts.down_proj)[None],
-        "router": _np(block.gate.weight).T[None],
-        "shared_gate_proj": _np(block.shared_expert.gate_proj.weight)[None, None],
-        "shared_up_proj": _np(block.shared_expert.up_proj.weight)[None, None],
-        "shared_down_proj": _np(block.shared_expert.down_proj.weight)[None, None],
-        "shared_expert_gate": _np(block.shared_expert_gate.weight)[0][None],
-    }
+    E, I, arrays = _routed_and_shared(block, block.shared_expert)
+    arrays["shared_expert_gate"] = _np(block.shared_expert_gate.weight)[0][None]
     fields = dict(
         num_experts=E, top_k=2, hidden_size=32, intermediate_size=I, routing=1, norm_topk=int(norm_topk_prob),
         num_shared_experts=1, shared_intermediate_size=40, shared_gate=1,
