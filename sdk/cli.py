@@ -1,7 +1,8 @@
 """`colibri-sdk` command line: a thin layer. Each subcommand lives in `colibri_sdk.commands.<name>`, which
 parses its arguments, calls the library, prints, and returns an exit code.
 
-Exit codes: 0 success, 1 a ColibriError (message printed to stderr), 2 bad usage (argparse).
+Exit codes: 0 success, 1 a ColibriError or an OSError the library let through (one line on stderr), 2 bad usage
+(argparse).
 
 Every subcommand takes `-q/--quiet` and `-v/--verbose` (added here, so they are spelled the same everywhere and
 reach each command as `args.quiet` / `args.verbose`). The library never prints: its notices go through `logging`
@@ -131,6 +132,12 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"colibri-sdk {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # What the library did not turn into a ColibriError (e.g. EACCES from Path.is_dir on a path below a folder
+        # the user may not enter): still one line naming the path and the reason, never a traceback.
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"colibri-sdk {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
