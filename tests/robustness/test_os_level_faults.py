@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from robustness_helpers import cli_error, write_checkpoint
+from robustness_helpers import cli_error, write_checkpoint, write_small_model
 
 from colibri_sdk.errors import BundleError, ConvertError, InputError, ProfileError
 
@@ -150,3 +150,13 @@ def test_load_input_reads_a_npy_file_as_np_load_does(tmp_path):
     assert np.array_equal(load_input(str(tmp_path / "x.npy")), x)
     with pytest.raises(InputError, match="cannot open"):
         load_input(str(tmp_path / "missing.npy"))
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full (a Linux device) to write to")
+def test_a_full_standard_output_is_one_line(tmp_path):
+    model = write_small_model(tmp_path / "m.colibri")
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run([sys.executable, "-m", "colibri_sdk", "inspect", str(model), "--json"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == ["colibri-sdk inspect: error: No space left on device"]
