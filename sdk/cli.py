@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 
 from . import __version__
 from .errors import ColibriError
@@ -93,15 +95,28 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, systemd, a CI job's end), raised like Ctrl-C so that the library's cleanup runs
+    (a build's hidden `.NAME.partial-*` folder, a convert's `.partial` file) instead of the process just ending."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     logger = logging.getLogger("colibri_sdk")
     level = logger.level
     handler = configure_logging(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", False))
+    on_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         return _run(args)
     finally:
+        if on_main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         logger.removeHandler(handler)
         logger.setLevel(level)
 
@@ -129,7 +144,10 @@ def _run(args: argparse.Namespace) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Terminated):
+            print(f"colibri-sdk {args.command}: terminated (SIGTERM)", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print(f"colibri-sdk {args.command}: interrupted", file=sys.stderr)
         return 130
     except OSError as exc:

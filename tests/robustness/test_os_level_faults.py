@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +161,33 @@ def test_a_full_standard_output_is_one_line(tmp_path):
                               stderr=subprocess.PIPE, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.splitlines() == ["colibri-sdk inspect: error: No space left on device"]
+
+
+def test_sigterm_during_a_build_leaves_no_partial_folder(tmp_path):
+    # `timeout`, `kill`, systemd and CI runners stop a program with SIGTERM: without a handler Python ends at once
+    # and the build's hidden .NAME.partial-* folder (a copy of the weights) stays behind.
+    model = write_small_model(tmp_path / "m.colibri")
+    proc = subprocess.Popen([sys.executable, "-m", "colibri_sdk", "build", "--profile", "orin", "--weights",
+                             str(model), "-o", str(tmp_path / "out"), "-q"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".out.partial-*")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # into the build proper (NVRTC, the weights copy)
+        assert proc.poll() is None, f"the build ended before it could be stopped: {proc.stderr.read()}"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.splitlines()[-1:] == ["colibri-sdk build: terminated (SIGTERM)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.colibri"]
+
+
+def test_the_cli_puts_back_the_sigterm_handler_it_found(capsys):
+    from colibri_sdk import cli
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["inspect", LONG]) == 1
+    capsys.readouterr()
+    assert signal.getsignal(signal.SIGTERM) is before
