@@ -1,7 +1,8 @@
 """`colibri-sdk` command line: a thin layer. Each subcommand lives in `colibri_sdk.commands.<name>`, which
 parses its arguments, calls the library, prints, and returns an exit code.
 
-Exit codes: 0 success, 1 a ColibriError (message printed to stderr), 2 bad usage (argparse).
+Exit codes: 0 success, 1 a ColibriError or an OSError the library let through (one line on stderr), 2 bad usage
+(argparse).
 
 Every subcommand takes `-q/--quiet` and `-v/--verbose` (added here, so they are spelled the same everywhere and
 reach each command as `args.quiet` / `args.verbose`). The library never prints: its notices go through `logging`
@@ -17,7 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 
 from . import __version__
 from .errors import ColibriError
@@ -92,15 +95,28 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, systemd, a CI job's end), raised like Ctrl-C so that the library's cleanup runs
+    (a build's hidden `.NAME.partial-*` folder, a convert's `.partial` file) instead of the process just ending."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     logger = logging.getLogger("colibri_sdk")
     level = logger.level
     handler = configure_logging(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", False))
+    on_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         return _run(args)
     finally:
+        if on_main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         logger.removeHandler(handler)
         logger.setLevel(level)
 
@@ -128,9 +144,18 @@ def _run(args: argparse.Namespace) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Terminated):
+            print(f"colibri-sdk {args.command}: terminated (SIGTERM)", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print(f"colibri-sdk {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # What the library did not turn into a ColibriError (e.g. EACCES from Path.is_dir on a path below a folder
+        # the user may not enter): still one line naming the path and the reason, never a traceback.
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"colibri-sdk {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -371,10 +371,14 @@ def resolve(ref: str | os.PathLike) -> Path:
         ProfileError: no shipped profile of that name, or no such file.
     """
     text = os.fspath(ref)
-    is_path = os.sep in text or "/" in text or text.endswith((".yaml", ".yml")) or Path(text).is_file()
-    path = Path(text) if is_path else packaged_dir() / f"{text}.yaml"
-    if not path.is_file():
-        if is_path and path.is_dir():
+    try:
+        is_path = os.sep in text or "/" in text or text.endswith((".yaml", ".yml")) or Path(text).is_file()
+        path = Path(text) if is_path else packaged_dir() / f"{text}.yaml"
+        is_file, is_dir = path.is_file(), is_path and path.is_dir()
+    except OSError as exc:  # e.g. EACCES on a folder above it: Path.is_file raises what is not "no such file"
+        raise ProfileError(f"profile {text!r}: cannot examine it: {exc.strerror}") from None
+    if not is_file:
+        if is_dir:
             raise ProfileError(f"profile {text!r} is a folder; allowed: a .yaml file or a shipped profile name")
         if is_path:
             raise ProfileError(f"profile file {text!r} not found")

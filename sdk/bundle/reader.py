@@ -178,7 +178,11 @@ class Bundle:
             BundleError: any violation, naming the file or key.
         """
         root = Path(path)
-        if not root.is_dir():
+        try:
+            is_dir = root.is_dir()
+        except OSError as exc:  # e.g. EACCES on a folder above it: Path.is_dir raises what is not "no such file"
+            raise BundleError(f"{root}: cannot examine the bundle folder: {exc.strerror}") from None
+        if not is_dir:
             raise BundleError(f"{root} is not a bundle folder (no such directory)")
         raw = read_manifest(root)
         where = str(root / MANIFEST)

@@ -703,15 +703,17 @@ def build_bundle(
 
         check_kernel_support(weights, profile.name)
         check_top_k(Path(weights))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    tmp = None
+    try:  # made inside the try: a Ctrl-C / SIGTERM just after mkdtemp must remove it too
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         manifest, kernels, source_dtype = _write_contents(
             tmp, profile, weights, kernel_dir, workers, progress or _no_progress, _nvrtc_cache(nvrtc_cache)
         )
         tmp.chmod(0o755)
         _place(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     tar = write_archive(out, out.with_name(out.name + ".tar")) if archive else None
     return BuildResult(out, manifest, kernels, tar, source_dtype)

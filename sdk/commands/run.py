@@ -40,19 +40,42 @@ def latency_ms(seconds: list[float]) -> dict[str, float]:
 
 
 def load_input(path: str):
-    """An input array from a .npy file (no pickles)."""
+    """An input array from a .npy file (no pickles). The file is opened without blocking (a FIFO is refused, not
+    waited on) and must start with the .npy magic (numpy.lib.format.MAGIC_PREFIX) before np.load reads it.
+
+    Raises:
+        InputError: not a regular file, unreadable, not a .npy file (empty, text, a pickle, a .npz archive), or a
+            .npy file numpy cannot load (a cut header, an object array, a shape too large to allocate).
+    """
+    import os
+    import stat
+
     import numpy as np
 
+    from ..bundle.paths import kind_of
     from ..errors import InputError
 
+    allowed = "allowed: a .npy file holding one array"
     try:
-        array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, MemoryError) as exc:  # MemoryError: a header claiming a huge shape
-        raise InputError(f"--input {path}: cannot load a .npy array ({exc})") from exc
-    if not isinstance(array, np.ndarray):
-        array.close()  # an NpzFile
-        raise InputError(f"--input {path}: a .npz archive; allowed: a .npy file holding one array")
-    return array
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise InputError(f"--input {path}: cannot open ({exc.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise InputError(f"--input {path}: {kind_of(mode)}; {allowed}")
+    with os.fdopen(fd, "rb") as fh:
+        head = fh.read(len(np.lib.format.MAGIC_PREFIX))
+        if head.startswith(b"PK"):
+            raise InputError(f"--input {path}: a .npz archive; {allowed}")
+        if head != np.lib.format.MAGIC_PREFIX:
+            what = "an empty file" if not head else f"not a .npy file (it starts with {head!r})"
+            raise InputError(f"--input {path}: {what}; {allowed}")
+        fh.seek(0)
+        try:
+            return np.load(fh, allow_pickle=False)
+        except (OSError, ValueError, MemoryError, EOFError) as exc:  # MemoryError: a header claiming a huge shape
+            raise InputError(f"--input {path}: cannot load a .npy array ({exc or type(exc).__name__})") from exc
 
 
 def save_output(path: str, y) -> None:

@@ -98,6 +98,12 @@ def _safe_open(path: Path):
     from safetensors import safe_open
 
     try:
+        # safetensors reports an unreadable file as "No such file or directory": open it first for the real reason.
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConvertError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
         return safe_open(str(path), framework="numpy")
     except Exception as exc:  # safetensors raises its own SafetensorError and OSError subclasses
         raise ConvertError(f"{path}: not a readable safetensors file ({exc})") from exc

@@ -150,7 +150,11 @@ def open_model(path: str | os.PathLike) -> Model:
         ConvertError: see Checkpoint, model_spec, layout.plan, compressed.scheme and gguf_model.
     """
     path = Path(path)
-    if path.suffix == ".gguf" or (path.is_file() and _magic(path) == b"GGUF"):
+    try:
+        is_file = path.is_file()
+    except OSError as exc:  # e.g. EACCES on a folder above it: Path.is_file raises what is not "no such file"
+        raise ConvertError(f"{path}: cannot examine it: {exc.strerror}") from None
+    if path.suffix == ".gguf" or (is_file and _magic(path) == b"GGUF"):
         from .gguf_model import GGUFModel
 
         return GGUFModel(path)

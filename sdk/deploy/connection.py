@@ -393,6 +393,10 @@ def _no_banner_error(t: Target, exc: Exception) -> ConnectError:
     if "Indecipherable" in str(exc):  # paramiko: lines came, none of them an SSH banner
         return ConnectError(f"{t.label}: port {t.port} accepted the TCP connection but does not speak SSH (it sent "
                             f"no 'SSH-' protocol banner); is this the device's SSH port?")
+    if isinstance(exc.__context__, (EOFError, ConnectionError)):  # paramiko's banner read hit EOF or a reset
+        return ConnectError(f"{t.label}: port {t.port} accepted the TCP connection and closed it before sending an "
+                            f"SSH protocol banner; is sshd running there (and not refusing this client: "
+                            f"MaxStartups, a firewall, a port forward with nothing behind it), and is this its port?")
     return ConnectTimeoutError(f"{t.label}: port {t.port} accepted the TCP connection but did not speak SSH (no "
                                f"protocol banner) within {t.connect_timeout:g} s (--connect-timeout); is sshd "
                                f"running there, and is this its port?")

@@ -84,7 +84,7 @@ class DeployOptions:
             raise DeployError(f"--streams {self.streams}: must be at least 1")
         if self.verify_backend not in VERIFY_BACKENDS:
             raise DeployError(f"--verify-backend {self.verify_backend!r}: must be one of {', '.join(VERIFY_BACKENDS)}")
-        for name in ("on_activate", "health_cmd"):
+        for name in ("on_activate", "health_cmd", "remote_python", "remote_colibri"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise DeployError(f"--{name.replace('_', '-')} {value!r}: expected a shell command")

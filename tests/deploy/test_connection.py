@@ -6,12 +6,15 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from sshd_server import free_port, keygen
 
 from colibri_sdk.deploy import (
     AuthenticationError,
+    ConnectError,
     Connection,
     ConnectRefusedError,
     ConnectTimeoutError,
@@ -123,6 +126,45 @@ def test_no_ssh_banner_is_a_connect_timeout(target, silent_port):
                                                   r"connection but did not speak SSH \(no protocol banner\) within "
                                                   r"1 s \(--connect-timeout\)"):
         Connection(target.with_(port=silent_port, connect_timeout=1.0)).open()
+
+
+@pytest.fixture
+def closing_port():
+    """A port on 127.0.0.1 that accepts each TCP connection and closes it at once, before any byte (what a port
+    forward with nothing behind it, or an sshd past its MaxStartups, does)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the 0.1 s timeout: look at `stop` again
+                continue
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join(5)
+    listener.close()
+
+
+def test_a_port_that_closes_before_the_banner_is_not_called_a_timeout(target, closing_port):
+    start = time.perf_counter()
+    with pytest.raises(ConnectError) as info:
+        Connection(target.with_(port=closing_port, connect_timeout=5.0)).open()
+    assert time.perf_counter() - start < 4  # the close is seen at once, not after the 5 s connect timeout
+    assert not isinstance(info.value, ConnectTimeoutError)
+    assert str(info.value) == (
+        f"{target.user}@127.0.0.1:{closing_port}: port {closing_port} accepted the TCP connection and closed it before "
+        f"sending an SSH protocol banner; is sshd running there (and not refusing this client: MaxStartups, a "
+        f"firewall, a port forward with nothing behind it), and is this its port?"
+    )
 
 
 def test_no_ssh_banner_on_the_command_line_prints_one_line_and_no_traceback(sshd, known_hosts, silent_port):

@@ -62,6 +62,9 @@ def test_ipv6_literals_parse():
     ("--parallel", "0", "--parallel 0: must be at least 1"),
     ("--remote-dir", "", "--remote-dir '': expected a folder path on the device (default ~/colibri)"),
     ("--remote-dir", "/tmp/a\nb", "--remote-dir '/tmp/a\\nb': control characters"),
+    # An empty --remote-python made the device's shell run "-c ..." and answer "-abefhkmnptuvxBCEHPT or -o option".
+    ("--remote-python", "", "--remote-python '': expected a shell command"),
+    ("--remote-colibri", " ", "--remote-colibri ' ': expected a shell command"),
 ])
 def test_bad_numbers_and_remote_dir_exit_1_before_connecting(capsys, flag, value, message):
     # Port 9 on loopback: nothing listens; reaching it would be a connection error, not this message.

@@ -61,7 +61,7 @@ def _npz(path) -> None:
     [
         (lambda p: _npy_header_only(p, (10**6, 10**6, 64)), r"cannot load a \.npy array \(Unable to allocate"),
         (lambda p: _npz(p), r"a \.npz archive; allowed: a \.npy file holding one array"),
-        (lambda p: p.write_bytes(b"\x80\x04K\x01."), r"cannot load a \.npy array \(.*pickled"),
+        (lambda p: p.write_bytes(b"\x80\x04K\x01."), r"not a \.npy file \(it starts with b'\\x80"),
         (lambda p: np.save(p, np.array([1, "a"], dtype=object), allow_pickle=True), r"Object arrays cannot be loaded"),
     ],
     ids=["header-claims-931-TiB", "npz", "pickle", "object-array"],
