@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .catalog import KERNELS, gemv_max_tokens
+from .catalog import KERNELS, MAX_TOP_K, gemv_max_tokens
 from .errors import ProfileError
 
 DTYPES = ("fp16", "fp32")
@@ -159,7 +159,7 @@ SCHEMA: dict = {
     "kernels": _kernel_schema(),
     "aggregation": _choice(AGGREGATIONS),
     "allow_spills": Leaf((bool,), allowed="true or false"),
-    "top_k": _int(1, 256, "experts per token in place of the model's own k (docs/build.md, \"Top-k override\")",
+    "top_k": _int(1, MAX_TOP_K, "experts per token in place of the model's own k (docs/build.md, \"Top-k override\")",
                   required=False),
     "capacity": Leaf((dict,), allowed="a mapping {factor, mode: hard|soft, policy: score|position}", required=False),
     "streams": _int(1, 64, "calls Runtime.submit keeps in flight (default 1)", required=False),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+MAX_ITERS = 1_000_000  # timed calls; enough for any latency percentile, and a typo cannot run for ever
+
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="run a bundle on an input (random when none) and time it")
@@ -18,7 +20,7 @@ def register(sub) -> None:
     )
     p.add_argument("--output", metavar="OUT.npy", help="write the output here (float32, the input's shape)")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="default: auto")
-    p.add_argument("--iters", type=int, default=100, help="timed calls after the first (default: 100)")
+    p.add_argument("--iters", type=int, default=100, help="timed calls after the first, 1..1000000 (default: 100)")
     p.add_argument("--eager", action="store_true", help="CUDA: launch kernels one by one instead of graph replay")
     p.add_argument("--lengths", type=int, nargs="+", metavar="N", help="per-sequence lengths, one per batch row")
     p.add_argument("--seed", type=int, default=0, help="seed of the random input (default: 0)")
@@ -99,8 +101,8 @@ def run(args) -> int:
     from ..errors import InputError
     from ..runtime import Runtime
 
-    if args.iters < 1:
-        raise InputError(f"--iters {args.iters}; allowed: 1 or more")
+    if not 1 <= args.iters <= MAX_ITERS:
+        raise InputError(f"--iters {args.iters}; allowed: 1..{MAX_ITERS}")
     if args.seed < 0:
         raise InputError(f"--seed {args.seed}; allowed: 0 or more")
     if args.output:

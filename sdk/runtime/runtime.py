@@ -316,12 +316,14 @@ class Runtime:
             streams: calls `submit` keeps in flight, 1..64; None: the profile's `streams` (default 1).
 
         Raises:
-            BundleError: missing or tampered files, unknown schema.
+            BundleError: missing or tampered files, unknown schema, a bundle_dir that is not a path.
             BackendError: unknown backend name; "cuda" asked for where it cannot run (the reason is quoted).
             CudaError: a CUDA driver call failed while loading.
         """
         from ..bundle import Bundle
 
+        if not isinstance(bundle_dir, (str, os.PathLike)):
+            raise BundleError(f"bundle_dir is {type(bundle_dir).__name__} {bundle_dir!r:.60}; allowed: a path (str or os.PathLike)")
         start = time.perf_counter()
         bundle = Bundle.open(bundle_dir, verify=verify)
         engine, notice = select_backend(bundle.for_shape(*bundle.shape), backend, eager)

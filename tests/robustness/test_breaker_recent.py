@@ -116,3 +116,41 @@ def test_a_hostile_buffers_record_is_quoted_in_a_short_line(bundle):
     with pytest.raises(BundleError, match=r"shapes\[0\]\.buffers = \{.*\.\.\. differs from the catalogue's") as exc:
         Bundle.open(bundle)
     assert len(str(exc.value)) < 1000, len(str(exc.value))
+
+
+def test_run_refuses_an_iteration_count_that_would_not_end(small_bundle_dir, capsys):
+    line = cli_error(capsys, "run", str(small_bundle_dir), "--backend", "cpu", "--iters", "100000000000000000000")
+    assert line == "colibri-sdk run: error: --iters 100000000000000000000; allowed: 1..1000000"
+
+
+def test_profile_top_k_above_the_kernels_limit_is_a_profile_error(tmp_path):
+    import yaml
+
+    from colibri_sdk.errors import ProfileError
+    from colibri_sdk.profile import load_profile, resolve
+
+    data = yaml.safe_load(resolve("orin").read_text())
+    data["top_k"] = 17  # kernels/common.cuh COLI_MAX_TOP_K is 16: the profile must refuse it, not the build later
+    path = tmp_path / "k17.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match=r"top_k .*17.*allowed: an integer in 1\.\.16"):
+        load_profile(str(path))
+
+
+def test_runtime_load_of_a_non_path_is_a_bundle_error():
+    from colibri_sdk.errors import BundleError
+    from colibri_sdk.runtime import Runtime
+
+    with pytest.raises(BundleError, match=r"bundle_dir is int 5; allowed: a path"):
+        Runtime.load(5)
+
+
+def test_convert_output_with_a_trailing_separator_is_refused(tmp_path, capsys):
+    # pathlib drops the trailing "/": without the check `-o out.colibri/` wrote a file named out.colibri
+    from robustness_helpers import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    line = cli_error(capsys, "convert", str(ckpt), "-o", str(tmp_path / "out.colibri") + "/")
+    assert line == (f"colibri-sdk convert: error: -o {tmp_path}/out.colibri/: ends with a path separator; allowed: a "
+                    f"file path, such as {tmp_path}/out.colibri")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
