@@ -16,20 +16,25 @@
 //   Block (e, j) takes expert e (no rows: it exits) and output columns n0 = 32j .. n0 + 31; warp w owns columns
 //   n0 + 8w .. + 7 (one n8 tile of mma.sync m16n8k16). The expert's rows of the padded order (routing.cu
 //   colibri_align: sorted_pairs[expert_offsets[e] .. expert_offsets[e+1]), any routing.block_m) are taken MT_ tiles
-//   of 16 rows per pass, so the weights of a block are streamed once per MT_*16 rows (once for experts with at most
-//   64 pairs): weight bytes read ~ the selected experts' stored bytes.
-//   Per stage of 64 reduction elements: the codes of the block's 32 rows (16-byte cp.async copies when rows are
-//   16-byte aligned: int8 rows of a multiple of 16 columns, int4 of 32; else byte loads, consecutive threads on
-//   consecutive bytes) and the activation rows (split into fp16 hi + lo, as common.cuh tc_tile: close to fp32; |a|
-//   must stay below 65504) go to shared memory. A lane builds its B fragment from its row's codes with Marlin's
-//   magic-number step (common.cuh codes_pair_sub): fp16 (q - zero), exact. The mma sums a * (q - zero) over one
-//   group into a partial, and the partial times the row's scale (fp32) is added to the accumulator at the group's
-//   end (the scale factors out of a group's sum: the same w = scale * (q - zero), one rounding less on w). Group
-//   sizes 32/64/128 are multiples of the 16-element mma step, so a step never straddles two groups; a partial last
-//   group ends with the reduction dimension.
+//   of 16 rows per pass (tiles of padding rows only left out), so the weights of a block are streamed once per
+//   MT_*16 of the expert's pairs (once for experts with at most 64 pairs, at any block_m): weight bytes read ~ the
+//   selected experts' stored bytes.
+//   Per stage of 64 reduction elements: the codes of the block's 32 rows and the activation rows (split into fp16
+//   hi + lo, as common.cuh tc_tile: close to fp32; |a| must stay below 65504) go to shared memory. Code rows of any
+//   length and start are read through their 32-byte-aligned windows with 16-byte cp.async copies, each window
+//   sector once per pass (qtc_stage_codes: a head sector and a ring of QRING_ sectors per row; the sector a row
+//   shares with the next row, its last, is read from the next row's head), so an odd row costs the sectors its
+//   bytes span, not two per stage (as the GEMV's windows, small_batch.cu; the bytes outside the row meet zero
+//   activations). A lane builds its B fragment from its row's codes with Marlin's magic-number step (common.cuh
+//   codes_pair_sub): fp16 (q - zero), exact. The mma sums a * (q - zero) over one group into a partial, and the
+//   partial times the row's scale (fp32) is added to the accumulator at the group's end (the scale factors out of
+//   a group's sum: the same w = scale * (q - zero), one rounding less on w). Group sizes 32/64/128 are multiples of
+//   the 16-element mma step, so a step never straddles two groups; a partial last group ends with the reduction
+//   dimension.
 //   Scales (and zero points): the block's 32 rows are one contiguous run of each scale block, copied once per block
-//   to shared memory by consecutive threads (coalesced) when 32 * groups <= QS_MAX_ entries per matrix; else each
-//   lane reads the scales of its two columns at a group's end (the same values, less coalesced).
+//   to shared memory with 16-byte loads over the run's aligned window (qtc_stage_run) when 32 * groups <= QS_MAX_
+//   entries per matrix; else each lane reads the scales of its two columns at a group's end (the same values, less
+//   coalesced).
 // Limits: common.cuh; int4 needs a group size; static shared memory (sizes below) <= 48 KiB.
 #include "common.cuh"
 
@@ -305,6 +310,8 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
     constexpr int G = QGROUPS_(KLEN);
     constexpr bool STAGED = TC_BN_ * G <= QS_MAX_;
     constexpr int QSN = STAGED ? TC_BN_ * G : 1;
+    static_assert(sizeof(QtcShared<NMAT, QSN>) <= 48 * 1024,
+                  "expert_quant_tc.cu: static shared memory above 48 KiB (activation, code and scale stages)");
     __shared__ __align__(16) QtcShared<NMAT, QSN> sh;
     if (STAGED) qtc_stage_scales<NMAT, QSN, KLEN>(w, n0, NTOT - n0 < TC_BN_ ? NTOT - n0 : TC_BN_, sh);
     const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
