@@ -16,27 +16,34 @@
 //   Block (e, j) takes expert e (no rows: it exits) and output columns n0 = 32j .. n0 + 31; warp w owns columns
 //   n0 + 8w .. + 7 (one n8 tile of mma.sync m16n8k16). The expert's rows of the padded order (routing.cu
 //   colibri_align: sorted_pairs[expert_offsets[e] .. expert_offsets[e+1]), any routing.block_m) are taken MT_ tiles
-//   of 16 rows per pass, so the weights of a block are streamed once per MT_*16 rows (once for experts with at most
-//   64 pairs): weight bytes read ~ the selected experts' stored bytes.
-//   Per stage of 64 reduction elements: the codes of the block's 32 rows (16-byte cp.async copies when rows are
-//   16-byte aligned: int8 rows of a multiple of 16 columns, int4 of 32; else byte loads, consecutive threads on
-//   consecutive bytes) and the activation rows (split into fp16 hi + lo, as common.cuh tc_tile: close to fp32; |a|
-//   must stay below 65504) go to shared memory. A lane builds its B fragment from its row's codes with Marlin's
-//   magic-number step (common.cuh codes_pair_sub): fp16 (q - zero), exact. The mma sums a * (q - zero) over one
-//   group into a partial, and the partial times the row's scale (fp32) is added to the accumulator at the group's
-//   end (the scale factors out of a group's sum: the same w = scale * (q - zero), one rounding less on w). Group
-//   sizes 32/64/128 are multiples of the 16-element mma step, so a step never straddles two groups; a partial last
-//   group ends with the reduction dimension.
+//   of 16 rows per pass (tiles of padding rows only left out), so the weights of a block are streamed once per
+//   MT_*16 of the expert's pairs (once for experts with at most 64 pairs, at any block_m): weight bytes read ~ the
+//   selected experts' stored bytes.
+//   Per stage of 64 reduction elements: the codes of the block's 32 rows and the activation rows (split into fp16
+//   hi + lo, as common.cuh tc_tile: close to fp32; |a| must stay below 65504) go to shared memory. Code rows of any
+//   length and start are read through their 32-byte-aligned windows with 16-byte cp.async copies, each window
+//   sector once per pass (qtc_stage_codes: a head sector and a ring of QRING_ sectors per row; the sector a row
+//   shares with the next row, its last, is read from the next row's head), so an odd row costs the sectors its
+//   bytes span, not two per stage (as the GEMV's windows, small_batch.cu; the bytes outside the row meet zero
+//   activations). A lane builds its B fragment from its row's codes with Marlin's magic-number step (common.cuh
+//   codes_pair_sub): fp16 (q - zero), exact. The mma sums a * (q - zero) over one group into a partial, and the
+//   partial times the row's scale (fp32) is added to the accumulator at the group's end (the scale factors out of
+//   a group's sum: the same w = scale * (q - zero), one rounding less on w). Group sizes 32/64/128 are multiples of
+//   the 16-element mma step, so a step never straddles two groups; a partial last group ends with the reduction
+//   dimension.
 //   Scales (and zero points): the block's 32 rows are one contiguous run of each scale block, copied once per block
-//   to shared memory by consecutive threads (coalesced) when 32 * groups <= QS_MAX_ entries per matrix; else each
-//   lane reads the scales of its two columns at a group's end (the same values, less coalesced).
+//   to shared memory with 16-byte loads over the run's aligned window (qtc_stage_run) when 32 * groups <= QS_MAX_
+//   entries per matrix; else each lane reads the scales of its two columns at a group's end (the same values, less
+//   coalesced).
 // Limits: common.cuh; int4 needs a group size; static shared memory (sizes below) <= 48 KiB.
 #include "common.cuh"
 
 #if COLI_QUANT
 #define MT_ 4                                   // 16-row tiles per pass over the weights
 #define QSB_ (COLI_QUANT == 2 ? TC_BK_ / 2 : TC_BK_)  // code bytes of one row per stage
-#define QSP_ (QSB_ + 16)                        // shared pitch: 16-byte aligned rows, spread over banks
+#define QN32_ (QSB_ / 32)                       // 32-byte sectors of one row per stage (int8 2, int4 1)
+#define QRING_ (QN32_ + 1)                      // ring slots of a row: the sectors one stage reads
+#define QSP_ (32 * (1 + QRING_) + 16)           // shared pitch: head sector, ring, 16 bytes to spread rows over banks
 #define QOFF_ (COLI_QUANT == 2 ? 8 : 128)       // unsigned code u = q + QOFF_
 #ifdef COLI_QUANT_STAGE_MAX  // tests set it to 0 to run the global-scale path
 #define QS_MAX_ COLI_QUANT_STAGE_MAX
@@ -44,8 +51,11 @@
 #define QS_MAX_ 2048
 #endif
 static_assert(GS_ % 16 == 0, "a group holds whole 16-element mma steps");
+static_assert(QSB_ % 32 == 0, "a stage holds whole 32-byte sectors of a row");
 
 // The shared memory of one block: activation rows of a pass, the code stage of NMAT matrices, their scales.
+// codes[m][r]: sector 0 of row r's window (its head, kept for the whole pass), then QRING_ ring slots that hold
+// the window's sectors j >= 1 at slot 1 + (j - 1) % QRING_.
 template <int NMAT, int QSN>
 struct QtcShared {
     unsigned short a_hi[MT_ * 16][TC_PITCH_];
@@ -64,17 +74,113 @@ struct QtcMatrix {
     const signed char* zeros;
 };
 
-// Copy the scales (and zero points) of rows n0 .. n0 + nrows - 1 of every matrix to shared memory, consecutive
-// threads on consecutive entries. The caller's next barrier makes them visible.
+// Row r of a block's run of code rows (first: the block's first row, nrows rows of ROWB bytes, consecutive in
+// memory) through its 32-byte-aligned window: win = the row's start rounded down to 32 bytes, shift = the row's
+// offset in it, nsec = the window's sectors. Rows are contiguous, so unless the next row starts on a sector
+// boundary the row's last sector is the next row's sector 0: `shares` (when that sector is read after the first
+// stage and the next row is the block's) makes the row read it from the next row's head instead of fetching it a
+// second time.
+struct QtcRow {
+    const unsigned char* win;
+    int shift, nsec;
+    bool shares;
+};
+template <int ROWB>
+__device__ __forceinline__ QtcRow qtc_row(const unsigned char* first, int r, int nrows) {
+    const unsigned long long a = reinterpret_cast<unsigned long long>(first + (size_t)r * ROWB);
+    const int shift = (int)(a & 31ull), nsec = (shift + ROWB + 31) >> 5;
+    return QtcRow{reinterpret_cast<const unsigned char*>(a - (unsigned long long)shift), shift, nsec,
+                  r + 1 < nrows && ((a + ROWB) & 31ull) != 0 && nsec - 1 > QN32_};
+}
+// Byte offset in a matrix's codes[][] of the shared copy of window sector j of row r (a sector the stage reads).
+__device__ __forceinline__ int qtc_slot(const QtcRow& row, int r, int j) {
+    return row.shares && j == row.nsec - 1 ? (r + 1) * QSP_ : r * QSP_ + (j == 0 ? 0 : 32 * (1 + (j - 1) % QRING_));
+}
+
+// The copies of stage s (row bytes s*QSB_ .. + QSB_) of one matrix's code rows into codes[r] (QSP_ bytes per row):
+// each window sector once per pass. Stage 0 fetches sectors 0 .. QN32_ (QN32_ + 1 when the row is not
+// sector-aligned: its first stage spans one more), stage s >= 1 the QN32_ sectors after those (sectors s*QN32_ + 1
+// .., or s*QN32_ .. for an aligned row), all within the window; the row's last sector comes from the next row's head
+// when it `shares`. Item i of a stage: sector q = i / 64, row (i % 64) / 2, half i % 2, so a warp instruction reads
+// 16 whole sectors of 16 rows (16-byte cp.async, 32 consecutive halves of sectors). A load is issued by the whole
+// warp: in an instruction where some lane has nothing to fetch (past the window or the matrix, a shared sector),
+// that lane copies a vector another lane of the instruction fetches into a slot nobody reads (found by a warp max;
+// none: no lane loads), so each load is one warp instruction over the sectors fetched, the same lanes in every row.
+// It reads at most 31 bytes before a row (inside the weights buffer, which starts 256-byte aligned) and 15 past it
+// (the weights allocation has catalog.WEIGHTS_TAIL_BYTES more).
+template <int ROWB>
+__device__ __forceinline__ void qtc_stage_codes(const unsigned char* first, int nrows, int s, unsigned char* codes) {
+    const int lane = threadIdx.x & 31, ns = s == 0 ? QN32_ + 1 : QN32_;
+    constexpr int JMIN = (ROWB + 31) / 32;  // the fewest sectors of a row's window (an aligned row)
+    for (int base = (int)threadIdx.x - lane; base < ns * 64; base += TC_THREADS_) {  // uniform per warp
+        const int i = base + lane, q = i >> 6, r = (i & 63) >> 1, h = i & 1, r_last = ((base & 63) >> 1) + 15;
+        const QtcRow row = qtc_row<ROWB>(first, r, nrows);
+        const int j = (s == 0 ? 0 : s * QN32_ + (row.shift > 0)) + q;
+        unsigned char* dst = codes + r * QSP_ + (j == 0 ? 0 : 32 * (1 + (j - 1) % QRING_)) + 16 * h;
+        const unsigned char* src = row.win + 32 * j + 16 * h;
+        // Uniform: every row of the instruction fetches a sector before its last one (so none is shared or cut).
+        if ((s > 0 || q < QN32_) && (s == 0 ? q : s * QN32_ + 1 + q) < JMIN - 1 && r_last < nrows) {
+            cp_async16(dst, src);
+        } else {
+            const bool valid = r < nrows && j < row.nsec && 32 * j + 16 * h < row.shift + ROWB &&
+                               !(row.shares && j == row.nsec - 1) && (s > 0 || q < QN32_ || row.shift > 0);
+            // key: 32 + the vector's offset from the block's first row (>= -31), 0 for nothing to fetch
+            int key = valid ? (int)(src - first) + 32 : 0;
+#pragma unroll
+            for (int d = 16; d > 0; d >>= 1) {
+                const int other = __shfl_xor_sync(FULL_MASK, key, d);
+                key = other > key ? other : key;
+            }
+            if (key != 0)  // uniform
+                cp_async16(dst, valid ? src : first + (key - 32));
+        }
+    }
+}
+
+// Entries [0, n) of a run of T (fp16 / fp32 scales, int8 zero points) starting anywhere: put(i, words, m) receives
+// entry i as entry m of the 16-byte vector `words`. The run is read with 16-byte loads through its aligned window
+// (from its start rounded down to 32 bytes to its end rounded up to 16: at most 31 bytes before it, inside the
+// weights buffer, and 15 after it, inside catalog.WEIGHTS_TAIL_BYTES), 32 consecutive vectors per warp
+// instruction; lanes past the window load its last vector again (small_batch.cu stage_run, for this block size).
+template <typename T, typename Put>
+__device__ __forceinline__ void qtc_stage_run(const T* __restrict__ src, int n, Put put) {
+    constexpr int per = 16 / (int)sizeof(T);
+    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
+    const uint4* base = reinterpret_cast<const uint4*>(a & ~31ull);
+    const int lead = (int)(a & 31ull) / (int)sizeof(T);  // entries of the window before the run
+    const int nvec = (lead + n + per - 1) / per, lane = threadIdx.x & 31;
+    for (int v0 = (int)threadIdx.x - lane; v0 < nvec; v0 += TC_THREADS_) {  // uniform per warp
+        const uint4 raw = __ldg(base + (v0 + lane < nvec ? v0 + lane : nvec - 1));
+        const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int m = 0; m < per; ++m) {
+            const int i = (v0 + lane) * per + m - lead;
+            if (i >= 0 && i < n) put(i, w, m);
+        }
+    }
+}
+
+// Copy the scales (and zero points) of rows n0 .. n0 + nrows - 1 of every matrix to shared memory: one contiguous
+// run of each block, 16-byte loads (qtc_stage_run). The caller's next barrier makes them visible.
 template <int NMAT, int QSN, int KLEN>
 __device__ __forceinline__ void qtc_stage_scales(const QtcMatrix (&w)[NMAT], int n0, int nrows,
                                                  QtcShared<NMAT, QSN>& sh) {
     constexpr int G = QGROUPS_(KLEN);
-    for (int i = threadIdx.x; i < nrows * G; i += TC_THREADS_) {
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m) {
-            sh.scales[m][i] = st_to_float(__ldg(w[m].scales + (size_t)n0 * G + i));
-            if (COLI_ZERO_POINTS) sh.zeros[m][i] = __ldg(w[m].zeros + (size_t)n0 * G + i);
+    for (int m = 0; m < NMAT; ++m) {
+        float* s_sh = sh.scales[m];
+        qtc_stage_run(w[m].scales + (size_t)n0 * G, nrows * G, [&](int i, const unsigned* v, int k) {
+#if COLI_SCALE_FP16
+            s_sh[i] = st_to_float((st)((v[k / 2] >> (16 * (k % 2))) & 0xffffu));
+#else
+            s_sh[i] = __uint_as_float(v[k]);
+#endif
+        });
+        if (COLI_ZERO_POINTS) {
+            signed char* z_sh = sh.zeros[m];
+            qtc_stage_run(w[m].zeros + (size_t)n0 * G, nrows * G, [&](int i, const unsigned* v, int k) {
+                z_sh[i] = (signed char)((v[k / 4] >> (8 * (k % 4))) & 255u);
+            });
         }
     }
 }
@@ -86,10 +192,10 @@ template <int NMAT, int QSN, int KLEN, int NTOT, bool STAGED>
 __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const QtcMatrix (&w)[NMAT], int n0,
                                          int ntiles, QtcShared<NMAT, QSN>& sh, float acc[MT_][NMAT][4]) {
     constexpr int ROWB = QROW_BYTES_(KLEN), G = QGROUPS_(KLEN);
-    constexpr bool ALIGNED = ROWB % 16 == 0;  // every 16-byte chunk of a stage lies inside the row or past its end
     const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, g = lane / 4, c = lane % 4;
     const int brow = warp * 8 + g;          // B fragment: the block's row of this lane (output column n0 + brow)
     const int srow = warp * 8 + 2 * c;      // accumulators: the block's rows srow, srow + 1
+    const int nrows = NTOT - n0 < TC_BN_ ? NTOT - n0 : TC_BN_;
     float part[MT_][NMAT][4];
 #pragma unroll
     for (int t = 0; t < MT_; ++t)
@@ -100,27 +206,10 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
 
     for (int k0 = 0; k0 < KLEN; k0 += TC_BK_) {
         __syncthreads();  // the previous stage fully used (first stage: rows[] and the staged scales written)
-        const int b0 = COLI_QUANT == 2 ? k0 / 2 : k0;  // first code byte of the stage in a row
+        const int s = k0 / TC_BK_, b0 = s * QSB_;  // the stage and its first code byte in a row
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m) {  // m unrolled: w[m] stays in registers
-            if (ALIGNED) {
-                for (int i = tid; i < TC_BN_ * (QSB_ / 16); i += TC_THREADS_) {
-                    const int r = i / (QSB_ / 16), v = (i % (QSB_ / 16)) * 16;
-                    if (n0 + r < NTOT && b0 + v < ROWB) {
-                        cp_async16(&sh.codes[m][r][v], w[m].codes + (size_t)(n0 + r) * ROWB + b0 + v);
-                    } else {
-#pragma unroll
-                        for (int q = 0; q < 16; ++q) sh.codes[m][r][v + q] = 0;
-                    }
-                }
-            } else {
-                for (int i = tid; i < TC_BN_ * QSB_; i += TC_THREADS_) {
-                    const int r = i / QSB_, v = i % QSB_;
-                    sh.codes[m][r][v] = (n0 + r < NTOT && b0 + v < ROWB)
-                                            ? __ldg(w[m].codes + (size_t)(n0 + r) * ROWB + b0 + v) : (unsigned char)0;
-                }
-            }
-        }
+        for (int m = 0; m < NMAT; ++m)  // m unrolled: w[m] stays in registers
+            qtc_stage_codes<ROWB>(w[m].codes + (size_t)n0 * ROWB, nrows, s, &sh.codes[m][0][0]);
         cp_async_commit();
         for (int i = tid; i < ntiles * 16 * TC_BK_; i += TC_THREADS_) {
             const int r = i / TC_BK_, kk = i % TC_BK_, k = k0 + kk;
@@ -131,6 +220,17 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
         }
         cp_async_wait<0>();
         __syncthreads();
+        // This lane's row: the shared copies of the window sectors the stage reads (stage byte x is window byte
+        // lo + x of sector (lo + x) / 32 of them). Bytes past the row meet zero activations (finite codes).
+        int lo[NMAT], off[NMAT][QN32_ + 1];
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m) {
+            const QtcRow row = qtc_row<ROWB>(w[m].codes + (size_t)n0 * ROWB, brow, nrows);
+            const int o = row.shift + b0;
+            lo[m] = o & 31;
+#pragma unroll
+            for (int d = 0; d <= QN32_; ++d) off[m][d] = qtc_slot(row, brow, (o >> 5) + d);
+        }
 #pragma unroll
         for (int kb = 0; kb < TC_BK_; kb += 16) {
             const int k = k0 + kb;
@@ -144,16 +244,20 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
                     z = STAGED ? (int)sh.zeros[m][brow * G + grp]
                                : (int)__ldg(w[m].zeros + (size_t)(n0 + brow) * G + grp);
                 const unsigned bias = bias_pair(1024 + QOFF_ + z);
-                const unsigned char* row = sh.codes[m][brow];
+                const unsigned char* codes = &sh.codes[m][0][0];
+                const auto byte = [&](int x) -> unsigned {  // stage byte x of this lane's row
+                    const int t = lo[m] + x, d = t >> 5;
+                    return codes[(d == 0 ? off[m][0] : QN32_ == 1 || d == 1 ? off[m][1] : off[m][QN32_]) + (t & 31)];
+                };
 #if COLI_QUANT == 2  // byte j of the stage: columns 2j (low nibble), 2j + 1
-                const unsigned lo = row[kb / 2 + c], hi = row[kb / 2 + c + 4];
-                b[m][0] = codes_pair_sub(lo & 15u, lo >> 4, bias);
-                b[m][1] = codes_pair_sub(hi & 15u, hi >> 4, bias);
+                const unsigned lo4 = byte(kb / 2 + c), hi4 = byte(kb / 2 + c + 4);
+                b[m][0] = codes_pair_sub(lo4 & 15u, lo4 >> 4, bias);
+                b[m][1] = codes_pair_sub(hi4 & 15u, hi4 >> 4, bias);
 #else  // two's complement bytes; u = q + 128 = byte ^ 0x80
-                const unsigned lo = row[kb + 2 * c] ^ 0x80u, lo1 = row[kb + 2 * c + 1] ^ 0x80u;
-                const unsigned hi = row[kb + 2 * c + 8] ^ 0x80u, hi1 = row[kb + 2 * c + 9] ^ 0x80u;
-                b[m][0] = codes_pair_sub(lo, lo1, bias);
-                b[m][1] = codes_pair_sub(hi, hi1, bias);
+                const unsigned lo8 = byte(kb + 2 * c) ^ 0x80u, lo1 = byte(kb + 2 * c + 1) ^ 0x80u;
+                const unsigned hi8 = byte(kb + 2 * c + 8) ^ 0x80u, hi1 = byte(kb + 2 * c + 9) ^ 0x80u;
+                b[m][0] = codes_pair_sub(lo8, lo1, bias);
+                b[m][1] = codes_pair_sub(hi8, hi1, bias);
 #endif
             }
 #pragma unroll
@@ -175,19 +279,19 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
             if (group_end) {  // uniform: acc += scale * partial, then a new partial
 #pragma unroll
                 for (int m = 0; m < NMAT; ++m) {
-                    float s[2];
+                    float sc[2];
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
                         const int r = srow + j;
-                        s[j] = n0 + r >= NTOT ? 0.0f
-                               : STAGED ? sh.scales[m][r * G + grp]
-                                        : st_to_float(__ldg(w[m].scales + (size_t)(n0 + r) * G + grp));
+                        sc[j] = n0 + r >= NTOT ? 0.0f
+                                : STAGED ? sh.scales[m][r * G + grp]
+                                         : st_to_float(__ldg(w[m].scales + (size_t)(n0 + r) * G + grp));
                     }
 #pragma unroll
                     for (int t = 0; t < MT_; ++t) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
-                            acc[t][m][i] += s[i % 2] * part[t][m][i];
+                            acc[t][m][i] += sc[i % 2] * part[t][m][i];
                             part[t][m][i] = 0.0f;
                         }
                     }
@@ -206,6 +310,8 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
     constexpr int G = QGROUPS_(KLEN);
     constexpr bool STAGED = TC_BN_ * G <= QS_MAX_;
     constexpr int QSN = STAGED ? TC_BN_ * G : 1;
+    static_assert(sizeof(QtcShared<NMAT, QSN>) <= 48 * 1024,
+                  "expert_quant_tc.cu: static shared memory above 48 KiB (activation, code and scale stages)");
     __shared__ __align__(16) QtcShared<NMAT, QSN> sh;
     if (STAGED) qtc_stage_scales<NMAT, QSN, KLEN>(w, n0, NTOT - n0 < TC_BN_ ? NTOT - n0 : TC_BN_, sh);
     const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
@@ -216,7 +322,13 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
             sh.pairs[i] = p;
             sh.rows[i] = p < 0 ? -1 : X_ROWS ? p / K_ : p;
         }
-        const int left = (end - r0 + 15) / 16, ntiles = left < MT_ ? left : MT_;
+        __syncthreads();  // pairs[] written
+        // The tiles of the pass that hold a pair: the expert's pairs come first, its padding rows (-1) last
+        // (routing.cu align_pairs), so a pass of padding rows only (block_m > 64) ends the expert.
+        int ntiles = 0;
+#pragma unroll
+        for (int t = 0; t < MT_; ++t) ntiles += sh.pairs[16 * t] >= 0 ? 1 : 0;
+        if (ntiles == 0) break;  // uniform
         float acc[MT_][NMAT][4];
 #pragma unroll
         for (int t = 0; t < MT_; ++t)

@@ -38,7 +38,7 @@ def test_quantized_tensor_core_kernels_compile_without_spills(orin_profile, conf
     out = compile_source(source, "expert_quant_tc.cu", arch, defines, [catalog.kernel_dir()])
     for instruction in (b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", b"sub.f16x2"):
         assert instruction in out.ptx, instruction
-    assert (b"cp.async.cg.shared.global" in out.ptx) == (hidden % 32 == 0)  # aligned code rows only
+    assert b"cp.async.cg.shared.global" in out.ptx  # code rows of any length and start (32-byte windows)
     for symbol in ("colibri_gate_up_qtc", "colibri_down_qtc"):
         r = out.resources[symbol]
         assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0 and r["stack_bytes"] == 0, (symbol, r)

@@ -3,10 +3,10 @@ colibri_down_qtc), emulated on the CPU against the float64 ReferenceEngine, whic
 (colibri_sdk.format.quant.dequantize).
 
 Covers int8 per row and with groups 32/64/128, int4 with groups 32/64/128, fp16 and fp32 scales, zero points, odd
-sizes (byte-wise code loads, an int4 padding nibble), partial last groups, several 64-element stages, more than one
-pass of 64 rows per expert, any routing.block_m, both aggregations, padded tokens, scales staged in shared memory
-or read from global memory, and the magic-number conversion of the codes (common.cuh codes_pair_sub) for every code
-and bias. An emulation of the logic on the CPU, not a GPU run.
+sizes (code rows through shifted 32-byte windows, an int4 padding nibble), partial last groups, several 64-element
+stages, more than one pass of 64 rows per expert, any routing.block_m, both aggregations, padded tokens, scales
+staged in shared memory or read from global memory, and the magic-number conversion of the codes (common.cuh
+codes_pair_sub) for every code and bias (test_emulated_quant_tc_odd.py: rows at every offset). An emulation of the logic on the CPU, not a GPU run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from test_launch_plan import expected_parameter, kernel_parameters  # noqa: E402
 QTC_SYMBOLS = ["colibri_gate_up_qtc", "colibri_down_qtc"]
 
 # (id, profile kwargs, model kwargs, valid tokens); every case has tokens*k > max_pairs 32: the tiled path.
-# "odd": rows not 16-byte aligned (byte loads); "partial": a reduction size not a multiple of the group.
+# "odd": rows not 16-byte aligned (shifted windows); "partial": a reduction size not a multiple of the group.
 CASES = [
     ("int8-per-row-fp16-aligned", dict(tokens=32), dict(quant="int8", group=0, hidden=128, inter=64), None),
     ("int8-g32-fp32-zeros-odd-atomic", dict(tokens=24, aggregation="atomic"),
