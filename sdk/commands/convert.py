@@ -31,7 +31,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import os
     from pathlib import Path
 
     from ..convert import convert
@@ -39,9 +38,6 @@ def run(args) -> int:
 
     # An existing file is replaced only with --force (a folder or a special file never is: convert() refuses it).
     out = Path(args.output)
-    if args.output.endswith(("/", os.sep)):  # Path() drops the separator: x.colibri/ would become the file x.colibri
-        raise ConvertError(f"-o {args.output}: ends with a path separator; allowed: a file path, such as "
-                           f"{args.output.rstrip('/' + os.sep) or 'model.colibri'}")
     if (out.is_symlink() or out.is_file()) and not args.force:
         raise ConvertError(f"-o {args.output}: exists; refusing to replace it without --force (or choose another -o)")
     report = convert(

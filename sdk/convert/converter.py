@@ -240,9 +240,11 @@ def convert(
         raise ConvertError(f"composition {composition!r}; allowed: {', '.join(modes)}")
     if dtype not in DTYPE_CHOICES:
         raise ConvertError(f"dtype {dtype!r}; allowed: {', '.join(DTYPE_CHOICES)}")
+    text = os.fspath(output)
     output = Path(output)
-    if output.name in ("", ".", ".."):
-        raise ConvertError(f"output {str(output)!r} is not a file path; allowed: a path ending in a file name")
+    # Path() drops a trailing separator: "out.colibri/" (meant as a folder) would become the file out.colibri
+    if output.name in ("", ".", "..") or (isinstance(text, str) and text.endswith(("/", os.sep))):
+        raise ConvertError(f"output {text!r} is not a file path; allowed: a path ending in a file name")
     if not output.parent.is_dir():
         raise ConvertError(f"output folder {output.parent} does not exist")
     start = time.perf_counter()

@@ -151,6 +151,6 @@ def test_convert_output_with_a_trailing_separator_is_refused(tmp_path, capsys):
 
     ckpt = write_checkpoint(tmp_path / "ckpt")
     line = cli_error(capsys, "convert", str(ckpt), "-o", str(tmp_path / "out.colibri") + "/")
-    assert line == (f"colibri-sdk convert: error: -o {tmp_path}/out.colibri/: ends with a path separator; allowed: a "
-                    f"file path, such as {tmp_path}/out.colibri")
+    assert line == (f"colibri-sdk convert: error: output '{tmp_path}/out.colibri/' is not a file path; allowed: a path "
+                    "ending in a file name")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
