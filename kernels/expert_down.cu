@@ -19,11 +19,13 @@
 //   launch and left zero. With COLI_EXPERT_BIAS, v = topk_weights[p] * (sum + down_bias[e, n]) (an extra argument;
 //   common.cuh down_epilogue).
 //
-// colibri_down_tc — grid (blocks, ceil(hidden / 32)), block (128): colibri_down on tensor cores when COLI_TC, tiled
-//   like colibri_gate_up_tc (expert_gate_up.cu) with the act rows split into hi + lo fp16; the same fold.
+// colibri_down_tc — grid (blocks, ceil(hidden / 32)), block (128): colibri_down on tensor cores when COLI_TC (fp16
+//   weights, any block_m and size), tiled like colibri_gate_up_tc (expert_gate_up.cu: up to 64 rows per pass) with
+//   the act rows split into hi + lo fp16; the same fold. The scalar colibri_down remains for fp32 weights.
+// Both end through common.cuh down_store / FOLD_BEGIN / FOLD_END (the ordered fold or the atomic adds).
 //
 // Limits: routing.block_m * BLOCK_N / THREADS <= 32, (block_m + BLOCK_N) * (BLOCK_K+1) * 4 + block_m * 4 + 516
-// (the fold's list) bytes <= 48 KiB.
+// (the fold's list) bytes <= 48 KiB (colibri_down); colibri_down_tc 33284 bytes, fixed.
 // Any hidden / intermediate size.
 #include "common.cuh"
 

@@ -15,13 +15,17 @@
 //   applies the clamped SwiGLU (common.cuh gate_up_epilogue), as every expert kernel does.
 //
 // colibri_gate_up_tc — grid (blocks, ceil(intermediate / 32)), block (128): the same on tensor cores, when COLI_TC
-//   (fp16 weights, routing.block_m 16, hidden and intermediate multiples of 8). Warp w computes the 16 x 8 tile of
-//   columns c*32 + 8w .. + 7 with mma.sync m16n8k16 (common.cuh tc_tile): the gate and up tiles of a 64-element
-//   stage are copied to shared memory with cp.async (16 bytes per copy), the x rows split into two fp16 terms
-//   (hi + lo, close to fp32 accuracy; |x| must stay below 65504).
+//   (fp16 weights on the tiled path: any routing.block_m, any hidden and intermediate size). Block (b, c) takes the
+//   rows of tile b up to 64 at a time (4 tiles of 16 per pass; a tile of fewer than 16 rows is padded with zero
+//   rows, 16-row tiles of padding only are skipped), so an expert's gate and up rows c*32 .. + 31 are streamed once
+//   per pass; warp w computes columns c*32 + 8w .. + 7 of each 16-row tile with mma.sync m16n8k16 (common.cuh
+//   tc_tile_rows): the weight tiles of a 64-element stage are copied to shared memory with cp.async (16 bytes per
+//   copy; rows not 32-byte aligned through their aligned windows), the x rows split into two fp16 terms (hi + lo,
+//   close to fp32 accuracy; |x| must stay below 65504). The scalar colibri_gate_up remains for fp32 weights.
 //
 // Limits: block_m * BLOCK_N / THREADS <= 32 accumulators per thread, (block_m + 2*BLOCK_N) * (BLOCK_K+1) * 4 bytes
-// of static shared memory <= 48 KiB. Any hidden / intermediate size (tails are zero-filled in shared memory).
+// of static shared memory <= 48 KiB (colibri_gate_up); colibri_gate_up_tc 46592 bytes, fixed. Any hidden /
+// intermediate size (tails are zero-filled or masked).
 #include "common.cuh"
 
 #define THREADS_ COLI_GATE_UP_THREADS

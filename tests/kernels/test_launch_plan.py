@@ -190,8 +190,12 @@ def test_buffer_sizes(orin_profile):
     assert b["block_experts"] == 4 * ((pairs + 64 * (block_m - 1)) // block_m)
     assert b["x0"] == b["x1"] == tokens * 100 * 4
     assert b["act"] == pairs * 75 * 4 and b["pair_out"] == pairs * 100 * 4
-    # hidden 100 is not a multiple of 8: the scalar down tile, ceil(100 / block_n) column blocks per token
-    assert b[catalog.DOWN_COUNTERS] == tokens * -(-100 // profile["kernels"]["down"]["block_n"]) * 4
+    # fp16: the tensor-core down tile, ceil(100 / 32) column blocks per token; fp32: the scalar tile, ceil(100 /
+    # block_n)
+    assert b[catalog.DOWN_COUNTERS] == tokens * -(-100 // 32) * 4
+    profile["dtype"] = "fp32"
+    fp32 = catalog.device_buffers(profile, make_header(hidden=100, inter=75, experts=64, top_k=8, dtype="fp32"))
+    assert fp32[catalog.DOWN_COUNTERS] == tokens * -(-100 // profile["kernels"]["down"]["block_n"]) * 4
     assert catalog.is_counter_buffer(catalog.DOWN_COUNTERS)
     assert b["topk_ids"] == b["topk_weights"] == pairs * 4
     assert b["expert_counts"] == 64 * 4 and b["expert_offsets"] == 65 * 4
