@@ -356,78 +356,196 @@ __device__ __forceinline__ unsigned half_pair(const unsigned short* p) {
 }
 
 #define TC_STAGES_ 3  // weight stages in flight: cp.async groups issued TC_STAGES_ - 1 stages ahead of the mma
+#define TC_MT_ 4      // 16-row tiles per pass of the fp16 tensor-core kernels: weights streamed once per 64 rows
+#define TC_ROWS_ (TC_MT_ * 16)
 
-// Issue stage kt of the weight tiles into buffer ws[kt % TC_STAGES_] (cp_async16; zeros past the matrix, stored
-// directly) and commit it as one group. Every thread of the block calls it.
+// The shared memory of one fp16 tensor-core block (colibri_gate_up_tc: NMAT 2, colibri_down_tc: 1): the activation
+// rows of a pass as fp16 hi + lo, TC_STAGES_ stages of the NMAT weight tiles, the pass's pair and source rows.
 template <int NMAT>
-__device__ __forceinline__ void tc_issue_stage(const wt* const w[NMAT], int n_total, int n0, int klen, int kt,
+struct TcShared {
+    unsigned short a_hi[TC_ROWS_][TC_PITCH_];
+    unsigned short a_lo[TC_ROWS_][TC_PITCH_];
+    unsigned short ws[TC_STAGES_][NMAT][TC_BN_][TC_PITCH_];
+    int pairs[TC_ROWS_];  // pair index of each row of the pass, -1: padding
+    int rows[TC_ROWS_];   // its source row: pair / k (x) or the pair (act), -1: a zero row
+};
+
+// Weight rows of KLEN fp16 (row pitch KLEN * 2 bytes). KLEN % 16 == 0: every row starts on a 32-byte sector (the
+// matrices do), stage kt holds row elements 64kt .. 64kt + 63, zeros past the row. Else (a "windowed" row) a row is
+// read through its aligned window, as the GEMV path does (docs/kernels.md "The GEMV path"): the 16-byte vectors from
+// its start rounded down to 32 bytes to its end, stage kt holding window elements 64kt .. 64kt + 63; row element k
+// is window element k + shift (shift = (start mod 32) / 2, 0..15), so a row stage needs window stages kt and kt + 1,
+// and the elements past the row (the next row, the allocation's tail: catalog.WEIGHTS_TAIL_BYTES) are masked when
+// the B fragment is built. Each copy is one 16-byte cp.async from a 16-byte-aligned address: whole sectors per warp.
+template <int KLEN>
+struct TcRowLayout {
+    static constexpr bool WINDOWED = KLEN % 16 != 0;
+    static constexpr int STAGES = WINDOWED ? (KLEN + 15 + TC_BK_ - 1) / TC_BK_ : (KLEN + TC_BK_ - 1) / TC_BK_;
+};
+
+// Issue stage j of the weight tiles of rows n0 .. n0 + TC_BN_ - 1 into buffer ws[j % TC_STAGES_] (cp_async16; the
+// aligned layout stores zeros past the matrix directly, the windowed one leaves them to the mask). Every thread of
+// the block calls it; the caller commits the group.
+template <int NMAT, int KLEN, int NTOT>
+__device__ __forceinline__ void tc_issue_stage(const wt* const (&w)[NMAT], int n0, int j,
                                                unsigned short (*ws)[NMAT][TC_BN_][TC_PITCH_]) {
-    const int k0 = kt * TC_BK_, buf = kt % TC_STAGES_;
+    const int buf = j % TC_STAGES_;
     for (int i = threadIdx.x; i < TC_BN_ * (TC_BK_ / 8); i += TC_THREADS_) {
-        const int r = i / (TC_BK_ / 8), v = (i % (TC_BK_ / 8)) * 8, col = n0 + r, k = k0 + v;
+        const int r = i / (TC_BK_ / 8), v = (i % (TC_BK_ / 8)) * 8, col = n0 + r;
 #pragma unroll
         for (int m = 0; m < NMAT; ++m) {
-            if (col < n_total && k < klen) {
-                cp_async16(&ws[buf][m][r][v], w[m] + (size_t)col * klen + k);
+            const wt* row = w[m] + (size_t)col * KLEN;
+            if (TcRowLayout<KLEN>::WINDOWED) {
+                const unsigned lead = (unsigned)((size_t)row & 31u);  // bytes of the window before the row
+                const wt* base = row - lead / 2;                       // 32-byte aligned
+                const int e = j * TC_BK_ + v;                           // first window element of the vector
+                if (col < NTOT && 2 * e < (int)lead + 2 * KLEN) cp_async16(&ws[buf][m][r][v], base + e);
             } else {
+                const int k = j * TC_BK_ + v;
+                if (col < NTOT && k < KLEN) {
+                    cp_async16(&ws[buf][m][r][v], row + k);
+                } else {
 #pragma unroll
-                for (int q = 0; q < 8; ++q) ws[buf][m][r][v + q] = 0;
+                    for (int q = 0; q < 8; ++q) ws[buf][m][r][v + q] = 0;
+                }
             }
         }
     }
 }
 
-// acc[m] += A · W_m^T over the whole reduction dimension, for one tile of 16 rows and TC_BN_ columns per block.
-//   A row r (r < 16): src[rows[r] * klen .. + klen) in fp32 (rows[r] < 0: a zero row), split into hi + lo fp16
-//   (hi = fp16(a), lo = fp16(a - hi): the two products carry about 22 bits of a, so the result is close to fp32);
-//   W_m: NMAT fp16 matrices (n_total, klen) row-major, columns n0 .. n0 + TC_BN_ - 1 of the output, copied to shared
-//   memory with cp_async16 (klen a multiple of 8, rows 16-byte aligned) in a TC_STAGES_-stage pipeline: while stage
-//   kt is multiplied, the copies of stages kt + 1 .. kt + TC_STAGES_ - 1 are in flight (one commit group per stage,
-//   an empty group past the last stage so that cp_async_wait<TC_STAGES_ - 1> always retires exactly stage kt).
-// Warp w owns output columns n0 + 8w .. n0 + 8w + 7; acc[m][i] is D[g + 8*(i/2)][2c + i%2] of its 16x8 tile
-// (common.cuh mma_m16n8k16). Every thread of the block calls it (it has barriers).
-template <int NMAT>
-__device__ __forceinline__ void tc_tile(const float* __restrict__ src, const int* rows, const wt* const w[NMAT],
-                                        int n_total, int n0, int klen, float acc[NMAT][4],
-                                        unsigned short (*a_hi)[TC_PITCH_], unsigned short (*a_lo)[TC_PITCH_],
-                                        unsigned short (*ws)[NMAT][TC_BN_][TC_PITCH_]) {
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, g = lane / 4, c = lane % 4;
-    const int stages = (klen + TC_BK_ - 1) / TC_BK_;
+// The B fragment word of rows k, k + 1 (row elements, k even) of this lane's weight row (common.cuh
+// mma_m16n8k16: low half first) for row stage kt. Aligned: one 32-bit read of buffer kt. Windowed: two 16-bit reads
+// at window elements k + shift, k + 1 + shift (buffer kt or kt + 1), 0 past the row or for a row past the matrix.
+template <int NMAT, int KLEN>
+__device__ __forceinline__ unsigned tc_b_word(const unsigned short (*ws)[NMAT][TC_BN_][TC_PITCH_], int m, int brow,
+                                              int kt, int kk, int shift, bool valid) {
+    if (!TcRowLayout<KLEN>::WINDOWED) return half_pair(&ws[kt % TC_STAGES_][m][brow][kk]);
+    unsigned word = 0;
 #pragma unroll
-    for (int s = 0; s < TC_STAGES_ - 1; ++s) {  // prologue: the first TC_STAGES_ - 1 stages
-        if (s < stages) tc_issue_stage<NMAT>(w, n_total, n0, klen, s, ws);
+    for (int h = 0; h < 2; ++h) {
+        const int k = kt * TC_BK_ + kk + h, pos = kk + h + shift;  // pos < 2 * TC_BK_
+        const int buf = (kt + pos / TC_BK_) % TC_STAGES_;
+        const unsigned v = valid && k < KLEN ? ws[buf][m][brow][pos % TC_BK_] : 0u;
+        word |= v << (16 * h);
+    }
+    return word;
+}
+
+// acc[t][m] (t < ntiles) += A_t · W_m^T over the whole reduction dimension KLEN, for the rows sh.rows[16t ..] of
+// src (fp32, row length KLEN; -1: a zero row), split into hi + lo fp16 (hi = fp16(a), lo = fp16(a - hi): the two
+// products carry about 22 bits of a, so the result is close to fp32; |a| < 65504), and the NMAT fp16 matrices W_m
+// (NTOT, KLEN) row-major, output columns n0 .. n0 + TC_BN_ - 1. The weight stages are copied with cp_async16 in a
+// TC_STAGES_-stage pipeline (TcRowLayout): stage j + 2 is issued while stage j is multiplied (aligned rows: two
+// stages in flight), or while row stage j reads window stages j and j + 1 (windowed rows: one in flight); one
+// commit group per stage, empty past the last, so that the wait always retires exactly the stages needed. Each
+// weight stage is used by all ntiles tiles (up to TC_MT_ = 4, 64 rows): the weights are streamed once per pass.
+// Warp w owns output columns n0 + 8w .. n0 + 8w + 7; acc[t][m][i] is D[g + 8*(i/2)][2c + i%2] of its 16x8 tile t
+// (common.cuh mma_m16n8k16). Every thread of the block calls it (it has barriers).
+template <int NMAT, int KLEN, int NTOT>
+__device__ __forceinline__ void tc_pass(const float* __restrict__ src, const wt* const (&w)[NMAT], int n0,
+                                        int ntiles, TcShared<NMAT>& sh, float acc[TC_MT_][NMAT][4]) {
+    typedef TcRowLayout<KLEN> L;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, g = lane / 4, c = lane % 4;
+    const int brow = warp * 8 + g;  // B fragment: the block's weight row of this lane (output column n0 + brow)
+    const bool valid = n0 + brow < NTOT;
+    int shift[NMAT];
+#pragma unroll
+    for (int m = 0; m < NMAT; ++m) shift[m] = (int)(((size_t)(w[m] + (size_t)(n0 + brow) * KLEN) & 31u) / 2);
+    constexpr int RSTAGES = (KLEN + TC_BK_ - 1) / TC_BK_;
+#pragma unroll
+    for (int s = 0; s < TC_STAGES_ - 1; ++s) {  // prologue: stages 0 and 1
+        if (s < L::STAGES) tc_issue_stage<NMAT, KLEN, NTOT>(w, n0, s, sh.ws);
         cp_async_commit();
     }
-    for (int kt = 0; kt < stages; ++kt) {
-        const int k0 = kt * TC_BK_, buf = kt % TC_STAGES_;
-        __syncthreads();  // stage kt - 1 fully used: its buffer and a_hi / a_lo may be overwritten
-        if (kt + TC_STAGES_ - 1 < stages) tc_issue_stage<NMAT>(w, n_total, n0, klen, kt + TC_STAGES_ - 1, ws);
+    for (int kt = 0; kt < RSTAGES; ++kt) {
+        const int k0 = kt * TC_BK_;
+        __syncthreads();  // row stage kt - 1 fully used: its buffers and a_hi / a_lo may be overwritten
+        if (kt + TC_STAGES_ - 1 < L::STAGES) tc_issue_stage<NMAT, KLEN, NTOT>(w, n0, kt + TC_STAGES_ - 1, sh.ws);
         cp_async_commit();
-        for (int i = tid; i < 16 * TC_BK_; i += TC_THREADS_) {
+        for (int i = tid; i < ntiles * 16 * TC_BK_; i += TC_THREADS_) {
             const int r = i / TC_BK_, kk = i % TC_BK_, k = k0 + kk;
-            const float a = (rows[r] >= 0 && k < klen) ? __ldg(src + (size_t)rows[r] * klen + k) : 0.0f;
+            const float a = (sh.rows[r] >= 0 && k < KLEN) ? __ldg(src + (size_t)sh.rows[r] * KLEN + k) : 0.0f;
             const unsigned short hi = float_to_half_bits(a);
-            a_hi[r][kk] = hi;
-            a_lo[r][kk] = float_to_half_bits(a - wt_to_float(hi));
+            sh.a_hi[r][kk] = hi;
+            sh.a_lo[r][kk] = float_to_half_bits(a - half_to_float(hi));
         }
-        cp_async_wait<TC_STAGES_ - 1>();  // this thread's copies of stage kt have landed
-        __syncthreads();                  // everyone's
+        if (L::WINDOWED) {
+            cp_async_wait<TC_STAGES_ - 2>();  // this thread's copies of window stages kt and kt + 1 have landed
+        } else {
+            cp_async_wait<TC_STAGES_ - 1>();  // stage kt
+        }
+        __syncthreads();  // everyone's
 #pragma unroll
         for (int kb = 0; kb < TC_BK_; kb += 16) {
-            const unsigned hi[4] = {half_pair(&a_hi[g][kb + 2 * c]), half_pair(&a_hi[g + 8][kb + 2 * c]),
-                                    half_pair(&a_hi[g][kb + 2 * c + 8]), half_pair(&a_hi[g + 8][kb + 2 * c + 8])};
-            const unsigned lo[4] = {half_pair(&a_lo[g][kb + 2 * c]), half_pair(&a_lo[g + 8][kb + 2 * c]),
-                                    half_pair(&a_lo[g][kb + 2 * c + 8]), half_pair(&a_lo[g + 8][kb + 2 * c + 8])};
+            if (k0 + kb >= KLEN) break;  // uniform: the rest of the last stage is zeros
+            unsigned b[NMAT][2];
 #pragma unroll
             for (int m = 0; m < NMAT; ++m) {
-                const unsigned b[2] = {half_pair(&ws[buf][m][warp * 8 + g][kb + 2 * c]),
-                                       half_pair(&ws[buf][m][warp * 8 + g][kb + 2 * c + 8])};
-                mma_m16n8k16(acc[m], hi, b, acc[m]);
-                mma_m16n8k16(acc[m], lo, b, acc[m]);
+                b[m][0] = tc_b_word<NMAT, KLEN>(sh.ws, m, brow, kt, kb + 2 * c, shift[m], valid);
+                b[m][1] = tc_b_word<NMAT, KLEN>(sh.ws, m, brow, kt, kb + 2 * c + 8, shift[m], valid);
+            }
+#pragma unroll
+            for (int t = 0; t < TC_MT_; ++t) {
+                if (t < ntiles) {  // uniform
+                    const int r = t * 16 + g, col = kb + 2 * c;  // A fragment (common.cuh mma_m16n8k16)
+                    const unsigned hi[4] = {half_pair(&sh.a_hi[r][col]), half_pair(&sh.a_hi[r + 8][col]),
+                                            half_pair(&sh.a_hi[r][col + 8]), half_pair(&sh.a_hi[r + 8][col + 8])};
+                    const unsigned lo[4] = {half_pair(&sh.a_lo[r][col]), half_pair(&sh.a_lo[r + 8][col]),
+                                            half_pair(&sh.a_lo[r][col + 8]), half_pair(&sh.a_lo[r + 8][col + 8])};
+#pragma unroll
+                    for (int m = 0; m < NMAT; ++m) {
+                        mma_m16n8k16(acc[t][m], hi, b[m], acc[t][m]);
+                        mma_m16n8k16(acc[t][m], lo, b[m], acc[t][m]);
+                    }
+                }
             }
         }
     }
-    cp_async_wait<0>();  // no copy outlives the block (the trailing groups are empty)
+    cp_async_wait<0>();  // no copy outlives the pass (the trailing groups are empty)
+}
+
+// One tile of the padded expert order (routing.cu align_pairs): rows start .. start + nrows - 1 of sorted_pairs, all
+// of expert e, valid rows first (-1 padding after them). Taken TC_ROWS_ rows per pass (fewer than 16: the rest of
+// the 16-row tile are zero rows), skipping the 16-row tiles that hold padding only: the weights of the block's
+// columns are streamed once per pass. X_ROWS: the source row of pair p is p / k (x), else p (act). Then
+// `store(p, col, acc_t, i)` for each valid row and column < NTOT (acc_t = acc[t], element i as tc_pass lays it).
+template <int NMAT, int KLEN, int NTOT, bool X_ROWS, class Store>
+__device__ __forceinline__ void tc_tile_rows(const float* __restrict__ src, const wt* const (&w)[NMAT],
+                                             const int* __restrict__ sorted_pairs, int start, int nrows, int n0,
+                                             Store store) {
+    __shared__ __align__(16) TcShared<NMAT> sh;
+    const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
+    for (int r0 = 0; r0 < nrows; r0 += TC_ROWS_) {
+        __syncthreads();  // pairs[] and rows[] of the previous pass fully used
+        for (int i = threadIdx.x; i < TC_ROWS_; i += TC_THREADS_) {
+            const int p = r0 + i < nrows ? __ldg(sorted_pairs + start + r0 + i) : -1;
+            sh.pairs[i] = p;
+            sh.rows[i] = p < 0 ? -1 : X_ROWS ? p / K_ : p;
+        }
+        __syncthreads();
+        int ntiles = 0;  // 16-row tiles with a valid row: valid rows come first, so those whose first row is valid
+#pragma unroll
+        for (int t = 0; t < TC_MT_; ++t) ntiles += sh.pairs[t * 16] >= 0 ? 1 : 0;
+        if (ntiles == 0) break;  // uniform: the rest of the tile is padding
+        float acc[TC_MT_][NMAT][4];
+#pragma unroll
+        for (int t = 0; t < TC_MT_; ++t)
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[t][m][i] = 0.0f;
+        tc_pass<NMAT, KLEN, NTOT>(src, w, n0, ntiles, sh, acc);
+#pragma unroll
+        for (int t = 0; t < TC_MT_; ++t) {
+            if (t < ntiles) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int row = t * 16 + g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = sh.pairs[row];
+                    if (p >= 0 && col < NTOT) store(p, col, acc[t], i);
+                }
+            }
+        }
+    }
 }
 
 // ---- integer codes → fp16 mma operands (kernels/expert_quant_tc.cu) -----------------------------------------------
@@ -558,3 +676,31 @@ __device__ __forceinline__ void fold_unrouted_rows(const float* __restrict__ x, 
     }
     __syncthreads();  // the list is free for the caller's fold_aggregate
 }
+
+// ---- the output of the tiled down kernels (colibri_down, colibri_down_tc; expert_quant_tc.cu could use them too) ----
+// down_store: the contribution v of pair p to output column col: pair_out[p, col] (ordered: summed by the fold) or
+// atomicAdd into x_next[p / k, col] (COLI_ATOMIC_AGG).
+__device__ __forceinline__ void down_store(float* __restrict__ pair_out, float* __restrict__ x_next, int p, int col,
+                                           float v) {
+#if COLI_ATOMIC_AGG
+    atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
+#else
+    pair_out[(size_t)p * H_ + col] = v;
+#endif
+}
+
+// The ordered aggregation's two steps in a tiled down kernel whose blocks (b, j) own output columns n0 .. n0 +
+// min(width, H - n0) - 1 (both empty with COLI_ATOMIC_AGG). FOLD_BEGIN, before the block's early exit: the block's
+// FoldList, and blocks (0, j) write the rows of the tokens without a kept pair (fold_unrouted_rows). FOLD_END, after
+// the block's pair_out stores: fold_aggregate over its rows of the padded order (global memory, -1 for padding).
+#if COLI_ATOMIC_AGG
+#define FOLD_BEGIN(THREADS, x, topk_ids, x_next, n0, width)
+#define FOLD_END(THREADS, rows, nrows, x, topk_ids, pair_out, x_next, counters, n0)
+#else
+#define FOLD_BEGIN(THREADS, x, topk_ids, x_next, n0, width)                              \
+    __shared__ FoldList fold_list_;                                                     \
+    const int fold_ncols_ = H_ - (n0) < (width) ? H_ - (n0) : (width);                  \
+    if (blockIdx.x == 0) fold_unrouted_rows<THREADS>(x, topk_ids, x_next, n0, fold_ncols_, fold_list_)
+#define FOLD_END(THREADS, rows, nrows, x, topk_ids, pair_out, x_next, counters, n0) \
+    fold_aggregate<THREADS>(rows, nrows, x, topk_ids, pair_out, x_next, counters, n0, fold_ncols_, fold_list_)
+#endif

@@ -19,11 +19,13 @@
 //   launch and left zero. With COLI_EXPERT_BIAS, v = topk_weights[p] * (sum + down_bias[e, n]) (an extra argument;
 //   common.cuh down_epilogue).
 //
-// colibri_down_tc — grid (blocks, ceil(hidden / 32)), block (128): colibri_down on tensor cores when COLI_TC, tiled
-//   like colibri_gate_up_tc (expert_gate_up.cu) with the act rows split into hi + lo fp16; the same fold.
+// colibri_down_tc — grid (blocks, ceil(hidden / 32)), block (128): colibri_down on tensor cores when COLI_TC (fp16
+//   weights, any block_m and size), tiled like colibri_gate_up_tc (expert_gate_up.cu: up to 64 rows per pass) with
+//   the act rows split into hi + lo fp16; the same fold. The scalar colibri_down remains for fp32 weights.
+// Both end through common.cuh down_store / FOLD_BEGIN / FOLD_END (the ordered fold or the atomic adds).
 //
 // Limits: routing.block_m * BLOCK_N / THREADS <= 32, (block_m + BLOCK_N) * (BLOCK_K+1) * 4 + block_m * 4 + 516
-// (the fold's list) bytes <= 48 KiB.
+// (the fold's list) bytes <= 48 KiB (colibri_down); colibri_down_tc 33284 bytes, fixed.
 // Any hidden / intermediate size.
 #include "common.cuh"
 
@@ -50,11 +52,7 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
 
     const int b = blockIdx.x;
     const int n0 = blockIdx.y * BN_;
-#if !COLI_ATOMIC_AGG
-    __shared__ FoldList fold;
-    const int ncols = H_ - n0 < BN_ ? H_ - n0 : BN_;
-    if (b == 0) fold_unrouted_rows<THREADS_>(x, topk_ids, x_next, n0, ncols, fold);  // uniform: the whole block
-#endif
+    FOLD_BEGIN(THREADS_, x, topk_ids, x_next, n0, BN_);
     const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
     const int tid = threadIdx.x;
@@ -97,22 +95,15 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
             const int m = i / BN_, col = n0 + i % BN_;
             const int p = pairs[m];
             if (p >= 0 && col < H_) {
-                const float v = down_epilogue(acc[a], __ldg(topk_weights + p), down_bias, e, col);
-#if COLI_ATOMIC_AGG
-                atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
-#else
-                pair_out[(size_t)p * H_ + col] = v;
-#endif
+                down_store(pair_out, x_next, p, col, down_epilogue(acc[a], __ldg(topk_weights + p), down_bias, e, col));
             }
         }
     }
-#if !COLI_ATOMIC_AGG
-    fold_aggregate<THREADS_>(sorted_pairs + (size_t)b * BM_, BM_, x, topk_ids, pair_out, x_next, down_counters, n0,
-                             ncols, fold);
-#endif
+    FOLD_END(THREADS_, sorted_pairs + (size_t)b * BM_, BM_, x, topk_ids, pair_out, x_next, down_counters, n0);
 }
 
-// colibri_down_tc: colibri_down on tensor cores (common.cuh tc_tile), launched instead of it when COLI_TC.
+// colibri_down_tc: colibri_down on tensor cores (common.cuh tc_tile_rows), launched instead of it when COLI_TC.
+// Empty for fp32 or quantized weights.
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, const float* __restrict__ topk_weights,
                 const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
@@ -120,38 +111,18 @@ colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, cons
                 const int* __restrict__ topk_ids, int* __restrict__ down_counters
                      DOWN_BIAS_PARAMS) {
     DOWN_BIAS_NONE
-    __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
-    __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
-    __shared__ __align__(16) unsigned short ws[TC_STAGES_][1][TC_BN_][TC_PITCH_];
-    __shared__ int pairs[16];
+#if COLI_FP16 && !COLI_QUANT
     const int b = blockIdx.x;
     const int n0 = blockIdx.y * TC_BN_;
-#if !COLI_ATOMIC_AGG
-    __shared__ FoldList fold;
-    const int ncols = H_ - n0 < TC_BN_ ? H_ - n0 : TC_BN_;
-    if (b == 0) fold_unrouted_rows<TC_THREADS_>(x, topk_ids, x_next, n0, ncols, fold);  // uniform: the whole block
-#endif
+    FOLD_BEGIN(TC_THREADS_, x, topk_ids, x_next, n0, TC_BN_);
     const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
-    if (threadIdx.x < 16) pairs[threadIdx.x] = __ldg(sorted_pairs + b * 16 + threadIdx.x);
-    const wt* w[1] = {down + (size_t)e * H_ * I_};
-    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-    tc_tile<1>(act, pairs, w, H_, n0, I_, acc, a_hi, a_lo, ws);  // act rows are pair indices
-    const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int m = g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = pairs[m];
-        if (p >= 0 && col < H_) {
-            const float v = down_epilogue(acc[0][i], __ldg(topk_weights + p), down_bias, e, col);
-#if COLI_ATOMIC_AGG
-            atomicAdd(&x_next[(size_t)(p / K_) * H_ + col], v);
-#else
-            pair_out[(size_t)p * H_ + col] = v;
-#endif
-        }
-    }
-#if !COLI_ATOMIC_AGG
-    fold_aggregate<TC_THREADS_>(sorted_pairs + (size_t)b * 16, 16, x, topk_ids, pair_out, x_next, down_counters, n0,
-                                ncols, fold);
+    const wt* const w[1] = {down + (size_t)e * H_ * I_};
+    tc_tile_rows<1, I_, H_, false>(act, w, sorted_pairs, b * BM_, BM_, n0,  // act rows are pair indices
+                                   [&](int p, int col, const float (&a)[1][4], int i) {
+                                       down_store(pair_out, x_next, p, col,
+                                                  down_epilogue(a[0][i], __ldg(topk_weights + p), down_bias, e, col));
+                                   });
+    FOLD_END(TC_THREADS_, sorted_pairs + (size_t)b * BM_, BM_, x, topk_ids, pair_out, x_next, down_counters, n0);
 #endif
 }

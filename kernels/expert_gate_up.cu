@@ -15,13 +15,17 @@
 //   applies the clamped SwiGLU (common.cuh gate_up_epilogue), as every expert kernel does.
 //
 // colibri_gate_up_tc — grid (blocks, ceil(intermediate / 32)), block (128): the same on tensor cores, when COLI_TC
-//   (fp16 weights, routing.block_m 16, hidden and intermediate multiples of 8). Warp w computes the 16 x 8 tile of
-//   columns c*32 + 8w .. + 7 with mma.sync m16n8k16 (common.cuh tc_tile): the gate and up tiles of a 64-element
-//   stage are copied to shared memory with cp.async (16 bytes per copy), the x rows split into two fp16 terms
-//   (hi + lo, close to fp32 accuracy; |x| must stay below 65504).
+//   (fp16 weights on the tiled path: any routing.block_m, any hidden and intermediate size). Block (b, c) takes the
+//   rows of tile b up to 64 at a time (4 tiles of 16 per pass; a tile of fewer than 16 rows is padded with zero
+//   rows, 16-row tiles of padding only are skipped), so an expert's gate and up rows c*32 .. + 31 are streamed once
+//   per pass; warp w computes columns c*32 + 8w .. + 7 of each 16-row tile with mma.sync m16n8k16 (common.cuh
+//   tc_tile_rows): the weight tiles of a 64-element stage are copied to shared memory with cp.async (16 bytes per
+//   copy; rows not 32-byte aligned through their aligned windows), the x rows split into two fp16 terms (hi + lo,
+//   close to fp32 accuracy; |x| must stay below 65504). The scalar colibri_gate_up remains for fp32 weights.
 //
 // Limits: block_m * BLOCK_N / THREADS <= 32 accumulators per thread, (block_m + 2*BLOCK_N) * (BLOCK_K+1) * 4 bytes
-// of static shared memory <= 48 KiB. Any hidden / intermediate size (tails are zero-filled in shared memory).
+// of static shared memory <= 48 KiB (colibri_gate_up); colibri_gate_up_tc 46592 bytes, fixed. Any hidden /
+// intermediate size (tails are zero-filled or masked).
 #include "common.cuh"
 
 #define THREADS_ COLI_GATE_UP_THREADS
@@ -99,34 +103,23 @@ colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const 
     }
 }
 
-// colibri_gate_up_tc: the same output on tensor cores (common.cuh tc_tile), launched instead of colibri_gate_up when
-// COLI_TC (fp16 weights, routing.block_m 16, hidden and intermediate multiples of 8).
+// colibri_gate_up_tc: the same output on tensor cores (common.cuh tc_tile_rows), launched instead of colibri_gate_up
+// when COLI_TC (fp16 weights on the tiled path, any routing.block_m and sizes). Empty for fp32 or quantized weights.
 extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
 colibri_gate_up_tc(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
                    const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
                    float* __restrict__ act
                      GATE_UP_BIAS_PARAMS) {
     GATE_UP_BIAS_NONE
-    __shared__ __align__(16) unsigned short a_hi[16][TC_PITCH_];
-    __shared__ __align__(16) unsigned short a_lo[16][TC_PITCH_];
-    __shared__ __align__(16) unsigned short ws[TC_STAGES_][2][TC_BN_][TC_PITCH_];
-    __shared__ int pairs[16], rows[16];
+#if COLI_FP16 && !COLI_QUANT
     const int b = blockIdx.x;
     const int e = __ldg(block_experts + b);
     if (e < 0) return;  // the same for the whole block, before any barrier
-    const int n0 = blockIdx.y * TC_BN_;
-    if (threadIdx.x < 16) {
-        const int p = __ldg(sorted_pairs + b * 16 + threadIdx.x);
-        pairs[threadIdx.x] = p;
-        rows[threadIdx.x] = p >= 0 ? p / K_ : -1;
-    }
-    const wt* w[2] = {gate + (size_t)e * I_ * H_, up + (size_t)e * I_ * H_};
-    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-    tc_tile<2>(x, rows, w, I_, n0, H_, acc, a_hi, a_lo, ws);  // its first barrier orders pairs[] and rows[]
-    const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int m = g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = pairs[m];
-        if (p >= 0 && col < I_) act[(size_t)p * I_ + col] = gate_up_epilogue(acc[0][i], acc[1][i], gate_bias, up_bias, e, col);
-    }
+    const wt* const w[2] = {gate + (size_t)e * I_ * H_, up + (size_t)e * I_ * H_};
+    tc_tile_rows<2, H_, I_, true>(x, w, sorted_pairs, b * BM_, BM_, blockIdx.y * TC_BN_,
+                                  [&](int p, int col, const float (&a)[2][4], int i) {
+                                      act[(size_t)p * I_ + col] =
+                                          gate_up_epilogue(a[0][i], a[1][i], gate_bias, up_bias, e, col);
+                                  });
+#endif
 }

@@ -20,7 +20,7 @@
 //   MT_*16 of the expert's pairs (once for experts with at most 64 pairs, at any block_m): weight bytes read ~ the
 //   selected experts' stored bytes.
 //   Per stage of 64 reduction elements: the codes of the block's 32 rows and the activation rows (split into fp16
-//   hi + lo, as common.cuh tc_tile: close to fp32; |a| must stay below 65504) go to shared memory. Code rows of any
+//   hi + lo, as common.cuh tc_pass: close to fp32; |a| must stay below 65504) go to shared memory. Code rows of any
 //   length and start are read through their 32-byte-aligned windows with 16-byte cp.async copies, each window
 //   sector once per pass (qtc_stage_codes: a head sector and a ring of QRING_ sectors per row; the sector a row
 //   shares with the next row, its last, is read from the next row's head), so an odd row costs the sectors its

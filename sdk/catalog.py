@@ -300,7 +300,9 @@ def feature_defines(header) -> dict[str, int]:
 # outcome: one launch sequence serves every input, so it can be captured once into a CUDA Graph.
 
 FLOAT32_BYTES = 4
-TC_BLOCK_M, TC_THREADS, TC_BLOCK_N = 16, 128, 32  # the tensor-core tile (common.cuh tc_tile): rows, threads, columns
+# The fp16 tensor-core tiles (common.cuh tc_tile_rows): rows per pass over the weights (4 tiles of 16), threads,
+# output columns per block.
+TC_PASS_ROWS, TC_THREADS, TC_BLOCK_N = 64, 128, 32
 INT32_BYTES = 4
 
 
@@ -315,8 +317,9 @@ class Sizes:
         padded: tokens * top_k + experts * (block_m - 1), the most rows the padded expert order can need.
         blocks: padded // block_m, the most tiles of block_m rows it can need.
         small_batch: True when pairs <= `kernels.small_batch.max_pairs`: the GEMV kernels replace the tiled ones.
-        tensor_core: tiled path with fp16 (never quantized) weights, block_m 16 and hidden and intermediate multiples of 8: the
-            tensor-core kernels (colibri_gate_up_tc, colibri_down_tc) replace colibri_gate_up and colibri_down.
+        tensor_core: tiled path with fp16 (never quantized) weights, any block_m and sizes: the tensor-core kernels
+            (colibri_gate_up_tc, colibri_down_tc) replace colibri_gate_up and colibri_down, which remain for fp32
+            weights.
         quant_tensor_core: tiled path with int8/int4 weights (any block_m and sizes): colibri_gate_up_qtc and
             colibri_down_qtc (kernels/expert_quant_tc.cu) replace colibri_gate_up and colibri_down.
     """
@@ -346,8 +349,7 @@ def sizes(profile: dict, header) -> Sizes:
         padded=padded,
         blocks=padded // block_m,
         small_batch=small,
-        tensor_core=(not small and weights_fp16(profile, header) and block_m == TC_BLOCK_M
-                     and header.hidden_size % 8 == 0 and header.intermediate_size % 8 == 0),
+        tensor_core=not small and weights_fp16(profile, header),
         quant_tensor_core=not small and bool(quant(header)),
     )
 

@@ -163,6 +163,9 @@ CASES = [
     # the tensor-core tile over 5 (hidden 264) and 3 (intermediate 136) cp.async stages: the pipeline wraps around
     ("tiled-fp16-tc-pipeline", dict(tokens=8, kernels={"small_batch": {"max_pairs": 1}}),
      dict(experts=8, top_k=2, hidden=264, inter=136, seed=17)),
+    # odd sizes on the tensor-core tile (windowed rows at every offset of a sector), atomic, block_m 32
+    ("tiled-fp16-tc-odd-atomic-block_m32", dict(tokens=16, aggregation="atomic", kernels={"routing": {"block_m": 32}}),
+     dict(experts=8, top_k=4, hidden=179, inter=115, seed=19)),
 ]
 
 

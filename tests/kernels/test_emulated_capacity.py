@@ -26,20 +26,23 @@ from emulator import EmulatedDevice  # noqa: E402
 MARGIN = 1e-4  # router logit gap below which fp32 may legitimately pick another expert than float64
 
 
-def capacity_profile(orin: dict, capacity: dict | None, batch: int, tokens: int, aggregation="ordered") -> dict:
+def capacity_profile(orin: dict, capacity: dict | None, batch: int, tokens: int, aggregation="ordered",
+                     dtype="fp32") -> dict:
     data = copy.deepcopy(orin)
-    data.update(dtype="fp32", aggregation=aggregation, shape={"batch": batch, "tokens": tokens})
+    data.update(dtype=dtype, aggregation=aggregation, shape={"batch": batch, "tokens": tokens})
     data["kernels"]["small_batch"]["max_pairs"] = 32
     if capacity is not None:
         data["capacity"] = capacity
     return Profile.from_dict(data, toolchain=False).data
 
 
-def skewed_model(path, layers=1, experts=6, top_k=2, hidden=48, inter=24, seed=0, composition=1, bias=(0.25, 0.25)):
-    """fp32 weights, N(0, 1/fan_in); the router favours experts 0 and 1 (`bias` added to their columns), so they
-    get more pairs than C."""
+def skewed_model(path, layers=1, experts=6, top_k=2, hidden=48, inter=24, seed=0, composition=1, bias=(0.25, 0.25),
+                 dtype="fp32"):
+    """fp32 (or fp16) weights, N(0, 1/fan_in); the router favours experts 0 and 1 (`bias` added to their columns),
+    so they get more pairs than C."""
     rng = np.random.default_rng(seed)
-    header = Header(layers, experts, top_k, hidden, inter, dtype=0, routing=0, composition=composition)
+    header = Header(layers, experts, top_k, hidden, inter, dtype=1 if dtype == "fp16" else 0, routing=0,
+                    composition=composition)
     router = rng.standard_normal((layers, hidden, experts)) / np.sqrt(hidden)
     router[:, :, 0] += bias[0]
     router[:, :, 1] += bias[1]

@@ -87,7 +87,7 @@ def assert_close(y, ref, mask, rtol=RTOL):
 
 
 # (id, profile kwargs, model kwargs, valid tokens per sequence or None). make_profile sets small_batch.max_pairs
-# 32: tokens*k <= 32 takes the GEMV path, else the tiled one (tensor cores with fp16, block_m 16, sizes % 8 == 0).
+# 32: tokens*k <= 32 takes the GEMV path, else the tiled one (tensor cores with fp16, scalar tiles with fp32).
 CASES = [
     ("qwen2moe-gemv-fp16-padded", dict(batch=2, tokens=3), dict(fields=QWEN2), [3, 1]),
     ("qwen2moe-tiled-tc-fp16-padded", dict(batch=2, tokens=16), dict(fields=QWEN2, hidden=48, inter=32, seed=1),
@@ -95,7 +95,10 @@ CASES = [
     # top_k 3 > topk_group 2: the group limit changes the selection (with k <= topk_group a group max never does)
     ("deepseek_v2-gemv-fp16-group-max", dict(tokens=8),
      dict(fields=DEEPSEEK_V2, experts=16, top_k=3, seed=2), None),
-    ("deepseek_v2-tiled-scalar-atomic", dict(tokens=16, aggregation="atomic"),
+    ("deepseek_v2-tiled-scalar-fp32-atomic", dict(tokens=16, aggregation="atomic", dtype="fp32"),
+     dict(fields=DEEPSEEK_V2, experts=16, top_k=3, hidden=44, inter=30, dtype="fp32", seed=3), None),
+    ("deepseek_v2-tiled-tc-fp16-odd-atomic-block_m32", dict(tokens=16, aggregation="atomic",
+                                                           kernels={"routing": {"block_m": 32}}),
      dict(fields=DEEPSEEK_V2, experts=16, top_k=3, hidden=44, inter=30, seed=3), None),
     ("deepseek_v3-gemv-fp32", dict(tokens=8, dtype="fp32"),
      dict(fields=DEEPSEEK_V3, experts=16, top_k=4, dtype="fp32", seed=4), None),
@@ -103,6 +106,9 @@ CASES = [
      dict(fields=DEEPSEEK_V3, layers=2, experts=16, top_k=4, seed=5), None),
     ("gpt_oss-gemv-fp16", dict(tokens=4), dict(fields=GPT_OSS, seed=6), None),
     ("gpt_oss-tiled-tc-fp16", dict(tokens=32), dict(fields=GPT_OSS, hidden=48, seed=7), None),
+    # expert biases and the clamped SwiGLU on the windowed tensor-core rows (odd sizes), block_m 16, padded tokens
+    ("gpt_oss-tiled-tc-fp16-odd-block_m16-padded", dict(tokens=32, kernels={"routing": {"block_m": 16}}),
+     dict(fields=GPT_OSS, hidden=77, inter=35, seed=7), [27]),
     ("int8-g32-every-feature-gemv", dict(tokens=4),
      dict(fields=dict(DEEPSEEK_V3, quant=1, group_size=32, shared_gate=1, expert_bias=1, activation=1,
                       swiglu_limit=0.7, swiglu_alpha=1.702, router_bias=1),

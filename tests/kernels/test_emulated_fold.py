@@ -99,21 +99,33 @@ def check_calls(device: EmulatedDevice, path, valid, seed: int) -> None:
 # aggregation, two layers; those with top-3 tell the slot order apart (with two slots 0 + a + b = 0 + b + a). Several share their compile-time constants (and so their emulation library) with cases
 # of test_emulated.py / test_emulated_quant_tc.py.
 CASES = [
-    # tensor cores (fp16, block_m 16, sizes multiples of 8), residual, padded tokens
+    # tensor cores (fp16, block_m 64, rows 16-byte aligned), residual, padded tokens
     ("tc-fp16-residual-padded", dict(tokens=8, kernels={"small_batch": {"max_pairs": 1}}),
      dict(layers=2, experts=8, top_k=2, hidden=264, inter=136, seed=17), [5], "colibri_down_tc"),
+    # tensor cores on odd sizes (windowed rows: hidden 179 and intermediate 115 are odd, so the rows start at every
+    # 2-byte offset of a sector, and 179 + 15 and 115 + 15 need one window stage more than the row), top-3,
+    # block_m 16 / 32 (one 16-row tile, two per pass), 64 (two tiles of expert 0 and 1: 77 pairs each) and 128 (one
+    # tile in two passes of 64 + 13 rows)
+    ("tc-fp16-odd-block_m16-top3-padded", dict(batch=2, tokens=16, kernels={"routing": {"block_m": 16}}),
+     dict(layers=2, experts=8, top_k=3, hidden=179, inter=115, seed=22), [16, 7], "colibri_down_tc"),
+    ("tc-fp16-odd-block_m32-sequential", dict(tokens=32, kernels={"routing": {"block_m": 32}}),
+     dict(layers=2, experts=8, top_k=2, hidden=179, inter=115, composition=0, seed=23), None, "colibri_down_tc"),
+    ("tc-fp16-odd-block_m64-two-tiles-padded", dict(tokens=80),
+     dict(layers=2, experts=2, top_k=2, hidden=179, inter=115, seed=24), [77], "colibri_down_tc"),
+    ("tc-fp16-odd-block_m128-two-passes-padded", dict(tokens=80, kernels={"routing": {"block_m": 128}}),
+     dict(layers=2, experts=2, top_k=2, hidden=179, inter=115, seed=24), [77], "colibri_down_tc"),
     # scalar tiles: fp32, block_m 1, 32-thread down blocks with 16 columns (7 column blocks), sequential layers
     ("scalar-fp32-sequential-block_m1", dict(tokens=16, dtype="fp32", kernels={
         "routing": {"block_m": 1}, "small_batch": {"max_pairs": 1},
         "gate_up": {"threads": 64, "block_n": 16, "block_k": 16}, "down": {"threads": 32, "block_n": 16, "block_k": 16}}),
      dict(layers=2, experts=64, top_k=2, hidden=100, inter=75, dtype="fp32", composition=0, seed=4), None,
      "colibri_down"),
-    # scalar tiles: fp16 with block_m 64 rows and 32 threads (two fold steps per tile), 35 padded tokens (two
+    # scalar tiles: fp32 with block_m 64 rows and 32 threads (two fold steps per tile), 35 padded tokens (two
     # steps of the unrouted rows), residual
-    ("scalar-fp16-block_m64-32-threads-padded", dict(tokens=48, kernels={
+    ("scalar-fp32-block_m64-32-threads-padded", dict(tokens=48, dtype="fp32", kernels={
         "routing": {"block_m": 64}, "gate_up": {"threads": 128, "block_n": 16, "block_k": 16},
         "down": {"threads": 32, "block_n": 16, "block_k": 16}}),
-     dict(layers=2, experts=4, top_k=3, hidden=40, inter=24, seed=21), [13], "colibri_down"),
+     dict(layers=2, experts=4, top_k=3, hidden=40, inter=24, dtype="fp32", seed=21), [13], "colibri_down"),
 ]
 QUANT_CASES = [
     # int8 per row on tensor cores, residual, padded tokens
@@ -146,16 +158,19 @@ def test_folded_quantized_down_equals_the_former_aggregate(orin_profile, tmp_pat
     check_calls(device, path, valid, seed=len(name))
 
 
-def test_folded_down_with_capacity_drops(orin_profile, tmp_path):
+@pytest.mark.parametrize("dtype,suffix", [("fp32", ""), ("fp16", "_tc")])
+def test_folded_down_with_capacity_drops(orin_profile, tmp_path, dtype, suffix):
     """Hard capacity, position policy, the router pulled hard towards experts 0 and 1: late tokens lose one or
     both pairs. Tokens with some pairs kept sum only those (bitwise as the former aggregate), tokens with none are
-    x + 0, the counters end at zero, and two layers equal the float64 reference engine with the same capacity."""
+    x + 0, the counters end at zero, and two layers equal the float64 reference engine with the same capacity.
+    fp32: the scalar tiles; fp16: the tensor-core tiles (intermediate 24: windowed down rows)."""
     spec = {"factor": 0.8, "mode": "hard", "policy": "position"}
-    profile = capacity_profile(orin_profile, spec, batch=2, tokens=16, aggregation="ordered")
-    path = skewed_model(tmp_path / "m.colibri", layers=2, bias=(1.0, 0.8), seed=2)
+    profile = capacity_profile(orin_profile, spec, batch=2, tokens=16, aggregation="ordered", dtype=dtype)
+    path = skewed_model(tmp_path / "m.colibri", layers=2, bias=(1.0, 0.8), seed=2, dtype=dtype)
     device = EmulatedDevice(profile, path)
     symbols = [launch["symbol"] for launch in device.plan]
-    assert symbols == ["colibri_routing", "colibri_capacity", "colibri_align", "colibri_gate_up", "colibri_down"] * 2
+    assert symbols == ["colibri_routing", "colibri_capacity", "colibri_align", "colibri_gate_up" + suffix,
+                       "colibri_down" + suffix] * 2
     valid = [16, 9]
     mask = valid_rows(device, valid)
     x = np.random.default_rng(4).standard_normal((32, 48)).astype(np.float32)

@@ -81,15 +81,15 @@ def expected_parameter(arg: dict, layer: int, param: str | None = None) -> str:
 
 
 def test_tiled_path_takes_tensor_cores_where_it_can(orin_profile):
-    """fp16, block_m 16, hidden and intermediate multiples of 8: tensor-core kernels; else the scalar tiles."""
+    """fp16 weights: the tensor-core kernels at any block_m and any size; fp32: the scalar tiles."""
     profile = copy.deepcopy(orin_profile)
     profile["shape"] = {"batch": 1, "tokens": 64}
     symbols = lambda header: [l["symbol"] for l in catalog.launch_plan(profile, header)][1:3]  # noqa: E731
-    assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4)) == ["colibri_gate_up_tc", "colibri_down_tc"]
-    assert symbols(make_header(hidden=100, inter=512, experts=8, top_k=4)) == ["colibri_gate_up", "colibri_down"]
-    profile["kernels"]["routing"]["block_m"] = 32
-    assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4)) == ["colibri_gate_up", "colibri_down"]
-    profile["kernels"]["routing"]["block_m"] = 16
+    tc = ["colibri_gate_up_tc", "colibri_down_tc"]
+    for block_m in (1, 16, 32, 64, 128):
+        profile["kernels"]["routing"]["block_m"] = block_m
+        assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4)) == tc
+        assert symbols(make_header(hidden=2050, inter=770, experts=8, top_k=4)) == tc  # rows not 16-byte aligned
     profile["dtype"] = "fp32"
     assert symbols(make_header(hidden=256, inter=512, experts=8, top_k=4, dtype="fp32")) == [
         "colibri_gate_up", "colibri_down"]
@@ -167,7 +167,7 @@ def test_grids_cover_the_outputs(orin_profile, overrides, header_kwargs):
             assert gx == padded // block_m and (gy - 1) * k["down"]["block_n"] < h <= gy * k["down"]["block_n"]
         elif s in ("colibri_gate_up_tc", "colibri_down_tc"):
             n = i if s == "colibri_gate_up_tc" else h
-            assert block_m == catalog.TC_BLOCK_M and gx == padded // block_m
+            assert gx == padded // block_m
             assert (gy - 1) * catalog.TC_BLOCK_N < n <= gy * catalog.TC_BLOCK_N
         elif s == "colibri_gate_up_gemv":  # one row per warp; a slot per expert that valid pairs can select
             warps = k["small_batch"]["threads"] // 32
@@ -190,8 +190,12 @@ def test_buffer_sizes(orin_profile):
     assert b["block_experts"] == 4 * ((pairs + 64 * (block_m - 1)) // block_m)
     assert b["x0"] == b["x1"] == tokens * 100 * 4
     assert b["act"] == pairs * 75 * 4 and b["pair_out"] == pairs * 100 * 4
-    # hidden 100 is not a multiple of 8: the scalar down tile, ceil(100 / block_n) column blocks per token
-    assert b[catalog.DOWN_COUNTERS] == tokens * -(-100 // profile["kernels"]["down"]["block_n"]) * 4
+    # fp16: the tensor-core down tile, ceil(100 / 32) column blocks per token; fp32: the scalar tile, ceil(100 /
+    # block_n)
+    assert b[catalog.DOWN_COUNTERS] == tokens * -(-100 // 32) * 4
+    profile["dtype"] = "fp32"
+    fp32 = catalog.device_buffers(profile, make_header(hidden=100, inter=75, experts=64, top_k=8, dtype="fp32"))
+    assert fp32[catalog.DOWN_COUNTERS] == tokens * -(-100 // profile["kernels"]["down"]["block_n"]) * 4
     assert catalog.is_counter_buffer(catalog.DOWN_COUNTERS)
     assert b["topk_ids"] == b["topk_weights"] == pairs * 4
     assert b["expert_counts"] == 64 * 4 and b["expert_offsets"] == 65 * 4
