@@ -43,7 +43,7 @@ def test_real_bundle_verified_on_device_then_kernel_only_rebuild(real_bundles, t
         unique.setdefault(new[p]["sha256"], p)
     assert len(again.sent) == len(unique) + 1 and set(again.sent) <= set(changed) | {"manifest.json"}
     assert again.bytes_sent == sum(new[p]["size"] for p in unique.values()) + (rebuilt / "manifest.json").stat().st_size
-    assert again.bytes_sent < 0.02 * again.total_bytes
+    assert again.bytes_sent < 0.05 * again.total_bytes  # the kernels (~2.3 % of this bundle), never the weights
     assert os.readlink(device_dir / "current") == f"bundles/{again.bundle_id}" != f"bundles/{result.bundle_id}"
     assert remote_tree(device_dir / "current") == remote_tree(rebuilt)
 
