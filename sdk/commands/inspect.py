@@ -150,15 +150,16 @@ def storage_record(header: dict, dtype: str) -> dict:
 
 def stored_form(header: dict, dtype: str) -> str:
     """The one-line summary's words for a bundle's weights (`build`, `run`): "fp16"; "int4 g128 with zero points,
-    fp16 scales" / "int8 per row, fp16 scales" for int8/int4 experts (the manifest's `dtype` is then the scales'
-    and activations' type); "fp32 experts, fp16 activations" for a v2 float file whose experts keep their own type.
+    fp16 scales" / "int8 per row, fp32 scales" for int8/int4 experts (the scales' type is the header's `dtype`: a
+    v2 file is copied into a bundle as it is, so an import with fp32 scales keeps them in an fp16 profile's bundle);
+    "fp32 experts, fp16 activations" for a v2 float file whose experts keep their own type.
 
     Args:
         header: the manifest's `weights.header`. dtype: the manifest's dtype ("fp16" | "fp32").
     """
     record = storage_record(header, dtype)
     if header.get("quant"):
-        return f"{record['text']}, {dtype} scales"
+        return f"{record['text']}, {FLOAT_STORAGE.get(header.get('dtype'), dtype)} scales"
     return dtype if record["text"] == dtype else f"{record['text']} experts, {dtype} activations"
 
 

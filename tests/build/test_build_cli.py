@@ -188,3 +188,26 @@ def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
     assert cli.main(["run", str(out), "--tokens", "5", "--backend", "cuda"]) == 1
     assert capsys.readouterr().err == ("colibri-sdk run: error: --tokens 5; allowed: 1..4 (the largest compiled "
                                        "shape's)\n")
+
+
+def test_build_and_run_name_the_files_own_scale_type(tmp_path, capsys):
+    """fp32 scales (as a compressed-tensors import keeps them) in an fp16 profile's bundle: the summaries say fp32."""
+    from colibri_sdk.quantize import quantize_file
+
+    rng = np.random.default_rng(4)
+    layers, experts, hidden, inter = 1, 4, 64, 64
+    src = write_model(tmp_path / "m.colibri", Header(num_layers=layers, num_experts=experts, top_k=2,
+                                                     hidden_size=hidden, intermediate_size=inter, dtype=0,
+                                                     routing=0, composition=0),
+                      rng.standard_normal((layers, experts, inter, hidden), dtype=np.float32),
+                      rng.standard_normal((layers, experts, inter, hidden), dtype=np.float32),
+                      rng.standard_normal((layers, experts, hidden, inter), dtype=np.float32),
+                      rng.standard_normal((layers, hidden, experts), dtype=np.float32))
+    quantize_file(src, tmp_path / "q.colibri", "int8", 32, "fp32")
+    out = tmp_path / "b"
+    assert cli.main(["build", "--profile", "orin", "--weights", str(tmp_path / "q.colibri"), "-o", str(out),
+                     "--batch", "1", "--tokens", "4", "-q"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"{out}: jetson-agx-orin-64gb (sm_87, int8 g32, fp32 scales, batch 1 x tokens 4, "), first
+    assert cli.main(["run", str(out), "--backend", "cpu", "--iters", "1", "-q"]) == 0
+    assert capsys.readouterr().out.startswith(f"bundle   {out}  (int8 g32, fp32 scales, batch 1 x tokens 4, hidden 64)\n")
