@@ -254,7 +254,7 @@ def check_toolchain(data: dict, source: str) -> None:
     if major != toolkit:
         raise ProfileError(
             f"{source}: target.toolkit = {toolkit}, but the installed NVRTC is {major}.{minor}; "
-            f"allowed: {major}, or install NVRTC {toolkit}: {nvrtc.pip_hint(toolkit)}"
+            f"allowed: {major}, or install NVRTC {toolkit}: {nvrtc.toolkit_hint(toolkit, major)}"
         )
     cc_major, cc_minor = parse_arch(data["target"]["arch"])
     supported = nvrtc.supported_archs()

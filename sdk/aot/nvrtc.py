@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from importlib import metadata
 from pathlib import Path
 
 from ..errors import CompileError
@@ -26,6 +27,24 @@ def pip_hint(major: int) -> str:
     """The pip command that installs NVRTC and the CUDA headers of CUDA major version `major`."""
     wheels = f"nvidia-cuda-nvrtc-cu{major}, nvidia-cuda-runtime-cu{major}"
     return _PIP_NVRTC.get(major, f"the NVRTC {major}.x wheels ({wheels})")
+
+
+_NVRTC_WHEEL = {12: "nvidia-cuda-nvrtc-cu12", 13: "nvidia-cuda-nvrtc"}  # CUDA major -> its NVRTC pip wheel
+
+
+def toolkit_hint(wanted: int, loaded: int) -> str:
+    """How to get NVRTC `wanted` where cuda.bindings loads NVRTC `loaded`: `pip_hint(wanted)`, and, when the wheels
+    of both majors are installed (a CUDA 13 torch brings `nvidia-cuda-nvrtc` next to `nvidia-cuda-nvrtc-cu12`), the
+    uninstall of the loaded one: cuda.bindings (through cuda.pathfinder) then loads that one first, so installing
+    the wanted wheel again changes nothing."""
+    hint = pip_hint(wanted)
+    try:
+        metadata.version(_NVRTC_WHEEL[wanted])
+        metadata.version(_NVRTC_WHEEL[loaded])
+    except (KeyError, metadata.PackageNotFoundError):
+        return hint
+    return (f"{hint}; {_NVRTC_WHEEL[wanted]} is installed already, and so is {_NVRTC_WHEEL[loaded]} (NVRTC "
+            f"{loaded}), which cuda.bindings loads first: pip uninstall {_NVRTC_WHEEL[loaded]}")
 
 
 def _nvrtc():
@@ -168,7 +187,7 @@ def compile_source(
         if major != toolkit:
             raise CompileError(
                 f"the profile needs CUDA {toolkit} (target.toolkit = {toolkit}) but the installed NVRTC is "
-                f"{major}.{minor}; install NVRTC {toolkit}: {pip_hint(toolkit)}"
+                f"{major}.{minor}; install NVRTC {toolkit}: {toolkit_hint(toolkit, major)}"
             )
     # The shipped kernels include no CUDA header; the pip headers are added for sources that do.
     headers = find_cuda_include_dir()

@@ -117,6 +117,25 @@ def test_toolkit_mismatch_names_the_pip_package():
     assert "pip install" in message and "nvidia-cuda-nvrtc" in message
 
 
+def test_toolkit_hint_names_the_wheel_loaded_first_when_both_are_installed(monkeypatch):
+    from colibri_sdk.aot import nvrtc
+
+    installed = {"nvidia-cuda-nvrtc-cu12"}
+
+    def version(name):
+        if name not in installed:
+            raise nvrtc.metadata.PackageNotFoundError(name)
+        return "1"
+
+    monkeypatch.setattr(nvrtc.metadata, "version", version)
+    assert nvrtc.toolkit_hint(12, 13) == nvrtc.pip_hint(12)  # only the wanted wheel: nothing to uninstall
+    installed.add("nvidia-cuda-nvrtc")  # a CUDA 13 torch installed next to it
+    assert nvrtc.toolkit_hint(12, 13) == (
+        'pip install "cuda-python>=12,<13" nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12; nvidia-cuda-nvrtc-cu12 is '
+        "installed already, and so is nvidia-cuda-nvrtc (NVRTC 13), which cuda.bindings loads first: "
+        "pip uninstall nvidia-cuda-nvrtc")
+
+
 # ---- cubin ELF header ------------------------------------------------------------------------------------------------
 def test_cubin_of_another_arch_is_refused():
     cubin = compile_routing("sm_80").cubin
