@@ -137,6 +137,7 @@ class NvrtcCache:
     Attributes:
         folder: where the entries live (`default_cache_dir()` unless given).
         hits, misses: compilations answered from the cache / run by NVRTC (a corrupt entry counts as a miss).
+        unwritable: True once an entry could not be written (the folder cannot be created or written; warned once).
     """
 
     def __init__(self, folder: str | os.PathLike | None = None):
@@ -144,7 +145,7 @@ class NvrtcCache:
         self.hits = 0
         self.misses = 0
         self._lock = threading.Lock()
-        self._warned = False
+        self.unwritable = False
 
     def path(self, key: str) -> Path:
         """The entry file of `key`."""
@@ -174,7 +175,7 @@ class NvrtcCache:
             tmp = None
         except OSError as exc:
             with self._lock:
-                warn, self._warned = not self._warned, True
+                warn, self.unwritable = not self.unwritable, True
             if warn:
                 log.warning("nvrtc cache: cannot write to %s (%s); compiling without the cache",
                             self.folder, exc.strerror or exc)

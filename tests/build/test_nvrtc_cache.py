@@ -123,7 +123,7 @@ def test_an_unwritable_cache_folder_warns_once_and_builds_on(tmp_path, caplog):
         cache.put("b" * 64, out)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith(f"nvrtc cache: cannot write to {blocker / 'nvrtc'} (")
-    assert cache.get("a" * 64) is None
+    assert cache.get("a" * 64) is None and cache.unwritable
 
 
 def test_entry_round_trip_checks_key_and_sizes():
@@ -149,3 +149,13 @@ def test_cli_no_cache_reads_and_writes_nothing(tmp_path, monkeypatch, capsys, co
     assert cli.main(args + ["-o", str(tmp_path / "b"), "-q"]) == 0
     assert f"  nvrtc cache: {count} of {count} compilations from the cache ({folder})\n" in capsys.readouterr().out
     assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
+
+
+def test_cli_summary_says_when_the_cache_could_not_be_written(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_bytes(b"x")
+    monkeypatch.setenv("COLIBRI_CACHE_DIR", str(blocker / "nvrtc"))
+    args = ["build", "--profile", "orin", "--demo", "--batch", "1", "--tokens", "2", "-o", str(tmp_path / "a"), "-q"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"compilations from the cache ({blocker / 'nvrtc'}; not writable: nothing stored)\n" in out, out
