@@ -75,7 +75,10 @@ def default_cache_dir() -> Path | None:
         if path == "~" or path.startswith("~/"):
             home = home_dir()
             return None if home is None else home / path[2:]
-        return Path(path)
+        try:
+            return Path(path).expanduser()  # ~user/...
+        except RuntimeError:  # no such user
+            return None
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if os.path.isabs(xdg):
         return Path(xdg) / "colibri-sdk" / "nvrtc"

@@ -83,6 +83,8 @@ def test_an_empty_or_relative_home_is_not_used(home, monkeypatch, tmp_path):
     assert default_cache_dir() == account / ".cache" / "colibri-sdk" / "nvrtc"
     monkeypatch.setenv("COLIBRI_CACHE_DIR", "~/mine")
     assert default_cache_dir() == account / "mine"
+    monkeypatch.setenv("COLIBRI_CACHE_DIR", f"~{pwd.getpwuid(os.getuid()).pw_name}/theirs")
+    assert default_cache_dir() == account / "theirs"
 
 
 def test_no_absolute_home_at_all_builds_without_the_cache(monkeypatch, tmp_path, caplog):
