@@ -19,7 +19,8 @@ entry, `<key>.nvrtc`:
 
 An entry is written to a temporary file in the cache folder and renamed into place (`os.replace`, atomic on POSIX):
 a reader sees a whole entry or none. An entry whose format line, digest, key or sizes do not match (truncated,
-corrupt, or another key's) is ignored, compiled again and replaced: the cache never hands out a wrong cubin. A
+corrupt, or another key's) is ignored, compiled again and replaced: the cache never hands out a wrong cubin. An
+entry file that is not a regular file (a FIFO, a device) or is larger than MAX_ENTRY_BYTES is never read. A
 cache folder that cannot be written makes the build compile as if there were no cache (one warning).
 
 No library is used: an entry is a file named by a digest; none of the packages this project depends on offers a

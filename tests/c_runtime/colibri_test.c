@@ -311,7 +311,8 @@ static int cmd_nonfinite(const char *bundle) {
     EXPECT(colibri_set_input(ctx, x, len, io.batch), COLIBRI_OK);
     EXPECT(colibri_infer(ctx), COLIBRI_OK);
     EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
-    for (size_t i = 0; i < io.hidden; i++) CHECK(y[io.hidden + i] == 0.0f, "padding column %zu: %g", i, (double)y[io.hidden + i]);
+    for (size_t i = 0; i < io.hidden; i++)
+        CHECK(y[io.hidden + i] == 0.0f, "padding column %zu: %g", i, (double)y[io.hidden + i]);
     for (int twice = 0; twice < 2; twice++) { /* a host buffer one float short: refused, y not written */
         memset(y, 0x7f, io.output_bytes);
         EXPECT(colibri_get_output(ctx, y, io.output_bytes - 4), COLIBRI_ERR_INVALID_ARG);
