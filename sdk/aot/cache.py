@@ -19,7 +19,8 @@ entry, `<key>.nvrtc`:
 
 An entry is written to a temporary file in the cache folder and renamed into place (`os.replace`, atomic on POSIX):
 a reader sees a whole entry or none. An entry whose format line, digest, key or sizes do not match (truncated,
-corrupt, or another key's) is ignored, compiled again and replaced: the cache never hands out a wrong cubin. A
+corrupt, or another key's) is ignored, compiled again and replaced: the cache never hands out a wrong cubin. An
+entry file that is not a regular file (a FIFO, a device) or is larger than MAX_ENTRY_BYTES is never read. A
 cache folder that cannot be written makes the build compile as if there were no cache (one warning).
 
 No library is used: an entry is a file named by a digest; none of the packages this project depends on offers a
@@ -33,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -44,18 +46,45 @@ from .nvrtc import CompiledSource, compile_options
 log = logging.getLogger(__name__)
 
 FORMAT_LINE = b"colibri-nvrtc-cache 1\n"
+MAX_ENTRY_BYTES = 256 << 20  # an entry is 0.1-0.3 MB; a larger file is not one of ours and is not read
 SUFFIX = ".nvrtc"
 ENV_DIR = "COLIBRI_CACHE_DIR"
 
 
-def default_cache_dir() -> Path:
+def home_dir() -> Path | None:
+    """The user's home folder: `$HOME` when it is an absolute path, else the password database's entry for this
+    user when that is absolute, else None (an empty or relative `HOME` would put the cache under the current
+    folder, or under `/`)."""
+    home = os.environ.get("HOME", "")
+    if os.path.isabs(home):
+        return Path(home)
+    try:
+        import pwd
+
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except (ImportError, KeyError, OSError):
+        return None
+    return Path(home) if os.path.isabs(home) else None
+
+
+def default_cache_dir() -> Path | None:
     """`$COLIBRI_CACHE_DIR`, else `$XDG_CACHE_HOME/colibri-sdk/nvrtc`, else `~/.cache/colibri-sdk/nvrtc` (an empty
-    variable counts as unset; a relative XDG_CACHE_HOME is ignored, as the XDG base directory specification says)."""
+    variable counts as unset; a relative XDG_CACHE_HOME is ignored, as the XDG base directory specification says;
+    `~` is `home_dir()`). None when no absolute home folder is known: the build then runs without the cache."""
     if os.environ.get(ENV_DIR):
-        return Path(os.environ[ENV_DIR]).expanduser()
+        path = os.environ[ENV_DIR]
+        if path == "~" or path.startswith("~/"):
+            home = home_dir()
+            return None if home is None else home / path[2:]
+        try:
+            return Path(path).expanduser()  # ~user/...
+        except RuntimeError:  # no such user
+            return None
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path("~/.cache").expanduser()
-    return base / "colibri-sdk" / "nvrtc"
+    if os.path.isabs(xdg):
+        return Path(xdg) / "colibri-sdk" / "nvrtc"
+    home = home_dir()
+    return None if home is None else home / ".cache" / "colibri-sdk" / "nvrtc"
 
 
 _folder_digests: dict[tuple, str] = {}
@@ -119,43 +148,80 @@ def decode_entry(data: bytes, key: str) -> CompiledSource | None:
     (n,) = struct.unpack("<Q", body[:8])
     try:
         meta = json.loads(body[8:8 + n])
-        cubin_bytes, ptx_bytes = int(meta["cubin_bytes"]), int(meta["ptx_bytes"])
-        ok = meta["key"] == key and 8 + n + cubin_bytes + ptx_bytes == len(body) and min(cubin_bytes, ptx_bytes) >= 0
-        logtext, options = str(meta["log"]), tuple(str(o) for o in meta["options"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        cubin_bytes, ptx_bytes = meta["cubin_bytes"], meta["ptx_bytes"]
+        sizes_ok = all(type(v) is int and v >= 0 for v in (cubin_bytes, ptx_bytes))
+        ok = sizes_ok and meta["key"] == key and 8 + n + cubin_bytes + ptx_bytes == len(body)
+        logtext, options = meta["log"], meta["options"]
+        ok = ok and isinstance(logtext, str) and isinstance(options, list)
+        ok = ok and all(isinstance(o, str) for o in options)
+    except (ValueError, KeyError, TypeError, RecursionError):  # not JSON, not a record, nested past the parser
         return None
     if not ok:
         return None
+    options = tuple(options)
     cubin = body[8 + n:8 + n + cubin_bytes]
     ptx = body[8 + n + cubin_bytes:]
     return CompiledSource(cubin, ptx, logtext, nvrtc.parse_resources(logtext), options)
+
+
+def read_entry_file(path: Path) -> bytes | None:
+    """The bytes of the regular file at `path` (a symlink is followed), or None when it is missing, unreadable,
+    not a regular file (a FIFO, a device, a folder: opened without blocking and never read) or larger than
+    MAX_ENTRY_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_ENTRY_BYTES:
+            log.debug("nvrtc cache: ignoring %s (not a regular file of at most %d bytes)", path, MAX_ENTRY_BYTES)
+            return None
+        chunks, left = [], st.st_size + 1  # one byte more: a file that grew while read is not taken as whole
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks) if left > 0 else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class NvrtcCache:
     """NVRTC output by content (`cache_key`), one file per entry in `folder`; thread-safe.
 
     Attributes:
-        folder: where the entries live (`default_cache_dir()` unless given).
+        folder: where the entries live (`default_cache_dir()` unless given); None when no absolute home folder is
+            known and no `$COLIBRI_CACHE_DIR` / absolute `$XDG_CACHE_HOME` is set: nothing is read or kept.
         hits, misses: compilations answered from the cache / run by NVRTC (a corrupt entry counts as a miss).
         unwritable: True once an entry could not be written (the folder cannot be created or written; warned once).
     """
 
     def __init__(self, folder: str | os.PathLike | None = None):
         self.folder = Path(folder) if folder is not None else default_cache_dir()
+        self._no_folder_reason = (f"no cache folder: HOME = {os.environ.get('HOME', '')!r} is not an absolute path "
+                                  f"and this user has no absolute home folder; set {ENV_DIR}")
         self.hits = 0
         self.misses = 0
         self._lock = threading.Lock()
         self.unwritable = False
 
-    def path(self, key: str) -> Path:
-        """The entry file of `key`."""
+    def path(self, key: str) -> Path | None:
+        """The entry file of `key` (None without a folder)."""
+        if self.folder is None:
+            return None
         return self.folder / f"{key}{SUFFIX}"
 
     def get(self, key: str) -> CompiledSource | None:
         """The entry of `key`, or None when it is missing or not intact (then it is logged at debug level)."""
-        try:
-            data = self.path(key).read_bytes()
-        except OSError:
+        if self.folder is None:
+            return None
+        data = read_entry_file(self.path(key))
+        if data is None:
             return None
         found = decode_entry(data, key)
         if found is None:
@@ -167,6 +233,8 @@ class NvrtcCache:
         written is warned about once and otherwise ignored."""
         tmp = None
         try:
+            if self.folder is None:
+                raise OSError(self._no_folder_reason)
             self.folder.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key[:16]}-", suffix=".tmp")
             with os.fdopen(fd, "wb") as fh:
@@ -176,7 +244,9 @@ class NvrtcCache:
         except OSError as exc:
             with self._lock:
                 warn, self.unwritable = not self.unwritable, True
-            if warn:
+            if warn and self.folder is None:
+                log.warning("nvrtc cache: %s; compiling without the cache", self._no_folder_reason)
+            elif warn:
                 log.warning("nvrtc cache: cannot write to %s (%s); compiling without the cache",
                             self.folder, exc.strerror or exc)
         finally:

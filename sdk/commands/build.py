@@ -155,7 +155,8 @@ def run(args) -> int:
         print("  nvrtc cache: not used (--no-cache)")
     else:
         print(f"  nvrtc cache: {cache.hits} of {cache.hits + cache.misses} compilations from the cache "
-              f"({cache.folder}" + ("; not writable: nothing stored)" if cache.unwritable else ")"))
+              + (f"({cache.folder}" + ("; not writable: nothing stored)" if cache.unwritable else ")")
+                 if cache.folder is not None else "(no cache folder: set COLIBRI_CACHE_DIR)"))
     if result.archive is not None:
         print(f"  archive: {result.archive}")
     print(f"  built in {time.perf_counter() - start:.2f} s")

@@ -307,6 +307,21 @@ static int cmd_nonfinite(const char *bundle) {
     EXPECT(colibri_set_input(ctx, x, len, io.batch), COLIBRI_OK);
     EXPECT(colibri_infer(ctx), COLIBRI_OK);
     EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+    for (size_t i = 0; i < io.hidden; i++) x[io.hidden + i] = NAN; /* NaN at the padding position: never read */
+    EXPECT(colibri_set_input(ctx, x, len, io.batch), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+    for (size_t i = 0; i < io.hidden; i++)
+        CHECK(y[io.hidden + i] == 0.0f, "padding column %zu: %g", i, (double)y[io.hidden + i]);
+    for (int twice = 0; twice < 2; twice++) { /* a host buffer one float short: refused, y not written */
+        memset(y, 0x7f, io.output_bytes);
+        EXPECT(colibri_get_output(ctx, y, io.output_bytes - 4), COLIBRI_ERR_INVALID_ARG);
+        CHECK(strstr(colibri_last_error(ctx), "colibri_get_output: y_bytes = ") == colibri_last_error(ctx) &&
+              !strchr(colibri_last_error(ctx), '\n'), "%s", colibri_last_error(ctx));
+        CHECK(((const unsigned char *)y)[0] == 0x7f && ((const unsigned char *)y)[io.output_bytes - 1] == 0x7f,
+              "a refused get_output wrote y");
+    }
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK); /* the output is still there */
     for (size_t i = 0; i < io.hidden; i++) x[io.hidden + i] = 0.5f;
     EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK);
     EXPECT(colibri_infer(ctx), COLIBRI_OK);

@@ -23,7 +23,8 @@ def clean(run) -> None:
 
 def test_a_finite_input_that_overflows_gives_the_nonfinite_output_code(run_c, bundles):
     """Token 1 of sequence 0 at 1e19 (finite; the experts overflow float32): get_output returns code 9 naming that
-    position, with y filled; as padding the same values are ignored; a finite output afterwards is COLIBRI_OK.
+    position, with y filled; as padding the same values, and NaN, are ignored (zeros out); a y one float short is
+    refused twice, y untouched, the output kept; a finite output afterwards is COLIBRI_OK.
     The Python runtime refuses the same input at the same position."""
     from colibri_sdk.errors import NonFiniteOutputError
     from colibri_sdk.runtime import Runtime
