@@ -548,6 +548,32 @@ __device__ __forceinline__ void tc_tile_rows(const float* __restrict__ src, cons
     }
 }
 
+// ---- scale and zero-point runs through aligned windows (small_batch.cu GEMV, expert_quant_tc.cu tiles) ------------
+// Entries [0, n) of a run of T (fp16 / fp32 scales, int8 zero points) starting anywhere: put(i, words, m) receives
+// entry i as entry m of the 16-byte vector `words`. The run is read with 16-byte loads through its aligned window
+// (from its start rounded down to 32 bytes to its end rounded up to 16: at most 31 bytes before it, inside the
+// weights buffer, and 15 after it, inside catalog.WEIGHTS_TAIL_BYTES), 32 consecutive vectors per warp instruction;
+// lanes past the window load its last vector again (as small_batch.cu load_chunk). Every thread of a block of
+// NTHREADS calls it.
+template <int NTHREADS, typename T, typename Put>
+__device__ __forceinline__ void stage_run(const T* __restrict__ src, int n, Put put) {
+    constexpr int per = 16 / (int)sizeof(T);
+    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
+    const uint4* base = reinterpret_cast<const uint4*>(a & ~31ull);
+    const int lead = (int)(a & 31ull) / (int)sizeof(T);  // entries of the window before the run
+    const int nvec = (lead + n + per - 1) / per, lane = threadIdx.x & 31;
+    for (int v0 = (int)threadIdx.x - lane; v0 < nvec; v0 += NTHREADS) {  // uniform per warp
+        // No branch around the load: its entries i of a lane past the window are >= n, so nothing is put.
+        const uint4 raw = __ldg(base + (v0 + lane < nvec ? v0 + lane : nvec - 1));
+        const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int m = 0; m < per; ++m) {
+            const int i = (v0 + lane) * per + m - lead;
+            if (i >= 0 && i < n) put(i, w, m);
+        }
+    }
+}
+
 // ---- integer codes → fp16 mma operands (kernels/expert_quant_tc.cu) -----------------------------------------------
 // Marlin's "magic number" dequantization (IST-DASLab/marlin, vLLM csrc/moe/marlin_moe): the fp16 with bits 0x6400 | u
 // is 1024 + u exactly for u in 0..1023, so ORing an unsigned code into the mantissa converts it without a cvt, and

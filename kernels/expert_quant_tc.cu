@@ -32,7 +32,7 @@
 //   the 16-element mma step, so a step never straddles two groups; a partial last group ends with the reduction
 //   dimension.
 //   Scales (and zero points): the block's 32 rows are one contiguous run of each scale block, copied once per block
-//   to shared memory with 16-byte loads over the run's aligned window (qtc_stage_run) when 32 * groups <= QS_MAX_
+//   to shared memory with 16-byte loads over the run's aligned window (stage_run) when 32 * groups <= QS_MAX_
 //   entries per matrix; else each lane reads the scales of its two columns at a group's end (the same values, less
 //   coalesced).
 // Limits: common.cuh; int4 needs a group size; static shared memory (sizes below) <= 48 KiB.
@@ -137,31 +137,8 @@ __device__ __forceinline__ void qtc_stage_codes(const unsigned char* first, int 
     }
 }
 
-// Entries [0, n) of a run of T (fp16 / fp32 scales, int8 zero points) starting anywhere: put(i, words, m) receives
-// entry i as entry m of the 16-byte vector `words`. The run is read with 16-byte loads through its aligned window
-// (from its start rounded down to 32 bytes to its end rounded up to 16: at most 31 bytes before it, inside the
-// weights buffer, and 15 after it, inside catalog.WEIGHTS_TAIL_BYTES), 32 consecutive vectors per warp
-// instruction; lanes past the window load its last vector again (small_batch.cu stage_run, for this block size).
-template <typename T, typename Put>
-__device__ __forceinline__ void qtc_stage_run(const T* __restrict__ src, int n, Put put) {
-    constexpr int per = 16 / (int)sizeof(T);
-    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
-    const uint4* base = reinterpret_cast<const uint4*>(a & ~31ull);
-    const int lead = (int)(a & 31ull) / (int)sizeof(T);  // entries of the window before the run
-    const int nvec = (lead + n + per - 1) / per, lane = threadIdx.x & 31;
-    for (int v0 = (int)threadIdx.x - lane; v0 < nvec; v0 += TC_THREADS_) {  // uniform per warp
-        const uint4 raw = __ldg(base + (v0 + lane < nvec ? v0 + lane : nvec - 1));
-        const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-        for (int m = 0; m < per; ++m) {
-            const int i = (v0 + lane) * per + m - lead;
-            if (i >= 0 && i < n) put(i, w, m);
-        }
-    }
-}
-
 // Copy the scales (and zero points) of rows n0 .. n0 + nrows - 1 of every matrix to shared memory: one contiguous
-// run of each block, 16-byte loads (qtc_stage_run). The caller's next barrier makes them visible.
+// run of each block, 16-byte loads (common.cuh stage_run). The caller's next barrier makes them visible.
 template <int NMAT, int QSN, int KLEN>
 __device__ __forceinline__ void qtc_stage_scales(const QtcMatrix (&w)[NMAT], int n0, int nrows,
                                                  QtcShared<NMAT, QSN>& sh) {
@@ -169,7 +146,7 @@ __device__ __forceinline__ void qtc_stage_scales(const QtcMatrix (&w)[NMAT], int
 #pragma unroll
     for (int m = 0; m < NMAT; ++m) {
         float* s_sh = sh.scales[m];
-        qtc_stage_run(w[m].scales + (size_t)n0 * G, nrows * G, [&](int i, const unsigned* v, int k) {
+        stage_run<TC_THREADS_>(w[m].scales + (size_t)n0 * G, nrows * G, [&](int i, const unsigned* v, int k) {
 #if COLI_SCALE_FP16
             s_sh[i] = st_to_float((st)((v[k / 2] >> (16 * (k % 2))) & 0xffffu));
 #else
@@ -178,7 +155,7 @@ __device__ __forceinline__ void qtc_stage_scales(const QtcMatrix (&w)[NMAT], int
         });
         if (COLI_ZERO_POINTS) {
             signed char* z_sh = sh.zeros[m];
-            qtc_stage_run(w[m].zeros + (size_t)n0 * G, nrows * G, [&](int i, const unsigned* v, int k) {
+            stage_run<TC_THREADS_>(w[m].zeros + (size_t)n0 * G, nrows * G, [&](int i, const unsigned* v, int k) {
                 z_sh[i] = (signed char)((v[k / 4] >> (8 * (k % 4))) & 255u);
             });
         }

@@ -331,30 +331,6 @@ __device__ __forceinline__ void chunk_dot(const Window win[NROWS], const QRow*, 
 #define QS_GU_N_ (QS_GU_ ? WARPS_ * QGROUPS_(H_) : 1)
 #define QS_DOWN_N_ (QS_DOWN_ ? TILE_ * QGROUPS_(I_) : 1)
 
-// Entries [0, n) of a run of T (fp16 / fp32 scales, int8 zero points) starting anywhere: put(i, words, m) receives
-// entry i as entry m of the 16-byte vector `words`. The run is read with 16-byte loads through its aligned window
-// (from its start rounded down to 32 bytes to its end rounded up to 16: at most 31 bytes before it, inside the
-// weights buffer, and 15 after it, inside catalog.WEIGHTS_TAIL_BYTES), 32 consecutive vectors per warp instruction;
-// lanes past the window load its last vector again (as load_chunk). Every thread of the block calls it.
-template <typename T, typename Put>
-__device__ __forceinline__ void stage_run(const T* __restrict__ src, int n, Put put) {
-    constexpr int per = 16 / (int)sizeof(T);
-    const unsigned long long a = reinterpret_cast<unsigned long long>(src);
-    const uint4* base = reinterpret_cast<const uint4*>(a & ~31ull);
-    const int lead = (int)(a & 31ull) / (int)sizeof(T);  // entries of the window before the run
-    const int nvec = (lead + n + per - 1) / per, lane = threadIdx.x & 31;
-    for (int v0 = (int)threadIdx.x - lane; v0 < nvec; v0 += THREADS_) {  // uniform per warp
-        // No branch around the load: its entries i of a lane past the window are >= n, so nothing is put.
-        const uint4 raw = __ldg(base + (v0 + lane < nvec ? v0 + lane : nvec - 1));
-        const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-        for (int m = 0; m < per; ++m) {
-            const int i = (v0 + lane) * per + m - lead;
-            if (i >= 0 && i < n) put(i, w, m);
-        }
-    }
-}
-
 // The scales (as float) and zero points of rows first_row .. first_row + nrows - 1 (`groups` each) into s_sh, z_sh.
 // Every thread of the block calls it; the caller's next barrier makes the copy visible.
 __device__ __forceinline__ void stage_scales(const st* __restrict__ scales, const signed char* __restrict__ zeros,
@@ -362,7 +338,7 @@ __device__ __forceinline__ void stage_scales(const st* __restrict__ scales, cons
                                              signed char* z_sh) {
     const size_t at = first_row * (size_t)groups;
     const int n = nrows * groups;
-    stage_run(scales + at, n, [&](int i, const unsigned* w, int m) {
+    stage_run<THREADS_>(scales + at, n, [&](int i, const unsigned* w, int m) {
 #if COLI_SCALE_FP16
         s_sh[i] = st_to_float((st)((w[m / 2] >> (16 * (m % 2))) & 0xffffu));
 #else
@@ -370,7 +346,7 @@ __device__ __forceinline__ void stage_scales(const st* __restrict__ scales, cons
 #endif
     });
     if (COLI_ZERO_POINTS)
-        stage_run(zeros + at, n,
+        stage_run<THREADS_>(zeros + at, n,
                   [&](int i, const unsigned* w, int m) { z_sh[i] = (signed char)((w[m / 4] >> (8 * (m % 4))) & 255u); });
 }
 

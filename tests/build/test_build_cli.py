@@ -155,10 +155,12 @@ def test_a_bad_flag_value_is_blamed_on_the_flag(tmp_path, capsys, flags, message
     assert not out.exists()
 
 
-def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
+def _quantized_bundle(tmp_path, seed: int, *quantize_args) -> Path:
+    """`build --profile orin --batch 1 --tokens 4` of a one-layer model (4 experts, hidden = intermediate = 64,
+    N(0, 1) fp32 weights from `seed`) quantized by `quantize_file(..., *quantize_args)`. Returns the bundle folder."""
     from colibri_sdk.quantize import quantize_file
 
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     layers, experts, hidden, inter = 1, 4, 64, 64
     src = write_model(tmp_path / "m.colibri", Header(num_layers=layers, num_experts=experts, top_k=2,
                                                      hidden_size=hidden, intermediate_size=inter, dtype=0,
@@ -167,10 +169,15 @@ def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
                       rng.standard_normal((layers, experts, inter, hidden), dtype=np.float32),
                       rng.standard_normal((layers, experts, hidden, inter), dtype=np.float32),
                       rng.standard_normal((layers, hidden, experts), dtype=np.float32))
-    quantize_file(src, tmp_path / "q.colibri", "int4", 32)
+    quantize_file(src, tmp_path / "q.colibri", *quantize_args)
     out = tmp_path / "b"
     assert cli.main(["build", "--profile", "orin", "--weights", str(tmp_path / "q.colibri"), "-o", str(out),
                      "--batch", "1", "--tokens", "4", "-q"]) == 0
+    return out
+
+
+def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
+    out = _quantized_bundle(tmp_path, 3, "int4", 32)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{out}: jetson-agx-orin-64gb (sm_87, int4 g32, fp16 scales, batch 1 x tokens 4, "), lines
     assert "intermediate 64, int4 g32 experts)" in lines[1]
@@ -192,21 +199,7 @@ def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
 
 def test_build_and_run_name_the_files_own_scale_type(tmp_path, capsys):
     """fp32 scales (as a compressed-tensors import keeps them) in an fp16 profile's bundle: the summaries say fp32."""
-    from colibri_sdk.quantize import quantize_file
-
-    rng = np.random.default_rng(4)
-    layers, experts, hidden, inter = 1, 4, 64, 64
-    src = write_model(tmp_path / "m.colibri", Header(num_layers=layers, num_experts=experts, top_k=2,
-                                                     hidden_size=hidden, intermediate_size=inter, dtype=0,
-                                                     routing=0, composition=0),
-                      rng.standard_normal((layers, experts, inter, hidden), dtype=np.float32),
-                      rng.standard_normal((layers, experts, inter, hidden), dtype=np.float32),
-                      rng.standard_normal((layers, experts, hidden, inter), dtype=np.float32),
-                      rng.standard_normal((layers, hidden, experts), dtype=np.float32))
-    quantize_file(src, tmp_path / "q.colibri", "int8", 32, "fp32")
-    out = tmp_path / "b"
-    assert cli.main(["build", "--profile", "orin", "--weights", str(tmp_path / "q.colibri"), "-o", str(out),
-                     "--batch", "1", "--tokens", "4", "-q"]) == 0
+    out = _quantized_bundle(tmp_path, 4, "int8", 32, "fp32")
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(f"{out}: jetson-agx-orin-64gb (sm_87, int8 g32, fp32 scales, batch 1 x tokens 4, "), first
     assert cli.main(["run", str(out), "--backend", "cpu", "--iters", "1", "-q"]) == 0
