@@ -93,24 +93,14 @@ def test_inspect_table_columns_line_up_with_v2_names(tmp_path, capsys):
 def test_inspect_a_bundle_of_v2_weights_shows_every_v2_field(tmp_path, capsys):
     """A bundle built from sigmoid-routed, grouped, int4 weights with a shared expert: its table names every v2
     field of the manifest's weights.header instead of refusing routing code 2 as a v1 header would."""
-    import copy
+    from v2_bundle_support import random_v2_bundle
 
-    import numpy as np
-
-    from colibri_sdk.bundle.writer import build_bundle
-    from colibri_sdk.format import HeaderV2, write_arrays
-    from colibri_sdk.profile import Profile, load_profile
+    from colibri_sdk.format import HeaderV2
 
     h = HeaderV2(num_layers=1, num_experts=4, top_k=2, hidden_size=32, intermediate_size=16, dtype=1, routing=2,
                  quant=2, group_size=32, norm_topk=1, n_group=2, topk_group=1, group_score=2, correction_bias=1,
                  num_shared_experts=1, shared_intermediate_size=8, shared_gate=1, routed_scaling_factor=2.5)
-    rng = np.random.default_rng(0)
-    arrays = {k: 0.3 * rng.standard_normal(((1, h.count(k)) if h.is_matrix(k) else (1,)) + h.shape(k))
-              for k in h.kinds}
-    weights = write_arrays(tmp_path / "v2.colibri", h, arrays)
-    data = copy.deepcopy(load_profile("orin", toolchain=False).data)
-    data["shape"] = {"batch": 1, "tokens": 2}
-    bundle = build_bundle(Profile.from_dict(data), tmp_path / "bundle", weights, workers=2).path
+    bundle = random_v2_bundle(tmp_path, h, 0)
     capsys.readouterr()
     assert cli.main(["inspect", str(bundle)]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("weights"))

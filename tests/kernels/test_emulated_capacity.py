@@ -120,6 +120,23 @@ def test_the_kernel_drops_the_pairs_colibri_sdk_capacity_drops(orin_profile, tmp
     np.testing.assert_array_equal(y[~mask], x[~mask])  # padded rows: the input row (residual)
 
 
+def capacity_reference(path, spec: dict, x: np.ndarray, mask: np.ndarray, layers: int = 2):
+    """The float64 reference of `layers` layers (residual added) of the model at `path` with expert capacity `spec`
+    over the valid rows `mask` of x (tokens, hidden), asserting that every valid token's top-3 router logits are at
+    least MARGIN apart (a stable route). Returns (output float64 (tokens, hidden), dropped pairs)."""
+    engine = ReferenceEngine(path, compute_dtype=np.float64, capacity=Capacity.from_dict(spec))
+    engine.valid = mask
+    flat = x.astype(np.float64)
+    for layer in range(layers):
+        logits = flat[mask] @ engine.file.router(layer).astype(np.float64)
+        top = -np.sort(-logits, axis=-1)[:, :3]
+        assert (np.diff(-top, axis=-1) >= MARGIN).all(), "an unstable route: choose another seed"
+        flat = flat + engine.layer(layer, flat)
+    dropped = engine.dropped
+    engine.close()
+    return flat, dropped
+
+
 @pytest.mark.parametrize("config", ["hard-position-gemv-padded", "soft-score-tiled-padded-atomic"])
 def test_two_layers_equal_the_reference_engine_with_capacity(orin_profile, tmp_path, config):
     """Policy position (the drop decision depends on the routes, not on weight ties): with every token routed
@@ -131,16 +148,7 @@ def test_two_layers_equal_the_reference_engine_with_capacity(orin_profile, tmp_p
     x = np.random.default_rng(5).standard_normal((batch * tokens, 48)).astype(np.float32)
     y = device.run(x, valid_tokens=valid)
     mask = valid_mask(batch, tokens, valid)
-    engine = ReferenceEngine(path, compute_dtype=np.float64, capacity=Capacity.from_dict(spec))
-    engine.valid = mask
-    flat = x.astype(np.float64)
-    for layer in range(2):
-        logits = flat[mask] @ engine.file.router(layer).astype(np.float64)
-        top = -np.sort(-logits, axis=-1)[:, :3]
-        assert (np.diff(-top, axis=-1) >= MARGIN).all(), "an unstable route: choose another seed"
-        flat = flat + engine.layer(layer, flat)
-    dropped = engine.dropped
-    engine.close()
+    flat, dropped = capacity_reference(path, spec, x, mask)
     assert dropped > 0
     assert int(device.buffer("capacity_dropped", np.int32).sum()) == dropped
     scale = np.abs(flat).max(axis=-1, keepdims=True)

@@ -18,14 +18,12 @@ import numpy as np
 import pytest
 
 from colibri_sdk import catalog
-from colibri_sdk.capacity import Capacity
-from colibri_sdk.reference import ReferenceEngine
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to compile the kernels for the CPU")
 
 from emulator import EmulatedDevice  # noqa: E402
-from test_emulated import MARGIN, assert_close, make_model, make_profile, reference  # noqa: E402
-from test_emulated_capacity import capacity_profile, skewed_model  # noqa: E402
+from test_emulated import assert_close, make_model, make_profile, reference  # noqa: E402
+from test_emulated_capacity import capacity_profile, capacity_reference, skewed_model  # noqa: E402
 from test_emulated_quant import make_quant_model  # noqa: E402
 
 DOWN_SYMBOLS = ("colibri_down", "colibri_down_tc", "colibri_down_qtc")
@@ -180,16 +178,7 @@ def test_folded_down_with_capacity_drops(orin_profile, tmp_path, dtype, suffix):
     assert (kept[~mask] == 0).all()
     assert run_folded(device, x, valid).tobytes() == y.tobytes()
     assert run_folded(device, x, valid, schedule="decreasing").tobytes() == y.tobytes()
-    engine = ReferenceEngine(path, compute_dtype=np.float64, capacity=Capacity.from_dict(spec))
-    engine.valid = mask
-    flat = x.astype(np.float64)
-    for layer in range(2):
-        logits = flat[mask] @ engine.file.router(layer).astype(np.float64)
-        top = -np.sort(-logits, axis=-1)[:, :3]
-        assert (np.diff(-top, axis=-1) >= MARGIN).all(), "an unstable route: choose another seed"
-        flat = flat + engine.layer(layer, flat)
-    dropped = engine.dropped
-    engine.close()
+    flat, dropped = capacity_reference(path, spec, x, mask)
     assert int(device.buffer("capacity_dropped", np.int32).sum()) == dropped > 0
     scale = np.abs(flat).max(axis=-1, keepdims=True)
     assert (np.abs(y - flat) / scale).max() <= 1e-4

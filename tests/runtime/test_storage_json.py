@@ -3,10 +3,8 @@ manifest's `dtype` (the activations' and scales' float type) for the storage of 
 
 from __future__ import annotations
 
-import copy
 import json
 
-import numpy as np
 import pytest
 
 from colibri_sdk.cli import main
@@ -15,20 +13,13 @@ from colibri_sdk.cli import main
 @pytest.fixture(scope="module")
 def int4_bundle(tmp_path_factory):
     """Orin at 1 x 2 on a one-layer int4 (group 32) model with zero points."""
-    from colibri_sdk.bundle.writer import build_bundle
-    from colibri_sdk.format import HeaderV2, write_arrays
-    from colibri_sdk.profile import Profile, load_profile
+    from v2_bundle_support import random_v2_bundle
 
-    root = tmp_path_factory.mktemp("int4")
+    from colibri_sdk.format import HeaderV2
+
     h = HeaderV2(num_layers=1, num_experts=4, top_k=2, hidden_size=64, intermediate_size=32, dtype=1, routing=0,
                  quant=2, group_size=32, zero_points=1)
-    rng = np.random.default_rng(4)
-    arrays = {k: 0.3 * rng.standard_normal(((1, h.count(k)) if h.is_matrix(k) else (1,)) + h.shape(k))
-              for k in h.kinds}
-    weights = write_arrays(root / "int4.colibri", h, arrays)
-    data = copy.deepcopy(load_profile("orin", toolchain=False).data)
-    data["shape"] = {"batch": 1, "tokens": 2}
-    return build_bundle(Profile.from_dict(data), root / "bundle", weights, workers=2).path
+    return random_v2_bundle(tmp_path_factory.mktemp("int4"), h, 4, "int4")
 
 
 INT4 = {"experts": "int4", "group_size": 32, "zero_points": True, "text": "int4 g32 with zero points"}
