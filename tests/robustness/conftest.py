@@ -1,8 +1,9 @@
-"""Fixtures of tests/robustness: one small bundle built per session (a private copy per test)."""
+"""Fixtures of tests/robustness: one small bundle built per session (a private copy per test), and `alarm`."""
 
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,18 @@ def small_bundle_dir(tmp_path_factory) -> Path:
 def bundle(small_bundle_dir, tmp_path) -> Path:
     """A private copy of the small bundle that a test may tamper with."""
     return Path(shutil.copytree(small_bundle_dir, tmp_path / "bundle"))
+
+
+@pytest.fixture
+def alarm(request):
+    """Turn a hang into a test failure: TimeoutError after the test module's ALARM_S seconds (default 20)."""
+    seconds = getattr(request.module, "ALARM_S", 20)
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"hung for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 
 import pytest
 from colibri_sdk.convert import convert
@@ -11,18 +10,7 @@ from colibri_sdk.errors import ConvertError
 from robustness_helpers import write_checkpoint
 
 
-@pytest.fixture
-def alarm():
-    """Turn a hang into a test failure after 10 s."""
-
-    def on_alarm(signum, frame):
-        raise TimeoutError("hung for 10 s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(10)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+ALARM_S = 10  # the `alarm` fixture (conftest.py): a hang fails the test after this many seconds
 
 
 def test_65535_layers_and_experts_are_refused_at_once(tmp_path, alarm):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import stat
 
 import numpy as np
@@ -15,18 +14,7 @@ from robustness_helpers import cli_error
 HEADER = Header(num_layers=1, num_experts=2, top_k=1, hidden_size=4, intermediate_size=8)
 
 
-@pytest.fixture
-def alarm():
-    """Turn a hang into a test failure after 5 s."""
-
-    def on_alarm(signum, frame):
-        raise TimeoutError("hung for 5 s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(5)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+ALARM_S = 5  # the `alarm` fixture (conftest.py): a hang fails the test after this many seconds
 
 
 def test_opening_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path, alarm):

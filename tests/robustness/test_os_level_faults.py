@@ -108,18 +108,7 @@ def test_a_folder_the_user_may_not_enter_or_a_file_not_to_read_is_one_line():
         shutil.rmtree(root)
 
 
-@pytest.fixture
-def alarm():
-    """Turn a hang (np.load waiting for a FIFO's writer) into a test failure after 20 s."""
-
-    def on_alarm(signum, frame):
-        raise TimeoutError("hung for 20 s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+ALARM_S = 20  # the `alarm` fixture (conftest.py): a hang fails the test after this many seconds
 
 
 def _fifo(path: Path) -> None:
