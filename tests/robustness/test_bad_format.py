@@ -12,8 +12,6 @@ from colibri_sdk.format import ColibriFile, ColibriWriter, Header
 from robustness_helpers import cli_error
 
 HEADER = Header(num_layers=1, num_experts=2, top_k=1, hidden_size=4, intermediate_size=8)
-
-
 ALARM_S = 5  # the `alarm` fixture (conftest.py): a hang fails the test after this many seconds
 
 
