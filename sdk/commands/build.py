@@ -116,7 +116,8 @@ def run(args) -> int:
         cache = None if args.no_cache else NvrtcCache()
         with StepBars(quiet=args.quiet, desc_prefix="build: ") as bars:
             result = build_bundle(profile, out, args.weights, kernel_dir=args.kernels, archive=args.archive,
-                                  force=args.force, progress=bars, nvrtc_cache=cache or False)
+                                  force=args.force, progress=bars,
+                                  nvrtc_cache=cache if cache is not None else False)
     except ProfileError as exc:
         blamed = blame_flags(exc, profile.source, flags)
         if blamed is exc:
@@ -154,9 +155,11 @@ def run(args) -> int:
     if cache is None:
         print("  nvrtc cache: not used (--no-cache)")
     else:
-        print(f"  nvrtc cache: {cache.hits} of {cache.hits + cache.misses} compilations from the cache "
-              + (f"({cache.folder}" + ("; not writable: nothing stored)" if cache.unwritable else ")")
-                 if cache.folder is not None else "(no cache folder: set COLIBRI_CACHE_DIR)"))
+        if cache.folder is None:
+            where = "no cache folder: set COLIBRI_CACHE_DIR"
+        else:
+            where = f"{cache.folder}; not writable: nothing stored" if cache.unwritable else str(cache.folder)
+        print(f"  nvrtc cache: {cache.hits} of {cache.hits + cache.misses} compilations from the cache ({where})")
     if result.archive is not None:
         print(f"  archive: {result.archive}")
     print(f"  built in {time.perf_counter() - start:.2f} s")
