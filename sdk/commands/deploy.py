@@ -35,7 +35,9 @@ def register(sub) -> None:
     p.add_argument("--to", metavar="ID", help="with --rollback: the bundle id to switch to (see --status)")
     action.add_argument("--install-runtime", action="store_true",
                         help="install colibri-sdk and its wheels into a venv on the device (REMOTE_DIR/venv) from "
-                             "this machine, with no index reachable there; then deploy BUNDLE if one is given")
+                             "this machine, with no index reachable there; then deploy BUNDLE if one is given. Run it "
+                             "from inside the colibri-sdk checkout (the device's wheel is built from the source "
+                             "tree), or put a colibri_sdk wheel into --wheels")
     p.add_argument("--wheels", metavar="DIR", help="with --install-runtime: a folder of wheels for the device "
                                                     "(pip download --platform ...; see docs/deploy.md)")
     p.add_argument("--port", type=int, default=None, help="SSH port (default: the ssh config's Port, else 22)")
@@ -49,7 +51,8 @@ def register(sub) -> None:
                    help="trust and store the key of a host not yet in known_hosts (a changed key is never accepted)")
     p.add_argument("--remote-dir", metavar="DIR", help="store root on the device (default ~/colibri)")
     p.add_argument("--verify", action="store_true",
-                   help="run `colibri-sdk verify` on the device before switching to the new bundle")
+                   help="run `colibri-sdk verify` on the device before switching to the new bundle (on CUDA: on a "
+                        "device without a usable GPU add --verify-backend cpu)")
     p.add_argument("--verify-backend", choices=("cuda", "cpu"), metavar="{cuda,cpu}",
                    help="the backend the device's self-test must run on (--verify and the health check; default "
                         "cuda: a fall back to the CPU fails; cpu accepts a check on the CPU)")
@@ -126,30 +129,51 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _deploy_all(args, hosts, options):
-    from ..deploy import deploy
-    from ..deploy.inventory import run_on_hosts, with_remote_dir
+    """Deploy to every host. Ctrl-C stops each deploy at its next step before the switch; one that had asked for
+    the switch goes on to its end; then each host's line says what is true there, and the interrupt goes on to
+    the CLI (exit status 130)."""
+    import sys
+
+    from ..deploy.deployment import Checkpoint
+    from ..deploy.inventory import run_on_hosts
     from ..deploy.progress import ByteProgress
 
     description = hosts[0].name if len(hosts) == 1 else f"{len(hosts)} hosts"
-    with ByteProgress(description, enabled=not args.quiet) as bar:
+    points = {host.name: Checkpoint() for host in hosts}
 
-        def one(host):
-            host_options = with_remote_dir(options, host)
-            lines = []
-            if args.install_runtime:
-                install_runtime = _installer()
-                record = install_runtime(host.target, host_options, args.wheels, progress=bar)
-                lines.append(f"runtime {record['version']} installed in {record['venv']} "
-                             f"({len(record['wheels'])} wheels)")
-                if not args.bundle:
-                    return record, lines[0]
-            result = deploy(args.bundle, host.target, host_options, progress=bar)
-            return result, "\n".join(lines + [_summary(result)])
+    def stop_all():
+        for point in points.values():
+            point.stop.set()
 
-        results = run_on_hosts(hosts, one, args.parallel)
+    try:
+        with ByteProgress(description, enabled=not args.quiet) as bar:
+            results = run_on_hosts(hosts, lambda host: _one(args, host, options, bar, points[host.name]),
+                                   args.parallel, on_interrupt=stop_all)
+    except KeyboardInterrupt:
+        for host in hosts:
+            print(f"colibri-sdk deploy: {points[host.name].describe(host.name)}", file=sys.stderr)
+        raise
     if len(results) == 1 and results[0].ok:
         print(f"{results[0].name}: {results[0].detail}")
     return results
+
+
+def _one(args, host, options, bar, point):
+    """Install the runtime (--install-runtime) and/or deploy the bundle on one host: (value, detail)."""
+    from ..deploy import deploy
+    from ..deploy.answers import printable
+    from ..deploy.inventory import with_remote_dir
+
+    host_options = with_remote_dir(options, host)
+    lines = []
+    if args.install_runtime:
+        record = _installer()(host.target, host_options, args.wheels, progress=bar)
+        lines.append(f"runtime {printable(record['version'], 200)} installed in {printable(record['venv'], 500)} "
+                     f"({len(record['wheels'])} wheels)")
+        if not args.bundle:
+            return record, lines[0]
+    result = deploy(args.bundle, host.target, host_options, progress=bar, checkpoint=point)
+    return result, "\n".join(lines + [_summary(result)])
 
 
 def _installer():
@@ -203,33 +227,35 @@ def _rollback(host, options, to):
     answer = rollback(host.target, options, to)
     earlier = answer.get("history", [])[:-1]
     left = f"; {len(earlier)} earlier in the history" if earlier else "; nothing earlier in the history"
-    detail = f"current {answer['current']} (was {answer['previous']}){left}"
+    detail = f"current {answer['current']} (was {answer.get('previous') or 'none'}){left}"
     print(f"{host.name}: {detail}")
     return answer, detail
 
 
 def _status(host, options):
     from ..deploy import status
+    from ..deploy.answers import printable
 
     st = status(host.target, options)
     if not st.exists:
-        text = f"{host.name}: no bundles under {st.root}"
+        text = f"{host.name}: no bundles under {printable(st.root)}"
         print(text)
         return st, "no bundles"
-    lines = [f"{host.name}: {st.root}  ({st.store_objects} store objects, {st.store_bytes:,} bytes, "
+    lines = [f"{host.name}: {printable(st.root)}  ({st.store_objects} store objects, {st.store_bytes:,} bytes, "
              f"{st.partial} partial uploads, {st.free_bytes:,} bytes free)"]
     lines.append(f"  {'':2}{'ID':<18}{'ACTIVATED':<21}{'FILES':>6}{'BYTES':>16}  {'PROFILE':<24}{'ARCH':<7}"
                  f"{'MODEL':<42}{'DTYPE':<6}SHAPE")
     for b in st.bundles:
         mark = "*" if b.bundle_id == st.current else ("-" if b.bundle_id == st.previous else " ")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.activated))
+        field = {k: printable(b.manifest.get(k) or "?", 60) for k in ("profile", "arch", "dtype")}
         lines.append(f"  {mark} {b.bundle_id:<18}{when:<21}{b.files:>6}{b.bytes:>16,}  "
-                     f"{b.manifest.get('profile') or '?':<24}{b.manifest.get('arch') or '?':<7}"
-                     f"{model_text(b.manifest.get('model')):<42}"
-                     f"{b.manifest.get('dtype') or '?':<6}{shape_text(b.manifest.get('shape'))}{b.error}")
+                     f"{field['profile']:<24}{field['arch']:<7}{model_text(b.manifest.get('model')):<42}"
+                     f"{field['dtype']:<6}{shape_text(b.manifest.get('shape'))}{printable(b.error, 300)}")
     lines.append("  (* current, - previous; FILES: files besides manifest.json; BYTES: all, manifest included)")
     if st.runtime:
-        lines.append(f"  runtime: {st.runtime.get('version', '?')} in {st.runtime.get('venv', '?')}")
+        lines.append(f"  runtime: {printable(st.runtime.get('version') or '?', 200)} in "
+                     f"{printable(st.runtime.get('venv') or '?', 500)}")
     print("\n".join(lines))
     return st, f"current {st.current}, {len(st.bundles)} bundles"
 

@@ -6,6 +6,7 @@ health-gated rollback, and the device runtime installed from the host.
     sshconfig.py     ~/.ssh/config (paramiko's SSHConfig): Host aliases, HostName, User, Port, IdentityFile, ProxyJump
     hostkeys.py      known_hosts policy (unknown refused unless accepted once, changed always refused)
     remote.py        RemoteAgent: runs the agent on the device; typed errors from the device's errno; `verify` there
+    answers.py       the schema of each agent answer, checked before use; device text made printable
     agent/           the device side of the store (stdlib-only Python, sent with `python3 -c`), one module per noun
     store.py         DeviceStore: typed plan / stage / switch / rollback / undo / status / probe / install
     local_bundle.py  LocalBundle: the bundle opened with the runtime's own loader before anything is sent
@@ -33,6 +34,7 @@ from .errors import (
     HostKeyChangedError,
     HostKeyError,
     HostKeyUnknownError,
+    RemoteAnswerError,
     RemoteCommandError,
     RemoteDiskFullError,
     RemotePermissionError,
@@ -46,6 +48,6 @@ __all__ = [
     "Connection", "Target", "DEFAULT_REMOTE_DIR", "DeployOptions", "DeployResult", "deploy", "rollback", "status",
     "LocalBundle", "DeployError", "ConnectError", "ConnectRefusedError", "ConnectTimeoutError",
     "AuthenticationError", "HostKeyError", "HostKeyUnknownError", "HostKeyChangedError", "RemoteCommandError",
-    "RemoteTimeoutError", "RemoteDiskFullError", "RemotePermissionError", "RemoteVerifyError",
+    "RemoteTimeoutError", "RemoteAnswerError", "RemoteDiskFullError", "RemotePermissionError", "RemoteVerifyError",
     "HealthCheckError", "RuntimeInstallError", "ChecksumMismatchError",
 ]

@@ -41,12 +41,14 @@ def run_hook(conn: Connection, command: str, env: dict, timeout: float) -> HookR
 
 
 def activate_and_check(conn: Connection, store: DeviceStore, bundle_id: str, root: str, options,
-                       colibri: str, changed: bool = True) -> tuple:
+                       colibri: str, changed: bool = True, replaced_mtime: float | None = None) -> tuple:
     """Run --on-activate and the health check for the bundle just made current.
 
     Args:
         changed: False when the bundle was already current before this deploy: a failure is then reported but
             nothing is rolled back (the deploy changed nothing to undo).
+        replaced_mtime: the activation time the switch replaced (its answer's "replaced_mtime"): a rollback gives
+            it back, so --status shows the bundle's last good activation, not the failed one.
 
     Returns:
         (on_activate line, health line) for the result.
@@ -79,7 +81,7 @@ def activate_and_check(conn: Connection, store: DeviceStore, bundle_id: str, roo
     if not changed:
         raise HealthCheckError(f"{conn.target.label}: bundle {bundle_id} was already the active bundle, and "
                                f"{failure}; nothing was rolled back (this deploy changed nothing)")
-    answer = store.undo(bundle_id, timeout=conn.target.command_timeout + 8e9 / 50e6)
+    answer = store.undo(bundle_id, timeout=conn.target.command_timeout + 8e9 / 50e6, replaced_mtime=replaced_mtime)
     back = answer.get("current")
     now = f"bundle {back} is current again" if back else "no bundle is current now (this was the first)"
     rerun = ""

@@ -32,6 +32,7 @@ from .errors import (
     ConnectRefusedError,
     ConnectTimeoutError,
     DeployError,
+    RemoteAnswerError,
     RemoteTimeoutError,
 )
 from .hostkeys import KnownHosts, StrictHostKeyPolicy, changed_key_error, host_entry_name
@@ -286,16 +287,18 @@ class Connection:
         channel.exec_command(command_line(argv))
         return channel
 
-    def run(self, argv, timeout: float | None = None) -> CommandResult:
-        """Run `argv` to completion (stdin closed) and collect its output.
+    def run(self, argv, timeout: float | None = None, max_stdout: int | None = None,
+            what: str | None = None) -> CommandResult:
+        """Run `argv` to completion (stdin closed) and collect its output (bounded: see `collect`).
 
         Raises:
             RemoteTimeoutError: it did not finish within `timeout` seconds (default: the target's
                 command_timeout).
+            RemoteAnswerError: its stdout passed `max_stdout` bytes.
         """
         channel = self.exec(argv)
         channel.shutdown_write()
-        return collect(channel, timeout or self.target.command_timeout, self.target.label, argv)
+        return collect(channel, timeout or self.target.command_timeout, self.target.label, argv, max_stdout, what)
 
     def run_shell(self, command: str, env: dict, timeout: float) -> CommandResult:
         """Run the user's shell `command` with `sh -c` on the device, `env` set for it (through `env`, so the
@@ -357,25 +360,67 @@ def check_identity(t: Target, key_file: str) -> None:
                                   f"(OpenSSH ed25519, ECDSA or RSA): {exc}") from None
 
 
-def collect(channel, timeout: float, label: str, argv) -> CommandResult:
-    """Read stdout and stderr of `channel` until the command exits; abandon it after `timeout` seconds."""
-    out, err = bytearray(), bytearray()
+TAIL_STDOUT_BYTES = 1 << 20  # what is kept of a user command's stdout (verify, hooks): its last MiB
+
+
+class Tail:
+    """The last `limit` bytes of a stream (at most 2 x limit buffered while appending)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.data = bytearray()
+
+    def add(self, block: bytes) -> None:
+        self.data += block
+        if len(self.data) > 2 * self.limit:
+            del self.data[:-self.limit]
+
+    def bytes(self) -> bytes:
+        return bytes(self.data[-self.limit:])
+
+
+def collect(channel, timeout: float, label: str, argv, max_stdout: int | None = None,
+            what: str | None = None) -> CommandResult:
+    """Read stdout and stderr of `channel` until the command exits; abandon it after `timeout` seconds.
+
+    Memory is bounded while reading (paramiko's channel window holds back the rest): stderr keeps its last
+    answers.MAX_STDERR_BYTES; stdout is refused past `max_stdout` bytes (an agent answer), or with None keeps its
+    last TAIL_STDOUT_BYTES (a user command's output, of which messages quote the last lines). Messages name the
+    command as `what` ("remote plan in '~/colibri'"), else by its (shortened) command line.
+
+    Raises:
+        RemoteTimeoutError: the command did not finish within `timeout` seconds.
+        RemoteAnswerError: stdout passed `max_stdout` bytes (the channel is closed at once).
+    """
+    from .answers import MAX_STDERR_BYTES
+
+    out, err = (bytearray() if max_stdout is not None else Tail(TAIL_STDOUT_BYTES)), Tail(MAX_STDERR_BYTES)
+    what = what or f"remote command {_short(argv)}"
     deadline = time.monotonic() + timeout
     while True:
-        while channel.recv_ready():
-            out += channel.recv(1 << 16)
-        while channel.recv_stderr_ready():
-            err += channel.recv_stderr(1 << 16)
+        while channel.recv_ready() and time.monotonic() <= deadline:
+            block = channel.recv(1 << 16)
+            if max_stdout is None:
+                out.add(block)
+                continue
+            out += block
+            if len(out) > max_stdout:
+                channel.close()
+                raise RemoteAnswerError(f"{label}: {what} wrote more than {max_stdout:,} bytes before its answer "
+                                        f"(the limit of one answer); abandoned", None,
+                                        err.bytes().decode("utf-8", "replace")[-2000:])
+        while channel.recv_stderr_ready() and time.monotonic() <= deadline:
+            err.add(channel.recv_stderr(1 << 16))
         if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
             break
         if time.monotonic() > deadline:
             channel.close()
-            raise RemoteTimeoutError(f"{label}: remote command {_short(argv)} did not finish within {timeout:g} s",
-                                     None, err.decode("utf-8", "replace")[-2000:])
+            raise RemoteTimeoutError(f"{label}: {what} did not finish within {timeout:g} s",
+                                     None, err.bytes().decode("utf-8", "replace")[-2000:])
         select.select([channel], [], [], 0.05)
     status = channel.recv_exit_status()
     channel.close()
-    return CommandResult(status, bytes(out), bytes(err))
+    return CommandResult(status, bytes(out) if max_stdout is not None else out.bytes(), err.bytes())
 
 
 def _no_connection_reasons(exc) -> str:

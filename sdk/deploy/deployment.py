@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import re
 import shlex
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..bundle import MANIFEST
 from .activation import activate_and_check
 from .connection import Connection, Target
 from .errors import ChecksumMismatchError, DeployError, RemoteDiskFullError
-from .local_bundle import ID_HEX_DIGITS, LocalBundle
+from .local_bundle import ID_HEX_DIGITS, LocalBundle, check_digest, rehash
 from .remote import VERIFY_BACKENDS, RemoteAgent, run_verify
 from .store import DeviceStore, StoreStatus
 from .transfer import Upload, Uploader
@@ -117,6 +120,45 @@ class DeployResult:
     health: str = ""
 
 
+@dataclass
+class Checkpoint:
+    """How far one deploy got, shared with the thread that started it (the CLI, when Ctrl-C reaches it).
+
+    `phase` is "checking" (the local bundle), "sending" (plan, upload, stage), "verifying", "switching" (the
+    switch was asked for; the device completes it either way), "switched" (the new bundle is current, complete and
+    verified on the device), "activating" (--on-activate and the health check) or "done". `stop.set()` asks the
+    deploy to stop at the next step before the switch (a DeployError saying the active bundle was not changed);
+    once the switch was asked for, the deploy goes on to its end, so that the activation and the health check (or
+    the rollback) are not left half done.
+    """
+
+    phase: str = "checking"
+    bundle_id: str = ""
+    path: str = ""
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def enter(self, phase: str, label: str) -> None:
+        """Move to `phase`; before the switch, stop here if asked to."""
+        if self.stop.is_set() and phase in ("sending", "verifying", "switching"):
+            raise DeployError(f"{label}: interrupted before the switch: the active bundle was not changed (the next "
+                              f"deploy resumes what was sent)")
+        self.phase = phase
+
+    def describe(self, label: str) -> str:
+        """One line saying what is true on the device now, for a deploy that was interrupted."""
+        if self.phase in ("checking", "sending", "verifying"):
+            return f"{label}: interrupted before the switch: the active bundle was not changed"
+        if self.phase == "switching":
+            return (f"{label}: interrupted while switching to bundle {self.bundle_id}: the device's current bundle "
+                    f"is the previous one or {self.bundle_id}, either complete (see --status)")
+        where = f" at {self.path}" if self.path else ""
+        if self.phase == "done":
+            return (f"{label}: interrupted after the switch; the deploy finished: bundle {self.bundle_id} is "
+                    f"active{where}, complete and verified on the device")
+        return (f"{label}: interrupted after the switch: bundle {self.bundle_id} is active{where}, complete and "
+                f"verified on the device; --on-activate and the health check did not finish")
+
+
 def remote_colibri(options: DeployOptions, runtime: dict | None) -> str:
     """The device's colibri-sdk command: --remote-colibri, else the recorded venv's, else "colibri-sdk"."""
     if options.remote_colibri:
@@ -126,11 +168,14 @@ def remote_colibri(options: DeployOptions, runtime: dict | None) -> str:
     return "colibri-sdk"
 
 
-def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions(), progress=None) -> DeployResult:
+def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions(), progress=None,
+           checkpoint: Checkpoint | None = None) -> DeployResult:
     """Put the bundle at `bundle_path` on `target` and make it the active bundle.
 
     Args:
         progress: called with byte counts as they are sent (e.g. a tqdm bar's `update`), or None.
+        checkpoint: records how far the deploy got, and stops it before the switch when its `stop` is set (see
+            Checkpoint); None for none.
 
     Raises:
         BundleError: the runtime's loader refuses the local bundle (checked before connecting).
@@ -139,27 +184,36 @@ def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions()
             HealthCheckError after the switch (the previous bundle is active again).
     """
     start = time.monotonic()
-    bundle = LocalBundle.open(bundle_path)
+    point = checkpoint if checkpoint is not None else Checkpoint()
+    bundle = LocalBundle.open(bundle_path, hash_files=False)  # the files are hashed as they are read to be sent
+    point.bundle_id = bundle.bundle_id
     result = DeployResult(target.label, bundle.bundle_id, total_bytes=bundle.total_bytes)
     with Connection(target) as conn:
         store = DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python))
-        colibri, root, switched = _send_and_stage(store, bundle, target, options, progress, result)
+        point.enter("sending", target.label)
+        colibri, root, switched = _send_and_stage(store, bundle, target, options, progress, result, point)
         if options.verify:
+            point.enter("verifying", target.label)
             report = run_verify(conn, colibri, result.remote_path, options.verify_timeout, options.verify_backend)
             result.selftest, result.selftest_backend, result.verify_notes = report.selftest, report.backend, \
                 report.notes
+            point.enter("switching", target.label)
             switched = store.switch(bundle.bundle_id, options.keep)
+        point.path, point.phase = result.remote_path, "switched"
         result.previous = switched.get("previous")
         result.changed = result.previous != bundle.bundle_id
         if options.on_activate or options.health_cmd:
+            point.phase = "activating"
             result.on_activate, result.health = activate_and_check(conn, store, bundle.bundle_id, root, options,
-                                                                   colibri, result.changed)
+                                                                   colibri, result.changed,
+                                                                   switched.get("replaced_mtime"))
+    point.phase = "done"
     result.seconds = time.monotonic() - start
     return result
 
 
 def _send_and_stage(store: DeviceStore, bundle: LocalBundle, target: Target, options: DeployOptions, progress,
-                    result: DeployResult) -> tuple:
+                    result: DeployResult, point: Checkpoint) -> tuple:
     """Steps 1-3 (and 5 at once without --verify). Returns (the device's colibri-sdk command, the store root, the
     stage answer)."""
     objects = {}
@@ -171,13 +225,27 @@ def _send_and_stage(store: DeviceStore, bundle: LocalBundle, target: Target, opt
     _check_space(target, plan, uploads)
     if hasattr(progress, "add_total"):
         progress.add_total(sum(u.file.size - u.offset for u in uploads))
-    uploader = Uploader(store.agent, options.streams, progress)
+    uploader = Uploader(store.agent, options.streams, progress, stop=point.stop)
     fresh = set()
     keep_now = -1 if options.verify else options.keep  # without --verify, stage and switch in one call
+    sending, abandon = {u.file.sha256 for u in uploads}, threading.Event()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hash") as pool:
+        # The files the device already has are not read to be sent: hash them here, beside the upload.
+        held = pool.submit(_check_files, [f for f in bundle.files if f.sha256 not in sending], (abandon, point.stop))
+        try:
+            report = uploader.upload(uploads)
+        except BaseException:
+            abandon.set()
+            raise
+        held.result()
     for attempt in range(2):
-        report = uploader.upload(uploads)
+        if attempt:
+            report = uploader.upload(uploads)
+        point.enter("sending", target.label)  # streams stopped by an interrupt end here, not in a retry
         _merge(result, report)
         fresh |= {u.file.sha256 for u in uploads}
+        if keep_now >= 0:  # this stage switches too
+            point.enter("switching", target.label)
         staged = store.stage(bundle.bundle_id, bundle.files, fresh, keep=keep_now,
                              timeout=target.command_timeout + bundle.total_bytes / HASH_BYTES_PER_S)
         if not staged.corrupt:
@@ -216,6 +284,16 @@ def status(target: Target, options: DeployOptions = DeployOptions()) -> StoreSta
     """The bundles, pointers and store usage on `target`."""
     with Connection(target) as conn:
         return DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python)).status()
+
+
+def _check_files(files, stops) -> None:
+    """Hash local bundle files and refuse any that differs from the manifest (local_bundle.check_digest); give
+    up between files once one of the `stops` events is set."""
+    for file in files:
+        if any(stop.is_set() for stop in stops):
+            return
+        if file.path != MANIFEST:  # hashed from its bytes when the bundle was opened
+            check_digest(file, rehash(file))
 
 
 def _merge(result: DeployResult, report) -> None:

@@ -10,6 +10,8 @@
     │   └── HostKeyChangedError       a different key, or only keys of another type, are stored for this host
     ├── RemoteCommandError        a remote command failed (exit status and stderr attached)
     │   ├── RemoteTimeoutError        a remote command ran past its timeout
+    │   ├── RemoteAnswerError         the device's agent gave an answer that does not follow its schema, or one
+    │   │                             larger than answers.MAX_ANSWER_BYTES
     │   ├── RemoteDiskFullError       ENOSPC / EDQUOT on the device
     │   ├── RemotePermissionError     EACCES / EPERM / EROFS on the device
     │   ├── RuntimeInstallError       --install-runtime: a wheel is missing here, or the install failed there
@@ -35,6 +37,7 @@ __all__ = [
     "HostKeyChangedError",
     "RemoteCommandError",
     "RemoteTimeoutError",
+    "RemoteAnswerError",
     "RemoteDiskFullError",
     "RemotePermissionError",
     "RemoteVerifyError",
@@ -88,6 +91,11 @@ class RemoteCommandError(DeployError):
 
 class RemoteTimeoutError(RemoteCommandError):
     """A remote command ran past its timeout and was abandoned."""
+
+
+class RemoteAnswerError(RemoteCommandError):
+    """The device's agent answered with something that is not its operation's answer (wrong types, missing keys,
+    values out of range, cut short, or larger than answers.MAX_ANSWER_BYTES); nothing of it was used."""
 
 
 class RemoteDiskFullError(RemoteCommandError):

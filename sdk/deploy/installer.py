@@ -65,9 +65,11 @@ def build_sdk_wheel(out: Path) -> Path:
     """
     root = source_tree()
     if root is None:
-        raise RuntimeInstallError(f"colibri-sdk runs from an installed wheel here, not a source tree, and the current "
-                                  f"folder is no colibri-sdk checkout: run from the checkout, or put its wheel "
-                                  f"(colibri_sdk-{__version__}-py3-none-any.whl) into --wheels DIR")
+        raise RuntimeInstallError(f"--install-runtime builds the device's colibri-sdk wheel from the source tree, and "
+                                  f"colibri-sdk runs from an installed copy here and the current folder is no "
+                                  f"colibri-sdk checkout: run it from inside the checkout, or put a wheel built "
+                                  f"there (pip wheel --no-deps . -w wheels: colibri_sdk-{__version__}-py3-none-any.whl) "
+                                  f"into --wheels DIR")
     offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline,
                            "--disable-pip-version-check", "-q", "-w", str(out), str(root)],
@@ -122,8 +124,10 @@ def install_runtime(target: Target, options, wheels_dir=None, progress=None) -> 
     with tempfile.TemporaryDirectory(prefix="colibri-wheel-") as tmp, Connection(target) as conn:
         store = DeviceStore(RemoteAgent(conn, options.remote_dir, options.remote_python))
         device = Device.from_probe(store.probe())
-        sdk = build_sdk_wheel(Path(tmp))
-        chosen, missing = resolve(requirement, files, device, local={SDK_NAME: sdk})
+        given = [p for p in files if p.name.startswith(f"colibri_sdk-{__version__}-")]
+        # From an installed copy (no source tree here), a colibri_sdk wheel of this version in --wheels will do.
+        local = {SDK_NAME: build_sdk_wheel(Path(tmp))} if source_tree() is not None or not given else {}
+        chosen, missing = resolve(requirement, files, device, local=local)
         if missing:
             dest = str(wheels_dir or "wheels")
             raise RuntimeInstallError(

@@ -156,10 +156,12 @@ def _fields(target: Target) -> dict:
                                             "connect_timeout", "command_timeout")}
 
 
-def run_on_hosts(hosts: list, action, parallel: int = 4) -> list:
+def run_on_hosts(hosts: list, action, parallel: int = 4, on_interrupt=None) -> list:
     """Call `action(host) -> (value, detail)` for every host on at most `parallel` threads.
 
     A ColibriError from one host becomes a failed HostResult; the others go on. Results keep inventory order.
+    Ctrl-C (KeyboardInterrupt in this thread) calls `on_interrupt()` if given (e.g. to ask the deploys to stop),
+    waits for the running actions to return, and is raised again.
     """
 
     def one(host: InventoryHost) -> HostResult:
@@ -170,7 +172,15 @@ def run_on_hosts(hosts: list, action, parallel: int = 4) -> list:
             return HostResult(host.name, False, str(exc), error=exc)
 
     with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(hosts))), thread_name_prefix="host") as pool:
-        return list(pool.map(one, hosts))
+        futures = [pool.submit(one, host) for host in hosts]
+        try:
+            return [f.result() for f in futures]
+        except KeyboardInterrupt:
+            for f in futures:
+                f.cancel()
+            if on_interrupt is not None:
+                on_interrupt()
+            raise
 
 
 def format_table(results: list) -> str:

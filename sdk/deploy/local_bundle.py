@@ -1,19 +1,27 @@
-"""The bundle on the deploying machine, as the deploy needs it: opened and verified by the runtime's own loader
-(`colibri_sdk.bundle.Bundle.open(path, verify=True)`: schema, canonical manifest, digest, every file's size and
-sha256, no unlisted or symlinked file) before a byte is sent; then its files with sizes and sha256, and an id
-derived from the manifest's own sha256.
+"""The bundle on the deploying machine, as the deploy needs it: opened and checked by the runtime's own loader,
+then its files with sizes and sha256, and an id derived from the manifest's own sha256.
 
-The device hashes every byte it receives; a mismatch is traced back here with `rehash()` to tell a bundle changed
-on this machine since it was checked from a corrupt transfer.
+`LocalBundle.open(path)` is `Bundle.open(path, verify=True)`: schema, canonical manifest, digest, no unlisted or
+symlinked file, every file's size and sha256, the weights' header and values. `deploy` opens it with
+`hash_files=False`: the same checks but the files' sha256 and the weights' NaN/Inf scan, which would be a pass
+over every byte before the upload reads them all again. The deploy hashes each file once instead, from the same
+reads that send it (transfer.HashingReader), and the files the device already holds in a thread beside the upload;
+a file whose sha256 differs from the manifest stops the deploy before anything is staged or switched
+(`check_digest`). The device hashes every byte it receives as well.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..bundle import MANIFEST, Bundle, canonical_json, file_sha256
+from ..bundle import MANIFEST, Bundle, canonical_json, file_sha256, manifest_digest
+from ..bundle.manifest import DIGEST_KEY
+from ..bundle.paths import open_inside, read_manifest
+from ..bundle.records import check_buffer_records
+from ..errors import BundleError
 
 ID_HEX_DIGITS = 16
 
@@ -54,14 +62,19 @@ class LocalBundle:
         return sum(f.size for f in self.files)
 
     @classmethod
-    def open(cls, path) -> "LocalBundle":
-        """Open and verify the bundle at `path` exactly as the runtime would (reads every byte once).
+    def open(cls, path, hash_files: bool = True) -> "LocalBundle":
+        """Open and verify the bundle at `path` exactly as the runtime would (reads every byte once); with
+        `hash_files=False` all but the files' sha256 and the weights' NaN/Inf scan (reads the manifest and the
+        weights' header only: the caller hashes the files, `check_digest`).
 
         Raises:
             BundleError: whatever `Bundle.open(path, verify=True)` refuses (no folder, no or malformed
-                manifest, schema, digest, a file missing, changed, unlisted or reached through a symlink).
+                manifest, schema, digest, a file missing, changed, unlisted or reached through a symlink), in its
+                words.
         """
-        bundle = Bundle.open(path, verify=True)
+        bundle = Bundle.open(path, verify=hash_files)
+        if not hash_files:
+            check_structure(bundle)
         root = Path(path)
         raw = canonical_json(bundle.manifest)  # verify=True: manifest.json is byte for byte this
         files = [BundleFile(e["path"], e["sha256"], e["size"], root.joinpath(*e["path"].split("/")))
@@ -69,6 +82,43 @@ class LocalBundle:
         manifest_sha = hashlib.sha256(raw).hexdigest()
         files.append(BundleFile(MANIFEST, manifest_sha, len(raw), root / MANIFEST))
         return cls(root, tuple(files), manifest_sha, bundle.manifest)
+
+
+def check_structure(bundle: Bundle) -> None:
+    """What `Bundle.verify` checks besides the files' sha256 and the weights' values, in the loader's words: the
+    manifest's canonical form and digest, no unlisted file, link or special file, every file's size, the weights'
+    header against the manifest and the buffer records.
+
+    Raises:
+        BundleError: the first violation.
+    """
+    raw = read_manifest(bundle.path)
+    if raw != canonical_json(bundle.manifest):
+        raise BundleError(f"{MANIFEST}: not in canonical form (sorted keys, 2-space indent, trailing newline); the "
+                          f"file was edited after the build")
+    expected = manifest_digest(bundle.manifest)
+    if bundle.manifest[DIGEST_KEY] != expected:
+        raise BundleError(f"{MANIFEST}: content sha256 {expected} differs from the recorded {DIGEST_KEY} "
+                          f"{bundle.manifest[DIGEST_KEY]}; the manifest was changed after the build")
+    bundle._check_contents(bundle.path, "", {e["path"] for e in bundle.manifest["files"]})  # the loader's walk
+    for entry in bundle.manifest["files"]:
+        with open_inside(bundle.path, entry["path"]) as fh:
+            size = os.fstat(fh.fileno()).st_size
+        if size != entry["size"]:
+            raise BundleError(f"{entry['path']}: {size} bytes; the manifest records {entry['size']}")
+    with bundle.open_weights() as opened:
+        check_buffer_records(bundle.manifest, opened.header)
+
+
+def check_digest(file: BundleFile, digest: str) -> None:
+    """Refuse a local file whose sha256 (computed while it was read for sending) is not the manifest's.
+
+    Raises:
+        BundleError: naming the file, both digests, and that nothing was staged or switched.
+    """
+    if digest != file.sha256:
+        raise BundleError(f"bundle file {file.path!r} changed on this machine: its sha256 {digest} differs from the "
+                          f"manifest's {file.sha256}; nothing was staged, the active bundle was not changed")
 
 
 def rehash(file: BundleFile) -> str:

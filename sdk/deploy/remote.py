@@ -17,8 +17,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from .answers import MAX_ANSWER_BYTES, AnswerError, check, printable, shown
 from .connection import CommandResult, Connection, collect
-from .errors import RemoteCommandError, RemoteDiskFullError, RemotePermissionError, RemoteVerifyError
+from .errors import (
+    RemoteAnswerError,
+    RemoteCommandError,
+    RemoteDiskFullError,
+    RemotePermissionError,
+    RemoteVerifyError,
+)
 
 DISK_FULL = {"ENOSPC", "EDQUOT"}
 PERMISSION = {"EACCES", "EPERM", "EROFS"}
@@ -66,18 +73,24 @@ class RemoteAgent:
         self.python = shlex.split(python)
         self.label = conn.target.label
 
+    def what(self, op: str) -> str:
+        return f"remote {op} in {self.remote_dir!r}"
+
     def argv(self, op: str, *args) -> list:
         return [*self.python, "-c", agent_source(), op, self.remote_dir, *map(str, args)]
 
     def call(self, op: str, *args, timeout: float | None = None) -> dict:
-        """Run one operation and return its JSON answer.
+        """Run one operation and return its JSON answer, checked against its schema (answers.SCHEMAS[op]).
 
         Raises:
             RemoteDiskFullError, RemotePermissionError: the device refused a write.
-            RemoteCommandError: Python missing on the device, or any other failure (errno and message quoted).
+            RemoteAnswerError: the answer does not follow the operation's schema, or passed MAX_ANSWER_BYTES.
+            RemoteCommandError: Python missing on the device, the connection lost, or any other failure (errno
+                and message quoted, escaped).
             RemoteTimeoutError: no answer within `timeout` seconds.
         """
-        result = self.conn.run(self.argv(op, *args), timeout=timeout)
+        result = self.conn.run(self.argv(op, *args), timeout=timeout, max_stdout=MAX_ANSWER_BYTES,
+                               what=self.what(op))
         return self.answer(op, result)
 
     def open_receive(self, objects) -> object:
@@ -86,25 +99,48 @@ class RemoteAgent:
         return self.conn.exec(self.argv("receive", *(str(v) for obj in objects for v in obj)))
 
     def finish(self, channel, timeout: float) -> dict:
-        """Close the stream's stdin and wait for the agent's answer."""
+        """Close the stream's stdin and wait for the agent's answer (checked as `call` does)."""
         try:
             channel.shutdown_write()
-        except OSError:
+        except (OSError, EOFError):
             pass  # the agent already exited (e.g. disk full); its answer is still in the buffers
-        return self.answer("receive", collect(channel, timeout, self.label, ["receive"]))
+        return self.answer("receive", collect(channel, timeout, self.label, ["receive"], MAX_ANSWER_BYTES,
+                                              self.what("receive")))
 
     def answer(self, op: str, result: CommandResult) -> dict:
+        """The agent's answer to `op` in `result` (its stdout's last line, one JSON object), checked against
+        answers.SCHEMAS[op]; an {"error": ...} answer raised as the typed error its errno names.
+
+        Raises:
+            RemoteAnswerError, RemoteDiskFullError, RemotePermissionError, RemoteCommandError (see `call`).
+        """
         text = result.stdout.decode("utf-8", "replace").strip()
         try:
             data = json.loads(text.splitlines()[-1]) if text else None
-        except ValueError:
+        except (ValueError, RecursionError):
             data = None
-        if isinstance(data, dict) and "error" in data:
-            raise agent_error(self.label, self.remote_dir, op, data["error"], result)
-        if result.exit_status == 127:
+        if result.exit_status == -1:  # paramiko: the channel closed without an exit status
+            raise RemoteCommandError(
+                f"{self.label}: the SSH connection was lost during {self.what(op)} (no exit status, "
+                f"{len(result.stdout):,} bytes of answer)", None, result.stderr_text)
+        if result.exit_status == 127 and not isinstance(data, dict):
             raise RemoteCommandError(
                 f"{self.label}: {' '.join(self.python)!r} not found on the device: install python3 (>= 3.8) or "
                 f"pass --remote-python", 127, result.stderr_text)
+        if data is None and result.exit_status == 0:
+            said = f"{len(result.stdout):,} bytes, ending {shown(text[-60:])}" if text else "no output"
+            raise RemoteAnswerError(
+                f"{self.label}: {self.what(op)}: the answer is not one JSON object ({said}); nothing of it was "
+                f"used", 0, result.stderr_text)
+        if data is not None:
+            try:
+                check(op, data)
+            except AnswerError as exc:
+                raise RemoteAnswerError(
+                    f"{self.label}: {self.what(op)}: malformed answer: {exc}; nothing of it was used",
+                    result.exit_status, result.stderr_text) from None
+        if isinstance(data, dict) and "error" in data:
+            raise agent_error(self.label, self.remote_dir, op, data["error"], result)
         if result.exit_status != 0 or not isinstance(data, dict):
             raise RemoteCommandError(
                 f"{self.label}: remote {op} in {self.remote_dir!r} failed with exit status {result.exit_status}: "
@@ -113,11 +149,12 @@ class RemoteAgent:
 
 
 def agent_error(label: str, remote_dir: str, op: str, error: dict, result: CommandResult):
-    """The typed error for an agent's {"errno", "path", "message"} answer."""
-    name, path, message = error.get("errno", "EIO"), error.get("path", ""), error.get("message", "")
-    where = f" {path!r}" if path else ""
+    """The typed error for an agent's {"errno", "path", "message"} answer (checked by answers.ERROR); the device's
+    message and path are shown escaped (printable)."""
+    name, path, message = error["errno"], error.get("path") or "", error.get("message") or ""
+    where = f" {printable(repr(path), 300)}" if path else ""
     code = f" ({name})" if name != "EINVAL" else ""  # EINVAL: the agent's own refusal, its message says why
-    text = f"{label}: {op} in {remote_dir!r}: {message}{where}{code}"
+    text = f"{label}: {op} in {remote_dir!r}: {printable(message, 500)}{where}{code}"
     if name in DISK_FULL:
         return RemoteDiskFullError(f"{text}: the device's disk is full", result.exit_status, result.stderr_text)
     if name in PERMISSION:
@@ -131,16 +168,17 @@ VERIFY_BACKENDS = ("cuda", "cpu")
 
 def device_error_line(output: str) -> str:
     """The one line that says why a command failed on the device: `colibri-sdk ...: error: ...` when it printed
-    one, else the exception line that ends a Python traceback, else its last line; never the traceback."""
+    one, else the exception line that ends a Python traceback, else its last line; never the traceback. Control
+    characters in it are shown escaped (answers.printable)."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for line in reversed(lines):
         if ": error: " in line:
-            return line
+            return printable(line, 500)
     if any(line.startswith("Traceback (most recent call last)") for line in lines):
         for line in reversed(lines):
             if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", line):
-                return line
-    return lines[-1] if lines else "(no output)"
+                return printable(line, 500)
+    return printable(lines[-1], 500) if lines else "(no output)"
 
 
 @dataclass(frozen=True)
@@ -190,15 +228,19 @@ def run_verify(conn: Connection, colibri: str, bundle_path: str, timeout: float,
                 f"--install-runtime, or pass the device's command with --remote-colibri, e.g. --remote-colibri "
                 f"'/opt/colibri/venv/bin/python -m colibri_sdk'; the active bundle was not changed",
                 result.exit_status, result.stderr_text)
+        line, hint = device_error_line(output), ""
+        if backend == "cuda" and re.search(r"CUDA|GPU", line):  # the device's verify names its own --backend
+            line = re.sub(r"; use the cpu or auto backend$", "", line)
+            hint = " (a device without a usable GPU: pass --verify-backend cpu to deploy to accept a self-test on " \
+                   "the CPU)"
         raise RemoteVerifyError(
             f"{label}: self-test of {bundle_path!r} on {backend} failed (exit status {result.exit_status}): "
-            f"{device_error_line(output)}; the active bundle was not changed", result.exit_status,
-            result.stderr_text)
+            f"{line}{hint}; the active bundle was not changed", result.exit_status, result.stderr_text)
     lines = result.stdout.decode("utf-8", "replace").splitlines()
-    selftest = next((line.strip() for line in reversed(lines) if "self-test" in line), "")
+    selftest = printable(next((line.strip() for line in reversed(lines) if "self-test" in line), ""), 500)
     if selftest.startswith("self-test: "):  # `verify` prints "  self-test: self-test passed on ..."
         selftest = selftest[len("self-test: "):]
-    notes = tuple(line.strip() for line in result.stderr_text.splitlines() if line.strip())[-5:]
+    notes = tuple(printable(line.strip(), 500) for line in result.stderr_text.splitlines() if line.strip())[-5:]
     report = VerifyReport(selftest, notes)
     if report.backend != backend:
         ran = f"ran on {report.backend}" if report.backend else "named no backend"

@@ -21,18 +21,23 @@ MAX_JUMPS = 8
 
 
 def load_config(path=None):
-    """The parsed config: `path`, or ~/.ssh/config when None. A missing default file is an empty config.
+    """The parsed config: `path`, or ~/.ssh/config when None. A missing default file is an empty config. Any
+    readable file will do, an empty one and /dev/null included (OpenSSH's `ssh -F /dev/null`: no config).
 
     Raises:
-        DeployError: `path` was given and is missing, or the file cannot be read or parsed.
+        DeployError: `path` was given and is missing or a folder, or the file cannot be read or parsed.
     """
     import paramiko
 
     file = Path(path).expanduser() if path is not None else USER_CONFIG.expanduser()
-    if not file.is_file():
+    if not file.exists():
         if path is not None:
-            raise DeployError(f"--ssh-config {path}: no such file; expected an OpenSSH client config file")
+            raise DeployError(f"--ssh-config {path}: no such file; expected an OpenSSH client config file "
+                              f"(/dev/null for none)")
         return paramiko.SSHConfig()
+    if file.is_dir():
+        raise DeployError(f"--ssh-config {path if path is not None else file}: a folder; expected an OpenSSH "
+                          f"client config file (/dev/null for none)")
     try:
         return paramiko.SSHConfig.from_path(str(file))
     except (OSError, ValueError, paramiko.ConfigParseError) as exc:

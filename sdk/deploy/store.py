@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import RemoteAnswerError
 from .remote import RemoteAgent
 
 
@@ -74,16 +75,35 @@ class StoreStatus:
 
 
 class DeviceStore:
-    """Typed access to the agent's operations (see agent.py for what each does on the device)."""
+    """Typed access to the agent's operations (the agent/ package says what each does on the device). Every
+    answer was checked against its schema (answers.py) by RemoteAgent.call; what a schema cannot know (the
+    objects asked for) is checked here."""
 
     def __init__(self, agent: RemoteAgent):
         self.agent = agent
 
+    def _bad(self, op: str, what: str) -> RemoteAnswerError:
+        return RemoteAnswerError(f"{self.agent.label}: remote {op} in {self.agent.remote_dir!r}: malformed answer: "
+                                 f"{what}; nothing of it was used", 0)
+
     def plan(self, objects: dict) -> Plan:
-        """`objects`: {sha256: size in bytes}."""
+        """`objects`: {sha256: size in bytes}. The answer names each of them, with an offset <= its size (the
+        size itself when stored, 0 when missing; a partial upload may hold every byte, killed before its rename).
+
+        Raises:
+            RemoteAnswerError: an object missing from the answer, or an offset that does not fit its size.
+        """
         answer = self.agent.call("plan", *(f"{sha}:{size}" for sha, size in objects.items()))
-        states = {sha: ObjectState(v["state"], int(v["offset"])) for sha, v in answer["objects"].items()}
-        return Plan(answer["root"], int(answer["free"]), states, answer.get("runtime"))
+        states = {sha: ObjectState(v["state"], v["offset"]) for sha, v in answer["objects"].items()}
+        for sha, size in objects.items():
+            state = states.get(sha)
+            if state is None:
+                raise self._bad("plan", f"objects has no entry for {sha} (asked for {len(objects)} objects)")
+            if state.offset > size or (state.state == "stored" and state.offset != size) \
+                    or (state.state == "missing" and state.offset):
+                raise self._bad("plan", f"objects[{sha!r}] = {state.state} at offset {state.offset:,}, for an "
+                                        f"object of {size:,} bytes")
+        return Plan(answer["root"], answer["free"], states, answer.get("runtime"))
 
     def stage(self, bundle_id: str, files, fresh, timeout: float, keep: int = -1) -> Staged:
         """Build bundles/<bundle_id> from `files` (BundleFile list) and hash every file not in `fresh`; with
@@ -91,7 +111,10 @@ class DeviceStore:
         answer is `.answer`."""
         items = [f"{f.sha256}:{f.path}" for f in files]
         answer = self.agent.call("stage", bundle_id, ",".join(sorted(fresh)), keep, *items, timeout=timeout)
-        return Staged(answer["path"], bool(answer["reused"]), tuple(answer["corrupt"]), answer)
+        unknown = sorted(set(answer["corrupt"]) - {f.sha256 for f in files})
+        if unknown:
+            raise self._bad("stage", f"corrupt names {unknown[0]}, which is no file of bundle {bundle_id}")
+        return Staged(answer["path"], answer["reused"], tuple(answer["corrupt"]), answer)
 
     def switch(self, bundle_id: str, keep: int) -> dict:
         """Make bundles/<bundle_id> current; keep `keep` bundles (plus current and previous); collect garbage."""
@@ -102,10 +125,13 @@ class DeviceStore:
         and make it current. Returns {"current", "previous", "history"}."""
         return self.agent.call("rollback", *([bundle_id] if bundle_id else []), timeout=timeout)
 
-    def undo(self, bundle_id: str, timeout: float) -> dict:
+    def undo(self, bundle_id: str, timeout: float, replaced_mtime: float | None = None) -> dict:
         """Take back the activation of `bundle_id` (still current): step back in the history, or leave no
-        bundle current when there is none before it. Returns {"current": id or None, "previous"}."""
-        return self.agent.call("undo", bundle_id, timeout=timeout)
+        bundle current when there is none before it; the bundle stepped back to keeps its activation time, and
+        `bundle_id` gets back `replaced_mtime` (the time its switch replaced) when given. Returns {"current": id
+        or None, "previous"}."""
+        return self.agent.call("undo", bundle_id, *([repr(float(replaced_mtime))] if replaced_mtime else []),
+                               timeout=timeout)
 
     def probe(self) -> dict:
         """The device's machine, Python version, ABI, C library and PEP 508 markers (agent/runtime.py)."""
@@ -121,9 +147,9 @@ class DeviceStore:
         if not answer.get("exists"):
             return StoreStatus(answer["root"], False)
         bundles = tuple(
-            BundleEntry(b["id"], float(b["activated"]), int(b["files"]), int(b["bytes"]), b.get("manifest") or {},
-                        b.get("error", ""))
+            BundleEntry(b["id"], float(b["activated"]), b["files"], b["bytes"], b.get("manifest") or {},
+                        b.get("error") or "")
             for b in answer["bundles"])
         return StoreStatus(answer["root"], True, answer.get("current"), answer.get("previous"), bundles,
-                           int(answer["store_objects"]), int(answer["store_bytes"]), int(answer["partial"]),
-                           int(answer["free"]), tuple(answer.get("history") or ()), answer.get("runtime"))
+                           answer["store_objects"], answer["store_bytes"], answer["partial"], answer["free"],
+                           tuple(answer.get("history") or ()), answer.get("runtime"))

@@ -7,24 +7,28 @@ once on the one SSH connection); small ones (< 4 MB) share one channel back to b
 kernels costs one remote command, not one per file. A plain byte stream (no SFTP request/acknowledge round
 trips) is what lets paramiko keep up with `scp` (see bench/deploy_bench.py).
 
-On a sha256 mismatch the local file is hashed again: if it no longer matches the manifest the bundle itself is
-bad (BundleError); otherwise the object is sent once more from byte 0, and a second mismatch raises
-ChecksumMismatchError.
+Each object is hashed here from the very reads that send it (`HashingReader`: a thread reads and hashes ahead of
+the sender, so the hash costs no pass of its own; a resumed object's first OFFSET bytes are read and hashed
+first). A local sha256 that differs from the manifest is a bundle changed on this machine (BundleError). On a
+device-side mismatch with a matching local hash the object is sent once more from byte 0, and a second
+mismatch raises ChecksumMismatchError.
 """
 
 from __future__ import annotations
 
+import hashlib
+import queue
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from ..errors import BundleError
 from .errors import ChecksumMismatchError, DeployError, RemoteCommandError, RemoteTimeoutError
-from .local_bundle import BundleFile, rehash
+from .local_bundle import BundleFile, check_digest
 from .remote import RemoteAgent
 
 CHUNK_BYTES = 1 << 20
 SMALL_BYTES = 4 << 20  # objects below this share one channel
+READ_AHEAD = 8  # blocks a HashingReader holds ready for the sender
 
 
 @dataclass
@@ -58,6 +62,59 @@ def read_chunks(path, offset: int, chunk: int = CHUNK_BYTES):
             yield block
 
 
+class HashingReader:
+    """The blocks of `path` from `offset` to the end, read and hashed by a thread up to READ_AHEAD blocks ahead of
+    the consumer (hashlib and file reads release the GIL, so hashing overlaps the sending); `digest` is the
+    sha256 of the whole file, bytes before `offset` included, once every block was taken. `close()` stops the
+    thread early."""
+
+    _END = object()
+
+    def __init__(self, path, offset: int, chunk: int = CHUNK_BYTES):
+        self.path, self.offset, self.chunk = path, offset, chunk
+        self.digest = None
+        self.blocks = queue.Queue(READ_AHEAD)
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="read-hash", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        h = hashlib.sha256()
+        try:
+            at = 0
+            for block in read_chunks(self.path, 0, self.chunk):
+                h.update(block)
+                if at + len(block) > self.offset:
+                    self._put(block[max(0, self.offset - at):])
+                at += len(block)
+                if self.closed.is_set():
+                    return
+            self.digest = h.hexdigest()
+            self._put(self._END)
+        except BaseException as exc:  # handed to the consumer: it raises it
+            self._put(exc)
+
+    def _put(self, item) -> None:
+        while not self.closed.is_set():
+            try:
+                self.blocks.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        while True:
+            item = self.blocks.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.closed.set()
+
+
 def batches(uploads: list) -> list:
     """Group uploads into channel loads: each large object alone (largest first), then all small ones."""
     large = sorted((u for u in uploads if u.file.size - u.offset >= SMALL_BYTES),
@@ -73,13 +130,15 @@ class Uploader:
         agent: the device's RemoteAgent.
         streams: channels used at once (>= 1).
         progress: called with a byte count after each block is handed to SSH (thread-safe callable), or None.
+        stop: an Event that stops every stream after its current block when set (the deploy was interrupted);
+            the uploader also sets it when one stream fails. None for one of its own.
     """
 
-    def __init__(self, agent: RemoteAgent, streams: int = 2, progress=None):
+    def __init__(self, agent: RemoteAgent, streams: int = 2, progress=None, stop: threading.Event | None = None):
         self.agent = agent
         self.streams = max(1, int(streams))
         self.progress = progress
-        self.stop = threading.Event()
+        self.stop = stop if stop is not None else threading.Event()
 
     def upload(self, uploads: list) -> UploadReport:
         """Send every Upload; returns the report. Raises the first error any stream hit (the others stop)."""
@@ -109,16 +168,17 @@ class Uploader:
         if self.stop.is_set():
             return
         report.resumed += [u.file.path for u in batch if u.offset]
-        answers = self._stream(batch, report)
+        digests = {}
+        answers = self._stream(batch, report, digests)
         for upload in batch:
             answer = answers.get(upload.file.sha256, {})
             file = upload.file
+            if file.sha256 in digests:  # read to the end (not when the device stopped the stream early)
+                check_digest(file, digests[file.sha256])
             if answer.get("status") == "mismatch":
-                if rehash(file) != file.sha256:
-                    raise BundleError(f"bundle file {file.path!r} changed on this machine: its sha256 no longer "
-                                      f"matches the manifest ({file.sha256})")
                 report.retried.append(file.path)
-                answer = self._stream([Upload(file, 0)], report).get(file.sha256, {})
+                answer = self._stream([Upload(file, 0)], report, digests).get(file.sha256, {})
+                check_digest(file, digests.get(file.sha256, file.sha256))
                 if answer.get("status") == "mismatch":
                     raise ChecksumMismatchError(
                         f"{self.agent.label}: {file.path!r} arrived corrupted twice: the device computed sha256 "
@@ -128,27 +188,35 @@ class Uploader:
                                          f"received {answer.get('size', 0)} of {file.size} bytes")
             report.sent.append(file.path)
 
-    def _stream(self, batch: list, report: UploadReport) -> dict:
-        """Send `batch` back to back on one channel; returns the agent's {sha256: answer}."""
+    def _stream(self, batch: list, report: UploadReport, digests: dict) -> dict:
+        """Send `batch` back to back on one channel; returns the agent's {sha256: answer}, and puts the local
+        sha256 of each object read to its end into `digests`."""
         label = self.agent.label
         channel = self.agent.open_receive([(u.file.sha256, u.file.size, u.offset) for u in batch])
+        reader = None
         try:
             for upload in batch:
-                for block in read_chunks(upload.file.local, upload.offset):
+                reader = HashingReader(upload.file.local, upload.offset)
+                for block in reader:
                     if self.stop.is_set():
-                        raise DeployError(f"{label}: upload of {upload.file.path!r} stopped: another stream failed")
+                        raise DeployError(f"{label}: upload of {upload.file.path!r} stopped (another stream failed, "
+                                          f"or the deploy was interrupted); the active bundle was not changed")
                     try:
                         channel.sendall(block)
                     except TimeoutError:
                         raise RemoteTimeoutError(f"{label}: upload of {upload.file.path!r} stalled for "
-                                                 f"{self.agent.conn.target.command_timeout:g} s") from None
-                    except OSError:
+                                                 f"{self.agent.conn.target.command_timeout:g} s: "
+                                                 f"{self.agent.what('receive')} took no bytes") from None
+                    except (OSError, EOFError):
                         return self._finish(channel, batch)  # the agent exited (disk full, ...): ask why
                     report.add_bytes(len(block))
                     if self.progress is not None:
                         self.progress(len(block))
+                digests[upload.file.sha256] = reader.digest
             return self._finish(channel, batch)
         finally:
+            if reader is not None:
+                reader.close()
             channel.close()
 
     def _finish(self, channel, batch) -> dict:

@@ -13,7 +13,7 @@ import pytest
 from deploy_bundles import remote_tree, write_bundle
 
 from colibri_sdk.cli import main
-from colibri_sdk.deploy import DeployOptions, deploy
+from colibri_sdk.deploy import DeployOptions, deploy, status
 from colibri_sdk.deploy.errors import HealthCheckError
 
 pytestmark = pytest.mark.ssh
@@ -126,3 +126,19 @@ def test_cli_exits_1_and_says_it_rolled_back(tmp_path, sshd, known_hosts, device
     assert err.startswith("colibri-sdk deploy: error: ") and len(err.splitlines()) == 1
     assert err.endswith(f"rolled back: bundle {first} is current again; --on-activate re-run for it ok")
     assert active(device_dir) == first
+
+
+def test_status_keeps_the_last_good_activation_time_after_a_rolled_back_one(tmp_path, target, device_dir):
+    """An older bundle deployed again, whose health check fails: rolled back, `--status` still shows for it the
+    time of its last good activation, and for the bundle made current again its own."""
+    a = deploy(write_bundle(tmp_path / "a"), target, base(device_dir))
+    b = deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, base(device_dir))
+    good = {e.bundle_id: e.activated for e in status(target, base(device_dir)).bundles}
+    os.utime(device_dir / "bundles" / a.bundle_id, (good[a.bundle_id] - 3600,) * 2)  # an hour ago
+    os.utime(device_dir / "bundles" / b.bundle_id, (good[b.bundle_id] - 60,) * 2)
+    good = {e.bundle_id: e.activated for e in status(target, base(device_dir)).bundles}
+    with pytest.raises(HealthCheckError, match=f"rolled back: bundle {b.bundle_id} is current again"):
+        deploy(tmp_path / "a", target, replace(base(device_dir), health_cmd="false"))
+    st = status(target, base(device_dir))
+    assert (st.current, st.previous) == (b.bundle_id, a.bundle_id)
+    assert {e.bundle_id: e.activated for e in st.bundles} == pytest.approx(good, abs=1e-3)

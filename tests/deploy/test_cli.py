@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
+import signal
 import sys
+import threading
+import time
 
 import pytest
 import yaml
@@ -119,3 +123,60 @@ def test_inventory_unknown_key_is_refused(tmp_path, sshd, known_hosts, device_di
 def test_bundle_required_without_rollback_or_status(sshd, known_hosts, device_dir, capsys):
     assert main(["deploy", "--host", "127.0.0.1", *flags(sshd, known_hosts, device_dir)]) == 1
     assert "deploy needs a BUNDLE folder (or --rollback / --status / --install-runtime)" in capsys.readouterr().err
+
+
+def interrupt_when(path, timeout: float = 60.0) -> threading.Thread:
+    """A thread that sends SIGINT to this process (Ctrl-C) as soon as `path` exists."""
+    def run():
+        deadline = time.monotonic() + timeout
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_ctrl_c_after_the_switch_says_the_new_bundle_is_active(tmp_path, sshd, known_hosts, device_dir, capsys):
+    common = ["--host", f"{sshd.user}@127.0.0.1:{sshd.port}", *flags(sshd, known_hosts, device_dir)]
+    assert main(["deploy", str(write_bundle(tmp_path / "a")), *common]) == 0
+    b = write_bundle(tmp_path / "b", kernel_seed=1)
+    b_id = hashlib.sha256((b / "manifest.json").read_bytes()).hexdigest()[:16]
+    switched = tmp_path / "switched"
+    interrupt_when(switched)
+    on_activate = f"touch {shlex.quote(str(switched))}; sleep 1"
+    capsys.readouterr()
+    code = main(["deploy", str(b), *common, "--on-activate", on_activate, "--health-cmd", "true"])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert (f"colibri-sdk deploy: {sshd.user}@127.0.0.1:{sshd.port}: interrupted after the switch; the deploy "
+            f"finished: bundle {b_id} is active at {device_dir}/bundles/{b_id}, complete and verified on the device"
+            in err), err
+    assert os.readlink(device_dir / "current") == f"bundles/{b_id}"
+
+
+def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_hosts, device_dir, capsys,
+                                                          monkeypatch):
+    from colibri_sdk.deploy import transfer
+
+    common = ["--host", f"{sshd.user}@127.0.0.1:{sshd.port}", *flags(sshd, known_hosts, device_dir)]
+    a = write_bundle(tmp_path / "a")
+    assert main(["deploy", str(a), *common]) == 0
+    b = write_bundle(tmp_path / "b", model_seed=1, model_bytes=24 << 20)
+    sending = tmp_path / "sending"
+    real = transfer.read_chunks
+
+    def slow(path, offset, chunk=transfer.CHUNK_BYTES):
+        for block in real(path, offset, chunk):
+            sending.touch()
+            time.sleep(0.05)
+            yield block
+
+    monkeypatch.setattr(transfer, "read_chunks", slow)
+    interrupt_when(sending)
+    capsys.readouterr()
+    code = main(["deploy", str(b), *common])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert "interrupted before the switch: the active bundle was not changed" in err, err
+    assert remote_tree(device_dir / "current") == remote_tree(a)

@@ -265,3 +265,42 @@ def test_rollback_on_a_missing_remote_dir_says_there_are_no_bundles(target, opti
 def test_default_remote_python(bundle, target, device_dir):
     result = deploy(bundle, target, DeployOptions(remote_dir=str(device_dir)))
     assert remote_tree(device_dir / "current") == remote_tree(bundle) and result.bytes_sent == result.total_bytes
+
+
+def test_deploy_reads_each_local_byte_once(tmp_path, target, options):
+    """The local check and the upload share one read of every file (/proc/self/io rchar counts every byte this
+    process read: files, and the few the SSH socket brought)."""
+    bundle = write_bundle(tmp_path / "big", model_bytes=48 << 20)
+    total = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+
+    def rchar() -> int:
+        return int(next(line for line in open("/proc/self/io") if line.startswith("rchar:")).split()[1])
+
+    before = rchar()
+    deploy(bundle, target, options)
+    read = rchar() - before
+    assert total <= read < 1.3 * total, (read, total)
+
+
+def cuda_driver_present() -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(cuda_driver_present(), reason="a CUDA driver is loadable here, so the loopback 'device' has a GPU")
+def test_verify_on_a_device_without_a_gpu_names_deploys_verify_backend_flag(tmp_path, target, options, device_dir):
+    """This machine has no CUDA driver: the device's `verify --backend cuda` fails, and the error names
+    deploy's own --verify-backend cpu, not verify's --backend."""
+    bundle = write_bundle(tmp_path / "b")
+    colibri = shlex.join([sys.executable, "-m", "colibri_sdk"])
+    with pytest.raises(RemoteVerifyError) as caught:
+        deploy(bundle, target, replace(options, verify=True, remote_colibri=colibri))
+    text = str(caught.value)
+    assert "no usable CUDA GPU" in text and "pass --verify-backend cpu to deploy" in text, text
+    assert "use the cpu or auto backend" not in text, text
+    assert not (device_dir / "current").exists()

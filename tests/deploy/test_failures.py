@@ -128,15 +128,15 @@ def test_corruption_in_transit_fails_with_checksum_mismatch(tmp_path, target, op
     a = write_bundle(tmp_path / "a")
     first = deploy(a, target, options)
     b = write_bundle(tmp_path / "b", kernel_seed=3)
-    real = transfer.read_chunks
+    real = transfer.HashingReader.__iter__
 
-    def flipping(path, offset, chunk=transfer.CHUNK_BYTES):
-        for i, block in enumerate(real(path, offset, chunk)):
-            if i == 0 and Path(path).name == "router.ptx":
+    def flipping(reader):  # after the local hash, on the way to the device
+        for i, block in enumerate(real(reader)):
+            if i == 0 and Path(reader.path).name == "router.ptx":
                 block = b"X" + block[1:]
             yield block
 
-    monkeypatch.setattr(transfer, "read_chunks", flipping)
+    monkeypatch.setattr(transfer.HashingReader, "__iter__", flipping)
     with pytest.raises(ChecksumMismatchError, match=r"'kernels/router.ptx' arrived corrupted twice: the device "
                                                     r"computed sha256 [0-9a-f]{64}, the manifest says"):
         deploy(b, target, options)
@@ -144,13 +144,34 @@ def test_corruption_in_transit_fails_with_checksum_mismatch(tmp_path, target, op
     assert remote_tree(device_dir / "current") == remote_tree(a)
 
 
-def test_local_file_changed_after_build_is_refused_before_sending(tmp_path, target, options, device_dir):
-    b = write_bundle(tmp_path / "b")
+def test_local_file_changed_after_build_is_refused_before_staging(tmp_path, target, options, device_dir):
+    a = write_bundle(tmp_path / "a")
+    first = deploy(a, target, options)
+    b = write_bundle(tmp_path / "b", kernel_seed=3)
     path = b / "kernels" / "router.ptx"
     path.write_bytes(b"Y" + path.read_bytes()[1:])  # same size, other content
-    with pytest.raises(BundleError, match=r"kernels/router.ptx: sha256 [0-9a-f]{64} differs from the manifest's"):
+    listed = json.loads((b / "manifest.json").read_text())["files"]
+    router = next(e["sha256"] for e in listed if e["path"] == "kernels/router.ptx")
+    with pytest.raises(BundleError, match=r"bundle file 'kernels/router.ptx' changed on this machine: its sha256 "
+                                          r"[0-9a-f]{64} differs from the manifest's [0-9a-f]{64}; nothing was "
+                                          r"staged, the active bundle was not changed"):
         deploy(b, target, options)
-    assert not device_dir.exists()  # refused before connecting: nothing was created on the device
+    assert sorted(p.name for p in (device_dir / "bundles").iterdir()) == [first.bundle_id]
+    assert not (device_dir / "store" / router).exists()
+    assert os.readlink(device_dir / "current") == f"bundles/{first.bundle_id}"
+
+
+def test_a_changed_file_the_device_already_holds_is_refused_too(tmp_path, target, options, device_dir):
+    a = write_bundle(tmp_path / "a")
+    first = deploy(a, target, options)
+    b = write_bundle(tmp_path / "b", kernel_seed=3)  # the same weights (already on the device), other kernels
+    weights = b / "model.colibri"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"bundle file 'model.colibri' changed on this machine"):
+        deploy(b, target, options)
+    assert os.readlink(device_dir / "current") == f"bundles/{first.bundle_id}"
 
 
 def test_file_changed_during_the_upload_is_a_bundle_error(tmp_path, target, options, monkeypatch):

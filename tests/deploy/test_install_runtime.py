@@ -152,6 +152,22 @@ def test_missing_wheels_are_named_with_the_pip_download_command(tmp_path, target
 
 
 @pytest.mark.ssh
+def test_outside_the_checkout_a_colibri_sdk_wheel_in_wheels_is_used(tmp_path, target, sdk_wheel, monkeypatch):
+    monkeypatch.setattr(installer, "source_tree", lambda: None)  # an installed copy, run from another folder
+    monkeypatch.setattr(installer, "pip_cache_wheels", lambda: [])
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    options = DeployOptions(remote_dir=str(tmp_path / "device"), remote_python=sys.executable)
+    with pytest.raises(RuntimeInstallError, match="run it from inside the checkout, or put a wheel built there"):
+        installer.install_runtime(target, options, wheels)
+    shutil.copy(sdk_wheel, wheels)
+    with pytest.raises(RuntimeInstallError) as info:  # now only the device's dependencies are missing
+        installer.install_runtime(target, options, wheels)
+    named = str(info.value).split(" of: ", 1)[1].split(" (looked in --wheels ", 1)[0]
+    assert "colibri-sdk" not in named and "numpy>=1.22" in named, str(info.value)
+
+
+@pytest.mark.ssh
 def test_cli_install_runtime_without_wheels_exits_1_with_one_line(tmp_path, sshd, known_hosts, prebuilt, capsys):
     from colibri_sdk.cli import main
 

@@ -109,6 +109,21 @@ def test_missing_config_given_explicitly_is_named(tmp_path):
         load_config(tmp_path / "nope")
 
 
+def test_dev_null_and_an_empty_file_are_an_empty_config(tmp_path, sshd, known_hosts, device_dir, capsys):
+    empty = tmp_path / "empty_config"
+    empty.write_text("")
+    for path in ("/dev/null", empty):  # OpenSSH's `ssh -F /dev/null`: no config at all
+        config = load_config(path)
+        assert resolve(f"{sshd.user}@127.0.0.1:{sshd.port}", config).host == "127.0.0.1"
+    bundle = write_bundle(tmp_path / "b")
+    assert main(["deploy", str(bundle), "--host", f"{sshd.user}@127.0.0.1:{sshd.port}", "--ssh-config", "/dev/null",
+                 "--identity", str(sshd.user_key), "--known-hosts", str(known_hosts), "--remote-dir",
+                 str(device_dir), "--remote-python", sys.executable, "--quiet"]) == 0
+    assert remote_tree(device_dir / "current") == remote_tree(bundle)
+    with pytest.raises(DeployError, match=f"--ssh-config {tmp_path}: a folder; expected an OpenSSH client config"):
+        load_config(tmp_path)
+
+
 def test_no_usable_key_says_where_it_looked_and_names_dash_i(target, tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)

@@ -5,8 +5,9 @@
     rollback ROOT [ID]      re-hash the bundle before the current one in the history (or bundles/ID) against its
                             manifest, then make it current; without ID the current one leaves the history, so each
                             rollback steps one further back
-    undo ROOT ID            if ID is current: step back as `rollback` does, or, with no earlier bundle, remove the
-                            `current` pointer (a first deploy whose health check failed)
+    undo ROOT ID [MTIME]    if ID is current: step back as `rollback` does, or, with no earlier bundle, remove the
+                            `current` pointer (a first deploy whose health check failed); the bundle stepped back
+                            to keeps its activation time, and ID gets back MTIME (the time `switch` replaced)
 
 `previous` always names the entry before `current` in the history (absent when there is none).
 """
@@ -72,17 +73,19 @@ def touch(root, bundle_id):
 
 def activate(root, bundle_id, keep):
     """Make bundles/ID current (the history gains it), prune to `keep` besides current and previous, collect
-    garbage. Caller holds the lock. Returns {"previous", "removed", "freed"}."""
+    garbage. Caller holds the lock. Returns {"previous", "removed", "freed", "replaced_mtime"} (the activation
+    time the bundle had before: what `undo` gives back)."""
     history = read_history(root)
     old = history[-1] if history else None
     if old != bundle_id:
         history.append(bundle_id)
     write_history(root, history)
+    replaced = os.stat(os.path.join(root, "bundles", bundle_id)).st_mtime
     touch(root, bundle_id)
     removed = prune_bundles(root, keep, {bundle_id, history[-2] if len(history) > 1 else None})
     if removed:
         write_history(root, [h for h in history if h not in removed])
-    return {"previous": old, "removed": removed, "freed": collect_garbage(root)}
+    return {"previous": old, "removed": removed, "freed": collect_garbage(root), "replaced_mtime": replaced}
 
 
 def op_switch(root, bundle_id, keep):
@@ -96,15 +99,17 @@ def op_switch(root, bundle_id, keep):
     emit(answer)
 
 
-def step_back(root, history):
-    """Drop the current bundle from `history`; re-hash the one before it and make it current. Returns it."""
+def step_back(root, history, retouch=True):
+    """Drop the current bundle from `history`; re-hash the one before it and make it current (a new activation
+    time unless `retouch` is False). Returns it."""
     current = history.pop()
     if not history:
         raise AgentError("nothing to roll back to: %s has no bundle activated before %s" % (root, current))
     target = history[-1]
     check_bundle(root, target)
     write_history(root, history)
-    touch(root, target)
+    if retouch:
+        touch(root, target)
     return target
 
 
@@ -130,9 +135,10 @@ def op_rollback(root, bundle_id=""):
     emit({"current": target, "previous": current, "history": read_history(root)})
 
 
-def op_undo(root, bundle_id):
+def op_undo(root, bundle_id, mtime=""):
     """Take back the activation of ID (a failed health check): step back, or leave no bundle current."""
     check_id(bundle_id)
+    mtime = float(mtime) if mtime else None
     with Lock(root):
         history = read_history(root)
         current = history[-1] if history else None
@@ -140,8 +146,10 @@ def op_undo(root, bundle_id):
             raise AgentError("bundle %s is not current (%s is): another deploy switched it; not touching it"
                              % (bundle_id, current))
         if len(history) > 1:
-            target = step_back(root, history)
+            target = step_back(root, history, retouch=False)
         else:
             write_history(root, [])
             target = None
+        if mtime is not None:
+            os.utime(os.path.join(root, "bundles", bundle_id), (mtime, mtime))
     emit({"current": target, "previous": bundle_id})

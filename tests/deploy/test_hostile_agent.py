@@ -1,0 +1,63 @@
+"""A device whose agent answers badly (fake_agent.py, over the real loopback sshd): each operation in turn is
+garbled, truncated, delayed, flooded and dropped. Every case ends in a typed, one-line DeployError naming the host
+and the operation, and the device's `current` bundle is left as it was, byte for byte."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from deploy_bundles import remote_tree, write_bundle
+
+from colibri_sdk.deploy import DeployError, RemoteAnswerError, RemoteTimeoutError, deploy, rollback, status
+
+pytestmark = pytest.mark.ssh
+
+FAKE = Path(__file__).with_name("fake_agent.py")
+FAULTS = ("garble", "truncate", "delay", "flood", "drop")
+OPERATIONS = ("plan", "receive", "stage", "switch", "rollback", "status")
+FAULT_TIMEOUT_S = 3.0  # the command timeout while the agent misbehaves (fake_agent.DELAY_S is longer)
+SELFTEST = f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} --selftest"
+
+
+def current_of(device_dir: Path) -> tuple:
+    """(the bundle id `current` names, {path: sha256} of its folder)."""
+    link = device_dir / "current"
+    return os.readlink(link), remote_tree(link)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("op", OPERATIONS)
+def test_a_misbehaving_agent_is_a_typed_error_and_current_is_untouched(tmp_path, target, options, device_dir, op,
+                                                                       fault):
+    a, b = write_bundle(tmp_path / "a"), write_bundle(tmp_path / "b", model_seed=1, kernel_seed=1)
+    options = replace(options, verify=op == "switch", remote_colibri=SELFTEST)
+    deploy(a, target, options)
+    if op == "rollback":
+        deploy(b, target, options)  # something to roll back from
+    before = current_of(device_dir)
+    hostile = replace(options, remote_python=shlex.join([sys.executable, str(FAKE), op, fault]))
+    slow = target.with_(command_timeout=FAULT_TIMEOUT_S)
+    with pytest.raises(DeployError) as caught:
+        if op == "rollback":
+            rollback(slow, hostile)
+        elif op == "status":
+            status(slow, hostile)
+        else:
+            deploy(b, slow, hostile)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(target.label + ":"), message
+    assert f"remote {op} in " in message, message
+    if fault in ("garble", "truncate", "flood"):
+        assert isinstance(caught.value, RemoteAnswerError), message
+    if fault == "flood":
+        assert "wrote more than 16,777,216 bytes" in message, message
+    if fault == "drop":
+        assert "connection was lost" in message, message
+    if fault == "delay" and op not in ("rollback", "stage"):  # those two wait longer: hashing time is allowed
+        assert isinstance(caught.value, RemoteTimeoutError), message
+    assert current_of(device_dir) == before
