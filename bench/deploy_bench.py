@@ -151,6 +151,17 @@ def main() -> int:
         print(f"throughput ratio deploy/scp = {best_scp / best_deploy:.2f}   (goal >= 0.80); time ratio deploy/scp = "
               f"{best_deploy / best_scp:.2f}   (goal <= 1.10)")
 
+        from colibri_sdk.deploy import LocalBundle
+
+        checks = []
+        for hash_files in (True, False, True, False):
+            start = time.perf_counter()
+            LocalBundle.open(a, hash_files=hash_files)
+            checks.append(time.perf_counter() - start)
+        print(f"local check before connecting: {min(checks[0::2]):.2f} s with a sha256 pass of its own (the loader's "
+              f"full check), {min(checks[1::2]):.2f} s as deploy runs it now (the sha256 comes from the reads that "
+              f"send each file)")
+
         kernel_only = deploy(b, target, options)
         ratio = kernel_only.bytes_sent / kernel_only.total_bytes
         print(f"kernel-only re-deploy: sent {kernel_only.bytes_sent:,} of {kernel_only.total_bytes:,} bytes "
