@@ -68,8 +68,8 @@ def build_sdk_wheel(out: Path) -> Path:
         raise RuntimeInstallError(f"--install-runtime builds the device's colibri-sdk wheel from the source tree, and "
                                   f"colibri-sdk runs from an installed copy here and the current folder is no "
                                   f"colibri-sdk checkout: run it from inside the checkout, or put a wheel built "
-                                  f"there (pip wheel --no-deps . -w wheels: colibri_sdk-{__version__}-py3-none-any.whl) "
-                                  f"into --wheels DIR")
+                                  f"there (pip wheel --no-deps . -w wheels: "
+                                  f"colibri_sdk-{__version__}-py3-none-any.whl) into --wheels DIR")
     offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline,
                            "--disable-pip-version-check", "-q", "-w", str(out), str(root)],
