@@ -28,6 +28,7 @@ import weakref
 import numpy as np
 
 from ..errors import BackendError, InputError
+from .shape_run import ShapeRun
 
 MAX_DEPTH = 64
 _CLOSED = "this Runtime is closed; load the bundle again"
@@ -41,7 +42,7 @@ def check_depth(depth) -> int:
 
 
 class _Slot:
-    """One call's worth of resources: the input buffer submit copies into, and (CUDA) one `_ShapeRun` per
+    """One call's worth of resources: the input buffer submit copies into, and (CUDA) one `ShapeRun` per
     compiled shape with its own backend."""
 
     def __init__(self, size: int, runs: list | None):
@@ -55,14 +56,13 @@ class _Slot:
 def _slot_runs(rt) -> list:
     """A slot's own backends for every compiled shape, sharing the Runtime's weights on the device."""
     from .cuda_backend import CudaBackend
-    from .runtime import _ShapeRun
 
     owner = rt._runs[-1].backend
     runs = []
     try:
         for shape in rt.shapes:
             backend = CudaBackend(rt.bundle.for_shape(*shape), eager=owner.eager, share=owner)
-            runs.append(_ShapeRun(shape, backend, rt.hidden_size))
+            runs.append(ShapeRun(shape, backend, rt.hidden_size))
     except BaseException:
         for run in runs:
             run.backend.close()
@@ -166,8 +166,8 @@ class Pipeline:
                         raise BackendError(_CLOSED)
                     x3 = view if view.ndim == 3 else view[None]
                     run = slot.run_for(x3.shape[0], x3.shape[1])
-                    padded = rt._pad(run, x3, lengths)
-                    run.backend.enqueue_call(padded, rt._valid_counts(run, x3, lengths))
+                    padded = run.pad(x3, lengths)
+                    run.backend.enqueue_call(padded, run.valid_counts(x3, lengths))
                 except BaseException as exc:
                     error, run = exc, None
                 finally:
