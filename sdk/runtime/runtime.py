@@ -40,6 +40,14 @@ __all__ = ["BACKENDS", "INPUT_DTYPES", "Runtime", "SelfTestResult", "available_b
 log = logging.getLogger(__name__)
 
 
+def _close(pipelines: list, backends: list) -> None:
+    """What close() releases, for the finalizer too: the submit pipeline (its queued calls run first, its threads
+    stop), then the backends in the order given."""
+    for pipeline in pipelines:
+        pipeline.close()
+    close_all(backends)
+
+
 class Runtime:
     """A loaded bundle, ready to run.
 
@@ -101,8 +109,10 @@ class Runtime:
         self._dropless = False  # True while self_test runs: the stored reference output is dropless
         spec = bundle.manifest["profile"].get("capacity")
         self.capacity = None if spec is None else dict(spec)  # expert capacity the bundle sets (None: dropless)
-        # Closed smallest first: CUDA backends of the smaller shapes borrow the largest one's weights.
-        self._finalizer = weakref.finalize(self, close_all, [run.backend for run in self._runs])
+        # The finalizer does what close() does: the pipeline first (its queued calls keep this Runtime alive, so by
+        # then they have all run), then the backends, smallest first (they borrow the largest one's weights).
+        self._pipelines: list = []  # the submit pipeline once made, for the finalizer
+        self._finalizer = weakref.finalize(self, _close, self._pipelines, [run.backend for run in self._runs])
 
     def shape_for(self, batch: int, tokens: int) -> tuple[int, int]:
         """The compiled shape a call of `batch` sequences of `tokens` tokens runs at: the first of `shapes`
@@ -258,6 +268,7 @@ class Runtime:
             with self._lock:
                 if self._pipeline is None:
                     self._pipeline = Pipeline(self, self.streams)
+                    self._pipelines.append(self._pipeline)
         return self._pipeline.submit(x, input_lengths, out, timeout)
 
     def _check_layer_index(self, value, name: str, top: int) -> int:
@@ -401,7 +412,8 @@ class Runtime:
     # ---- lifetime -------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the backend (device memory, graph, weight mapping). Safe to call more than once. Calls queued by
-        `submit` run first."""
+        `submit` run first. A Runtime garbage-collected without close() does the same once the calls `submit`
+        accepted have run (each queued call holds its Runtime until then; docs/runtime.md, "Pipelined calls")."""
         if self._pipeline is not None:
             self._pipeline.close()
         with self._lock:

@@ -118,3 +118,37 @@ def test_a_bad_submit_timeout_is_refused_by_name(small_bundle, timeout):
                                              r"seconds >= 0"):
             rt.submit(x, timeout=timeout)
         assert rt.submit(x, timeout=0.5).result(timeout=60).shape == x.shape
+
+
+def test_a_dropped_runtime_runs_every_accepted_call_as_close_does(small_bundle):
+    import gc
+    import time
+    import weakref
+
+    xs = [np.full((1, 8, 64), 0.1 * (i + 1), np.float32) for i in range(3)]
+    with Runtime.load(small_bundle, backend="cpu") as rt:
+        expected = [rt.infer(x) for x in xs]
+    rt = Runtime.load(small_bundle, backend="cpu", streams=3)
+    gate = threading.Event()
+    original = rt._backend.run_layers
+
+    def slow(*args, **kwargs):
+        gate.wait(30)
+        return original(*args, **kwargs)
+
+    rt._backend.run_layers = slow
+    futures = [rt.submit(x) for x in xs]
+    worker = rt._pipeline._threads[0]
+    ref = weakref.ref(rt)
+    del rt  # forgotten with three calls accepted, the first one running
+    gc.collect()
+    gate.set()
+    results = [f.result(timeout=60) for f in futures]
+    for got, want in zip(results, expected):
+        np.testing.assert_array_equal(got, want)
+    gc.collect()
+    assert ref() is None, "a Runtime whose accepted calls have run must be collectable"
+    deadline = time.monotonic() + 10
+    while worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not worker.is_alive()
