@@ -31,12 +31,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import contextlib  # noqa: E402
 import io  # noqa: E402
-import platform  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from bench_report import machine_line, write_report  # noqa: E402 (bench/, the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "capacity_bench.txt"
@@ -136,7 +136,7 @@ def main() -> int:
         f"hidden 256, batch 1 x 16 tokens ({pairs} pairs per call), {args.iters} calls each, "
         f"OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}",
         f"layer 0: {share:.0%} of the pairs go to experts 0 and 1 (2 of 8); C = ceil(16 * 2 * factor / 8)",
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
+        machine_line(),
         f"{'variant':>10} {'p50 ms':>8} {'p99 ms':>8} {'dropped/call':>13} {'max|dy|/max|y|':>15} {'||dy||/||y||':>13}",
     ]
     for name, p50, p99, dropped, mx, fro in rows:
@@ -155,10 +155,7 @@ def main() -> int:
                                  res["spill_store_bytes"] + res["spill_load_bytes"]) if res else ("-", "-", "-")
             lines.append(f"{name:>10} {launches:>9} {regs:>9} {smem:>9} {spill:>10} {cap_bytes:>11} {all_bytes:>11} "
                          f"{weight_bytes:>10} {cap_bytes / all_bytes:>8.4f} {dropped:>8} {cpu:>5}")
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    write_report(lines, args.out)
     return 0
 
 

@@ -37,7 +37,7 @@ The sector model assumes no cache: a weight sector read by two blocks counts twi
     python bench/kernel_access.py --json     # one object: the worst case over tokens 1-16 of each ratio
     python bench/kernel_access.py --tokens 64 --storages int8 int4-g128 int4-g32   # the quantized tiled rows
     python bench/kernel_access.py --tokens 64 --max-pairs 64 --shapes mixtral/16 qwen3/4 --storages fp16 int8
-                                                # the tiled path of both shapes (bench/results/kernel_access_foldagg.txt)
+                                                # the tiled path of both shapes
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import contextlib  # noqa: E402
 import io  # noqa: E402
-import platform  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from bench_report import machine_line, write_report  # noqa: E402 (bench/, the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "top_k_bench.txt"
@@ -73,15 +73,12 @@ def main() -> int:
     lines = [
         f"top-k override on the CPU backend: demo model (4 layers, 8 experts, own k 2, hidden 256), batch 1 x 16 "
         f"tokens, {args.iters} calls each, OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}",
-        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
+        machine_line(),
         f"{'top-k':>8} {'p50 ms':>9} {'p99 ms':>9} {'p50 / own':>10} {'max |dy| / max |y|':>19} {'||dy|| / ||y||':>15}",
     ]
     for k, p50, p99, ratio, mx, fro in rows:
         lines.append(f"{k:>8} {p50:>9.2f} {p99:>9.2f} {ratio:>10.2f} {mx:>19.3f} {fro:>15.3f}")
-    text = "\n".join(lines)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    write_report(lines, args.out)
     return 0
 
 

@@ -6,7 +6,7 @@ The manifest digest only says the file was not changed after it was digested; th
 build writes. A C runtime allocates and copies through `buffers` / `io_buffers` as recorded (sdk/libcolibri), so a
 recorded size or name of its own would run the kernels outside their buffers there, while the Python backend
 (which derives them) would not notice: both refuse it instead. The launch plan and the kernels' `defines` are
-checked the same way by the CUDA backend (`cuda_backend._launch_plan`).
+checked the same way by the CUDA backend (`cuda_image.checked_launch_plan`).
 """
 
 from __future__ import annotations

@@ -8,12 +8,15 @@ as float32, so BLAS summation order cannot change a stored bit in practice).
 Memory does not grow with the weights: the weights are copied (and hashed on the way) in CHUNK_BYTES pieces,
 converted to another dtype one tensor at a time, and the self-test reads them in row chunks of at most CHUNK_BYTES
 (as float64), each mapped only while it is read, so no more than one chunk of the file is resident at a time.
+
+The parts: weights.py (copy or convert the weights, the top-k limit), selftest_vectors.py (the self-test input and
+its float64 reference output), manifest_writer.py (the manifest); this module compiles each shape and puts the
+bundle in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
@@ -21,46 +24,45 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from .. import __version__, catalog
-from .reader import (
-    header_record,
-    DIGEST_KEY,
-    MANIFEST,
-    SCHEMA_VERSION,
-    canonical_json,
-    check_schema,
-    file_sha256,
-    manifest_digest,
-)
-from ..errors import BundleError, CompileError, FormatError
-from ..format import ColibriFile, ColibriWriter, Header, HeaderV2
-from ..format.constants import COMPOSITION_RESIDUAL, DTYPE_CODES
-from ..format.writer import tensor_order
+from .. import catalog
 from ..aot.kernels import CompiledKernel, compile_catalog
-from ..aot.nvrtc import nvrtc_version
+from ..errors import BundleError
+from ..format import ColibriFile, Header
+from .manifest_writer import WEIGHTS_FILE, ShapeBuild, kernel_entry, check_launch_plan, make_manifest, shape_tag
+from .reader import MANIFEST, canonical_json
+from .selftest_vectors import (
+    SELFTEST_ATTEMPTS,
+    SELFTEST_MIN_MARGIN,
+    SELFTEST_SEED,
+    SELFTEST_TOLERANCE,
+    reference_with_margin,
+    selftest_vectors,
+)
 from .top_k import apply_top_k
-from ..blas import blas_threads
-from ..reference import silu, topk_route
+from .weights import (
+    CHUNK_BYTES,
+    PROFILE_DTYPE,
+    Progress,
+    no_progress,
+    check_top_k,
+    copy_with_sha256,
+    prepare_weights,
+    sha256_with_progress,
+)
+
+# Re-exported: the names this module held before its parts moved to weights.py, selftest_vectors.py and
+# manifest_writer.py.
+__all__ = [
+    "BuildResult", "CHUNK_BYTES", "PROFILE_DTYPE", "Progress", "SELFTEST_ATTEMPTS", "SELFTEST_MIN_MARGIN",
+    "SELFTEST_SEED", "SELFTEST_TOLERANCE", "ShapeBuild", "WEIGHTS_FILE", "build_bundle", "check_launch_plan",
+    "check_top_k", "copy_with_sha256", "make_manifest", "prepare_weights", "reference_with_margin",
+    "selftest_vectors", "sha256_with_progress", "shape_tag", "write_archive",
+]
 
 log = logging.getLogger(__name__)
-
-WEIGHTS_FILE = "model.colibri"
-SELFTEST_SEED = 20261130
-SELFTEST_ATTEMPTS = 32
-SELFTEST_MIN_MARGIN = 1e-3  # smallest gap between the k-th and (k+1)-th router logit the self-test input may have
-# Self-test tolerances per dtype: |actual - expected| <= atol + rtol * |expected|. The expected output is exact
-# (float64) on the stored weights; the GPU accumulates in fp32, and fp16 profiles may round activations to fp16.
-SELFTEST_TOLERANCE = {"fp32": (1e-4, 1e-4), "fp16": (1e-2, 1e-2)}
-PROFILE_DTYPE = {code: name for name, code in DTYPE_CODES.items()}  # header dtype code -> "fp16" | "fp32"
-CHUNK_BYTES = 8 << 20  # the most bytes of weights (copy) or of float64 weights (self-test) held at a time
-
-Progress = Callable[[str, int, int], None]
-"""`progress(step, done, total)`: `done` of `total` bytes of the build step `step` ("weights", "sha256",
-"self-test") are finished. Called repeatedly with `done` growing; a step starts again at 0 under a new name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,393 +90,6 @@ class BuildResult:
         return bool(self.source_dtype) and self.source_dtype != self.manifest["dtype"]
 
 
-def _no_progress(step: str, done: int, total: int) -> None:
-    pass
-
-
-# ---- weights --------------------------------------------------------------------------------------------------------
-def copy_with_sha256(source: Path, target: Path, progress: Progress = _no_progress, step: str = "weights") -> str:
-    """Copy `source` to `target` in CHUNK_BYTES pieces (one buffer, reused) and return the sha256 (hex) of what
-    was written, so the bundle's largest file is read once for both.
-
-    Raises:
-        OSError: reading or writing failed.
-    """
-    total = source.stat().st_size
-    digest = hashlib.sha256()
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
-    done = 0
-    progress(step, 0, total)
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        while True:
-            n = src.readinto(buffer)
-            if not n:
-                break
-            digest.update(view[:n])
-            dst.write(view[:n])
-            done += n
-            progress(step, done, total)
-    return digest.hexdigest()
-
-
-def sha256_with_progress(path: Path, progress: Progress = _no_progress, step: str = "sha256") -> str:
-    """sha256 (hex) of a file, read in CHUNK_BYTES pieces, reporting progress."""
-    total = path.stat().st_size
-    digest = hashlib.sha256()
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
-    done = 0
-    progress(step, 0, total)
-    with open(path, "rb") as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-            done += n
-            progress(step, done, total)
-    return digest.hexdigest()
-
-
-def prepare_weights(source: Path, dtype: str, target: Path, progress: Progress = _no_progress) -> tuple[Header, str]:
-    """Put the weights into the bundle in the profile's dtype: copied when the dtype matches, else converted
-    tensor by tensor (each source tensor mapped only while it is converted).
-
-    Returns:
-        (the header of the bundle's weights, the sha256 of the copied file or "" when converted).
-
-    Raises:
-        FormatError: the source is not a valid .colibri file, or converting to fp16 overflows (|x| > 65504).
-    """
-    with ColibriFile(source) as src:
-        header = src.header
-    code = DTYPE_CODES[dtype]
-    # v2 weights are copied as they are: the kernels follow the file's storage (fp16/fp32 matrices, int8/int4 codes
-    # with fp16 or fp32 scales); the profile's dtype applies to v1 weights (docs/kernels.md, "Quantized weights",
-    # "Model features").
-    if header.dtype == code or catalog.is_v2(header):
-        try:
-            digest = copy_with_sha256(source, target, progress)
-        except OSError as exc:
-            raise FormatError(f"cannot copy {source} into the bundle: {exc.strerror or exc}") from exc
-        with ColibriFile(target) as copied:  # what was copied, checked again (the source may have changed)
-            return copied.header, digest
-    out = dataclasses.replace(header, dtype=code)
-    log.debug("converting %s from %s to the profile's %s", source, PROFILE_DTYPE[header.dtype], dtype)
-    total, done = header.data_size, 0
-    progress("weights", 0, total)
-    try:
-        with ColibriWriter(target, out) as writer:
-            for kind, layer, expert in tensor_order(out):
-                # A fresh mapping per tensor: the source's pages leave the resident set when it is closed.
-                with ColibriFile(source) as src:
-                    writer.write(kind, layer, expert, src.tensor(kind, layer, expert))
-                rows, cols = header.shape(kind)
-                done += rows * cols * header.itemsize
-                progress("weights", done, total)
-    except FormatError as exc:
-        raise FormatError(f"{source} → {dtype} for the profile: {exc}; use a profile with dtype: fp32") from None
-    return out, ""
-
-
-def check_top_k(weights: Path) -> None:
-    """Refuse weights whose top-k exceeds what the kernels are compiled for, before anything is copied or compiled.
-
-    Raises:
-        CompileError: top_k > catalog.MAX_TOP_K, or num_experts > catalog.MAX_EXPERTS, naming the value and the limit.
-        FormatError: the file is not a valid .colibri file.
-    """
-    with ColibriFile(weights) as f:
-        top_k, experts = f.header.top_k, f.header.num_experts
-    if experts > catalog.MAX_EXPERTS:
-        raise CompileError(
-            f"{weights}: num_experts = {experts}; allowed: 1..{catalog.MAX_EXPERTS} (MAX_EXPERTS, the most experts per "
-            "layer the kernels are compiled for)"
-        )
-    if top_k > catalog.MAX_TOP_K:
-        raise CompileError(
-            f"{weights}: top_k = {top_k}; allowed: 1..{catalog.MAX_TOP_K} (MAX_TOP_K, the most experts per token the "
-            "kernels are compiled for)"
-        )
-
-
-# ---- self-test ------------------------------------------------------------------------------------------------------
-class _RowChunks:
-    """Row chunks of a .colibri file's tensors as float64, each chunk read through a mapping opened and closed for
-    it alone, so at most one chunk of the file is resident at a time (the page cache keeps the rest for the OS)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        with ColibriFile(path) as f:
-            self.header = f.header
-
-    def read(self, kind: str, layer: int, expert: int | None, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop-1 of one tensor, float64 (a copy; int8/int4 matrices dequantized exactly)."""
-        with ColibriFile(self.path) as f:
-            if catalog.quant(self.header) and kind != "router":
-                return f.weight(kind, layer, expert, rows=np.arange(start, stop)).astype(np.float64)
-            view = f.tensor(kind, layer, expert)[start:stop]
-            rows = view.astype(np.float64)
-            del view
-        return rows
-
-    def chunks(self, kind: str) -> list[tuple[int, int]]:
-        """(start, stop) row ranges of a `kind` tensor, each at most CHUNK_BYTES as float64."""
-        rows, cols = self.header.shape(kind)
-        step = max(1, CHUNK_BYTES // (cols * 8))
-        return [(r, min(r + step, rows)) for r in range(0, rows, step)]
-
-
-def _expert_forward(weights: _RowChunks, layer: int, expert: int, xs: np.ndarray) -> np.ndarray:
-    """One SwiGLU expert in float64 on xs (n, hidden): down(silu(gate(xs)) * up(xs)), as in colibri_sdk.reference,
-    with gate/up read in chunks of intermediate rows and down in chunks of hidden rows."""
-    h = weights.header
-    act = np.empty((xs.shape[0], h.intermediate_size), dtype=np.float64)
-    for start, stop in weights.chunks("gate_proj"):
-        gate = weights.read("gate_proj", layer, expert, start, stop)
-        up = weights.read("up_proj", layer, expert, start, stop)
-        act[:, start:stop] = silu(xs @ gate.T) * (xs @ up.T)
-    y = np.empty((xs.shape[0], h.hidden_size), dtype=np.float64)
-    for start, stop in weights.chunks("down_proj"):
-        y[:, start:stop] = act @ weights.read("down_proj", layer, expert, start, stop).T
-    return y
-
-
-def reference_with_margin(
-    weights: _RowChunks, x: np.ndarray, progress: Progress = _no_progress, step: str = "self-test"
-) -> tuple[np.ndarray, float]:
-    """The reference engine's forward pass (docs/format.md, "Semantics"; colibri_sdk.reference) in float64, read
-    in chunks, and the smallest gap between the k-th and (k+1)-th largest router logit over all tokens and layers
-    (inf when top_k == num_experts).
-
-    Args:
-        x: (batch, tokens, hidden) float32.
-
-    Returns:
-        (output float64 of x's shape, margin).
-    """
-    h = weights.header
-    if _needs_v2_semantics(h):
-        return _reference_v2(weights.path, x, progress, step)
-    state = x.reshape(-1, h.hidden_size).astype(np.float64)
-    expert_bytes = sum(int(np.prod(h.shape(k))) for k in ("gate_proj", "up_proj", "down_proj")) * h.itemsize
-    total, done = h.num_layers * h.num_experts * expert_bytes, 0
-    progress(step, 0, total)
-    margin = np.inf
-    for layer in range(h.num_layers):
-        logits = state @ weights.read("router", layer, None, 0, h.hidden_size)
-        if h.top_k < h.num_experts:
-            ordered = np.sort(logits, axis=-1)[:, ::-1]
-            margin = min(margin, float((ordered[:, h.top_k - 1] - ordered[:, h.top_k]).min()))
-        indices, routing = topk_route(logits, h.top_k, h.routing)
-        y = np.zeros_like(state)
-        for expert in range(h.num_experts):
-            tokens, slots = np.nonzero(indices == expert)
-            if tokens.size:
-                # Each (token, expert) pair occurs once, so this scatter has no duplicate indices.
-                y[tokens] += routing[tokens, slots][:, None] * _expert_forward(weights, layer, expert, state[tokens])
-            done += expert_bytes
-            progress(step, done, total)
-        state = state + y if h.composition == COMPOSITION_RESIDUAL else y
-    return state.reshape(x.shape), margin
-
-
-def _needs_v2_semantics(header: Header) -> bool:
-    """True for a v2 header with routing or expert features beyond v1 (the int8/int4 storage alone is read by the
-    chunked v1 path above, which dequantizes exactly)."""
-    if not isinstance(header, HeaderV2):
-        return False
-    return bool(dataclasses.replace(header, quant=0, group_size=0, zero_points=0).v1_gaps()) or bool(header.norm_topk)
-
-
-def _reference_v2(
-    path: Path, x: np.ndarray, progress: Progress = _no_progress, step: str = "self-test"
-) -> tuple[np.ndarray, float]:
-    """`reference_with_margin` for a file with v2 features: the reference engine in float64 (docs/format.md
-    "Semantics v2"; it reads one expert at a time), the margin taken at every selection boundary
-    (`colibri_sdk.reference.selection_margin`: group scores and the k-th score)."""
-    from ..reference import ReferenceEngine, selection_margin
-
-    engine = ReferenceEngine(path, compute_dtype=np.float64, check_overflow=False)
-    try:
-        h = engine.header
-        state = x.reshape(-1, h.hidden_size).astype(np.float64)
-        margin = np.inf
-        progress(step, 0, h.num_layers)
-        for layer in range(h.num_layers):
-            logits = state @ engine.file.router(layer).astype(np.float64)
-            if h.router_bias:
-                logits = logits + engine.file.vector("router_bias", layer).astype(np.float64)
-            correction = engine.file.vector("correction_bias", layer) if h.correction_bias else None
-            margin = min(margin, float(selection_margin(logits, h, correction).min()))
-            y = engine.layer(layer, state)
-            state = state + y if h.composition == COMPOSITION_RESIDUAL else y
-            progress(step, layer + 1, h.num_layers)
-    finally:
-        engine.close()
-    return state.reshape(x.shape), margin
-
-
-def selftest_vectors(
-    weights_path: Path, batch: int, tokens: int, progress: Progress = _no_progress
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """A seeded input and the reference engine's output for it.
-
-    The input is N(0, 1) from NumPy's PCG64 with seed SELFTEST_SEED + attempt, for the first attempt whose router
-    logits leave a gap of at least SELFTEST_MIN_MARGIN at the top-k boundary in every layer, so rounding
-    differences between backends cannot flip an expert choice (else the attempt with the largest gap).
-    The output is computed in float64 and rounded to float32. Memory: CHUNK_BYTES of weights at a time.
-
-    Returns:
-        (input float32 (batch, tokens, hidden), output float32 (batch, tokens, hidden), seed used).
-    """
-    weights = _RowChunks(Path(weights_path))
-    hidden = weights.header.hidden_size
-    with blas_threads(batch * tokens):
-        best = _search(weights, batch, tokens, hidden, progress)
-    _, x, y, seed = best
-    return x, y.astype(np.float32), seed
-
-
-def _search(weights: _RowChunks, batch: int, tokens: int, hidden: int, progress: Progress):
-    """(margin, input, output float64, seed) of the first self-test attempt with a margin, else the best."""
-    best = None
-    for attempt in range(SELFTEST_ATTEMPTS):
-        seed = SELFTEST_SEED + attempt
-        x = np.random.default_rng(seed).standard_normal((batch, tokens, hidden)).astype(np.float32)
-        step = "self-test" if attempt == 0 else f"self-test, input {attempt + 1}"
-        y, margin = reference_with_margin(weights, x, progress, step)
-        if best is None or margin > best[0]:
-            best = (margin, x, y, seed)
-        if margin >= SELFTEST_MIN_MARGIN:
-            break
-        log.debug("self-test input %d: router margin %.3g < %g; trying the next seed", attempt + 1, margin,
-                  SELFTEST_MIN_MARGIN)
-    return best
-
-
-# ---- manifest -------------------------------------------------------------------------------------------------------
-def check_launch_plan(plan: list[dict], kernels: list[CompiledKernel], profile) -> None:
-    """Every launch names a compiled symbol, and its static + dynamic shared memory fits the profile.
-
-    Raises:
-        CompileError: naming the launch, the value and the limit.
-    """
-    resources = {k.spec.name: k.resources for k in kernels}
-    hw = profile.hardware
-    for index, launch in enumerate(plan):
-        kernel, symbol = launch["kernel"], launch["symbol"]
-        if symbol not in resources.get(kernel, {}):
-            raise CompileError(f"launch {index}: {kernel}.{symbol} was not compiled; compiled: {sorted(resources)}")
-        total = resources[kernel][symbol]["shared_bytes"] + launch["shared_bytes"]
-        limit = hw["shared_memory_per_block_optin"] if launch["shared_bytes"] else hw["shared_memory_per_block"]
-        if total > limit:
-            raise CompileError(
-                f"launch {index} ({symbol}): {total} bytes of shared memory; allowed: at most {limit} "
-                f"(hardware.shared_memory_per_block{'_optin' if launch['shared_bytes'] else ''})"
-            )
-
-
-def shape_tag(batch: int, tokens: int) -> str:
-    """The file-name tag of one compiled shape: "b4t16" (kernels/<name>.b4t16.<arch>.cubin, selftest/b4t16/)."""
-    return f"b{int(batch)}t{int(tokens)}"
-
-
-def _kernel_entry(k: CompiledKernel, arch: str, tag: str = "") -> dict:
-    """The manifest entry of one compiled kernel; `tag` (a `shape_tag`; "" for the largest shape, which keeps the
-    single-shape names) goes into the file names so the shapes' images sit side by side in kernels/."""
-    stem = f"kernels/{k.spec.name}" + (f".{tag}" if tag else "")
-    return {
-        "name": k.spec.name,
-        "source": k.spec.source,
-        "symbols": list(k.spec.symbols),
-        "cubin": f"{stem}.{arch}.cubin",
-        "ptx": f"{stem}.ptx",
-        "defines": dict(sorted(k.defines.items())),
-        "resources": {s: k.resources[s] for s in sorted(k.resources)},
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapeBuild:
-    """What one compiled shape of a bundle holds (one `shapes` entry of the manifest).
-
-    Attributes:
-        batch, tokens: the fixed shape.
-        kernels: the catalogue compiled with this shape's -D defines.
-        entries: their manifest entries (`_kernel_entry`, file names tagged when the bundle has several shapes).
-        plan: `catalog.launch_plan` for this shape.
-        buffers, io_buffers: `catalog.device_buffers` / `catalog.io_buffers` for this shape.
-        selftest: the manifest's self-test record ({input, output, rtol, atol, seed}).
-    """
-
-    batch: int
-    tokens: int
-    kernels: list
-    entries: list
-    plan: list
-    buffers: dict
-    io_buffers: dict
-    selftest: dict
-
-    def record(self) -> dict:
-        """The manifest's `shapes` entry (docs/build.md, "Several shapes")."""
-        return {"batch": self.batch, "tokens": self.tokens, "kernels": self.entries, "launch": self.plan,
-                "buffers": self.buffers, "io_buffers": self.io_buffers, "selftest": self.selftest}
-
-
-def make_manifest(
-    profile,
-    header: Header,
-    shapes: list[ShapeBuild],
-    root: Path,
-    digests: dict[str, str] | None = None,
-    model_top_k: int | None = None,
-) -> dict:
-    """The manifest for the files already written under `root` (everything except manifest.json).
-
-    Args:
-        shapes: every compiled shape, smallest first (`Profile.shapes`); the top-level `shape`, `kernels`,
-            `launch`, `buffers`, `io_buffers` and `selftest` are the last (largest) one's, so a reader of
-            single-shape bundles runs that shape, and `shapes` lists them all.
-        digests: sha256 already computed, by relative path (the weights, hashed while copied); the other files
-            are hashed here.
-        model_top_k: the source model's own k, recorded as `weights.model_top_k` (it differs from the header's
-            top_k under a top-k override, sdk/bundle/top_k.py).
-    """
-    major, minor = nvrtc_version()
-    pdict = profile.to_dict()
-    files = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        digest = (digests or {}).get(rel) or file_sha256(path)
-        files.append({"path": rel, "sha256": digest, "size": path.stat().st_size})
-    files.sort(key=lambda e: e["path"])
-    largest = shapes[-1]
-    manifest = {
-        "schema_version": SCHEMA_VERSION,
-        "sdk_version": __version__,
-        "arch": profile.arch,
-        "compute_capability": list(profile.compute_capability),
-        "nvrtc_version": f"{major}.{minor}",
-        "min_driver": profile.min_driver,
-        "dtype": profile.dtype,
-        "shape": {"batch": largest.batch, "tokens": largest.tokens},
-        "shapes": [s.record() for s in shapes],
-        "aggregation": profile.aggregation,
-        "profile": pdict,
-        "weights": {"file": WEIGHTS_FILE, "header": header_record(header),
-                    "model_top_k": header.top_k if model_top_k is None else int(model_top_k)},
-        "kernels": largest.entries,
-        "launch": largest.plan,
-        "buffers": largest.buffers,
-        "io_buffers": largest.io_buffers,
-        "selftest": largest.selftest,
-        "files": files,
-    }
-    manifest[DIGEST_KEY] = manifest_digest(manifest)
-    check_schema(manifest, "the new manifest")
-    return manifest
-
-
 def _build_shape(root: Path, profile, header: Header, batch: int, tokens: int, tag: str, kernel_dir, workers: int,
                  progress: Progress, steps, cache=None) -> ShapeBuild:
     """Compile, plan and self-test one shape: the catalogue functions get a copy of the profile with this scalar
@@ -483,7 +98,7 @@ def _build_shape(root: Path, profile, header: Header, batch: int, tokens: int, t
     kernels = compile_catalog(sub, header, kernel_dir, workers=workers, cache=cache)
     plan = catalog.launch_plan(sub.to_dict(), header)
     check_launch_plan(plan, kernels, sub)
-    entries = [_kernel_entry(k, profile.arch, tag) for k in kernels]
+    entries = [kernel_entry(k, profile.arch, tag) for k in kernels]
     for k, entry in zip(kernels, entries):
         (root / entry["cubin"]).write_bytes(k.output.cubin)
         (root / entry["ptx"]).write_bytes(k.output.ptx)
@@ -707,7 +322,7 @@ def build_bundle(
     try:  # made inside the try: a Ctrl-C / SIGTERM just after mkdtemp must remove it too
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
         manifest, kernels, source_dtype = _write_contents(
-            tmp, profile, weights, kernel_dir, workers, progress or _no_progress, _nvrtc_cache(nvrtc_cache)
+            tmp, profile, weights, kernel_dir, workers, progress or no_progress, _nvrtc_cache(nvrtc_cache)
         )
         tmp.chmod(0o755)
         _place(tmp, out)

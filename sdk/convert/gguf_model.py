@@ -31,7 +31,7 @@ from ..errors import ConvertError
 from ..format.constants import QUANT_INT4, QUANT_INT8
 from .families import U16_MAX, ExpertSpec, ModelSpec, RouterSpec, SharedSpec
 from .layout import Layout, Source
-from .source import Model
+from .model import Model
 from .tensors import Codes
 
 # GGUF architecture → (family, renormalise the top-k weights by default, has a gated shared expert).

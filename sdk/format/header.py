@@ -1,7 +1,9 @@
 """The 64-byte .colibri header and the layout it implies (block offsets, tensor shapes, file size).
 
 `Header` is a v1 header (0x0100); `HeaderV2` (0x0200, quantized weights and the MoE families) is a subclass whose
-first nine fields are v1's. `Header.unpack` returns whichever the bytes say. All sizes are computed with Python
+first nine fields are v1's. `Header.unpack` returns whichever the bytes say: a subclass registers the version it
+reads (`class HeaderV2(Header, version_code=VERSION_2)`), so header_v2.py imports this module and never the other
+way round (the package imports both). All sizes are computed with Python
 integers, so no header value can overflow them. Spec: docs/format.md.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import ClassVar
 
 import numpy as np
 
@@ -50,6 +53,14 @@ class Header:
     routing: int = 0
     composition: int = 0
     version: int = VERSION
+
+    # The header class of each later version, by version code (`__init_subclass__`).
+    _versions: ClassVar[dict[int, type]] = {}
+
+    def __init_subclass__(cls, version_code: int | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if version_code is not None:
+            Header._versions[version_code] = cls
 
     def __post_init__(self):
         self.validate()
@@ -105,10 +116,8 @@ class Header:
         """
         fields = unpack_start(data, HEADER_STRUCT)
         version = fields[1]
-        if version == VERSION_2:
-            from .header_v2 import HeaderV2
-
-            return HeaderV2.unpack(data)
+        if version in Header._versions:
+            return Header._versions[version].unpack(data)
         if version != VERSION:
             raise FormatError(f"unsupported version 0x{version:04x}; this reader supports 0x0100, 0x0200")
         rest = bytes(data[EXTENSION_END:HEADER_SIZE])
@@ -125,10 +134,13 @@ class Header:
         """Bytes before the first block for the header that starts `data` (at least 64 bytes): 64 for v1; for v2
         the header, the layer map and its padding. Reads only the version and num_layers."""
         version, layers = struct.unpack_from("<HH", data, 4)
-        if version == VERSION_2:
-            from .header_v2 import prefix_size
+        if version in Header._versions:
+            return Header._versions[version].prefix_size_for(layers)
+        return HEADER_SIZE
 
-            return prefix_size(layers)
+    @staticmethod
+    def prefix_size_for(num_layers: int) -> int:
+        """Bytes before the first block of a file of this version with `num_layers` layers (v1: 64)."""
         return HEADER_SIZE
 
     @property

@@ -91,7 +91,7 @@ class Block(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class HeaderV2(Header):
+class HeaderV2(Header, version_code=VERSION_2):
     """Header of a .colibri v2 file (docs/format.md, "v2 (0x0200)").
 
     Attributes (beyond v1's `num_layers, num_experts, top_k, hidden_size, intermediate_size, dtype, routing,
@@ -185,6 +185,11 @@ class HeaderV2(Header):
         """Everything before the first block: the header, the layer map (u16 each) and zero padding to 64."""
         head = self.pack() + struct.pack(f"<{self.num_layers}H", *self.layer_map)
         return head + bytes(self.prefix_size - len(head))
+
+    @staticmethod
+    def prefix_size_for(num_layers: int) -> int:
+        """Bytes before the first v2 block (`prefix_size`)."""
+        return prefix_size(num_layers)
 
     @classmethod
     def unpack(cls, data: bytes) -> "HeaderV2":

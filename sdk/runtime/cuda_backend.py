@@ -16,73 +16,30 @@ device: `catalog.io_buffers`), one cuStreamSynchronize, copy the pinned output o
 mode enqueues the same copies and launches without the graph. With expert capacity, the per-layer dropped-pair
 counts (`catalog.CAPACITY_DROPPED`) are copied back after the call. A lock serialises calls; `close()` frees
 everything.
+
+This module holds the device, the load, the graph capture and the whole-model call; step 1's image choice and the
+launch-plan check are in cuda_image.py, step 3 in cuda_upload.py (`WeightUpload`), and the per-layer calls, device
+I/O and pipelined enqueue/finish in cuda_calls.py (`DeviceCalls`), both mixed into `CudaBackend`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
-import os
 import threading
 import weakref
 
 import numpy as np
 
 from .. import catalog
-from ..errors import BackendError, BundleError, InputError
-from ..format.constants import HEADER_SIZE
-from ..driver_version import format_driver_version
+from ..errors import BackendError, InputError
+from .cuda_calls import POISON_WORD, DeviceCalls
+from .cuda_image import checked_launch_plan, parse_version, select_image
+from .cuda_upload import UPLOAD_CHUNK, WeightUpload
 from .driver import check
 from .padding import check_valid_tokens
 
-UPLOAD_CHUNK = 64 << 20  # bytes per weight upload step
-POISON_WORD = 0x7FC00000  # a float32 quiet NaN; as int32 a large positive value no kernel accepts as an index
-
-
-def parse_version(text: str) -> int:
-    """"12.9" → 12090, cuDriverGetVersion's encoding (1000*major + 10*minor)."""
-    major, _, minor = str(text).partition(".")
-    return 1000 * int(major) + 10 * int(minor or 0)
-
-
-def select_image(device_cc, bundle_cc, driver_version: int, min_driver: int, nvrtc_version: str) -> str:
-    """Which image of a bundle runs on a device.
-
-    Args:
-        device_cc, bundle_cc: (major, minor) compute capabilities of the GPU and of the bundle's arch.
-        driver_version: cuDriverGetVersion of this driver (e.g. 12060).
-        min_driver: the bundle's minimum driver (manifest `min_driver`).
-        nvrtc_version: the NVRTC that wrote the PTX ("12.9"); JIT needs a driver at least that new.
-
-    Returns:
-        "cubin" (same major, device minor >= bundle minor) or "ptx" (a newer GPU and a new enough driver).
-
-    Raises:
-        BackendError: the driver is older than the bundle's minimum, or the GPU is older than the bundle's arch,
-            or PTX JIT would need a newer driver; the message names both capabilities and versions.
-    """
-    dev, bun = tuple(int(v) for v in device_cc), tuple(int(v) for v in bundle_cc)
-    names = f"the GPU is sm_{dev[0]}{dev[1]}, the bundle is built for sm_{bun[0]}{bun[1]}"
-    if driver_version < min_driver:
-        raise BackendError(
-            f"the CUDA driver is {format_driver_version(driver_version)}; the bundle needs at least "
-            f"{format_driver_version(min_driver)} (manifest min_driver {min_driver}); {names}"
-        )
-    if dev[0] == bun[0] and dev[1] >= bun[1]:
-        return "cubin"
-    if dev < bun:
-        raise BackendError(
-            f"{names}: its code cannot run on an older GPU; build the bundle with a profile for "
-            f"sm_{dev[0]}{dev[1]} or older"
-        )
-    needed = max(min_driver, parse_version(nvrtc_version))
-    if driver_version < needed:
-        raise BackendError(
-            f"{names}: the cubin needs compute capability {bun[0]}.x, and JIT-compiling the PTX (NVRTC "
-            f"{nvrtc_version}) needs a CUDA driver >= {format_driver_version(needed)}, this one is "
-            f"{format_driver_version(driver_version)}"
-        )
-    return "ptx"
+# Re-exported: the names this module held before the image check, the upload and the call paths moved out.
+__all__ = ["POISON_WORD", "UPLOAD_CHUNK", "CudaBackend", "checked_launch_plan", "parse_version", "select_image"]
 
 
 class _Resources:
@@ -131,43 +88,7 @@ class _Resources:
         self.events, self.device_ptrs, self.host_ptrs, self.modules = [], [], [], []
 
 
-def _launch_plan(manifest: dict, header) -> list[dict]:
-    """The catalogue's launch plan for the bundle's profile (at its shape) and weights. A manifest's `launch`, when
-    present, must equal it, and every kernel's `defines` the catalogue's compile constants: a grid, buffer name or
-    weights offset of its own, or kernels compiled for another shape, would run the kernels outside their buffers.
-
-    Raises:
-        BundleError: naming the first kernel or launch that differs.
-    """
-    import json
-
-    defines = json.loads(json.dumps(catalog.compile_defines(manifest["profile"], header)))
-    for i, kernel in enumerate(manifest["kernels"]):
-        if kernel.get("defines") != defines:  # e.g. another shape's kernels: they would index past this one's buffers
-            raise BundleError(
-                f"manifest.json: kernels[{i}] ({kernel.get('name')!r}).defines differ from the catalogue's compile "
-                f"constants for the bundle's profile and weights at shape batch {manifest['shape']['batch']} x "
-                f"tokens {manifest['shape']['tokens']}; allowed: the kernels colibri-sdk build compiled for it "
-                "(rebuild the bundle)"
-            )
-    from ..bundle.records import check_buffer_records
-
-    check_buffer_records(manifest, header, only=(manifest["shape"]["batch"], manifest["shape"]["tokens"]))  # what a C runtime allocates
-    plan = catalog.launch_plan(manifest["profile"], header)
-    recorded = manifest.get("launch")
-    expected = json.loads(json.dumps(plan))
-    if recorded is not None and recorded != expected:
-        index = next((i for i, (a, b) in enumerate(zip(recorded, expected)) if a != b),
-                     min(len(recorded), len(expected)))
-        raise BundleError(
-            f"manifest.json: launch[{index}] differs from the catalogue's launch plan for the bundle's profile and "
-            f"weights ({len(recorded)} launches recorded, {len(expected)} expected); allowed: the plan colibri-sdk "
-            "build writes (rebuild the bundle)"
-        )
-    return plan
-
-
-class CudaBackend:
+class CudaBackend(WeightUpload, DeviceCalls):
     """Runs a bundle on device `device` through the CUDA driver API.
 
     Args:
@@ -249,7 +170,7 @@ class CudaBackend:
         self.last_dropped = 0  # pairs dropped by expert capacity in the latest call (Runtime.stats)
         self.shape = tuple(bundle.shape)
         self.hidden = self.header.hidden_size
-        plan = _launch_plan(manifest, self.header)  # refused before any image, weight or buffer is loaded
+        plan = checked_launch_plan(manifest, self.header)  # refused before any image, weight or buffer is loaded
         self._functions = self._load_functions(bundle)
         if self._share is not None:  # another shape of the same bundle: its weights are already on the device
             self._weights = self._share._weights
@@ -306,81 +227,6 @@ class CudaBackend:
         self._res.host_ptrs.append(ptr)
         view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(int(ptr)))
         return int(ptr), view
-
-    def _upload_weights(self, path) -> int:
-        """Copy the .colibri data after the header into one device buffer; returns its device pointer."""
-        cu, stream = self._cu, self._res.stream
-        size = self.header.data_size
-        dst = self._alloc(size + catalog.WEIGHTS_TAIL_BYTES)  # the GEMV's aligned windows may read past the data
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # the path was checked by Bundle (no links)
-        try:
-            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            try:
-                if self.integrated:
-                    self._upload_integrated(fd, mapping, dst, size)
-                else:
-                    self._upload_staged(mapping, dst, size)
-            finally:
-                mapping.close()
-        finally:
-            os.close(fd)
-        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        return dst
-
-    def _upload_integrated(self, fd: int, mapping: mmap.mmap, dst: int, size: int) -> None:
-        """Copy straight from the mapping, then drop the copied pages: GPU and CPU share the DRAM, so keeping the
-        file's pages resident would hold the weights twice."""
-        cu = self._cu
-        page = mmap.PAGESIZE
-        dropped = 0  # file offset up to which pages were dropped (page-aligned)
-        for offset in range(0, size, UPLOAD_CHUNK):
-            n = min(UPLOAD_CHUNK, size - offset)
-            start = HEADER_SIZE + offset
-            chunk = np.frombuffer(mapping, dtype=np.uint8, count=n, offset=start)
-            try:
-                check(cu.cuMemcpyHtoD(cu.CUdeviceptr(dst + offset), chunk.ctypes.data, n), "cuMemcpyHtoD")
-            finally:
-                # Release the view even when the copy fails: an exported buffer would make mapping.close() raise
-                # BufferError and hide the CudaError.
-                del chunk
-            end = (start + n) // page * page if offset + n < size else len(mapping)
-            if end > dropped:
-                mapping.madvise(mmap.MADV_DONTNEED, dropped, end - dropped)
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(fd, dropped, end - dropped, os.POSIX_FADV_DONTNEED)
-                dropped = end
-
-    def _upload_staged(self, mapping: mmap.mmap, dst: int, size: int) -> None:
-        """Two pinned staging buffers: fill one while the other's copy runs."""
-        cu, res = self._cu, self._res
-        chunk_size = min(UPLOAD_CHUNK, max(size, 1))
-        stages = [self._pinned(chunk_size) for _ in range(2)]
-        events = []
-        for _ in range(2):  # recorded one by one: if the second fails, close() still destroys the first
-            events.append(check(cu.cuEventCreate(0), "cuEventCreate"))
-            res.events.append(events[-1])
-        source = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=HEADER_SIZE)
-        try:
-            for i, offset in enumerate(range(0, size, chunk_size)):
-                n = min(chunk_size, size - offset)
-                ptr, view = stages[i % 2]
-                if i >= 2:
-                    check(cu.cuEventSynchronize(events[i % 2]), "cuEventSynchronize")
-                view[:n] = source[offset : offset + n]
-                check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dst + offset), ptr, n, res.stream), "cuMemcpyHtoDAsync")
-                check(cu.cuEventRecord(events[i % 2], res.stream), "cuEventRecord")
-        finally:
-            del source
-        # The staging buffers (up to 2 x 64 MiB page-locked) and their events are not kept for the backend's life.
-        check(cu.cuStreamSynchronize(res.stream), "cuStreamSynchronize")
-        staged = [ptr for ptr, _ in stages]
-        stages = view = None  # no NumPy view of the freed memory stays reachable
-        res.host_ptrs = [p for p in res.host_ptrs if int(p) not in staged]
-        res.events = [e for e in res.events if all(e is not x for x in events)]
-        for ptr in staged:
-            check(cu.cuMemFreeHost(ptr), "cuMemFreeHost")
-        for event in events:
-            check(cu.cuEventDestroy(event), "cuEventDestroy")
 
     # ---- the forward pass -------------------------------------------------------------------------------------
     def _pointer(self, arg: dict) -> int:
@@ -467,191 +313,6 @@ class CudaBackend:
             check(cu.cuStreamSynchronize(self._res.stream), "cuStreamSynchronize")
             self._read_dropped(0, self.header.num_layers, self._res.stream)
             return self._out.view(np.float32).reshape(expected).copy()
-
-    # ---- per-layer calls and device-resident I/O (docs/runtime-cuda.md, "Per-layer calls, device I/O") -------
-    def _enqueue_layers(self, start: int, stop: int, stream, skip=()) -> None:
-        """The launches of layers start..stop-1 on `stream`; they read x{start%2} and leave x{stop%2}. `skip`: per
-        launch of the plan, True to leave it out (the capacity launches of a dropless run)."""
-        cu = self._cu
-        launches = zip(self._launches, self._launch_layers)
-        for i, ((function, grid, block, shared, params, _), layer) in enumerate(launches):
-            if start <= layer < stop and not (skip and skip[i]):
-                check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0),
-                      "cuLaunchKernel")
-
-    def _read_dropped(self, start: int, stop: int, stream) -> None:
-        """`last_dropped` = the pairs dropped by layers start..stop-1 (the capacity_dropped buffer, one int32 per
-        layer, written by colibri_capacity on every call), after `stream` has finished the call's launches."""
-        if self.capacity is None:
-            return
-        cu = self._cu
-        check(cu.cuMemcpyDtoHAsync(self._dropped_ptr, cu.CUdeviceptr(self._buffers[catalog.CAPACITY_DROPPED]),
-                                   self._dropped.nbytes, stream), "cuMemcpyDtoHAsync")
-        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        self.last_dropped = int(self._dropped[start:stop].sum())
-
-    def _write_valid_tokens(self, stream, counts) -> None:
-        """Where the launch plan has a `valid_tokens` buffer (`catalog.io_buffers`): entry b = counts[b] (an int
-        for every sequence, or one per sequence; sequences past len(counts) get 0), written on `stream` before a
-        sub-range's or a device call's launches, which do not run the whole-model input copy."""
-        name = self._io.get("valid_tokens")
-        if name not in self._buffers:
-            return
-        cu, fixed_batch = self._cu, self.shape[0]
-        values = [int(counts)] * fixed_batch if np.ndim(counts) == 0 else [int(v) for v in counts]
-        values += [0] * (fixed_batch - len(values))
-        ptr = self._buffers[name]
-        for b, value in enumerate(values):
-            check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr + 4 * b), value, 1, stream), "cuMemsetD32Async")
-
-    def enqueue_call(self, x: np.ndarray, valid_tokens=None) -> None:
-        """Start the whole model on a host input at the fixed shape without waiting for it: x and the valid-token
-        counts into this backend's pinned input, then cuGraphLaunch (or the eager launches) on its own stream.
-        `finish_call` waits for it and reads the output. Used by `Runtime.submit`'s pipeline, which gives each slot
-        its own backend (stream, pinned I/O, scratch buffers, graph), so calls of different slots are in flight
-        together (docs/runtime.md, "Pipelined calls").
-
-        Args:
-            x: float32 C-contiguous (batch, tokens, hidden) at the fixed shape (validated by Runtime).
-            valid_tokens: (batch,) ints, each sequence's valid tokens, or None (all).
-
-        Raises:
-            BackendError: closed. CudaError: a driver call failed.
-        """
-        cu, res = self._cu, self._res
-        with self._lock:
-            if res.released:
-                raise BackendError("this CUDA backend is closed; load the bundle again")
-            check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
-            self._in[:] = x.reshape(-1).view(np.uint8)
-            self._valid[:] = self.shape[1] if valid_tokens is None else valid_tokens
-            if self.eager:
-                self._enqueue()
-            else:
-                check(cu.cuGraphLaunch(res.graph_exec, res.stream), "cuGraphLaunch")
-
-    def finish_call(self, out: np.ndarray) -> None:
-        """Wait for the call `enqueue_call` started (cuStreamSynchronize on this backend's stream) and copy the
-        pinned output into `out` (float32 C-contiguous, the fixed shape).
-
-        Raises:
-            BackendError: closed. CudaError: the synchronisation reported a fault.
-        """
-        cu, res = self._cu, self._res
-        with self._lock:
-            if res.released:
-                raise BackendError("this CUDA backend is closed; load the bundle again")
-            check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
-            check(cu.cuStreamSynchronize(res.stream), "cuStreamSynchronize")
-            out.reshape(-1).view(np.uint8)[:] = self._out
-            self._read_dropped(0, self.header.num_layers, res.stream)  # capacity bundles: this call's dropped pairs
-
-    def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_tokens=None,
-                   valid_rows=None, capacity: bool = True) -> None:
-        """Layers start..stop-1 on a host input at the fixed shape, into `out` (the Runtime's contract).
-
-        The whole model (0..num_layers) replays the CUDA Graph (or the eager launches); a sub-range enqueues that
-        range's launches eagerly: input copy into x{start%2}, the launches, output copy from x{stop%2}.
-
-        Args:
-            x, out: float32 C-contiguous (batch, tokens, hidden) at the fixed shape (validated by Runtime).
-            valid_tokens: (batch,) ints, each sequence's valid tokens, or None (all); used where the launch plan
-                has a `valid_tokens` buffer (padded tokens then select no expert).
-            valid_rows: instead of valid_tokens, (batch * tokens,) bool with each sequence's valid rows first (the
-                Runtime's call for a bundle with expert capacity, as on the CPU backend).
-            capacity: False skips the colibri_capacity launches (eagerly): dropless, for the self-test, whose stored
-                reference output is dropless.
-
-        Raises:
-            BackendError: closed. CudaError: a driver call failed.
-        """
-        cu, res = self._cu, self._res
-        if valid_rows is not None:
-            valid_tokens = np.asarray(valid_rows, dtype=bool).reshape(self.shape).sum(axis=1)
-        skip = [] if capacity else self._capacity_launch
-        with self._lock:
-            if res.released:
-                raise BackendError("this CUDA backend is closed; load the bundle again")
-            check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
-            self._in[:] = x.reshape(-1).view(np.uint8)
-            counts = self.shape[1] if valid_tokens is None else valid_tokens
-            if hasattr(self, "_valid"):  # the pinned valid-token counts the whole-model input copy sends
-                self._valid[:] = counts
-            if start == 0 and stop == self.header.num_layers and not any(skip):
-                if self.eager:
-                    self._enqueue()
-                else:
-                    check(cu.cuGraphLaunch(res.graph_exec, res.stream), "cuGraphLaunch")
-            else:
-                src, dst = self._buffers[f"x{start % 2}"], self._buffers[f"x{stop % 2}"]
-                check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(src), self._in_ptr, self._io_bytes, res.stream),
-                      "cuMemcpyHtoDAsync")
-                self._write_valid_tokens(res.stream, counts)
-                self._enqueue_layers(start, stop, res.stream, skip)
-                check(cu.cuMemcpyDtoHAsync(self._out_ptr, cu.CUdeviceptr(dst), self._io_bytes, res.stream),
-                      "cuMemcpyDtoHAsync")
-            check(cu.cuStreamSynchronize(res.stream), "cuStreamSynchronize")
-            out.reshape(-1).view(np.uint8)[:] = self._out
-            if capacity:
-                self._read_dropped(start, stop, res.stream)
-            else:
-                self.last_dropped = 0
-
-    def run_device(self, src: int, dst: int, batch: int, tokens: int, start: int, stop: int, stream: int) -> None:
-        """Layers start..stop-1 from device memory to device memory on the caller's stream: no host round trip.
-
-        Args:
-            src, dst: device addresses of C-contiguous float32 (batch, tokens, hidden) arrays (they may be equal).
-            batch, tokens: the arrays' shape, at most the fixed shape; padding rows of the scratch input are zeroed.
-            stream: the caller's CUstream handle; 0 is the legacy default stream, synchronised before returning.
-                On any other stream the call returns once the work is enqueued (the caller synchronises), so the
-                launches can be part of the caller's own stream capture. One Runtime's scratch buffers are shared by
-                its calls: issue a Runtime's device calls on one stream at a time.
-                With expert capacity, `last_dropped` is read back on stream 0 only (0 on another stream: the
-                call has not run yet when this returns).
-
-        Raises:
-            BackendError: closed. CudaError: a driver call failed.
-        """
-        cu, res = self._cu, self._res
-        fixed_batch, fixed_tokens = self.shape
-        row = self.hidden * 4
-        s = cu.CUstream(stream)
-        with self._lock:
-            if res.released:
-                raise BackendError("this CUDA backend is closed; load the bundle again")
-            check(cu.cuCtxSetCurrent(res.ctx), "cuCtxSetCurrent")
-            x_in, x_out = self._buffers[f"x{start % 2}"], self._buffers[f"x{stop % 2}"]
-            if (batch, tokens) != (fixed_batch, fixed_tokens):
-                check(cu.cuMemsetD32Async(cu.CUdeviceptr(x_in), 0, self._io_bytes // 4, s), "cuMemsetD32Async")
-            whole = tokens == fixed_tokens
-            spans = [(0, batch * tokens * row)] if whole else [(b, tokens * row) for b in range(batch)]
-            for b, n in spans:
-                check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(x_in + b * fixed_tokens * row),
-                                           cu.CUdeviceptr(src + b * tokens * row), n, s), "cuMemcpyDtoDAsync")
-            self._write_valid_tokens(s, [tokens] * batch)
-            self._enqueue_layers(start, stop, s)
-            for b, n in spans:
-                check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(dst + b * tokens * row),
-                                           cu.CUdeviceptr(x_out + b * fixed_tokens * row), n, s), "cuMemcpyDtoDAsync")
-            if stream == 0:
-                check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
-                self._read_dropped(start, stop, s)
-            elif self.capacity is not None:
-                self.last_dropped = 0  # not read back: the call is still in flight on the caller's stream
-
-    def poison(self) -> None:
-        """Fill every scratch buffer and the pinned output with 0x7FC00000 words (float32 NaN), for tests that
-        check that every value a call reads was written during that call."""
-        cu = self._cu
-        with self._lock:
-            check(cu.cuCtxSetCurrent(self._res.ctx), "cuCtxSetCurrent")
-            sizes = catalog.device_buffers(self.bundle.manifest["profile"], self.header)
-            for name, ptr in self._buffers.items():
-                check(cu.cuMemsetD32(cu.CUdeviceptr(ptr), POISON_WORD, sizes[name] // 4), "cuMemsetD32")
-            self._zero_counters(sizes)
-            check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-            self._out.view(np.uint32)[:] = POISON_WORD
 
     # ---- lifetime ---------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -28,6 +28,7 @@ import weakref
 import numpy as np
 
 from ..errors import BackendError, InputError
+from .shape_run import ShapeRun
 
 MAX_DEPTH = 64
 _CLOSED = "this Runtime is closed; load the bundle again"
@@ -41,7 +42,7 @@ def check_depth(depth) -> int:
 
 
 class _Slot:
-    """One call's worth of resources: the input buffer submit copies into, and (CUDA) one `_ShapeRun` per
+    """One call's worth of resources: the input buffer submit copies into, and (CUDA) one `ShapeRun` per
     compiled shape with its own backend."""
 
     def __init__(self, size: int, runs: list | None):
@@ -55,14 +56,13 @@ class _Slot:
 def _slot_runs(rt) -> list:
     """A slot's own backends for every compiled shape, sharing the Runtime's weights on the device."""
     from .cuda_backend import CudaBackend
-    from .runtime import _ShapeRun
 
     owner = rt._runs[-1].backend
     runs = []
     try:
         for shape in rt.shapes:
             backend = CudaBackend(rt.bundle.for_shape(*shape), eager=owner.eager, share=owner)
-            runs.append(_ShapeRun(shape, backend, rt.hidden_size))
+            runs.append(ShapeRun(shape, backend, rt.hidden_size))
     except BaseException:
         for run in runs:
             run.backend.close()
@@ -131,60 +131,59 @@ class Pipeline:
             if self._closed:
                 self._free.put(slot)
                 raise BackendError(_CLOSED)
-            self._work.put((slot, view, lengths, out, out3, future))
+            # The queued call holds its Runtime: one dropped without close() is not collected before every call it
+            # accepted has run (then its finalizer closes this pipeline, as close() does).
+            self._work.put((slot, view, lengths, out, out3, future, rt))
         return future
 
     # ---- CPU: one worker ---------------------------------------------------------------------------------------
     def _serial_loop(self) -> None:
         while (item := self._next(self._work)) is not None:
-            slot, view, lengths, out, _, future = item
+            slot, view, lengths, out, _, future, rt = item
+            item = None  # the Runtime is referenced by `rt` alone, dropped before the future resolves
             try:
                 if future.set_running_or_notify_cancel():
-                    rt = self._runtime()
                     try:
-                        if rt is None:
-                            raise BackendError(_CLOSED)
-                        future.set_result(rt.infer(view, input_lengths=lengths, out=out))
+                        result = rt.infer(view, input_lengths=lengths, out=out)
                     except BaseException as exc:  # the future carries the error to the caller
+                        rt = None
                         future.set_exception(exc)
-                    finally:
-                        rt = None  # no strong reference while waiting for the next call
+                    else:
+                        rt = None  # no strong reference once the caller can see the result
+                        future.set_result(result)
+                    result = None
             finally:
+                rt = None
                 self._free.put(slot)
 
     # ---- CUDA: launcher and completer ------------------------------------------------------------------------
     def _launch_loop(self) -> None:
         """Pad each queued call into its slot and enqueue it on the slot's stream, in submission order."""
         while (item := self._next(self._work)) is not None:
-            slot, view, lengths, out, out3, future = item
+            slot, view, lengths, out, out3, future, rt = item
             began = time.perf_counter()
             run = error = None
             if future.set_running_or_notify_cancel():
-                rt = self._runtime()
                 try:
-                    if rt is None:
-                        raise BackendError(_CLOSED)
                     x3 = view if view.ndim == 3 else view[None]
                     run = slot.run_for(x3.shape[0], x3.shape[1])
-                    padded = rt._pad(run, x3, lengths)
-                    run.backend.enqueue_call(padded, rt._valid_counts(run, x3, lengths))
+                    padded = run.pad(x3, lengths)
+                    run.backend.enqueue_call(padded, run.valid_counts(x3, lengths))
                 except BaseException as exc:
                     error, run = exc, None
-                finally:
-                    rt = None
-            self._done.put((item, run, error, began))
+            rt = None
+            self._done.put((item, run, error, began))  # the item keeps the Runtime until the completer is done
+            item = None
         self._done.put(None)
 
     def _complete_loop(self) -> None:
         """Wait for the enqueued calls oldest first; deliver each output and resolve its future."""
         while (entry := self._done.get()) is not None:
-            (slot, view, lengths, out, out3, future), run, error, began = entry
+            (slot, view, lengths, out, out3, future, rt), run, error, began = entry
+            entry = None
             try:
                 if run is not None:
-                    rt = self._runtime()
                     try:
-                        if rt is None:
-                            raise BackendError(_CLOSED)
                         run.backend.finish_call(run.result)
                         x3 = view if view.ndim == 3 else view[None]
                         with np.errstate(over="ignore", invalid="ignore"):
@@ -192,14 +191,18 @@ class Pipeline:
                         with rt._lock:
                             rt._stats.record(time.perf_counter() - began, x3.shape[:2],
                                              getattr(run.backend, "last_dropped", 0), run.shape)
-                        future.set_result(out if out is not None else result.reshape(view.shape))
                     except BaseException as exc:
-                        future.set_exception(exc)
-                    finally:
                         rt = None
+                        future.set_exception(exc)
+                    else:
+                        rt = None  # no strong reference once the caller can see the result
+                        future.set_result(out if out is not None else result.reshape(view.shape))
+                    result = None
                 elif error is not None:
+                    rt = None
                     future.set_exception(error)
             finally:
+                rt = None
                 self._free.put(slot)
 
     def _next(self, work: queue.Queue):

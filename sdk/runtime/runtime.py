@@ -10,12 +10,13 @@ the input and in the output. Tokens do not interact in a MoE layer (routing is p
 the valid positions' values.
 
 Backends (docs/runtime.md): "cuda" (colibri_sdk.runtime.cuda_backend, the CUDA driver API through cuda-bindings,
-imported only when asked for) and "cpu" (colibri_sdk.runtime.cpu_backend, the NumPy reference engine).
+imported only when asked for) and "cpu" (colibri_sdk.runtime.cpu_backend, the NumPy reference engine). Around the
+`Runtime` class here: backends.py chooses and builds the backends, shape_run.py holds one compiled shape's buffers
+and padding, checks.py checks a call's arrays, pipeline.py queues `submit` calls, selftest.py judges a self-test.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -25,191 +26,26 @@ import weakref
 import numpy as np
 
 from ..errors import BackendError, BundleError, InputError, NonFiniteOutputError
+from .backends import BACKENDS, available_backends, close_all, cuda_status, select_backend, shape_backends
+from .checks import INPUT_DTYPES, check_input, check_out, nonfinite_output
+from .pipeline import Pipeline, check_depth
+from .selftest import SelfTestResult, compare
+from .shape_run import ShapeRun
 from .stats import RuntimeStats, StatsRecorder
 
-BACKENDS = ("auto", "cuda", "cpu")
-INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # either byte order; converted to native float32
+__all__ = ["BACKENDS", "INPUT_DTYPES", "Runtime", "SelfTestResult", "available_backends", "compare", "cuda_status",
+           "select_backend", "shape_backends"]
 
 # Notices (the CPU fallback of "auto") are logged here, never printed; `colibri-sdk` shows them on stderr.
 log = logging.getLogger(__name__)
 
 
-# ---- backend selection ------------------------------------------------------------------------------------------
-def cuda_status() -> tuple[bool, str]:
-    """Whether the CUDA driver can be used here, without risking a hang.
-
-    Returns:
-        (ok, reason): ok is True when the CUDA backend is installed and `driver.probe_driver()` found a working
-        driver with at least one device; reason is the probe's line (why not, when not ok). Whether the device
-        can run a given bundle (compute capability, driver version) is checked when the bundle is loaded.
-    """
-    try:
-        from .driver import probe_driver
-    except ImportError as exc:
-        return False, f"the CUDA backend cannot be imported ({exc})"
-    ok, reason = probe_driver()
-    return bool(ok), " ".join(str(reason).split())
-
-
-def available_backends() -> list[str]:
-    """Backends that can run here, preferred first: ["cuda", "cpu"] when a CUDA driver is usable, else ["cpu"]."""
-    ok, _ = cuda_status()
-    return ["cuda", "cpu"] if ok else ["cpu"]
-
-
-def _load_cuda(bundle, eager: bool, hint: str = "; use the cpu or auto backend"):
-    """Construct the CUDA backend (imported here so the CPU path never imports cuda.bindings).
-
-    Args:
-        hint: appended to the error message (what the caller can do instead); "" when "auto" falls back anyway.
-
-    Raises:
-        BackendError: no usable driver or device, or the bundle's code cannot run on the device.
-    """
-    ok, reason = cuda_status()
-    if not ok:
-        raise BackendError(f"no usable CUDA GPU here: {reason}{hint}")
-    try:
-        from .cuda_backend import CudaBackend
-    except ImportError as exc:
-        raise BackendError(f"backend 'cuda' cannot be imported here ({exc}){hint}") from exc
-    return CudaBackend(bundle, eager=eager)
-
-
-def _load_cpu(bundle, eager: bool):
-    from .cpu_backend import CpuBackend
-
-    return CpuBackend(bundle, eager=eager)
-
-
-def shape_backends(bundle, first, eager: bool = False) -> dict:
-    """One backend per compiled shape of `bundle`, of the same kind as `first` (the backend of the largest shape,
-    from `select_backend`): {(batch, tokens): backend}, `first` included. CUDA backends share `first`'s context and
-    its one copy of the weights on the device (`CudaBackend(share=...)`); CPU backends map the same file.
-
-    Raises:
-        as the backends' constructors; the backends built so far are closed first.
-    """
-    backends = {tuple(bundle.shape): first}
-    try:
-        for batch, tokens in bundle.shapes[:-1]:
-            view = bundle.for_shape(batch, tokens)
-            if first.name == "cuda":
-                from .cuda_backend import CudaBackend
-
-                backends[(batch, tokens)] = CudaBackend(view, eager=eager, share=first)
-            else:
-                backends[(batch, tokens)] = type(first)(view, eager=eager)
-    except BaseException:
-        for shape, engine in backends.items():
-            if engine is not first:
-                engine.close()
-        raise
-    return backends
-
-
-def select_backend(bundle, backend: str = "auto", eager: bool = False):
-    """Construct the backend for `bundle`.
-
-    Args:
-        backend: "cuda", "cpu", or "auto" (CUDA when a driver and a suitable device exist, else CPU).
-
-    Returns:
-        (backend object, notice): notice is None, or one line saying why "auto" fell back to the CPU.
-
-    Raises:
-        BackendError: an unknown backend name, or "cuda" asked for where it cannot run (the reason is quoted).
-    """
-    if backend not in BACKENDS:
-        raise BackendError(f"backend {backend!r}; allowed: {', '.join(BACKENDS)}")
-    if backend == "cpu":
-        return _load_cpu(bundle, eager), None
-    if backend == "cuda":
-        return _load_cuda(bundle, eager), None
-    try:
-        return _load_cuda(bundle, eager, hint=""), None
-    except BackendError as exc:
-        reason = " ".join(str(exc).split())
-        return _load_cpu(bundle, eager), f"running on the CPU backend: {reason}"
-
-
-# ---- self-test --------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class SelfTestResult:
-    """Outcome of running a bundle's self-test vectors.
-
-    Attributes:
-        passed: every element satisfies |actual - expected| <= atol + rtol * |expected| (NumPy's allclose rule)
-            and every output is finite.
-        max_abs_err: max |actual - expected|.
-        max_rel_err: max |actual - expected| / max(|expected|, atol).
-        rtol, atol: the tolerances from the manifest (`selftest.rtol`, `selftest.atol`), chosen by dtype.
-        backend: the backend that ran it ("cuda" | "cpu").
-    """
-
-    passed: bool
-    max_abs_err: float
-    max_rel_err: float
-    rtol: float
-    atol: float
-    backend: str = ""
-
-    def __str__(self) -> str:
-        verdict = "passed" if self.passed else "FAILED"
-        return (
-            f"self-test {verdict} on {self.backend}: max abs err {self.max_abs_err:.3g}, max rel err "
-            f"{self.max_rel_err:.3g} (rtol {self.rtol:g}, atol {self.atol:g})"
-        )
-
-    def raise_if_failed(self) -> None:
-        """Raise BundleError with the numbers when the self-test failed."""
-        if not self.passed:
-            raise BundleError(str(self))
-
-
-def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float, backend: str = "") -> SelfTestResult:
-    """Compare a backend's output with the stored reference output (both float32, same shape)."""
-    if actual.shape != expected.shape:
-        raise BundleError(f"self-test output shape {actual.shape}; the stored reference output is {expected.shape}")
-    a = actual.astype(np.float64)
-    e = expected.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(a - e)
-        finite = bool(np.isfinite(a).all())
-        passed = finite and bool((diff <= atol + rtol * np.abs(e)).all())
-        max_abs = float(diff.max()) if diff.size else 0.0
-        floor = max(float(atol), float(np.finfo(np.float32).tiny))  # atol = 0 must not divide by zero
-        max_rel = float((diff / np.maximum(np.abs(e), floor)).max()) if diff.size else 0.0
-    if not finite:
-        max_abs = max_rel = float("inf")
-    return SelfTestResult(passed, max_abs, max_rel, float(rtol), float(atol), backend)
-
-
-# ---- the runtime ------------------------------------------------------------------------------------------------
-class _ShapeRun:
-    """One compiled shape of a Runtime: its backend and the host buffers a call at that shape pads into (allocated
-    once, so a call allocates no activation-sized memory).
-
-    Attributes:
-        shape: (batch, tokens). backend: the backend built for it.
-        staging, result: float32 (batch, tokens, hidden); finite: bool, the same shape; valid_mask: bool
-            (batch, tokens); written: the (batch, tokens) corner of staging the last call wrote.
-    """
-
-    def __init__(self, shape: tuple[int, int], backend, hidden: int):
-        self.shape = shape
-        self.backend = backend
-        self.staging = np.zeros(shape + (hidden,), dtype=np.float32)
-        self.result = np.zeros(shape + (hidden,), dtype=np.float32)
-        self.finite = np.zeros(shape + (hidden,), dtype=bool)
-        self.valid_mask = np.zeros(shape, dtype=bool)
-        self.written = (0, 0)
-
-
-def _close_all(backends: list) -> None:
-    """Close backends in the order given (the smaller shapes first: they borrow the largest one's weights)."""
-    for backend in backends:
-        backend.close()
+def _close(pipelines: list, backends: list) -> None:
+    """What close() releases, for the finalizer too: the submit pipeline (its queued calls run first, its threads
+    stop), then the backends in the order given."""
+    for pipeline in pipelines:
+        pipeline.close()
+    close_all(backends)
 
 
 class Runtime:
@@ -265,18 +101,18 @@ class Runtime:
         missing = [bt for bt in self.shapes if bt not in backends]
         if missing:
             raise BackendError(f"no backend for the compiled shapes {missing}; given: {sorted(backends)}")
-        self._runs = [_ShapeRun(bt, backends[bt], self.hidden_size) for bt in self.shapes]  # smallest first
+        self._runs = [ShapeRun(bt, backends[bt], self.hidden_size) for bt in self.shapes]  # smallest first
         self._stats = StatsRecorder(self.shape, self.shapes)
-        from .pipeline import check_depth
-
         default_streams = bundle.manifest["profile"].get("streams", 1)
         self.streams: int = check_depth(streams if streams is not None else default_streams)
         self._pipeline = None
         self._dropless = False  # True while self_test runs: the stored reference output is dropless
         spec = bundle.manifest["profile"].get("capacity")
         self.capacity = None if spec is None else dict(spec)  # expert capacity the bundle sets (None: dropless)
-        # Closed smallest first: CUDA backends of the smaller shapes borrow the largest one's weights.
-        self._finalizer = weakref.finalize(self, _close_all, [run.backend for run in self._runs])
+        # The finalizer does what close() does: the pipeline first (its queued calls keep this Runtime alive, so by
+        # then they have all run), then the backends, smallest first (they borrow the largest one's weights).
+        self._pipelines: list = []  # the submit pipeline once made, for the finalizer
+        self._finalizer = weakref.finalize(self, _close, self._pipelines, [run.backend for run in self._runs])
 
     def shape_for(self, batch: int, tokens: int) -> tuple[int, int]:
         """The compiled shape a call of `batch` sequences of `tokens` tokens runs at: the first of `shapes`
@@ -291,7 +127,7 @@ class Runtime:
                 raise InputError(f"shape_for {name} = {value!r}; allowed: an integer of 1 or more")
         return self._run_for(int(batch), int(tokens)).shape
 
-    def _run_for(self, batch: int, tokens: int) -> "_ShapeRun":
+    def _run_for(self, batch: int, tokens: int) -> ShapeRun:
         for run in self._runs:
             if batch <= run.shape[0] and tokens <= run.shape[1]:
                 return run
@@ -337,7 +173,7 @@ class Runtime:
         try:
             runtime = cls(bundle, engine, notice, streams, backends)
         except BaseException:
-            _close_all(list(backends.values())[::-1])
+            close_all(list(backends.values())[::-1])
             raise
         runtime.load_seconds = time.perf_counter() - start
         return runtime
@@ -422,8 +258,6 @@ class Runtime:
             InputError: as `infer`, raised by submit itself; `timeout` not None or a finite number >= 0.
             BackendError: the runtime is closed. TimeoutError: no slot became free within `timeout`.
         """
-        from .pipeline import Pipeline
-
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
                                                                                            np.floating))
                                     or not 0 <= timeout < float("inf")):
@@ -434,6 +268,7 @@ class Runtime:
             with self._lock:
                 if self._pipeline is None:
                     self._pipeline = Pipeline(self, self.streams)
+                    self._pipelines.append(self._pipeline)
         return self._pipeline.submit(x, input_lengths, out, timeout)
 
     def _check_layer_index(self, value, name: str, top: int) -> int:
@@ -459,21 +294,21 @@ class Runtime:
                 raise BackendError("this Runtime is closed; load the bundle again")
             began = time.perf_counter()
             x3, lengths = self._check_input(x, input_lengths)
-            out3 = self._check_out(out, x) if out is not None else None
+            out3 = check_out(out, x) if out is not None else None
             batch, tokens, _ = x3.shape
             run = self._run_for(batch, tokens)
             backend = run.backend
-            padded = self._pad(run, x3, lengths)
+            padded = run.pad(x3, lengths)
             result = run.result
             if getattr(backend, "capacity", None) is not None:
-                backend.run_layers(padded, result, start, stop, valid_rows=self._valid_rows(run, x3, lengths),
+                backend.run_layers(padded, result, start, stop, valid_rows=run.valid_rows(x3, lengths),
                                    capacity=not self._dropless)
             elif self.backend_name == "cuda" and hasattr(backend, "run_layers"):
-                backend.run_layers(padded, result, start, stop, valid_tokens=self._valid_counts(run, x3, lengths))
+                backend.run_layers(padded, result, start, stop, valid_tokens=run.valid_counts(x3, lengths))
             elif hasattr(backend, "run_layers"):
                 backend.run_layers(padded, result, start, stop)
             elif (start, stop) == (0, self.num_layers):  # a backend of the one-call contract (whole model only)
-                counts = np.asarray(self._valid_counts(run, x3, lengths), dtype=np.int32)
+                counts = np.asarray(run.valid_counts(x3, lengths), dtype=np.int32)
                 np.copyto(result, backend.infer_padded(padded, valid_tokens=counts))
             else:
                 raise BackendError(f"backend {self.backend_name!r} runs the whole model only; layers {start}..{stop}")
@@ -482,7 +317,7 @@ class Runtime:
                                run.shape)
         return out if out is not None else out3.reshape(np.shape(x))
 
-    def _deliver(self, run: _ShapeRun, x3: np.ndarray, lengths, out3: np.ndarray | None) -> np.ndarray:
+    def _deliver(self, run: ShapeRun, x3: np.ndarray, lengths, out3: np.ndarray | None) -> np.ndarray:
         """The call's output from the shape's result buffer: its (batch, tokens) corner into `out3` (a new array
         when None), zeros past each sequence's length, checked for NaN/Inf; returns out3.
 
@@ -498,37 +333,15 @@ class Runtime:
                 out3[b, n:] = 0.0
         # One pass over the output into preallocated flags (no allocation per call).
         if not np.isfinite(out3, out=run.finite[:batch, :tokens]).all():
-            raise self._nonfinite_output(x3, out3)
+            raise nonfinite_output(self.bundle, self.backend_name, x3, out3)
         return out3
 
-    def _valid_counts(self, run: _ShapeRun, x3, lengths) -> list[int]:
-        """(the shape's batch,) valid tokens per sequence of the padded input: the input's tokens (or its lengths),
-        0 for the padding sequences."""
-        batch, tokens, _ = x3.shape
-        counts = [tokens] * batch if lengths is None else list(lengths)
-        return counts + [0] * (run.shape[0] - batch)
-
-    def _valid_rows(self, run: _ShapeRun, x3, lengths) -> np.ndarray:
-        """(the shape's batch * tokens,) bool: the rows of the padded input that are real tokens."""
-        mask = run.valid_mask
-        mask[:] = False
-        batch, tokens, _ = x3.shape
-        for b in range(batch):
-            mask[b, : tokens if lengths is None else lengths[b]] = True
-        return mask.reshape(-1)
+    def _check_input(self, x, input_lengths):
+        """Validate x and input_lengths (`checks.check_input`); return x as (batch, tokens, hidden) and lengths."""
+        return check_input(x, input_lengths, self.shape, self.hidden_size, len(self.shapes))
 
     def _check_out(self, out, x) -> np.ndarray:
-        """Validate a caller's output array; return it as (batch, tokens, hidden)."""
-        if not isinstance(out, np.ndarray):
-            raise InputError(f"out is a {type(out).__name__}; expected a numpy.ndarray of shape {x.shape}, float32")
-        if out.dtype != np.float32:
-            raise InputError(f"out dtype {out.dtype}; allowed: float32")
-        if out.shape != x.shape:
-            raise InputError(f"out shape {out.shape}; expected the input's shape {x.shape}")
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise InputError(f"out must be C-contiguous and writable (strides {out.strides}, writeable "
-                             f"{out.flags.writeable})")
-        return out if out.ndim == 3 else out[None]
+        return check_out(out, x)
 
     def _call_device(self, x, input_lengths, out, start: int, stop: int, stream):
         from .device_io import device_view, stream_handle
@@ -562,126 +375,6 @@ class Runtime:
         finally:
             src.release()
         return out
-
-    def _nonfinite_output(self, x3: np.ndarray, out: np.ndarray) -> NonFiniteOutputError:
-        """The error for an output with NaN/Inf: where, how many, and the first layer whose output is non-finite
-        for the first bad token, found by re-running that one token through the CPU reference engine (float32,
-        the bundle's weights; tokens are independent in a MoE layer, so one token suffices)."""
-        from ..format.constants import COMPOSITION_RESIDUAL
-        from ..reference import ReferenceEngine
-
-        bad = np.argwhere(~np.isfinite(out).all(axis=-1))
-        b, t = (int(v) for v in bad[0])
-        layer = None
-        with self.bundle.open_weights() as weights, np.errstate(over="ignore", invalid="ignore"):
-            engine = ReferenceEngine(weights, compute_dtype=np.float32, check_overflow=False)
-            state = np.asarray(x3[b, t : t + 1], dtype=np.float32)
-            residual = weights.header.composition == COMPOSITION_RESIDUAL
-            for index in range(weights.header.num_layers):
-                y = engine.layer(index, state)
-                state = state + y if residual else y
-                if not np.isfinite(state).all():
-                    layer = index
-                    break
-            magnitude = float(np.abs(x3[b, t]).max())
-        where = f"{len(bad)} valid position{'s' if len(bad) != 1 else ''}, first at (batch {b}, token {t})"
-        if layer is None:
-            cause = (f"the CPU reference engine gives finite values for that token, so the {self.backend_name} "
-                     "backend's result is wrong")
-        else:
-            cause = (f"layer {layer} is the first whose output is non-finite (the largest |input| there is "
-                     f"{magnitude:.3g}; float32's largest value is 3.4e38)")
-        return NonFiniteOutputError(
-            f"the output is non-finite (NaN or Inf) at {where}, from a finite input: {cause}", layer, (b, t), len(bad)
-        )
-
-    def _check_input(self, x, input_lengths):
-        """Validate x and input_lengths; return x as (batch, tokens, hidden) and lengths (batch,) or None."""
-        fixed_batch, fixed_tokens = self.shape
-        hidden = self.hidden_size
-        expected = (
-            f"(batch <= {fixed_batch}, tokens <= {fixed_tokens}, {hidden}) or (tokens <= {fixed_tokens}, {hidden})"
-        )
-        # One compiled shape: "the bundle's fixed batch"; several: the bound is the largest shape's.
-        bound = "fixed" if len(self.shapes) == 1 else f"largest compiled shape's (batch {fixed_batch} x tokens " \
-            f"{fixed_tokens})"
-        if not isinstance(x, np.ndarray):
-            raise InputError(f"input is a {type(x).__name__}; expected a numpy.ndarray {expected}, float32 or float16")
-        if isinstance(x, np.ma.MaskedArray):
-            raise InputError(
-                "input is a masked array; the mask would be ignored: pass np.asarray(x.filled(0)) and mark padding "
-                "with input_lengths"
-            )
-        if x.dtype.newbyteorder("=") not in INPUT_DTYPES:
-            raise InputError(f"input dtype {x.dtype}; allowed: float32, float16 (little- or big-endian)")
-        if x.ndim not in (2, 3):
-            raise InputError(f"input shape {x.shape}; expected {expected}")
-        if x.shape[-1] != hidden:
-            raise InputError(f"input hidden size {x.shape[-1]} (shape {x.shape}); expected {hidden}")
-        x3 = x if x.ndim == 3 else x[None]
-        batch, tokens, _ = x3.shape
-        if not 1 <= batch <= fixed_batch:
-            raise InputError(
-                f"input batch {batch} (shape {x.shape}); allowed: 1..{fixed_batch}, the bundle's {bound} batch"
-            )
-        if not 1 <= tokens <= fixed_tokens:
-            raise InputError(
-                f"input tokens {tokens} (shape {x.shape}); allowed: 1..{fixed_tokens}, the bundle's {bound} tokens"
-            )
-        if not x.flags.c_contiguous:
-            raise InputError(
-                f"input is not C-contiguous (shape {x.shape}, strides {x.strides}); pass np.ascontiguousarray(x)"
-            )
-        lengths = None if input_lengths is None else self._check_lengths(input_lengths, x.ndim, batch, tokens)
-        return x3, lengths
-
-    def _check_lengths(self, input_lengths, ndim: int, batch: int, tokens: int) -> list[int]:
-        try:
-            arr = np.asarray(input_lengths)
-        except (ValueError, TypeError) as exc:  # e.g. a ragged nested list
-            raise InputError(f"input_lengths is not an array of integers ({exc}); expected ({batch},)") from None
-        if ndim == 2 and arr.ndim == 0:
-            arr = arr.reshape(1)
-        if arr.shape != (batch,):
-            raise InputError(f"input_lengths shape {arr.shape}; expected ({batch},), one length per sequence")
-        if arr.dtype.kind not in "iu":
-            raise InputError(f"input_lengths dtype {arr.dtype}; allowed: integers")
-        lengths = [int(n) for n in arr]
-        fixed_tokens = self.shape[1]
-        for b, n in enumerate(lengths):
-            if not 0 <= n <= tokens:
-                raise InputError(
-                    f"input_lengths[{b}] = {n}; allowed: 0..{tokens} (the input's tokens; the bundle's fixed "
-                    f"tokens are {fixed_tokens})"
-                )
-        return lengths
-
-    def _pad(self, run: _ShapeRun, x3: np.ndarray, lengths: list[int] | None) -> np.ndarray:
-        """Copy x3 into the staging buffer of the chosen shape (float32), zeros elsewhere; check the copied values.
-
-        Only the corner the previous call at that shape wrote is cleared, and only the corner this call writes is
-        checked, so the cost follows the input's size, not the shape's.
-        """
-        staging = run.staging
-        last_batch, last_tokens = run.written
-        staging[:last_batch, :last_tokens] = 0.0
-        batch, tokens, _ = x3.shape
-        run.written = (batch, tokens)
-        if lengths is None:
-            staging[:batch, :tokens] = x3
-        else:
-            for b, n in enumerate(lengths):
-                staging[b, :n] = x3[b, :n]
-        corner = staging[:batch, :tokens]
-        finite = np.isfinite(corner, out=run.finite[:batch, :tokens])  # no allocation per call
-        if not finite.all():
-            bad = np.argwhere(~np.isfinite(corner).all(axis=-1))
-            b, t = (int(v) for v in bad[0])
-            raise InputError(
-                f"input has non-finite values (NaN or Inf) at {len(bad)} valid position{'s' if len(bad) != 1 else ''}, first at "
-                f"(batch {b}, token {t}); all values at valid positions must be finite"
-            )
-        return staging
 
     def self_test(self) -> SelfTestResult:
         """Run the bundle's self-test input of every compiled shape (each at its own shape) and compare with its
@@ -719,7 +412,8 @@ class Runtime:
     # ---- lifetime -------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the backend (device memory, graph, weight mapping). Safe to call more than once. Calls queued by
-        `submit` run first."""
+        `submit` run first. A Runtime garbage-collected without close() does the same once the calls `submit`
+        accepted have run (each queued call holds its Runtime until then; docs/runtime.md, "Pipelined calls")."""
         if self._pipeline is not None:
             self._pipeline.close()
         with self._lock:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from colibri_sdk import cli
+from colibri_sdk.bundle import selftest_vectors as selftest_module
 from colibri_sdk.bundle import writer
 from colibri_sdk.bundle.writer import build_bundle, selftest_vectors
 from colibri_sdk.errors import BundleError
@@ -109,7 +110,7 @@ def test_an_existing_archive_needs_force(tmp_path):
 @pytest.mark.parametrize("dtype", [0, 1])
 def test_streamed_selftest_equals_the_reference_engine(tmp_path, monkeypatch, dtype):
     weights = odd_weights(tmp_path / "m.colibri", dtype=dtype)
-    monkeypatch.setattr(writer, "CHUNK_BYTES", 7 * 40 * 8)  # 7 rows of gate/up per chunk: many chunks, a tail
+    monkeypatch.setattr(selftest_module, "CHUNK_BYTES", 7 * 40 * 8)  # 7 rows of gate/up per chunk: many chunks, a tail
     x, y, seed = selftest_vectors(weights, 2, 5)
     assert x.shape == y.shape == (2, 5, 40) and x.dtype == y.dtype == np.float32
     assert seed >= writer.SELFTEST_SEED

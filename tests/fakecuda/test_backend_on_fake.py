@@ -242,12 +242,12 @@ def test_upload_in_many_chunks(run_fake, tiny_bundle, integrated):
     path drops pages chunk by chunk; the output is bitwise that of a one-chunk upload."""
     run = run_fake(f"""
         from colibri_sdk.bundle import Bundle
-        from colibri_sdk.runtime import cuda_backend
+        from colibri_sdk.runtime import cuda_backend, cuda_upload
         bundle = Bundle.open({str(tiny_bundle)!r})
         x = np.random.default_rng(11).standard_normal((1, {TOKENS}, {HIDDEN})).astype(np.float32)
         with cuda_backend.CudaBackend(bundle, eager=True) as b:
             whole = b.infer_padded(x)
-        cuda_backend.UPLOAD_CHUNK = 4000
+        cuda_upload.UPLOAD_CHUNK = 4000
         with cuda_backend.CudaBackend(bundle, eager=True) as b:
             chunked = b.infer_padded(x)
         emit(same=bool(np.array_equal(whole.view(np.uint32), chunked.view(np.uint32))))

@@ -17,8 +17,8 @@ def test_integrated_upload_failure_is_the_cuda_error(run_fake, tiny_bundle, call
     run = run_fake(f"""
         from colibri_sdk.bundle import Bundle
         from colibri_sdk.errors import CudaError
-        from colibri_sdk.runtime import cuda_backend
-        cuda_backend.UPLOAD_CHUNK = 4000
+        from colibri_sdk.runtime import cuda_backend, cuda_upload
+        cuda_upload.UPLOAD_CHUNK = 4000
         try:
             cuda_backend.CudaBackend(Bundle.open({str(tiny_bundle)!r}), eager=True).close()
             error = None

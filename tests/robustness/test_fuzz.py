@@ -32,7 +32,8 @@ def _check(tally) -> None:
     assert counts["typed"] + counts["accepted-correct"] == counts["tried"]
 
 
-@pytest.mark.parametrize(("name", "count", "seed"), [("colibri", 300, 1), ("profile", 150, 2), ("checkpoint", 50, 3)])
+@pytest.mark.parametrize(("name", "count", "seed"), [("colibri", 300, 1), ("v2", 120, 5), ("profile", 150, 2),
+                                                    ("checkpoint", 50, 3)])
 def test_fuzz_files(fuzz, tmp_path, name, count, seed):
     _check(fuzz.TARGETS[name](count, seed, tmp_path, 10.0))
 

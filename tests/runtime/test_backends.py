@@ -13,7 +13,7 @@ import pytest
 
 from colibri_sdk.errors import BackendError
 from colibri_sdk.runtime import Runtime, available_backends, cuda_status
-from colibri_sdk.runtime import runtime as runtime_module
+from colibri_sdk.runtime import backends as backends_module
 
 CUDA_OK, CUDA_REASON = cuda_status()
 needs_no_gpu = pytest.mark.skipif(CUDA_OK, reason="a CUDA driver is present; these tests check the no-GPU path")
@@ -60,7 +60,7 @@ def _fake_cuda_module(monkeypatch, backend_class):
     module = types.ModuleType("colibri_sdk.runtime.cuda_backend")
     module.CudaBackend = backend_class
     monkeypatch.setitem(sys.modules, "colibri_sdk.runtime.cuda_backend", module)
-    monkeypatch.setattr(runtime_module, "cuda_status", lambda: (True, "driver 12.6"))
+    monkeypatch.setattr(backends_module, "cuda_status", lambda: (True, "driver 12.6"))
 
 
 def test_auto_falls_back_when_the_device_cannot_run_the_bundle(small_bundle, monkeypatch, notices):
@@ -133,7 +133,7 @@ def test_cpu_path_never_imports_cuda(small_bundle):
 
 def test_auto_falls_back_when_the_cuda_backend_cannot_be_imported(small_bundle, monkeypatch, notices):
     monkeypatch.setitem(sys.modules, "colibri_sdk.runtime.cuda_backend", None)  # import raises ImportError
-    monkeypatch.setattr(runtime_module, "cuda_status", lambda: (True, "driver 12.6"))
+    monkeypatch.setattr(backends_module, "cuda_status", lambda: (True, "driver 12.6"))
     with Runtime.load(small_bundle) as rt:
         assert rt.backend_name == "cpu"
     [notice] = notices()

@@ -92,9 +92,18 @@ def test_streams_from_the_profile(tmp_path, small_bundle):
         assert rt.streams == 2
 
 
+def _wait_for_the_end_of(worker: threading.Thread) -> None:
+    """The pipeline's worker ends within 10 s (it looks for its Runtime once a second)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not worker.is_alive()
+
+
 def test_a_forgotten_runtime_is_collected_and_its_worker_ends(small_bundle):
     import gc
-    import time
     import weakref
 
     rt = Runtime.load(small_bundle, backend="cpu")
@@ -104,10 +113,7 @@ def test_a_forgotten_runtime_is_collected_and_its_worker_ends(small_bundle):
     del rt
     gc.collect()
     assert ref() is None, "the pipeline's worker must not keep the Runtime alive"
-    deadline = time.monotonic() + 10
-    while worker.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not worker.is_alive()
+    _wait_for_the_end_of(worker)
 
 
 @pytest.mark.parametrize("timeout", [-1, float("nan"), float("inf"), "1", True])
@@ -118,3 +124,33 @@ def test_a_bad_submit_timeout_is_refused_by_name(small_bundle, timeout):
                                              r"seconds >= 0"):
             rt.submit(x, timeout=timeout)
         assert rt.submit(x, timeout=0.5).result(timeout=60).shape == x.shape
+
+
+def test_a_dropped_runtime_runs_every_accepted_call_as_close_does(small_bundle):
+    import gc
+    import weakref
+
+    xs = [np.full((1, 8, 64), 0.1 * (i + 1), np.float32) for i in range(3)]
+    with Runtime.load(small_bundle, backend="cpu") as rt:
+        expected = [rt.infer(x) for x in xs]
+    rt = Runtime.load(small_bundle, backend="cpu", streams=3)
+    gate = threading.Event()
+    original = rt._backend.run_layers
+
+    def slow(*args, **kwargs):
+        gate.wait(30)
+        return original(*args, **kwargs)
+
+    rt._backend.run_layers = slow
+    futures = [rt.submit(x) for x in xs]
+    worker = rt._pipeline._threads[0]
+    ref = weakref.ref(rt)
+    del rt  # forgotten with three calls accepted, the first one running
+    gc.collect()
+    gate.set()
+    results = [f.result(timeout=60) for f in futures]
+    for got, want in zip(results, expected):
+        np.testing.assert_array_equal(got, want)
+    gc.collect()
+    assert ref() is None, "a Runtime whose accepted calls have run must be collectable"
+    _wait_for_the_end_of(worker)

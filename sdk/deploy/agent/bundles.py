@@ -3,7 +3,8 @@ and pruning.
 
 `stage` builds bundles/ID from store objects (hard links) and hashes every file of it, except the objects listed
 in FRESH (comma-separated, hashed by `receive` this session); a corrupt object is deleted and reported, nothing is
-switched; otherwise, with KEEP >= 0, `switch` follows at once (pointers.activate); KEEP -1 stages only.
+switched; otherwise, with KEEP >= 0, `switch` follows at once (`pointers.op_stage`, the operation that stages and
+then switches); KEEP -1 stages only.
 """
 
 import hashlib
@@ -11,7 +12,7 @@ import json
 import os
 import shutil
 
-from .common import AgentError, Lock, check_id, check_rel, check_sha, emit, fsync_dir, hash_file, remove_quietly
+from .common import AgentError, check_id, check_rel, check_sha, fsync_dir, hash_file, remove_quietly
 
 
 def parse_items(items):
@@ -33,21 +34,6 @@ def verify_tree(folder, pairs, skip):
         if not os.path.isfile(full) or hash_file(full) != sha:
             bad.append((sha, path))
     return bad
-
-
-def op_stage(root, bundle_id, fresh, keep, *items):
-    """Stage bundles/ID; with KEEP >= 0 and no corrupt object, switch to it as well (one lock, one process)."""
-    from .pointers import activate
-
-    check_id(bundle_id)
-    pairs = parse_items(items)
-    fresh = set(s for s in fresh.split(",") if s)
-    keep = int(keep)
-    with Lock(root):
-        answer = stage(root, bundle_id, pairs, fresh)
-        if keep >= 0 and not answer["corrupt"]:
-            answer.update(activate(root, bundle_id, keep))
-    emit(answer)
 
 
 def stage(root, bundle_id, pairs, fresh):

@@ -2,10 +2,9 @@
 
 import errno
 
-from .bundles import op_stage
 from .common import AgentError, emit, root_dir
 from .objects import op_plan
-from .pointers import op_rollback, op_switch, op_undo
+from .pointers import op_rollback, op_stage, op_switch, op_undo
 from .receiver import op_receive
 from .runtime import op_install, op_probe
 from .status import op_status

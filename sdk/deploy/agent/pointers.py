@@ -1,5 +1,8 @@
 """current / previous / history: `switch`, `rollback` and `undo`.
 
+    stage ROOT ID FRESH KEEP SHA:PATH...
+                            stage bundles/ID (bundles.stage); with KEEP >= 0 and no corrupt object, `switch` to it
+                            in the same lock
     switch ROOT ID KEEP     point `current` at bundles/ID; the history gains ID; keep KEEP bundles besides current
                             and previous; delete store objects no bundle uses
     rollback ROOT [ID]      re-hash the bundle before the current one in the history (or bundles/ID) against its
@@ -16,7 +19,7 @@ import json
 import os
 import time
 
-from .bundles import check_bundle, prune_bundles
+from .bundles import check_bundle, parse_items, prune_bundles, stage
 from .common import AgentError, Lock, check_id, emit, fsync_dir, remove_quietly, write_atomic
 from .objects import collect_garbage
 
@@ -86,6 +89,19 @@ def activate(root, bundle_id, keep):
     if removed:
         write_history(root, [h for h in history if h not in removed])
     return {"previous": old, "removed": removed, "freed": collect_garbage(root), "replaced_mtime": replaced}
+
+
+def op_stage(root, bundle_id, fresh, keep, *items):
+    """Stage bundles/ID; with KEEP >= 0 and no corrupt object, switch to it as well (one lock, one process)."""
+    check_id(bundle_id)
+    pairs = parse_items(items)
+    fresh = set(s for s in fresh.split(",") if s)
+    keep = int(keep)
+    with Lock(root):
+        answer = stage(root, bundle_id, pairs, fresh)
+        if keep >= 0 and not answer["corrupt"]:
+            answer.update(activate(root, bundle_id, keep))
+    emit(answer)
 
 
 def op_switch(root, bundle_id, keep):

@@ -65,6 +65,9 @@ typedef struct cb_bundle {
     char arch[16], dtype[8], nvrtc_version[16];
 } cb_bundle;
 
+#define MANIFEST "manifest.json"
+#define DIGEST_KEY "manifest_sha256" /* the manifest key holding its own digest */
+#define MAX_TOKENS 65536                /* the most batch, tokens and batch x tokens of a shape */
 #define CB_HEADER_SIZE 64
 /* bytes allocated after the weights: the GEMV's aligned 16-byte windows may read up to 15 bytes past the data
    (sdk/catalog.py WEIGHTS_TAIL_BYTES) */
@@ -75,6 +78,14 @@ int cb_bundle_open(cb_bundle *b, const char *dir, int verify, cb_err *err);
 void cb_bundle_close(cb_bundle *b);
 /* The last `shapes` entry equals the top-level shape, kernels, launch, buffers, io_buffers and selftest (none: OK). */
 int cb_check_largest(const cb_bundle *b, cb_err *err);
+/* bundle_manifest.c: the manifest's schema (keys, types, ranges, paths, kernels, shapes, launch plan); the entry
+ * of `files` whose path is `path` (NULL if none); the weights header fields a manifest records, in header order. */
+int cb_check_schema(cb_bundle *b, cb_err *err);
+const cJSON *cb_listed(const cJSON *files, const char *path);
+#define CB_HEADER_FIELDS 8
+extern const char *const cb_header_fields[CB_HEADER_FIELDS];
+/* bundle.c: 0, or COLIBRI_ERR_BUNDLE naming `what` when `path` is not a normalised relative path inside the bundle. */
+int cb_check_relative(const char *path, const char *what, cb_err *err);
 /* Open a file listed in the manifest: every component without following symlinks, a regular file. */
 int cb_bundle_open_file(const cb_bundle *b, const char *rel, int *fd, uint64_t *size, cb_err *err);
 /* Read a whole listed file into malloc'ed memory; `extra` zero bytes are appended (PTX wants a NUL). */

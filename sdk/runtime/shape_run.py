@@ -1,0 +1,81 @@
+"""One compiled shape of a Runtime: its backend, and the host buffers a call at that shape is padded into.
+
+A bundle is compiled for one or more fixed shapes (batch, tokens) (docs/build.md, "Several shapes"). A call runs at
+the first of the shapes (smallest first) whose batch and tokens are both at least the input's; the input is padded
+with zeros into that shape's staging buffer and the unpadded corner of its result is returned. Tokens do not
+interact in a MoE layer (routing is per token), so padding never changes the valid positions' values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InputError
+
+
+class ShapeRun:
+    """One compiled shape of a Runtime: its backend and the host buffers a call at that shape pads into (allocated
+    once, so a call allocates no activation-sized memory).
+
+    Attributes:
+        shape: (batch, tokens). backend: the backend built for it.
+        staging, result: float32 (batch, tokens, hidden); finite: bool, the same shape; valid_mask: bool
+            (batch, tokens); written: the (batch, tokens) corner of staging the last call wrote.
+    """
+
+    def __init__(self, shape: tuple[int, int], backend, hidden: int):
+        self.shape = shape
+        self.backend = backend
+        self.staging = np.zeros(shape + (hidden,), dtype=np.float32)
+        self.result = np.zeros(shape + (hidden,), dtype=np.float32)
+        self.finite = np.zeros(shape + (hidden,), dtype=bool)
+        self.valid_mask = np.zeros(shape, dtype=bool)
+        self.written = (0, 0)
+
+    def pad(self, x3: np.ndarray, lengths: list[int] | None) -> np.ndarray:
+        """Copy x3 (batch, tokens, hidden) into the staging buffer (float32), zeros elsewhere; check the copied
+        values; return the staging buffer.
+
+        Only the corner the previous call at this shape wrote is cleared, and only the corner this call writes is
+        checked, so the cost follows the input's size, not the shape's.
+
+        Raises:
+            InputError: NaN/Inf at a valid position, naming the first.
+        """
+        staging = self.staging
+        last_batch, last_tokens = self.written
+        staging[:last_batch, :last_tokens] = 0.0
+        batch, tokens, _ = x3.shape
+        self.written = (batch, tokens)
+        if lengths is None:
+            staging[:batch, :tokens] = x3
+        else:
+            for b, n in enumerate(lengths):
+                staging[b, :n] = x3[b, :n]
+        corner = staging[:batch, :tokens]
+        finite = np.isfinite(corner, out=self.finite[:batch, :tokens])  # no allocation per call
+        if not finite.all():
+            bad = np.argwhere(~np.isfinite(corner).all(axis=-1))
+            b, t = (int(v) for v in bad[0])
+            raise InputError(
+                f"input has non-finite values (NaN or Inf) at {len(bad)} valid position{'s' if len(bad) != 1 else ''}, first at "
+                f"(batch {b}, token {t}); all values at valid positions must be finite"
+            )
+        return staging
+
+    def valid_counts(self, x3, lengths) -> list[int]:
+        """(the shape's batch,) valid tokens per sequence of the padded input: the input's tokens (or its lengths),
+        0 for the padding sequences."""
+        batch, tokens, _ = x3.shape
+        counts = [tokens] * batch if lengths is None else list(lengths)
+        return counts + [0] * (self.shape[0] - batch)
+
+    def valid_rows(self, x3, lengths) -> np.ndarray:
+        """(the shape's batch * tokens,) bool: the rows of the padded input that are real tokens."""
+        mask = self.valid_mask
+        mask[:] = False
+        batch, tokens, _ = x3.shape
+        for b in range(batch):
+            mask[b, : tokens if lengths is None else lengths[b]] = True
+        return mask.reshape(-1)
+
