@@ -20,10 +20,10 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cmd="${1:-test}"
 [ $# -gt 0 ] && shift
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/colibri-sdk"
-root="${COLIBRI_ARM64_ROOT:-$cache/arm64-root}"
+arm64_root="${COLIBRI_ARM64_ROOT:-$cache/arm64-root}"  # not "root": setup_env.sh sets that
 suite="${COLIBRI_ARM64_SUITE:-bookworm}"
 mirror="${COLIBRI_ARM64_MIRROR:-http://deb.debian.org/debian}"
-marker="$root/.colibri-arm64-root"   # written last: a root with it is complete
+marker="$arm64_root/.colibri-arm64-root"   # written last: a root with it is complete
 user=colibri                         # the device's login, as on a Jetson set up by deploy/README.md
 # The CPU qemu emulates (qemu-aarch64-static -cpu help): Orin's Cortex-A78AE is ARMv8.2-A without SVE, the closest
 # model is cortex-a76; qemu's default "max" has SVE, which OpenBLAS then uses and TCG runs about 6x slower.
@@ -63,17 +63,20 @@ setup() {
   host_packages
   binfmt
   if [ -f "$marker" ]; then
-    echo "arm64 root: $root ($(cat "$marker"))"
+    echo "arm64 root: $arm64_root ($(cat "$marker"))"
     return 0
   fi
-  local partial="$root.partial" started=$SECONDS
+  local partial="$arm64_root.partial" started=$SECONDS
   rm -rf "$partial"
-  mkdir -p "$(dirname "$root")"
+  mkdir -p "$(dirname "$arm64_root")"
   echo "arm64 root: debootstrap --arch arm64 $suite into $partial (minutes under qemu)"
   debootstrap --arch=arm64 --variant=minbase --foreign --include=python3,python3-venv,openssh-server \
     "$suite" "$partial" "$mirror" >"$partial.log" 2>&1 \
     || die "debootstrap (first stage) failed, see $partial.log: $(tail -1 "$partial.log")"
-  cp /usr/bin/qemu-aarch64-static "$partial/usr/bin/"  # for a binfmt entry without the F flag
+  local interpreter  # for a binfmt entry without the F flag: the emulator at its path inside the root too
+  interpreter="$(awk '$1 == "interpreter" {print $2}' /proc/sys/fs/binfmt_misc/qemu-aarch64)"
+  mkdir -p "$partial$(dirname "$interpreter")"
+  cp -L /usr/bin/qemu-aarch64-static "$partial$interpreter"
   chroot "$partial" /debootstrap/debootstrap --second-stage >>"$partial.log" 2>&1 \
     || die "debootstrap --second-stage under qemu failed, see $partial.log: $(tail -1 "$partial.log")"
   chroot "$partial" /usr/sbin/useradd --create-home --shell /bin/sh "$user"
@@ -84,15 +87,15 @@ setup() {
   local about
   about="$suite arm64, $(chroot "$partial" /usr/bin/python3 -c 'import platform; print("Python", platform.python_version(), "glibc", platform.libc_ver()[1])'), made in $((SECONDS - started)) s"
   echo "$about" >"$partial/.colibri-arm64-root"
-  rm -rf "$root"
-  mv "$partial" "$root"
-  mv "$partial.log" "$root.log"
-  echo "arm64 root: $root ($about)"
+  rm -rf "$arm64_root"
+  mv "$partial" "$arm64_root"
+  mv "$partial.log" "$arm64_root.log"
+  echo "arm64 root: $arm64_root ($about)"
 }
 
 case "$cmd" in
   setup) setup ;;
-  path) echo "$root" ;;
+  path) echo "$arm64_root" ;;
   test)
     started=$SECONDS
     setup
@@ -100,7 +103,7 @@ case "$cmd" in
     # shellcheck disable=SC1091
     source scripts/setup_env.sh all
     rc=0
-    COLIBRI_ARM64_ROOT="$root" python -m pytest -q -rA -n 0 -p no:cacheprovider tests/deploy/test_arm64_device.py \
+    COLIBRI_ARM64=1 COLIBRI_ARM64_ROOT="$arm64_root" python -m pytest -q -rA -n 0 -p no:cacheprovider tests/deploy/test_arm64_device.py \
       "$@" || rc=$?
     echo "arm64_device.sh test: $((SECONDS - started)) s in all (exit status $rc)"
     exit "$rc"
