@@ -9,7 +9,7 @@ What a user does for a Jetson, step by step, each through the CLI (`python -m co
 3. `deploy --install-runtime --wheels DIR` installs colibri-sdk[jetson] into ~/colibri/venv on the device;
 4. `deploy BUNDLE --verify --verify-backend cpu` runs the bundle's self-test there before the switch;
 5. the device's CPU backend output for the self-test inputs and for other inputs equals this machine's to fp32
-   rounding (not bit for bit: OpenBLAS's sgemm kernels for Neoverse/ARMv8 and for x86-64 add in other orders).
+   rounding (not bit for bit: OpenBLAS's sgemm kernels for ARMv8 and for x86-64 add in other orders).
 
 Skipped, with the reason, unless the root exists (`bash scripts/arm64_device.sh test` makes it and runs this file)
 or COLIBRI_ARM64=1 asks this test to make it. Minutes: everything on the device runs emulated.
@@ -43,7 +43,7 @@ USER = "colibri"
 # The CPU qemu emulates: Orin's Cortex-A78AE is ARMv8.2-A without SVE; qemu's closest model is the Cortex-A76. Its
 # default ("max") has SVE, which OpenBLAS then uses and TCG runs about 6x slower (verify: 155 s instead of 25 s).
 CPU = os.environ.get("COLIBRI_ARM64_CPU") or "cortex-a76"
-EMULATED_S = 900  # seconds any one step may take on the emulated device (pip install of NumPy: about a minute)
+EMULATED_S = 900  # seconds one remote command may take there (--install-runtime: 3.5-6.5 min on 2 busy cores)
 
 pytestmark = [pytest.mark.arm64, pytest.mark.ssh, pytest.mark.slow]
 
