@@ -174,7 +174,7 @@ def _quantized_bundle(tmp_path, seed: int, *quantize_args) -> Path:
     quantize_file(src, tmp_path / "q.colibri", *quantize_args)
     out = tmp_path / "b"
     assert cli.main(["build", "--profile", "orin", "--weights", str(tmp_path / "q.colibri"), "-o", str(out),
-                     "--batch", "1", "--tokens", "4", "-q"]) == 0
+                     "--batch", "1", "--tokens", "4"]) == 0  # no -q: the callers read the summary
     return out
 
 
