@@ -159,7 +159,10 @@ def _check_sources(entries, folder: Path, sdk_version: str) -> dict[str, str]:
             if _sha256(data) != recorded["source_sha256"]:
                 raise CompileError(f"{path}: sha256 {_sha256(data)[:16]}... differs from the source the bundle was "
                                    f"built from ({recorded['source_sha256'][:16]}...); {hint}")
-            texts[entry["source"]] = data.decode("utf-8")
+            try:
+                texts[entry["source"]] = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CompileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return texts
 
 
@@ -179,21 +182,37 @@ def rebuild_and_compare(bundle, kernel_dir: Path | None = None, workers: int = 2
     """
     from .. import catalog
 
+    from ..bundle.manifest import check_inputs
+
     manifest = bundle.manifest
     entries = _kernel_entries(manifest)
     for shape, entry in entries:
-        if INPUTS_KEY not in entry:
+        where = f"{bundle.path}/manifest.json"
+        sources = sorted({k.source for k in catalog.KERNELS})
+        if entry["source"] not in sources:  # a file name of the catalogue, never a path to read elsewhere
+            raise BundleError(f"{where}: kernel {entry['name']} ({shape}): source = {entry['source']!r}; allowed: "
+                              f"one of the catalogue's sources {sources}")
+        bad = [k for k, v in entry["defines"].items() if type(v) is not int]
+        if bad:
+            raise BundleError(f"{where}: kernel {entry['name']} ({shape}): defines.{bad[0]} = "
+                              f"{entry['defines'][bad[0]]!r}; allowed: an integer (a -D constant)")
+        if INPUTS_KEY in entry:
+            check_inputs(entry[INPUTS_KEY], f"kernel {entry['name']} ({shape}): {INPUTS_KEY}", where)
+        else:
             raise BundleError(
                 f"{bundle.path}: kernel {entry['name']} ({shape}) records no NVRTC inputs (kernels[].{INPUTS_KEY}): "
                 f"the bundle was written by colibri-sdk {manifest['sdk_version']}, before --rebuild existed; build it "
                 "again with this colibri-sdk (--no-cache) to check it"
             )
     major, minor = nvrtc.nvrtc_version()
-    if f"{major}.{minor}" != manifest["nvrtc_version"]:
+    recorded = manifest["nvrtc_version"]
+    if f"{major}.{minor}" != recorded:
+        wanted = recorded.split(".")[0]
+        hint = nvrtc.pip_hint(int(wanted)) if wanted.isascii() and wanted.isdigit() and len(wanted) <= 3 else ""
         raise CompileError(
-            f"{bundle.path} was built with NVRTC {manifest['nvrtc_version']}; the installed NVRTC is {major}.{minor}: "
-            f"another NVRTC may give other bytes, so a rebuild here proves nothing; install NVRTC "
-            f"{manifest['nvrtc_version']} ({nvrtc.pip_hint(int(manifest['nvrtc_version'].split('.')[0]))})"
+            f"{bundle.path} was built with NVRTC {recorded[:40]}; the installed NVRTC is {major}.{minor}: another "
+            f"NVRTC may give other bytes, so a rebuild here proves nothing; install NVRTC {recorded[:40]}"
+            + (f" ({hint})" if hint else "")
         )
     folder = Path(kernel_dir) if kernel_dir is not None else catalog.kernel_dir()
     texts = _check_sources(entries, folder, manifest["sdk_version"])

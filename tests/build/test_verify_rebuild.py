@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -150,3 +151,25 @@ def test_kernels_without_rebuild_is_a_usage_error(honest, capsys):
     _, bundle = honest
     assert cli.main(["verify", str(bundle), "--no-selftest", "--kernels", "somewhere"]) == 1
     assert "--kernels DIR is for --rebuild" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda k: k["inputs"].update(source_sha256="zz"), r"inputs\.source_sha256 = 'zz'; allowed: 64 lowercase hex digits"),
+    (lambda k: k["inputs"].update(options="-arch=sm_87"), r"inputs\.options = '-arch=sm_87'; allowed: list"),
+    (lambda k: k["inputs"].update(extra=1), r"unknown keys \['extra'\] in kernel routing"),
+    (lambda k: k.update(source="../../../etc/passwd"), r"source = '\.\./\.\./\.\./etc/passwd'; allowed: one of the catalogue's sources"),
+    (lambda k: k["defines"].update(COLIBRI_THREADS="128"), r"defines\.COLIBRI_THREADS = '128'; allowed: an integer"),
+], ids=["digest", "options", "unknown-key", "source-path", "define"])
+def test_malformed_inputs_are_refused_in_one_line(honest, tmp_path, capsys, change, match):
+    _, bundle = honest
+    bad = tmp_path / "bad"
+    shutil.copytree(bundle, bad)
+
+    def edit(manifest):
+        for entry in [manifest["kernels"][0], manifest["shapes"][-1]["kernels"][0]]:  # the top level = the last shape
+            change(entry)
+
+    rewrite_manifest(bad, edit)
+    code, _, err = verify(capsys, bad)
+    assert code == 1 and err.count("\n") == 1, err
+    assert re.search(match, err), err
