@@ -52,11 +52,11 @@ from colibri_sdk.runtime.cpu_backend import CpuBackend  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "quant_bench.txt"
 STORAGES = [  # (label, quant, group_size, dtype)
     ("fp16", 0, 0, 1),
-    ("int8 per row", 1, 0, 1),
+    ("int8 per row", 1, 0, 1),  # convert --dtype int8's default (colibri_sdk.quantize.DEFAULT_GROUP_SIZE)
     ("int8 g128", 1, 128, 1),
     ("int4 g32", 2, 32, 1),
     ("int4 g64", 2, 64, 1),
-    ("int4 g128", 2, 128, 1),
+    ("int4 g128", 2, 128, 1),  # convert --dtype int4's default
 ]
 
 

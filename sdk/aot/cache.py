@@ -19,9 +19,17 @@ entry, `<key>.nvrtc`:
 
 An entry is written to a temporary file in the cache folder and renamed into place (`os.replace`, atomic on POSIX):
 a reader sees a whole entry or none. An entry whose format line, digest, key or sizes do not match (truncated,
-corrupt, or another key's) is ignored, compiled again and replaced: the cache never hands out a wrong cubin. An
-entry file that is not a regular file (a FIFO, a device) or is larger than MAX_ENTRY_BYTES is never read. A
-cache folder that cannot be written makes the build compile as if there were no cache (one warning).
+corrupt, or another key's) is ignored, compiled again and replaced. An entry file that is not a regular file (a
+FIFO, a device) or is larger than MAX_ENTRY_BYTES is never read. A cache folder that cannot be written makes the
+build compile as if there were no cache (one warning).
+
+What this protects against, and what not: the digest and the checks catch damage and accidents (a torn write, a
+full disk, a bit flip, a file copied under another key's name, two builds racing). They do not stop a deliberate
+edit: the digest is a plain sha256 that anyone can recompute, so whoever can write the cache folder can plant an
+entry holding a cubin of their own, and a build through the cache ships it without notice (the bundle's checksums
+are computed from what was written, so `verify` passes too). Keep the folder one only you write, and for a release
+build with `--no-cache` or check the bundle with `colibri-sdk verify --rebuild` (colibri_sdk.aot.rebuild), which
+compiles every kernel again without the cache and compares the bytes.
 
 No library is used: an entry is a file named by a digest; none of the packages this project depends on offers a
 content-addressed file cache, and the ones that do (diskcache, joblib.Memory) would add a dependency, pickles or a
@@ -192,7 +200,8 @@ def read_entry_file(path: Path) -> bytes | None:
 
 
 class NvrtcCache:
-    """NVRTC output by content (`cache_key`), one file per entry in `folder`; thread-safe.
+    """NVRTC output by content (`cache_key`), one file per entry in `folder`; thread-safe. Trusts whoever can write
+    `folder` (module docstring: damage is caught, a planted entry is not).
 
     Attributes:
         folder: where the entries live (`default_cache_dir()` unless given); None when no absolute home folder is

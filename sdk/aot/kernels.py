@@ -15,7 +15,8 @@ from pathlib import Path
 from .. import catalog
 from ..errors import CompileError
 from .cubin import check_cubin_arch
-from .nvrtc import CompiledSource, compile_source
+from .nvrtc import CompiledSource, compile_options, compile_source, find_cuda_include_dir
+from .rebuild import record_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,11 +27,14 @@ class CompiledKernel:
         spec: the catalogue entry.
         defines: the -D constants it was compiled with.
         output: cubin, PTX, log and ptxas resources.
+        inputs: what a rebuild needs besides arch, defines and NVRTC version (`rebuild.record_inputs`: the sha256
+            of the source and the headers, the options without machine paths); the manifest's `kernels[].inputs`.
     """
 
     spec: catalog.KernelSpec
     defines: dict
     output: CompiledSource
+    inputs: dict = dataclasses.field(default_factory=dict)
 
     @property
     def resources(self) -> dict:
@@ -84,7 +88,11 @@ def compile_kernel(spec: catalog.KernelSpec, profile, header, kernel_dir: Path, 
     output = compile_fn(source, spec.source, profile.arch, defines, [Path(kernel_dir)], toolkit=profile.toolkit)
     check_cubin_arch(output.cubin, profile.arch, f"{spec.source} cubin")
     check_resources(spec, output.resources, profile)
-    return CompiledKernel(spec, defines, output)
+    # The options as compile_source runs them (not a cache entry's own record of them, which is only as good as
+    # the cache folder).
+    headers = find_cuda_include_dir()
+    options = compile_options(profile.arch, defines, [Path(kernel_dir)] + ([headers] if headers else []))
+    return CompiledKernel(spec, defines, output, record_inputs(source, Path(kernel_dir), options))
 
 
 def compile_catalog(profile, header, kernel_dir: Path | None = None, workers: int = 2,

@@ -63,6 +63,8 @@ HEADER_V2_KEYS = tuple(f.name for f in dataclasses.fields(HeaderV2) if f.name no
 HEADER_V2_FLOAT_KEYS = ("routed_scaling_factor", "swiglu_limit", "swiglu_alpha")
 # kernels[i].resources[symbol]: the ptxas resource report (colibri_sdk.aot.nvrtc), all integers.
 RESOURCE_KEYS = ("registers", "shared_bytes", "stack_bytes", "spill_store_bytes", "spill_load_bytes")
+# kernels[i].inputs (optional): what `verify --rebuild` compiles again (colibri_sdk.aot.rebuild).
+INPUT_KEYS: dict[str, type] = {"source_sha256": str, "headers": dict, "options": list}
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -292,6 +294,30 @@ def _check_kernels(kernels: list, key: str, where: str) -> None:
             _expect(resources, dict, f"{key}[{i}].resources.{symbol}", where)
             for name in RESOURCE_KEYS:
                 _expect(resources.get(name), int, f"{key}[{i}].resources.{symbol}.{name}", where)
+
+
+def check_inputs(inputs, key: str, where: str = MANIFEST) -> None:
+    """`kernels[i].inputs` (sdk/aot/rebuild.py): source_sha256, headers {path: sha256}, options [str]. Checked by
+    `verify --rebuild`, its one reader; the schema check (`check_schema`), like the C runtime's, lets a kernel entry
+    hold keys it does not read, so both readers accept the same bundles.
+
+    Raises:
+        BundleError: naming the key, the value and what is allowed.
+    """
+    _expect(inputs, dict, key, where)
+    unknown = sorted(set(inputs) - set(INPUT_KEYS))
+    if unknown:
+        raise BundleError(f"{where}: unknown keys {unknown} in {key}; allowed: {list(INPUT_KEYS)}")
+    for name, t in INPUT_KEYS.items():
+        _expect(inputs.get(name), t, f"{key}.{name}", where)
+    digests = [(f"{key}.source_sha256", inputs["source_sha256"])]
+    digests += [(f"{key}.headers.{path}", digest) for path, digest in inputs["headers"].items()]
+    for name, digest in digests:
+        _expect(digest, str, name, where)
+        if len(digest) != 64 or not set(digest) <= _HEX:
+            raise BundleError(f"{where}: {name} = {digest[:80]!r}; allowed: 64 lowercase hex digits")
+    for j, option in enumerate(inputs["options"]):
+        _expect(option, str, f"{key}.options[{j}]", where)
 
 
 def _check_selftest(selftest: dict, key: str, where: str) -> None:

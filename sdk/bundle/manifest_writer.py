@@ -55,6 +55,7 @@ def kernel_entry(k: CompiledKernel, arch: str, tag: str = "") -> dict:
         "ptx": f"{stem}.ptx",
         "defines": dict(sorted(k.defines.items())),
         "resources": {s: k.resources[s] for s in sorted(k.resources)},
+        "inputs": k.inputs,  # what `verify --rebuild` compiles again (sdk/aot/rebuild.py)
     }
 
 

@@ -123,6 +123,8 @@ def run(args) -> int:
         if blamed is exc:
             raise
         raise blamed from exc
+    if args.quiet:  # -q: errors (and warnings, on stderr) only; the bundle's contents are in `inspect`
+        return 0
     m = result.manifest
     h = m["weights"]["header"]
     shapes = ", ".join(f"{e['batch']}x{e['tokens']}" for e in m.get("shapes") or [m["shape"]])

@@ -18,7 +18,8 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--group-size", type=int, choices=(0, 32, 64, 128), default=None,
-        help="int8/int4 scale group along the reduction dimension (default 128; 0 = per row, int8 only)",
+        help="int8/int4 scale group along the reduction dimension (default: int8 per row, int4 128; 0 = per row, "
+        "int8 only)",
     )
     p.add_argument("--clamp-fp16", action="store_true", help="clamp weights beyond ±65504 instead of refusing them")
     p.add_argument(

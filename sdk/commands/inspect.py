@@ -101,6 +101,8 @@ def run(args) -> int:
             value = f"{value} (the scales; experts: quant below)"
         print(f"  {key:<{kw}} {_shown_value(key, value, raw)}")
     print(f"  {'routing_rule':<{kw}} {info['routing']['text']}")
+    if quantized:  # the experts' storage in the words of build / run / convert ("int8 per row", "int4 g128")
+        print(f"  {'experts':<{kw}} {expert_storage(raw)}")
     bw = max([10] + [len(row["block"]) for row in info["blocks"]])
     print(f"  {'block':<{bw}} {'offset':>14} {'bytes':>14}  shape")
     for row in info["blocks"]:
@@ -122,8 +124,9 @@ def expert_storage(header: dict, dtype: str | None = None) -> str | None:
     if not quant or quant not in QUANT_NAMES:
         own = FLOAT_STORAGE.get(header.get("dtype"))
         return own if dtype is not None and own is not None and own != dtype else None
-    group = header.get("group_size", 0)
-    text = f"{QUANT_NAMES[quant]} {'per row' if not group else f'g{group}'}"
+    from ..quantize import group_text
+
+    text = f"{QUANT_NAMES[quant]} {group_text(header.get('group_size', 0))}"
     return text + (" with zero points" if header.get("zero_points") else "")
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from ..catalog import MAX_TOP_K
 from ..errors import ConvertError, FormatError
 from ..format import ColibriWriter, Header, HeaderV2, QuantizedTensor, quantize_rtn
+from ..quantize import DEFAULT_GROUP_SIZE, group_text
 from ..format.constants import (
     ACTIVATION_CLAMPED_SWIGLU,
     COMPOSITION_NAMES,
@@ -44,7 +45,6 @@ from .source import Model, open_model
 
 DTYPE_CHOICES = ("auto", "fp16", "fp32", "int8", "int4")
 GROUP_SIZE_CHOICES = (0, 32, 64, 128)
-DEFAULT_GROUP_SIZE = 128
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Storage:
     def name(self) -> str:
         if self.quant == QUANT_FLOAT:
             return self.dtype
-        group = "per-row" if self.group_size == 0 else f"g{self.group_size}"
+        group = group_text(self.group_size)
         scales = "" if self.dtype == "fp16" else ", fp32 scales"
         zeros = ", zero points" if self.zero_points else ""
         return f"{'int8' if self.quant == QUANT_INT8 else 'int4'} {group}{scales}{zeros}"
@@ -145,7 +145,7 @@ def choose_storage(model: Model, dtype: str, group_size: int | None) -> Storage:
         scale_dtype = "fp16" if model.scales_fit_fp16() else "fp32"
         return Storage(quant, size, zeros, scale_dtype, True)
     quant = QUANT_CODES[dtype]
-    size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    size = DEFAULT_GROUP_SIZE[dtype] if group_size is None else group_size
     if size not in GROUP_SIZES[quant]:
         raise ConvertError(
             f"--group-size {size} with --dtype {dtype}; allowed: {', '.join(map(str, GROUP_SIZES[quant]))}"
@@ -222,7 +222,8 @@ def convert(
         dtype: "auto" (default: fp16 for float checkpoints, the source's own int8/int4 layout for pre-quantized
             ones, copied without re-quantizing), "fp16" | "fp32" (float storage; quantized sources dequantized,
             exactly in fp32), "int8" | "int4" (round-to-nearest from float checkpoints, with `group_size`).
-        group_size: 0 (int8 only: per row), 32, 64, 128 (default 128) for int8/int4.
+        group_size: 0 (int8 only: per row), 32, 64, 128 for int8/int4; None: int8 per row, int4 128
+            (`colibri_sdk.quantize.DEFAULT_GROUP_SIZE`).
         clamp_fp16: clamp values beyond ±65504 instead of refusing them (fp16 only).
         composition: "residual" (x + moe(x), the decoder's residual stream; default) or "sequential".
         progress: show a tqdm bar (None: only on a terminal).

@@ -132,8 +132,26 @@ def _find_layers(tensors: dict) -> tuple[str, dict[int, dict[str, str]]]:
         m = LAYER_RE.match(name)
         if m:
             roots.add(m["root"])
-            layers.setdefault(int(m["layer"]), {})[m["rest"]] = name
+            layers.setdefault(module_index(m["layer"], name, "layer"), {})[m["rest"]] = name
     return (roots.pop() if len(roots) == 1 else ""), layers
+
+
+def module_index(text: str, name: str, what: str) -> int:
+    """The layer or expert number of a tensor name, spelled as `nn.ModuleList` writes it (`str(i)`: `layers.1.`).
+
+    A leading zero (`layers.01.`) is refused rather than read as 1: no PyTorch state dict spells an index that way
+    (`load_state_dict` would not load such a name into the model), and `layers.1.` next to `layers.01.` would make
+    two tensors claim one module.
+
+    Raises:
+        ConvertError: naming the tensor and the index.
+    """
+    if text != "0" and text.startswith("0"):
+        raise ConvertError(
+            f"tensor {name!r}: {what} index {text!r} has a leading zero; allowed: the index as nn.ModuleList writes it "
+            f"('{what}s.{int(text)}.')"
+        )
+    return int(text)
 
 
 def _router_of(layer_tensors: dict[str, str]) -> tuple[str, str] | None:
@@ -300,7 +318,7 @@ def _plan_per_expert(tensors, spec, fl, layer, prefix, block, used, sources) -> 
         m = EXPERT_RE.match(sub)
         if not m or m["proj"] not in PER_EXPERT_NAMES:
             continue
-        expert, kind = int(m["expert"]), PER_EXPERT_NAMES[m["proj"]]
+        expert, kind = module_index(m["expert"], prefix + sub, "expert"), PER_EXPERT_NAMES[m["proj"]]
         if expert >= E:
             raise ConvertError(
                 f"{spec.family}: extra expert tensor {prefix + sub!r}: expert {expert} >= config.json "

@@ -70,6 +70,7 @@ def test_fp32_weights_into_fp16_profile(tmp_path, capsys, kernel_dir):
     assert cli.main(args + ["--force", "-q"]) == 0
     captured = capsys.readouterr()
     assert captured.err == ""  # -q: no notices, no debug lines
+    assert captured.out == ""  # ... and no summary: errors only
     assert (out / "manifest.json").read_bytes() == manifest  # reproducible
 
 
@@ -87,8 +88,9 @@ def test_same_dtype_prints_no_dtype_line_and_reports_progress(tmp_path, kernel_d
         assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
     assert [t for s, _, t in calls if s == "weights"][0] == weights.stat().st_size
     assert cli.main(["build", "--profile", "orin", "--weights", str(weights), "-o", str(tmp_path / "c"),
-                     "--kernels", str(kernel_dir), "-q"]) == 0
-    assert "dtype:" not in capsys.readouterr().out
+                     "--kernels", str(kernel_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "  weights: " in out and "dtype:" not in out
 
 
 def test_force_never_replaces_a_folder_that_is_not_a_bundle(tmp_path):
@@ -173,7 +175,7 @@ def _quantized_bundle(tmp_path, seed: int, *quantize_args) -> Path:
     quantize_file(src, tmp_path / "q.colibri", *quantize_args)
     out = tmp_path / "b"
     assert cli.main(["build", "--profile", "orin", "--weights", str(tmp_path / "q.colibri"), "-o", str(out),
-                     "--batch", "1", "--tokens", "4", "-q"]) == 0
+                     "--batch", "1", "--tokens", "4"]) == 0  # no -q: the callers read the summary
     return out
 
 

@@ -141,12 +141,12 @@ def test_cli_no_cache_reads_and_writes_nothing(tmp_path, monkeypatch, capsys, co
     folder = tmp_path / "cache"
     monkeypatch.setenv("COLIBRI_CACHE_DIR", str(folder))
     args = ["build", "--profile", "orin", "--demo", "--batch", "1", "--tokens", "2"]
-    assert cli.main(args + ["-o", str(tmp_path / "a"), "--no-cache", "-q"]) == 0
+    assert cli.main(args + ["-o", str(tmp_path / "a"), "--no-cache"]) == 0
     assert "  nvrtc cache: not used (--no-cache)\n" in capsys.readouterr().out
     assert not folder.exists()
     shutil.copytree(root / "cache", folder)
     count = len(list(folder.glob("*.nvrtc")))
-    assert cli.main(args + ["-o", str(tmp_path / "b"), "-q"]) == 0
+    assert cli.main(args + ["-o", str(tmp_path / "b")]) == 0
     assert f"  nvrtc cache: {count} of {count} compilations from the cache ({folder})\n" in capsys.readouterr().out
     assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
 
@@ -155,7 +155,7 @@ def test_cli_summary_says_when_the_cache_could_not_be_written(tmp_path, monkeypa
     blocker = tmp_path / "not-a-folder"
     blocker.write_bytes(b"x")
     monkeypatch.setenv("COLIBRI_CACHE_DIR", str(blocker / "nvrtc"))
-    args = ["build", "--profile", "orin", "--demo", "--batch", "1", "--tokens", "2", "-o", str(tmp_path / "a"), "-q"]
+    args = ["build", "--profile", "orin", "--demo", "--batch", "1", "--tokens", "2", "-o", str(tmp_path / "a")]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert f"compilations from the cache ({blocker / 'nvrtc'}; not writable: nothing stored)\n" in out, out

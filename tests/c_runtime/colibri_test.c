@@ -6,6 +6,8 @@
  *   colibri_test errors BUNDLE                             every API status code from bad calls
  *   colibri_test init BUNDLE CODE [SUBSTRING]              colibri_init returns CODE (and its message holds SUBSTRING)
  *   colibri_test bind BUNDLE                               caller device pointers and a caller stream
+ *   colibri_test handles BUNDLE                            get_output after a new input without infer; a freed
+ *                                                          (double free, calls after free) and a foreign handle
  *   colibri_test threads BUNDLE                            two threads, each with its own context, and two threads
  *                                                          sharing one context (calls serialised by its mutex)
  *   colibri_test fuzz BUNDLE N SEED                        N single-byte changes / truncations of manifest.json:
@@ -353,6 +355,81 @@ static int cmd_init(const char *bundle, int code, const char *substring) {
     return g_failures ? 1 : 0;
 }
 
+/* ---- handles: a stale output after a new input; freed and foreign handles ---------------------------------------- */
+#define NOT_LIVE "ctx is not a live context (freed by colibri_free, or not from colibri_init)"
+
+/* Every call on a handle that is not live: COLIBRI_ERR_INVALID_ARG naming the call, and nothing of it touched. */
+static void refuse_handle(colibri_ctx *ctx, float *x, float *y, size_t n_bytes, size_t batch) {
+    colibri_io io;
+    uint32_t u;
+    int64_t pairs;
+    EXPECT(colibri_set_input(ctx, x, NULL, batch), COLIBRI_ERR_INVALID_ARG);
+    CHECK(strstr(colibri_last_error(NULL), "colibri_set_input: " NOT_LIVE) != NULL, "%s", colibri_last_error(NULL));
+    CHECK(!strcmp(colibri_last_error(ctx), colibri_last_error(NULL)), "the handle's message is the thread's: %s",
+          colibri_last_error(ctx));
+    EXPECT(colibri_set_input_shape(ctx, x, NULL, 1, 1), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_infer(ctx), COLIBRI_ERR_INVALID_ARG);
+    CHECK(strstr(colibri_last_error(NULL), "colibri_infer: " NOT_LIVE) != NULL, "%s", colibri_last_error(NULL));
+    EXPECT(colibri_get_output(ctx, y, n_bytes), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_io_info(ctx, &io), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_bind(ctx, 0, 0), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_set_stream(ctx, NULL), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_dropped_pairs(ctx, &pairs), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_count(ctx, &u), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_shape_for(ctx, 1, 1, &u), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_last_shape(ctx, &u), COLIBRI_ERR_INVALID_ARG);
+    colibri_free(ctx); /* does nothing */
+    CHECK(strstr(colibri_last_error(NULL), "colibri_free: " NOT_LIVE "; nothing freed") != NULL, "%s",
+          colibri_last_error(NULL));
+}
+
+static int cmd_handles(const char *bundle) {
+    colibri_ctx *ctx = open_ctx(bundle, 0);
+    if (!ctx) return 1;
+    colibri_io io;
+    EXPECT(colibri_io_info(ctx, &io), COLIBRI_OK);
+    const size_t n = (size_t)io.batch * io.tokens * io.hidden;
+    float *x = calloc(n, 4), *y = calloc(n, 4);
+    for (size_t i = 0; i < n; i++) x[i] = (float)((i * 7) % 13) / 13.0f - 0.5f;
+
+    /* the output belongs to the input of the last infer: a new input makes it stale until the next infer */
+    EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK); /* read twice: the same call's output */
+    EXPECT(colibri_set_input(ctx, x, NULL, io.batch), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_ERR_STATE);
+    CHECK(strstr(colibri_last_error(ctx), "colibri_get_output: a new input was set since the last colibri_infer, "
+                                          "and the output held is the previous input's; call colibri_infer first"),
+          "%s", colibri_last_error(ctx));
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_OK);
+    EXPECT(colibri_set_input_shape(ctx, x, NULL, 1, 1), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, io.output_bytes), COLIBRI_ERR_STATE);
+    EXPECT(colibri_get_output(ctx, y, (size_t)io.hidden * 4), COLIBRI_ERR_STATE);
+    EXPECT(colibri_infer(ctx), COLIBRI_OK);
+    EXPECT(colibri_get_output(ctx, y, (size_t)io.hidden * 4), COLIBRI_OK);
+    x[0] = NAN; /* a refused input stages nothing: the output of the last infer is still current */
+    EXPECT(colibri_set_input_shape(ctx, x, NULL, 1, 1), COLIBRI_ERR_INVALID_ARG);
+    EXPECT(colibri_get_output(ctx, y, (size_t)io.hidden * 4), COLIBRI_OK);
+    x[0] = 0.0f;
+
+    /* foreign handles: a zeroed and a filled buffer larger than any context, never from colibri_init */
+    unsigned char *foreign = calloc(1, 1 << 16);
+    refuse_handle((colibri_ctx *)foreign, x, y, io.output_bytes, io.batch);
+    memset(foreign, 0xAB, 1 << 16);
+    refuse_handle((colibri_ctx *)foreign, x, y, io.output_bytes, io.batch);
+    free(foreign); /* colibri_free did not free it: under ASan a second free would be reported here */
+
+    /* a freed handle: a double colibri_free and every call after it */
+    colibri_free(ctx);
+    refuse_handle(ctx, x, y, io.output_bytes, io.batch);
+    free(x);
+    free(y);
+    printf("{\"passed\": %s}\n", g_failures ? "false" : "true");
+    return g_failures ? 1 : 0;
+}
+
 /* ---- bind: caller device memory and a caller stream --------------------------------------------------------- */
 typedef int (*cu_alloc_t)(unsigned long long *, size_t);
 typedef int (*cu_free_t)(unsigned long long);
@@ -689,6 +766,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "nonfinite")) return cmd_nonfinite(bundle);
     if (!strcmp(cmd, "init") && argc >= 4) return cmd_init(bundle, atoi(argv[3]), argc >= 5 ? argv[4] : NULL);
     if (!strcmp(cmd, "bind")) return cmd_bind(bundle);
+    if (!strcmp(cmd, "handles")) return cmd_handles(bundle);
     if (!strcmp(cmd, "dropped") && argc >= 4) return cmd_dropped(bundle, argv[3], argc - 4, argv + 4);
     if (!strcmp(cmd, "threads")) return cmd_threads(bundle);
     if (!strcmp(cmd, "shapes") && argc >= 4) return cmd_shapes(bundle, argv[3], argc - 4, argv + 4);

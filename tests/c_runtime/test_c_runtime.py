@@ -114,6 +114,16 @@ def test_every_status_code_from_bad_calls(run_c, bundles):
     clean(run)
 
 
+@pytest.mark.parametrize("asan", [True, False], ids=["asan", "plain"])
+def test_a_stale_output_and_a_freed_or_foreign_handle_are_refused(run_c, bundles, asan):
+    # get_output after a new set_input and no infer returned the previous call's output with COLIBRI_OK; a double
+    # colibri_free or a call after it was a heap use-after-free (under ASan: a report and exit 1). The plain build
+    # runs the same sequence on glibc's allocator, which keeps the freed context in its free lists.
+    run = run_c(["handles", bundles["tiled"]], asan=asan)
+    assert run.rc == 0 and run.result["passed"], run
+    clean(run)
+
+
 # ---- device checks ----------------------------------------------------------------------------------------------
 def test_newer_gpu_jit_compiles_the_ptx(run_c, bundles):
     run = run_c(["run", bundles["tiled"], "noverify"], cc="9.0", driver=12090)

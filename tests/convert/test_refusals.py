@@ -278,3 +278,19 @@ def test_phimoe_checkpoint_is_refused(tmp_path):
     )
     transformers.PhimoeForCausalLM(config).save_pretrained(tmp_path / "phimoe")
     refused(tmp_path / "phimoe", tmp_path, r"^phimoe: routes with SparseMixer \(each selected expert's weight is a softmax over only the logits within a jitter threshold of it, the second choice taken after masking the first\), which no \.colibri router computes; not supported$")
+
+
+@pytest.mark.parametrize("old,new,what", [
+    ("model.layers.1.", "model.layers.01.", "layer"),
+    (PREFIX + "experts.3.", PREFIX + "experts.03.", "expert"),
+], ids=["layer", "expert"])
+def test_an_index_with_a_leading_zero_is_refused_naming_the_tensor(mixtral_copy, tmp_path, old, new, what):
+    # read as int() it was layer 1 while the block was looked up as 'layers.1.': KeyError: 'gate.weight'
+    def rename(tensors):
+        for name in [n for n in tensors if n.startswith(old)]:
+            tensors[new + name[len(old):]] = tensors.pop(name)
+
+    rewrite(mixtral_copy, rename)
+    shown = new.replace(".", r"\.")
+    refused(mixtral_copy, tmp_path, rf"^tensor '{shown}[^']+': {what} index '0\d' has a leading zero; allowed: the "
+            rf"index as nn\.ModuleList writes it \('{what}s\.\d\.'\)$")

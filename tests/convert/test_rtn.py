@@ -23,7 +23,7 @@ def test_round_to_nearest(tmp_path, capsys, dtype, group, bound):
     out = tmp_path / "m.colibri"
     assert convert_cli(folder, out, "--dtype", dtype, "--group-size", str(group)) == 0
     printed = capsys.readouterr().out
-    assert f"quantized {3 * 16 * LAYERS} matrices to {dtype} {'per-row' if group == 0 else f'g{group}'} (round-to-nearest); max error / max |w|: down_proj " in printed
+    assert f"quantized {3 * 16 * LAYERS} matrices to {dtype} {'per row' if group == 0 else f'g{group}'} (round-to-nearest); max error / max |w|: down_proj " in printed
     f = ColibriFile(out)
     assert (f.header.quant, f.header.group_size) == ({"int8": 1, "int4": 2}[dtype], group)
     # The round-to-nearest bound (+ the fp16 rounding of the scale).
@@ -55,3 +55,26 @@ def test_group_size_needs_an_integer_dtype(saved_mixtral, tmp_path, capsys):
     assert "--group-size 32 with --dtype fp16; allowed only with int8 or int4" in capsys.readouterr().err
     assert convert_cli(saved_mixtral[0], tmp_path / "m.colibri", "--dtype", "int4", "--group-size", "0") == 1
     assert "--group-size 0 with --dtype int4; allowed: 32, 64, 128" in capsys.readouterr().err
+
+
+def test_the_default_group_is_int8_per_row_and_int4_g128_and_every_summary_says_it(saved_mixtral, tmp_path, capsys):
+    # --dtype int8 meant int8 g128 while the README's fit table and bench/quant_bench.py quote "int8 per row"
+    from colibri_sdk import cli
+
+    for dtype, group, words in (("int8", 0, "int8 per row"), ("int4", 128, "int4 g128")):
+        out = tmp_path / f"{dtype}.colibri"
+        assert convert_cli(saved_mixtral[0], out, "--dtype", dtype) == 0
+        assert f"matrices to {words} (round-to-nearest)" in capsys.readouterr().out  # convert
+        with ColibriFile(out) as f:
+            assert f.header.group_size == group
+        assert cli.main(["inspect", str(out)]) == 0
+        assert any(line.split() == ["experts", *words.split()] for line in capsys.readouterr().out.splitlines())
+    bundle = tmp_path / "bundle"
+    assert cli.main(["build", "--profile", "orin", "--weights", str(tmp_path / "int8.colibri"), "-o", str(bundle),
+                     "--batch", "1", "--tokens", "2"]) == 0
+    assert ", int8 per row, fp16 scales, batch 1 x tokens 2" in capsys.readouterr().out  # build
+    assert cli.main(["inspect", str(bundle)]) == 0
+    assert "int8 per row (the weights' own storage)" in capsys.readouterr().out  # inspect of a bundle
+    assert cli.main(["run", str(bundle), "--backend", "cpu", "--iters", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "(int8 per row, fp16 scales, batch 1 x tokens 2" in printed and "experts  int8 per row" in printed  # run

@@ -23,6 +23,12 @@
  * concurrently. `colibri_free` must not race with other calls on the same context. colibri_init,
  * colibri_abi_version and colibri_status_name are thread-safe; colibri_last_error(NULL) is per thread.
  *
+ * Handles: `ctx` is invalid after colibri_free(ctx): do not pass it again. A call given a freed handle, or a pointer
+ * that never came from colibri_init, returns COLIBRI_ERR_INVALID_ARG ("ctx is not a live context") and touches
+ * nothing else, and colibri_free of one does nothing: the context's first word is a magic value that colibri_free
+ * clears. This is a safety net, not a guarantee: once the allocator has given the freed memory to someone else
+ * (another colibri_init may get the same address), the old handle may look live or name that other context.
+ *
  * Memory: everything is allocated by colibri_init (device buffers, pinned input/output, the graph); no call after it
  * allocates host or device memory, except colibri_bind, which re-captures the graph.
  */
@@ -153,7 +159,9 @@ COLIBRI_API int colibri_infer(colibri_ctx *ctx);
 
 /* Copy the output of the last infer into y: float32 (batch, tokens, hidden) of that call's input (output_bytes after
  * colibri_set_input; batch * tokens * hidden * 4 after colibri_set_input_shape); y_bytes must equal it.
- * Waits for the stream first. COLIBRI_ERR_STATE before any infer or while the output is bound.
+ * Waits for the stream first. COLIBRI_ERR_STATE before any infer, while the output is bound, or after a
+ * colibri_set_input / colibri_set_input_shape that succeeded since the last infer (the output held is then the
+ * previous input's: call colibri_infer first).
  * COLIBRI_ERR_NONFINITE_OUTPUT: NaN or Inf at a valid position (e.g. a finite input near 1e19 overflowing float32
  * inside an expert; the Python runtime's NonFiniteOutputError): y is still filled, the message names how many
  * positions and the first (batch, token). Positions past a sequence's length are zeros and not checked. */
@@ -187,11 +195,13 @@ COLIBRI_API int colibri_shape_for(colibri_ctx *ctx, size_t batch, size_t tokens,
 /* The index of the shape the last colibri_infer ran at. COLIBRI_ERR_STATE: no output yet. */
 COLIBRI_API int colibri_last_shape(colibri_ctx *ctx, uint32_t *index);
 
-/* The one-line message of the last failed call on ctx, or, with ctx NULL, of the last failed colibri_init in this
- * thread. "" when there was none. Valid until the next call on ctx (or in this thread). */
+/* The one-line message of the last failed call on ctx, or, with ctx NULL (or a handle that is not live), of the last
+ * failed colibri_init or call refused for its handle in this thread. "" when there was none. Valid until the next call on ctx (or in this thread). */
 COLIBRI_API const char *colibri_last_error(const colibri_ctx *ctx);
 
-/* Free everything (graph, buffers, modules, stream, pinned memory, the context reference). NULL is a no-op. */
+/* Free everything (graph, buffers, modules, stream, pinned memory, the context reference). NULL is a no-op; so is a
+ * handle that is not live (freed before, or not from colibri_init; colibri_last_error(NULL) then says so). ctx is
+ * invalid afterwards. */
 COLIBRI_API void colibri_free(colibri_ctx *ctx);
 
 #ifdef __cplusplus

@@ -40,7 +40,27 @@ const char *colibri_status_name(int status) {
     return names[status];
 }
 
-const char *colibri_last_error(const colibri_ctx *ctx) { return ctx ? ctx->err.text : cb_tls_err.text; }
+/* No AddressSanitizer instrumentation for this one read: a handle passed again after colibri_free points at freed
+ * memory, and reading its first word is how the call learns that (colibri_free cleared it). What the check cannot
+ * see is documented in docs/c_runtime.md, "Handles". */
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CB_NO_ASAN __attribute__((no_sanitize("address")))
+#endif
+#endif
+#if !defined(CB_NO_ASAN) && defined(__SANITIZE_ADDRESS__)
+#define CB_NO_ASAN __attribute__((no_sanitize_address))
+#endif
+#ifndef CB_NO_ASAN
+#define CB_NO_ASAN
+#endif
+
+CB_NO_ASAN int cb_ctx_live(const colibri_ctx *c) { return *(const volatile uint64_t *)&c->magic == CB_CTX_MAGIC; }
+
+/* A handle that is not live gets the message of the call that refused it (this thread's), never its own memory. */
+const char *colibri_last_error(const colibri_ctx *ctx) {
+    return ctx && cb_ctx_live(ctx) ? ctx->err.text : cb_tls_err.text;
+}
 
 /* ---- the forward pass ---------------------------------------------------------------------------------------- */
 static shape_plan *largest(colibri_ctx *c) { return &c->shapes[c->n_shapes - 1]; }
@@ -195,6 +215,7 @@ int colibri_init(const colibri_config *cfg, colibri_ctx **out) {
         return rc;
     }
     pthread_mutex_init(&c->lock, NULL);
+    c->magic = CB_CTX_MAGIC;
     cb_tls_err.text[0] = 0;
     *out = c;
     return COLIBRI_OK;
@@ -202,6 +223,9 @@ int colibri_init(const colibri_config *cfg, colibri_ctx **out) {
 
 int colibri_io_info(const colibri_ctx *c, colibri_io *info) {
     if (!c || !info) return cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_io_info: ctx and info must not be NULL");
+    if (!cb_ctx_live(c))
+        return cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_io_info: ctx is not a live context (freed by "
+                       "colibri_free, or not from colibri_init); allowed: a context from colibri_init");
     *info = c->io;
     return COLIBRI_OK;
 }
@@ -242,6 +266,7 @@ static int stage(colibri_ctx *c, const char *call, size_t k, const float *x, con
     c->in_batch = (int)batch;
     c->in_tokens = (int)tokens;
     c->has_input = 1;
+    c->staged_since_infer = 1; /* the output held is the previous input's */
     return COLIBRI_OK;
 }
 
@@ -309,6 +334,7 @@ static int infer_locked(colibri_ctx *c) {
     c->out_batch = c->in_batch;
     c->out_tokens = c->in_tokens;
     p->calls++;
+    c->staged_since_infer = 0;
     if (c->stream == c->own_stream) {
         CU(c, cuStreamSynchronize, c->stream);
     } else {
@@ -327,6 +353,10 @@ int colibri_infer(colibri_ctx *c) {
 
 static int get_output_locked(colibri_ctx *c, float *y, size_t y_bytes) {
     if (!y) return cb_fail(&c->err, COLIBRI_ERR_INVALID_ARG, "colibri_get_output: y is NULL");
+    /* before the size check: that size is the previous input's, not the one the caller just set */
+    if (c->staged_since_infer)
+        return cb_fail(&c->err, COLIBRI_ERR_STATE, "colibri_get_output: a new input was set since the last "
+                       "colibri_infer, and the output held is the previous input's; call colibri_infer first");
     const size_t row = (size_t)c->hidden, tokens = (size_t)c->out_tokens;
     const size_t want = (size_t)c->out_batch * tokens * row * sizeof(float);
     if (y_bytes != want)
@@ -440,7 +470,13 @@ int colibri_set_stream(colibri_ctx *c, void *stream) {
 
 void colibri_free(colibri_ctx *c) {
     if (!c) return;
+    if (!cb_ctx_live(c)) { /* freed before, or never a context: nothing of it is touched */
+        cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, "colibri_free: ctx is not a live context (freed by colibri_free, "
+                "or not from colibri_init); nothing freed");
+        return;
+    }
     pthread_mutex_lock(&c->lock);
+    c->magic = 0; /* from here on every call refuses this handle */
     release(c);
     pthread_mutex_unlock(&c->lock);
     pthread_mutex_destroy(&c->lock);

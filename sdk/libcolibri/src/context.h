@@ -58,7 +58,13 @@ typedef struct shape_plan {
     uint64_t calls; /* colibri_infer calls run at this shape */
 } shape_plan;
 
+/* The first word of a live context: set by colibri_init, cleared by colibri_free before the memory is released, and
+ * checked by every call (cb_ctx_live), so a freed or foreign handle is refused instead of used (docs/c_runtime.md,
+ * "Handles"). "colibri1" in ASCII: a word no zeroed or small-integer buffer holds. */
+#define CB_CTX_MAGIC 0x31697262696c6f63ULL
+
 struct colibri_ctx {
+    uint64_t magic; /* CB_CTX_MAGIC while the context is live */
     pthread_mutex_t lock;
     cb_err err;
     cu_api cu;
@@ -83,6 +89,7 @@ struct colibri_ctx {
     int out_batch, out_tokens;  /* the same for the current output */
     CUdeviceptr bound_in, bound_out;
     int has_input, has_output, in_flight;
+    int staged_since_infer; /* a set_input / set_input_shape succeeded after the output's colibri_infer */
     colibri_io io;
 };
 
@@ -91,9 +98,16 @@ int cb_cu_fail(colibri_ctx *c, const char *call, CUresult r);
 /* The message of the last failed colibri_init (or call on a NULL context) of this thread (colibri.c). */
 extern _Thread_local cb_err cb_tls_err;
 
-/* Take the context's mutex (refusing a NULL context); each public call on a context starts with it. */
+/* 1 when c's first word is CB_CTX_MAGIC (a live context), else 0. Reads a word that may lie in freed memory (a
+ * handle passed again after colibri_free): that one read is exempt from AddressSanitizer (colibri.c). */
+int cb_ctx_live(const colibri_ctx *c);
+
+/* Take the context's mutex, refusing a NULL context and one that is not live (freed, or not from colibri_init); each
+ * public call on a context starts with it. */
 #define ENTER(c, name)                                                                                      \
     if (!(c)) return cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, name ": ctx is NULL; allowed: a context from colibri_init"); \
+    if (!cb_ctx_live(c)) return cb_fail(&cb_tls_err, COLIBRI_ERR_INVALID_ARG, name ": ctx is not a live context (freed " \
+                                        "by colibri_free, or not from colibri_init); allowed: a context from colibri_init"); \
     pthread_mutex_lock(&(c)->lock)
 
 /* shapes.c: the index of the first shape (smallest first) with batch and tokens both at least the call's; -1 if none
