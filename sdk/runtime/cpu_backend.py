@@ -46,6 +46,7 @@ class CpuBackend:
         rows = int(np.prod(self.shape))
         # The runtime checks each call's output once and names the first non-finite layer (NonFiniteOutputError).
         self._scratch = CpuEngine(self._file, rows)
+        self._scratch.warm_up()  # compiled (or loaded from numba's cache) now, not on the first call
         self._engine = self._scratch
         self._out = np.zeros((rows, self.hidden_size), np.float32)
         spec = getattr(bundle, "manifest", {}).get("profile", {}).get("capacity")

@@ -137,8 +137,8 @@ class CpuEngine:
         self.xs = np.zeros((n, H), f32)
         self.y = np.zeros((n, H), f32)
         self.shared_out = np.zeros((n, H), f32)
-        self.tile = np.zeros((TILE_ROWS, wide), f32)
-        self.tile_out = np.zeros((n, TILE_ROWS), f32)
+        self.tile = np.zeros(TILE_ROWS * wide, f32)
+        self.tile_out = np.zeros(n * TILE_ROWS, f32)
         self.buf = np.zeros(wide, f32)  # one decoded row
         self._sbufs: dict[int, np.ndarray] = {}
         self.shared_order = np.arange(n, dtype=np.int64)
@@ -151,6 +151,28 @@ class CpuEngine:
         self._checked = np.zeros((h.num_layers, E), bool)
         self._no_bias_i = _readonly(np.zeros((1, I), f32))
         self._no_bias_h = _readonly(np.zeros((1, H), f32))
+
+    def warm_up(self) -> None:
+        """Compile (or load from numba's on-disk cache) every kernel for the argument types a call passes, on tiny
+        arrays of those types: no weight byte is read, and no call pays for compilation (the CPU backend runs
+        this at load)."""
+        f32, i64 = np.float32, np.int64
+        codes = _readonly(np.zeros((1, 2, 8), np.uint8))  # one expert, 2 rows of 2 float32 columns
+        scales = _readonly(np.zeros((1, 2, 4), np.uint8))
+        zeros = _readonly(np.zeros((1, 2, 1), np.int8))
+        bias = _readonly(np.zeros((1, 2), f32))
+        x, out, gate, up = (np.zeros((1, 2), f32) for _ in range(4))
+        buf, sbuf = np.zeros(2, f32), np.zeros(1, f32)
+        one, pairs = np.zeros(1, i64), np.array([0, 1], i64)
+        K.experts_into(x, one, pairs, np.ones(1, f32), 1, one, K.STORE_F32, False, False, 0, codes, scales, zeros,
+                       codes, scales, zeros, codes, scales, zeros, False, bias, bias, bias, K.ACT_SWIGLU, f32(0),
+                       f32(0), out, np.zeros(1, i64), gate, up, buf, buf, sbuf, sbuf)
+        K.rows_into(K.STORE_F32, codes[0], scales[0], False, zeros[0], False, 0, 2, 0, 2, gate, buf, sbuf)
+        K._activate(gate, up, 1, K.ACT_SWIGLU, f32(0), f32(0))
+        K.scatter_add(out, np.zeros(1, i64), np.ones(1, f32), gate, 1, bias[0], False)
+        K.group_pairs(np.zeros((1, 1), i64), 1, pairs, one)
+        if self.header.dtype == 1 and not self.v2:  # a v1 fp16 file stores its router as float16
+            K.router_f16(x, _readonly(np.zeros((2, 1), np.uint16)), np.zeros((1, 1), f32))
 
     def _sbuf(self, cols: int) -> np.ndarray:
         """Scratch for one row's group scales, (groups of a row of `cols` columns,) float32."""
@@ -292,10 +314,11 @@ class CpuEngine:
         codes, scales, zeros = m.codes[expert], m.scales[expert], m.zeros[expert]
         for start in range(0, m.rows, TILE_ROWS):
             stop = min(start + TILE_ROWS, m.rows)
-            block = tile[: stop - start, : m.cols]
+            # C-contiguous views: NumPy's matmul takes its slow non-BLAS loop on a strided tile (measured 50x).
+            block = tile[: (stop - start) * m.cols].reshape(stop - start, m.cols)
             K.rows_into(self.store, codes, scales, self.scale_f16, zeros, self.has_zero, self.group, m.cols,
                         start, stop, block, self.buf[: m.cols], sbuf)
-            part = tile_out[:n, : stop - start]
+            part = tile_out[: n * (stop - start)].reshape(n, stop - start)
             np.matmul(xs, block.T, out=part)
             dst[:, start:stop] = part
 

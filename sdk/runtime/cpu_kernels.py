@@ -55,6 +55,7 @@ ACT_SWIGLU, ACT_CLAMPED = 0, 1
 _FASTMATH = {"reassoc", "contract", "nsz"}
 _JIT = dict(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 
+U = np.uint64
 _F16_SCALE = np.float32(2.0**112)  # float16 bits shifted into a float32's place, times 2^112, are the same value
 
 
@@ -89,16 +90,19 @@ def _decode_row(store, row, scales_row, scale_f16, zeros_row, has_zero, group, c
         _f16_into(row.view(np.uint16), buf)
         return buf
     _scales_into(scales_row, scale_f16, sbuf)
-    size = cols if group == 0 else group
+    # Unsigned indices: a signed one that LLVM cannot prove >= 0 keeps NumPy's negative-index wraparound in the
+    # loop, which stops its vectorisation (measured 6-9x slower).
+    size = U(cols if group == 0 else group)
     groups = sbuf.shape[0]
     if store == STORE_Q8:
         q = row.view(np.int8)
         for g in range(groups):
             s = sbuf[g]
             z = np.float32(zeros_row[g]) if has_zero else np.float32(0.0)
-            start = g * size
-            stop = min(start + size, cols)
-            for c in range(start, stop):
+            start = U(g) * size
+            count = min(size, U(cols) - start)
+            for j in range(count):
+                c = start + U(j)
                 buf[c] = s * (np.float32(q[c]) - z)
         return buf
     # STORE_Q4: column 2j in the low nibble of byte j, 2j+1 in the high nibble, each code + 8; groups start at
@@ -107,17 +111,18 @@ def _decode_row(store, row, scales_row, scale_f16, zeros_row, has_zero, group, c
         s = sbuf[g]
         z = np.float32(zeros_row[g]) if has_zero else np.float32(0.0)
         offset = np.float32(8.0) + z
-        start = g * size
-        stop = min(start + size, cols)
-        pairs = (stop - start) // 2
-        base = start // 2
+        start = U(g) * size
+        count = min(size, U(cols) - start)
+        pairs = count // U(2)
+        base = start // U(2)
         for j in range(pairs):
-            b = row[base + j]
-            buf[start + 2 * j] = s * (np.float32(b & np.uint8(15)) - offset)
-            buf[start + 2 * j + 1] = s * (np.float32(b >> np.uint8(4)) - offset)
-        if (stop - start) % 2:
+            b = row[base + U(j)]
+            c = start + U(2) * U(j)
+            buf[c] = s * (np.float32(b & np.uint8(15)) - offset)
+            buf[c + U(1)] = s * (np.float32(b >> np.uint8(4)) - offset)
+        if count % U(2):
             b = row[base + pairs]
-            buf[stop - 1] = s * (np.float32(b & np.uint8(15)) - offset)
+            buf[start + count - U(1)] = s * (np.float32(b & np.uint8(15)) - offset)
     return buf
 
 
