@@ -424,14 +424,20 @@ def moe_section(tmp: Path, args, say) -> dict:
 def overhead_section(tmp: Path, args, say) -> dict:
     """Runtime.infer vs CpuBackend.run_layers at T=1 on shape A fp32 (a CPU bundle by the bundle contract)."""
     sys.path.insert(0, str(ROOT / "tests" / "runtime"))
-    from runtime_bundles import write_bundle
+    from runtime_bundles import write_bundle, write_manifest
 
+    from colibri_sdk.bundle.reader import header_record
+    from colibri_sdk.format import ColibriFile
     from colibri_sdk.runtime import Runtime
 
     weights = tmp / "A-fp32.colibri"
     if not weights.exists():
         write_moe_files(tmp, "A")
     bundle = write_bundle(tmp / "bundle-A", weights, 1, 1)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    with ColibriFile(bundle / "model.colibri") as f:
+        manifest["weights"]["header"] = header_record(f.header)  # the v2 fields too
+    write_manifest(bundle, manifest)
     x = np.random.default_rng(3).standard_normal((1, 1, SHAPES["A"][0])).astype(np.float32)
     out = np.empty_like(x)
     best = {"infer": float("inf"), "run_layers": float("inf")}
