@@ -299,23 +299,25 @@ def moe_child(paths: dict, rounds: int, calls: int) -> dict:
     torch.set_num_threads(threads)
     rng = np.random.default_rng(2)
     points, results, runners = [], {}, {}
+    tokens_of = paths.pop("_tokens")
     for shape, files in paths.items():
         H, I, E, k = SHAPES[shape]
         block = torch_block(shape)
-        inputs = {t: [rng.standard_normal((1, t, H)).astype(np.float32) for _ in range(8)] for t in MOE_TOKENS}
+        tokens = tokens_of[shape]
+        inputs = {t: [rng.standard_normal((1, t, H)).astype(np.float32) for _ in range(8)] for t in tokens}
         for name, path in files.items():
-            backends = {t: CpuBackend(_Weights(Path(path), t)) for t in MOE_TOKENS}
+            backends = {t: CpuBackend(_Weights(Path(path), t)) for t in tokens}
             runners[(shape, name)] = (backends, inputs, block if name == "fp32" else None,
                                       min(os.path.getsize(path), POOL_BYTES))
-            for t in MOE_TOKENS:
+            for t in tokens:
                 points.append((shape, name, t))
         runners[(shape, "copy")] = np.ones(min(os.path.getsize(files["fp32"]), POOL_BYTES), np.uint8)
     diffs = {}
     for shape in paths:  # the fp32 file against the torch block it was written from
         backends, inputs, block, _ = runners[(shape, "fp32")]
-        x = inputs[4][0]
+        x = inputs[1][0]
         out = np.empty_like(x)
-        backends[4].run_layers(x, out, 0, 1)
+        backends[1].run_layers(x, out, 0, 1)
         with torch.no_grad():
             want = block(torch.from_numpy(x)).numpy()
         diffs[shape] = float(np.abs(out - want).max() / np.abs(want).max())
@@ -385,12 +387,22 @@ def llama_cpp_peer() -> str:
 def moe_section(tmp: Path, args, say) -> dict:
     import torch
 
-    paths = {shape: {k: str(v) for k, v in write_moe_files(tmp, shape).items()} for shape in args.moe_shapes.split(",")}
+    folder = Path(args.moe_files) if args.moe_files else tmp
+    shapes = args.moe_shapes.split(",")
+    paths = {}
+    for shape in shapes:
+        want = {name: folder / f"{shape}-{name.replace(' ', '-')}.colibri" for name in STORAGES}
+        have = all(p.exists() for p in want.values())
+        paths[shape] = {k: str(v) for k, v in (want if have else write_moe_files(folder, shape)).items()}
+    tokens = {"A": MOE_TOKENS, "B": tuple(int(t) for t in args.moe_b_tokens.split(","))}
     env_base = {k: v for k, v in os.environ.items() if k not in BLAS_VARS}
     runs = {}
-    for threads in (1, 2):
+    for threads in (int(t) for t in args.moe_threads.split(",")):
         env = {**env_base, **{k: str(threads) for k in BLAS_VARS[:2]}}
-        runs[threads] = child(MOE_CHILD, [json.dumps(paths), str(args.moe_rounds), str(args.moe_calls),
+        # 2 threads: shape A only (shape B's layer is 2.4 GB in fp32; one child holds it once)
+        wanted = {s: p for s, p in paths.items() if threads == 1 or s == "A"}
+        wanted["_tokens"] = {s: tokens[s] for s in wanted}
+        runs[threads] = child(MOE_CHILD, [json.dumps(wanted), str(args.moe_rounds), str(args.moe_calls),
                                           str(Path(__file__).parent)], env, replace_env=True)
     say("")
     say(f"One MoE layer, CpuBackend.run_layers vs transformers' block (torch {torch.__version__}) and a NumPy copy; "
@@ -430,9 +442,10 @@ def overhead_section(tmp: Path, args, say) -> dict:
     from colibri_sdk.format import ColibriFile
     from colibri_sdk.runtime import Runtime
 
-    weights = tmp / "A-fp32.colibri"
+    folder = Path(args.moe_files) if args.moe_files else tmp
+    weights = folder / "A-fp32.colibri"
     if not weights.exists():
-        write_moe_files(tmp, "A")
+        write_moe_files(folder, "A")
     bundle = write_bundle(tmp / "bundle-A", weights, 1, 1)
     manifest = json.loads((bundle / "manifest.json").read_text())
     with ColibriFile(bundle / "model.colibri") as f:
@@ -467,6 +480,9 @@ def main() -> int:
     parser.add_argument("--moe-rounds", type=int, default=3, help="interleaved rounds of the MoE layer (default: 3)")
     parser.add_argument("--moe-calls", type=int, default=3, help="calls per point and round (default: 3)")
     parser.add_argument("--moe-shapes", default="A,B", help="MoE layer shapes to run (default: A,B)")
+    parser.add_argument("--moe-threads", default="1,2", help="thread counts (default: 1,2; 2 runs shape A only)")
+    parser.add_argument("--moe-b-tokens", default="1,4,16,64", help="token counts of shape B (default: 1,4,16,64)")
+    parser.add_argument("--moe-files", default=None, help="folder of the MoE layer files, reused when present")
     parser.add_argument("--json", action="store_true", help="also write the results as JSON next to --output")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -492,7 +508,7 @@ def main() -> int:
             report.update(moe_section(tmp, args, say))
         if "overhead" in sections:
             report.update(overhead_section(tmp, args, say))
-        for leftover in tmp.glob("*.colibri"):
+        for leftover in tmp.glob("*.colibri"):  # (files in --moe-files are kept)
             leftover.unlink()
         if sections & {"threads", "load"}:
             thread_and_load_sections(tmp, args, say, sections, report)
