@@ -1,9 +1,11 @@
-"""The CPU backend: the NumPy reference engine (colibri_sdk.reference) on the bundle's mmap'ed weights.
+"""The CPU backend: one engine (colibri_sdk.runtime.cpu_engine) on the bundle's mmap'ed weights, every storage.
 
-Loading maps `model.colibri` read-only and reads only its 64-byte header: no weight byte is read until a forward
-pass touches it, so load time does not grow with the weights' size. Each forward pass converts the experts it uses
-to float32 on the fly (fp32 accumulation, as on the GPU) and keeps no copy, so the process holds the weights at
-most once (in the page cache, shared with any other reader of the file).
+Loading maps `model.colibri` read-only and reads only its header: no weight byte is read until a forward pass
+touches it, so load time does not grow with the weights' size. A forward pass reads the experts it uses as they
+are stored (fp16 widened and int8/int4 dequantized one row at a time inside the compiled products, fp32
+accumulation, as on the GPU) and keeps no copy, so the process holds the weights at most once (in the page cache,
+shared with any other reader of the file). The compiled kernels (numba, cached on disk) are compiled or loaded from
+the cache at load (`warm_up`), never on a call.
 
 BLAS threads: each forward pass runs inside `colibri_sdk.blas.blas_threads(batch * tokens)`, so the per-expert
 matrix products of a decode-sized call use one BLAS thread (the rule and its measurement: colibri_sdk.blas,
@@ -15,17 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..blas import blas_threads
-from ..errors import BackendError
-from ..reference import ReferenceEngine
-from ..format.constants import COMPOSITION_RESIDUAL
-from .scratch_engine import ScratchEngine
 from ..capacity import Capacity
-from .scratch_engine import supports as scratch_supports
+from ..errors import BackendError
+from .cpu_engine import CpuEngine
 from .padding import check_valid_tokens
 
 
 class CpuBackend:
-    """Runs a bundle on the CPU with NumPy.
+    """Runs a bundle on the CPU (NumPy and the compiled kernels of colibri_sdk.runtime.cpu_kernels).
 
     Args:
         bundle: an open `colibri_sdk.bundle.Bundle`.
@@ -42,12 +41,14 @@ class CpuBackend:
     def __init__(self, bundle, eager: bool = False):
         self.shape = tuple(bundle.shape)
         self._file = bundle.open_weights()
-        # The runtime checks each call's output once and names the first non-finite layer (NonFiniteOutputError).
-        self._engine = ReferenceEngine(self._file, compute_dtype=np.float32, check_overflow=False)
         self.hidden_size = self._file.header.hidden_size
         self.num_layers = self._file.header.num_layers
         rows = int(np.prod(self.shape))
-        self._scratch = ScratchEngine(self._file, rows) if scratch_supports(self._file.header) else None
+        # The runtime checks each call's output once and names the first non-finite layer (NonFiniteOutputError).
+        self._scratch = CpuEngine(self._file, rows)
+        self._scratch.warm_up()  # compiled (or loaded from numba's cache) now, not on the first call
+        self._engine = self._scratch
+        self._out = np.zeros((rows, self.hidden_size), np.float32)
         spec = getattr(bundle, "manifest", {}).get("profile", {}).get("capacity")
         self.capacity = None if spec is None else Capacity.from_dict(spec, "manifest profile.capacity")
         self.last_dropped = 0  # pairs dropped by expert capacity in the last call (Runtime.stats)
@@ -72,17 +73,25 @@ class CpuBackend:
             raise BackendError("the CPU backend is closed; load the bundle again")
         batch, tokens = self.shape
         counts = check_valid_tokens(valid_tokens, batch, tokens)
-        # Runtime checked dtype, shape and finiteness: run the layers without the engine's second pass over x.
+        # Runtime checked dtype, shape and finiteness: run the layers without a second pass over x.
+        engine = self._engine
+        engine.capacity, engine.valid = self.capacity, None
         if (counts == tokens).all():
             rows = x.reshape(-1, self.hidden_size)
+            out = np.empty_like(rows)
             with blas_threads(rows.shape[0]):
-                return self._engine.run(rows).reshape(x.shape)
+                engine.run_into(rows, out, 0, self.num_layers)
+            self.last_dropped = engine.dropped
+            return out.reshape(x.shape)
         mask = np.arange(tokens)[None, :] < counts[:, None]  # (batch, tokens)
         out = x.copy() if self._file.header.composition == 1 else np.zeros_like(x)
         if mask.any():
             rows = np.ascontiguousarray(x[mask])
+            result = np.empty_like(rows)
             with blas_threads(rows.shape[0]):
-                out[mask] = self._engine.run(rows)
+                engine.run_into(rows, result, 0, self.num_layers)
+            self.last_dropped = engine.dropped
+            out[mask] = result
         return out
 
     def run_layers(self, x: np.ndarray, out: np.ndarray, start: int, stop: int, valid_rows=None,
@@ -91,8 +100,8 @@ class CpuBackend:
 
         Args:
             x: float32, C-contiguous, (batch, tokens, hidden) at the fixed shape (validated by Runtime).
-            out: float32, C-contiguous, x's shape; overwritten. With preallocated scratch (`scratch_engine`) this
-                allocates no activation- or weight-sized array; other formats run the reference engine.
+            out: float32, C-contiguous, x's shape; overwritten. The engine's scratch is preallocated
+                (`cpu_engine`): a call allocates no activation- or weight-sized array.
             start, stop: 0 <= start < stop <= num_layers (validated by Runtime).
             valid_rows: (batch * tokens,) bool, the rows that are real tokens (expert capacity counts only those);
                 None: all.
@@ -104,26 +113,18 @@ class CpuBackend:
         if self._engine is None:
             raise BackendError("the CPU backend is closed; load the bundle again")
         flat_x, flat_out = x.reshape(-1, self.hidden_size), out.reshape(-1, self.hidden_size)
-        engine = self._scratch if self._scratch is not None else self._engine
+        engine = self._scratch
         engine.capacity = self.capacity if capacity else None
         engine.valid = valid_rows
         engine.dropped = 0
         with blas_threads(flat_x.shape[0]):
-            if self._scratch is not None:
-                self._scratch.run_into(flat_x, flat_out, start, stop)
-            else:
-                residual = self._file.header.composition == COMPOSITION_RESIDUAL
-                h = flat_x
-                for layer in range(start, stop):
-                    y = self._engine.layer(layer, h)
-                    h = h + y if residual else y
-                np.copyto(flat_out, h)
+            engine.run_into(flat_x, flat_out, start, stop)
         self.last_dropped = engine.dropped
 
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""
         if self._engine is not None:
-            self._engine.close()
+            self._file.close()
             self._engine = None
             self._file = None
             self._scratch = None

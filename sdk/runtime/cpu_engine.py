@@ -1,0 +1,379 @@
+"""The CPU backend's forward pass: one engine for every storage and every v2 feature, weights read as stored.
+
+It computes what `colibri_sdk.reference.ReferenceEngine` computes (docs/format.md, "Semantics" and "Semantics
+v2"; the reference engine stays the float64-capable oracle of the tests) in float32, for fp32 / fp16 expert
+matrices and int8 (per row, g32/64/128) / int4 (g32/64/128) ones with or without zero points, with shared experts,
+every routing variant, router / correction / expert biases and the clamped SwiGLU.
+
+Per layer, on rows x (tokens, hidden) float32:
+
+    logits   = x @ R (+ router bias)                         NumPy matmul (fp32 router) or router_f16 (fp16)
+    ids, w   = the reference's routing functions              topk_route (v1), route_v2 (v2), then expert capacity
+    pairs    = group_pairs(ids)                               (token, slot) pairs grouped per expert
+    out      = sum over pairs of w * expert(x[token])         experts_into (cpu_kernels), or BLAS (below)
+    out     += shared experts (gated)                         experts_into on every token
+
+An expert with fewer than BLAS_PAIRS pairs runs in `cpu_kernels.experts_into`: each stored row is decoded once
+(float16 widened, int8/int4 dequantized exactly) into an L1-sized buffer and multiplied with all of that expert's
+tokens, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call. An expert
+with more pairs is compute-bound: its tokens are gathered and multiplied by BLAS (NumPy matmul), float32 weights in
+place, other storages through tiles of TILE_ROWS decoded rows (never a whole widened matrix).
+
+Every buffer is allocated once at load, sized for the bundle's fixed rows (batch · tokens):
+
+    h0, h1        (rows, hidden)        activations, ping-pong between layers
+    logits        (rows, experts)       router logits
+    order, pair_w (rows · top_k,)       pairs grouped by expert; routing weight of each pair
+    starts        (experts + 1,)        where each expert's pairs start in `order`
+    gate, up      (rows, intermediate)  gate/up projections (also the shared experts', up to their size)
+    xs, y, shared (rows, hidden)        the BLAS path's gathered rows and output; the shared experts' sum
+    tile          (TILE_ROWS, widest)   decoded rows for the BLAS path of fp16 / int8 / int4 weights
+
+What is still allocated per call: the routing functions' (rows, experts) temporaries and index arrays, and small
+scalars (the tracemalloc test in tests/runtime bounds a warm call's peak well below one activation tensor).
+
+Stored tensors are checked finite on first use (the router and vectors per layer, the experts' matrices or
+scales per expert), as the reference engine does: a NaN or Inf in the file is a FormatError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import FormatError
+from ..format import HeaderV2
+from ..format.constants import (
+    ACTIVATION_CLAMPED_SWIGLU,
+    COMPOSITION_RESIDUAL,
+    QUANT_FLOAT,
+    QUANT_INT4,
+    SCALES_SUFFIX,
+    ZEROS_SUFFIX,
+)
+from ..reference import route_v2, topk_route
+from . import cpu_kernels as K
+
+BLAS_PAIRS = 16  # an expert with at least this many pairs in a call runs through BLAS (bench/runtime_cpu_bench.py)
+TILE_ROWS = 128  # decoded rows per BLAS tile for fp16 / int8 / int4 weights
+
+
+def _readonly(array: np.ndarray) -> np.ndarray:
+    """`array`, marked read-only: the compiled kernels see one array type for the mmap'ed views and these."""
+    array.setflags(write=False)
+    return array
+
+
+class _Matrix:
+    """One expert-matrix kind of one layer, as stored: codes (experts, rows, row bytes) uint8 and, for quantized
+    storage, scales (experts, rows, groups · scale bytes) uint8 and zeros (experts, rows, groups) int8; `floats`:
+    the typed float32 view for BLAS (fp32 storage only)."""
+
+    __slots__ = ("kind", "codes", "scales", "zeros", "floats", "rows", "cols", "typed", "typed_scales")
+
+    def __init__(self, model, kind: str, layer: int, dummies: dict):
+        h = model.header
+        quant = getattr(h, "quant", QUANT_FLOAT)
+        typed = model.experts(kind, layer)
+        self.kind, self.typed = kind, typed
+        count, self.rows, stored = typed.shape
+        self.cols = h.shape(kind)[1]
+        self.codes = typed.view(np.uint8)
+        self.floats = typed if typed.dtype == np.float32 else None
+        if quant == QUANT_FLOAT:
+            self.typed_scales = None
+            self.scales = dummies.setdefault(("s", count, self.rows), _readonly(np.zeros((count, self.rows, 4), np.uint8)))
+            self.zeros = dummies.setdefault(("z", count, self.rows), _readonly(np.zeros((count, self.rows, 1), np.int8)))
+            return
+        self.typed_scales = model.experts(kind + SCALES_SUFFIX, layer)
+        self.scales = self.typed_scales.view(np.uint8)
+        if h.zero_points:
+            self.zeros = model.experts(kind + ZEROS_SUFFIX, layer)
+        else:
+            self.zeros = dummies.setdefault(("z", count, self.rows), _readonly(np.zeros((count, self.rows, 1), np.int8)))
+
+
+class CpuEngine:
+    """Runs layers of an open ColibriFile on float32 rows, writing into preallocated buffers.
+
+    Args:
+        model: an open `colibri_sdk.format.ColibriFile` (v1 or v2, any storage).
+        rows: the most rows (batch · tokens) one call passes.
+
+    Attributes:
+        capacity: colibri_sdk.capacity.Capacity or None (dropless); valid: (rows,) bool real-token rows or None;
+        dropped: pairs dropped by capacity since the last run_into.
+    """
+
+    def __init__(self, model, rows: int, capacity=None):
+        self.file = model
+        self.capacity, self.valid, self.dropped = capacity, None, 0
+        h = self.header = model.header
+        self.v2 = isinstance(h, HeaderV2)
+        H, E, I, k = h.hidden_size, h.num_experts, h.intermediate_size, h.top_k
+        quant = getattr(h, "quant", QUANT_FLOAT)
+        self.store = (K.STORE_F32, K.STORE_F16)[h.dtype] if quant == QUANT_FLOAT else (
+            K.STORE_Q4 if quant == QUANT_INT4 else K.STORE_Q8)
+        self.scale_f16 = quant != QUANT_FLOAT and h.dtype == 1
+        self.has_zero = bool(getattr(h, "zero_points", 0))
+        self.group = int(getattr(h, "group_size", 0))
+        self.has_bias = bool(self.v2 and h.expert_bias)
+        self.clamped = bool(self.v2 and h.activation == ACTIVATION_CLAMPED_SWIGLU)
+        self.act = K.ACT_CLAMPED if self.clamped else K.ACT_SWIGLU
+        self.limit = np.float32(h.swiglu_limit if self.clamped else 0.0)
+        self.alpha = np.float32(h.swiglu_alpha if self.clamped else 0.0)
+        self.shared_count = int(h.num_shared_experts) if self.v2 else 0
+        SI = int(h.shared_intermediate_size) if self.shared_count else 0
+        self.rows = n = int(rows)
+        f32 = np.float32
+        self.h = (np.zeros((n, H), f32), np.zeros((n, H), f32))
+        self.logits = np.zeros((n, E), f32)
+        self.order = np.zeros(n * k, np.int64)
+        self.pair_w = np.zeros(n * k, f32)
+        self.starts = np.zeros(E + 1, np.int64)
+        self.tok = np.zeros(n, np.int64)
+        wide = max(I, SI, H)
+        self._gate_flat = np.zeros(n * wide, f32)
+        self._up_flat = np.zeros(n * wide, f32)
+        self.xs = np.zeros((n, H), f32)
+        self.y = np.zeros((n, H), f32)
+        self.shared_out = np.zeros((n, H), f32)
+        self.tile = np.zeros(TILE_ROWS * wide, f32)
+        self.tile_out = np.zeros(n * TILE_ROWS, f32)
+        self.buf = np.zeros(wide, f32)  # one decoded row
+        self._sbufs: dict[int, np.ndarray] = {}
+        self.shared_order = np.arange(n, dtype=np.int64)
+        self.shared_starts = np.zeros(2, np.int64)
+        self.ones = np.ones(n, f32)
+        self.all_experts = np.arange(E, dtype=np.int64)
+        self.first = np.zeros(1, np.int64)
+        self._dummies: dict = {}
+        self._layers: list = [None] * h.num_layers
+        self._checked = np.zeros((h.num_layers, E), bool)
+        self._no_bias_i = _readonly(np.zeros((1, I), f32))
+        self._no_bias_h = _readonly(np.zeros((1, H), f32))
+
+    def warm_up(self) -> None:
+        """Compile (or load from numba's on-disk cache) every kernel for the argument types a call passes, on tiny
+        arrays of those types: no weight byte is read, and no call pays for compilation (the CPU backend runs
+        this at load)."""
+        f32, i64 = np.float32, np.int64
+        codes = _readonly(np.zeros((1, 2, 8), np.uint8))  # one expert, 2 rows of 2 float32 columns
+        scales = _readonly(np.zeros((1, 2, 4), np.uint8))
+        zeros = _readonly(np.zeros((1, 2, 1), np.int8))
+        bias = _readonly(np.zeros((1, 2), f32))
+        x, out, gate, up = (np.zeros((1, 2), f32) for _ in range(4))
+        buf, sbuf = np.zeros(2, f32), np.zeros(1, f32)
+        one, pairs = np.zeros(1, i64), np.array([0, 1], i64)
+        K.experts_into(x, one, pairs, np.ones(1, f32), 1, one, K.STORE_F32, False, False, 0, codes, scales, zeros,
+                       codes, scales, zeros, codes, scales, zeros, False, bias, bias, bias, K.ACT_SWIGLU, f32(0),
+                       f32(0), out, np.zeros(1, i64), gate, up, buf, buf, sbuf, sbuf)
+        K.rows_into(K.STORE_F32, codes[0], scales[0], False, zeros[0], False, 0, 2, 0, 2, gate, buf, sbuf)
+        K._activate(gate, up, 1, K.ACT_SWIGLU, f32(0), f32(0))
+        K.scatter_add(out, np.zeros(1, i64), np.ones(1, f32), gate, 1, bias[0], False)
+        K.group_pairs(np.zeros((1, 1), i64), 1, pairs, one)
+        if self.header.dtype == 1 and not self.v2:  # a v1 fp16 file stores its router as float16
+            K.router_f16(x, _readonly(np.zeros((2, 1), np.uint16)), np.zeros((1, 1), f32))
+
+    def _sbuf(self, cols: int) -> np.ndarray:
+        """Scratch for one row's group scales, (groups of a row of `cols` columns,) float32."""
+        buf = self._sbufs.get(cols)
+        if buf is None:
+            groups = self.header.groups_for(cols) if self.v2 else 1
+            buf = self._sbufs[cols] = np.zeros(max(1, groups), np.float32)
+        return buf
+
+    def _inter(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The gate and up buffers as C-contiguous (rows, width) float32."""
+        size = self.rows * width
+        return (self._gate_flat[:size].reshape(self.rows, width), self._up_flat[:size].reshape(self.rows, width))
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def _layer(self, layer: int) -> dict:
+        """The layer's stored views (made once, on first use; nothing is read from the file here)."""
+        cached = self._layers[layer]
+        if cached is not None:
+            return cached
+        model, h = self.file, self.header
+        w = {kind: _Matrix(model, kind, layer, self._dummies) for kind in ("gate_proj", "up_proj", "down_proj")}
+        router = self._finite(model.router(layer), "router", layer)
+        w["router"] = router if router.dtype == np.float32 else router.view(np.uint16)
+        v2 = self.v2
+        w["router_bias"] = self._finite(model.vector("router_bias", layer), "router_bias", layer) \
+            if v2 and h.router_bias else None
+        w["correction_bias"] = self._finite(model.vector("correction_bias", layer), "correction_bias", layer) \
+            if v2 and h.correction_bias else None
+        if self.has_bias:
+            w.update({kind: self._finite(model.vector(kind, layer), kind, layer)
+                      for kind in ("gate_bias", "up_bias", "down_bias")})
+        else:
+            w.update(gate_bias=self._no_bias_i, up_bias=self._no_bias_i, down_bias=self._no_bias_h)
+        if self.shared_count:
+            shared = {kind: _Matrix(model, "shared_" + kind, layer, self._dummies)
+                      for kind in ("gate_proj", "up_proj", "down_proj")}
+            for m in shared.values():
+                for s in range(self.shared_count):
+                    self._finite_matrix(m, layer, s)
+            w["shared"] = shared
+            w["shared_gate"] = self._finite(model.vector("shared_expert_gate", layer), "shared_expert_gate", layer) \
+                if h.shared_gate else None
+        self._layers[layer] = w
+        return w
+
+    def _finite(self, values: np.ndarray, kind: str, layer: int, index: int | None = None) -> np.ndarray:
+        """`values` unchanged; FormatError if they hold NaN or Inf (as the reference engine's check)."""
+        if not np.isfinite(values).all():
+            bad = int(np.count_nonzero(~np.isfinite(values)))
+            where = f"layer {layer}" + ("" if index is None else f", expert {index}")
+            raise FormatError(
+                f"{self.file.path}: {kind} ({where}) holds {bad} non-finite value{'s' if bad != 1 else ''} (NaN or "
+                f"Inf); allowed: finite values (the file is corrupted)"
+            )
+        return values
+
+    def _finite_matrix(self, m: _Matrix, layer: int, expert: int) -> None:
+        if m.typed_scales is not None:
+            self._finite(m.typed_scales[expert], m.kind + SCALES_SUFFIX, layer, expert)
+        else:
+            self._finite(m.typed[expert], m.kind, layer, expert)
+
+    def _check_experts(self, layer: int, w: dict, used: np.ndarray) -> None:
+        """Check the stored values of experts `used` of `layer` that no earlier call has used."""
+        fresh = used[~self._checked[layer, used]]
+        for e in fresh.tolist():
+            for kind in ("gate_proj", "up_proj", "down_proj"):
+                self._finite_matrix(w[kind], layer, e)
+            self._checked[layer, e] = True
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def route(self, layer: int, x: np.ndarray, w: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, weights) (tokens, top_k) for x (tokens, hidden), as the reference engine routes in float32."""
+        n = x.shape[0]
+        logits = self.logits[:n]
+        router = w["router"]
+        if router.dtype == np.float32:
+            np.matmul(x, router, out=logits)
+        else:
+            K.router_f16(x, router, logits)
+        h = self.header
+        if not self.v2:
+            return topk_route(logits, h.top_k, h.routing)
+        if w["router_bias"] is not None:
+            logits += w["router_bias"]
+        return route_v2(logits, h, w["correction_bias"])
+
+    def layer_into(self, layer: int, x: np.ndarray, out: np.ndarray) -> None:
+        """out[:] = the MoE block of `layer` on x (n, hidden) float32 (not composed with x)."""
+        n, h = x.shape[0], self.header
+        w = self._layer(layer)
+        with np.errstate(over="ignore", invalid="ignore"):
+            ids, weights = self.route(layer, x, w)
+        if self.capacity is not None:
+            from ..capacity import apply_capacity
+
+            valid = None if self.valid is None else self.valid[:n]
+            ids, dropped = apply_capacity(ids, weights, h.num_experts, self.capacity, valid)
+            self.dropped += dropped
+        k = h.top_k
+        pair_w = self.pair_w[: n * k]
+        pair_w[:] = weights.reshape(-1)
+        order, starts = self.order, self.starts
+        K.group_pairs(np.ascontiguousarray(ids, dtype=np.int64), h.num_experts, starts, order)
+        counts = np.diff(starts)
+        used = np.flatnonzero(counts)
+        self._check_experts(layer, w, used)
+        out.fill(0.0)
+        big = used[counts[used] >= BLAS_PAIRS]
+        small = used if big.size == 0 else used[counts[used] < BLAS_PAIRS]
+        if small.size:
+            self._experts(x, order, starts, pair_w, k, small, w, out)
+        for e in big.tolist():
+            self._expert_blas(x, int(e), w, out)
+        if self.shared_count:
+            self._shared(x, w, out)
+
+    def _experts(self, x, order, starts, pair_w, k, chosen, w, out, act=None) -> None:
+        """experts_into for the matrices of w (routed: with biases and the file's activation; shared: act given)."""
+        g, u, d = w["gate_proj"], w["up_proj"], w["down_proj"]
+        gate, up = self._inter(g.rows)
+        hidden = self.header.hidden_size
+        K.experts_into(
+            x, order, starts, pair_w, k, chosen, self.store, self.scale_f16, self.has_zero, self.group,
+            g.codes, g.scales, g.zeros, u.codes, u.scales, u.zeros, d.codes, d.scales, d.zeros,
+            self.has_bias and act is None, w["gate_bias"], w["up_bias"], w["down_bias"],
+            self.act if act is None else act, self.limit, self.alpha, out, self.tok, gate, up,
+            self.buf[:hidden], self.buf[: g.rows], self._sbuf(hidden), self._sbuf(g.rows),
+        )
+
+    def _project_blas(self, m: _Matrix, expert: int, xs: np.ndarray, dst: np.ndarray) -> None:
+        """dst (n, rows) = xs (n, cols) @ W.T by BLAS: float32 weights in place, others by decoded tiles."""
+        if m.floats is not None:
+            np.matmul(xs, m.floats[expert].T, out=dst)
+            return
+        n, tile, tile_out = xs.shape[0], self.tile, self.tile_out
+        sbuf = self._sbuf(m.cols)
+        codes, scales, zeros = m.codes[expert], m.scales[expert], m.zeros[expert]
+        for start in range(0, m.rows, TILE_ROWS):
+            stop = min(start + TILE_ROWS, m.rows)
+            # C-contiguous views: NumPy's matmul takes its slow non-BLAS loop on a strided tile (measured 50x).
+            block = tile[: (stop - start) * m.cols].reshape(stop - start, m.cols)
+            K.rows_into(self.store, codes, scales, self.scale_f16, zeros, self.has_zero, self.group, m.cols,
+                        start, stop, block, self.buf[: m.cols], sbuf)
+            part = tile_out[: n * (stop - start)].reshape(n, stop - start)
+            np.matmul(xs, block.T, out=part)
+            dst[:, start:stop] = part
+
+    def _expert_blas(self, x, e: int, w: dict, out) -> None:
+        """One expert's pairs through BLAS (compute-bound sizes): gather, gate/up, SwiGLU, down, weighted sum."""
+        p0, p1 = int(self.starts[e]), int(self.starts[e + 1])
+        n, k = p1 - p0, self.header.top_k
+        pairs = self.order[p0:p1]
+        tok = self.tok[:n]
+        np.floor_divide(pairs, k, out=tok)
+        xs = self.xs[:n]
+        np.take(x, tok, axis=0, out=xs, mode="clip")
+        gate, up = (a[:n] for a in self._inter(self.header.intermediate_size))
+        self._project_blas(w["gate_proj"], e, xs, gate)
+        self._project_blas(w["up_proj"], e, xs, up)
+        if self.has_bias:
+            gate += w["gate_bias"][e]
+            up += w["up_bias"][e]
+        K._activate(gate, up, n, self.act, self.limit, self.alpha)
+        y = self.y[:n]
+        self._project_blas(w["down_proj"], e, gate, y)
+        pw = self.pair_w[pairs] if n else self.ones[:0]
+        K.scatter_add(out, tok, pw.astype(np.float32, copy=False), y, n, w["down_bias"][e if self.has_bias else 0],
+                      self.has_bias)
+
+    def _shared(self, x, w: dict, out) -> None:
+        """out += the shared experts' sum on every row of x (SwiGLU, no biases), times sigmoid(x @ shared_gate)
+        where the file has it (reference: ReferenceEngine.shared)."""
+        n = x.shape[0]
+        acc = self.shared_out[:n]
+        acc.fill(0.0)
+        shared = w["shared"]
+        for s in range(self.shared_count):
+            starts = np.zeros(s + 2, np.int64)  # "expert" s of the shared blocks takes every row once, weight 1
+            starts[s + 1] = n
+            self.first[0] = s
+            matrices = {**shared, "gate_bias": self._no_bias_i, "up_bias": self._no_bias_i,
+                        "down_bias": self._no_bias_h}
+            self._experts(x, self.shared_order, starts, self.ones, 1, self.first, matrices, acc, act=K.ACT_SWIGLU)
+        if w["shared_gate"] is not None:
+            g = x @ w["shared_gate"]
+            with np.errstate(over="ignore"):
+                acc *= (1.0 / (1.0 + np.exp(-g)))[:, None]
+        out += acc
+
+    def run_into(self, x: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
+        """out (n, hidden) = layers start..stop-1 composed (sequential: y; residual: x + y) on x (n, hidden)."""
+        residual = self.header.composition == COMPOSITION_RESIDUAL
+        n = x.shape[0]
+        h = x
+        self.dropped = 0
+        for i, layer in enumerate(range(start, stop)):
+            nxt = self.h[i % 2][:n]
+            self.layer_into(layer, h, nxt)
+            if residual:
+                np.add(nxt, h, out=nxt)
+            h = nxt
+        np.copyto(out, h)

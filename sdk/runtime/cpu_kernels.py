@@ -1,0 +1,265 @@
+"""The CPU backend's compiled loops (numba): expert matrices read as they are stored, fused with the products.
+
+Every expert matrix reaches these kernels as the raw bytes of the file's mmap'ed block, (experts, rows, row bytes)
+uint8, with a storage code:
+
+    STORE_F32  float32 rows                       used in place
+    STORE_F16  float16 rows                       widened one row at a time into an L1-sized buffer
+    STORE_Q8   int8 codes + scales (+ zero points) dequantized one row at a time (docs/format.md, "Dequantization")
+    STORE_Q4   packed int4 codes + scales (+ zeros) the same, two columns per byte (colibri_sdk.format.quant)
+
+A product `y[t, r] = sum_c W[r, c] * x[t, c]` decodes row r once into `buf` (cols,) float32 — exactly the values of
+`colibri_sdk.format.quant.dequantize` and of NumPy's float16 → float32 cast — and multiplies it with every token
+routed to the expert while it is in L1: each expert's rows are read once per call at any token count, and no
+widened copy of a matrix is ever made. Sums are in float32 (the order of the additions is the compiler's, vectorised
+with `fastmath` reassociation only: no flush of subnormals, no finite-math assumptions).
+
+`experts_into` runs one layer's routed experts (or a layer's shared experts) for the pairs grouped per expert
+(`group_pairs`), adding `weight * expert(x)` to each token's output row in increasing expert order, as the
+reference engine does (colibri_sdk.reference).
+
+Compilation: `cache=True` writes the machine code next to this file (`__pycache__`) or, where the install is
+read-only, under NUMBA_CACHE_DIR / the user's cache folder (numba's own rule); `warm_up()` compiles every kernel
+once with the argument types the engine passes, which the CPU backend calls at load so that no call pays for it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+
+def _import_numba():
+    """Import numba without PyYAML: numba imports yaml only to read an optional `.numba_config.yaml` in the working
+    directory, which the runtime does not use (NUMBA_* environment variables still apply); the CPU runtime keeps
+    its imports to NumPy, threadpoolctl and numba."""
+    if "numba" in sys.modules or "yaml" in sys.modules:
+        import numba
+        return numba
+    sys.modules["yaml"] = None  # `import yaml` raises ImportError while numba reads its configuration
+    try:
+        import numba
+    finally:
+        del sys.modules["yaml"]
+    return numba
+
+
+njit = _import_numba().njit
+
+STORE_F32, STORE_F16, STORE_Q8, STORE_Q4 = 0, 1, 2, 3
+ACT_SWIGLU, ACT_CLAMPED = 0, 1
+
+# reassoc + contract let LLVM vectorise the float32 dot products (and use FMA); no nnan/ninf: silu's exp overflow
+# must give the exact 0 limit, as in NumPy.
+_FASTMATH = {"reassoc", "contract", "nsz"}
+_JIT = dict(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+
+U = np.uint64
+_F16_SCALE = np.float32(2.0**112)  # float16 bits shifted into a float32's place, times 2^112, are the same value
+
+
+@njit(**_JIT)
+def _f16_into(src, buf):
+    """buf[c] = float32(src[c]) for float16 bits src (n,) uint16, finite values (subnormals exact)."""
+    bits = buf.view(np.uint32)
+    for c in range(src.shape[0]):
+        h = np.uint32(src[c])
+        bits[c] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
+    for c in range(src.shape[0]):
+        buf[c] = buf[c] * _F16_SCALE
+
+
+@njit(**_JIT)
+def _scales_into(scales_row, scale_f16, sbuf):
+    """The row's group scales as float32 into sbuf (groups,); scales_row: the stored bytes of the row."""
+    if scale_f16:
+        _f16_into(scales_row.view(np.uint16), sbuf)
+    else:
+        src = scales_row.view(np.float32)
+        for g in range(sbuf.shape[0]):
+            sbuf[g] = src[g]
+
+
+@njit(**_JIT)
+def _decode_row(store, row, scales_row, scale_f16, zeros_row, has_zero, group, cols, buf, sbuf):
+    """Row `row` (its stored bytes) as float32 values: a view for STORE_F32, else decoded into buf (cols,)."""
+    if store == STORE_F32:
+        return row.view(np.float32)
+    if store == STORE_F16:
+        _f16_into(row.view(np.uint16), buf)
+        return buf
+    _scales_into(scales_row, scale_f16, sbuf)
+    # Unsigned indices: a signed one that LLVM cannot prove >= 0 keeps NumPy's negative-index wraparound in the
+    # loop, which stops its vectorisation (measured 6-9x slower).
+    size = U(cols if group == 0 else group)
+    groups = sbuf.shape[0]
+    if store == STORE_Q8:
+        q = row.view(np.int8)
+        for g in range(groups):
+            s = sbuf[g]
+            z = np.float32(zeros_row[g]) if has_zero else np.float32(0.0)
+            start = U(g) * size
+            count = min(size, U(cols) - start)
+            for j in range(count):
+                c = start + U(j)
+                buf[c] = s * (np.float32(q[c]) - z)
+        return buf
+    # STORE_Q4: column 2j in the low nibble of byte j, 2j+1 in the high nibble, each code + 8; groups start at
+    # even columns (group sizes 32, 64, 128).
+    for g in range(groups):
+        s = sbuf[g]
+        z = np.float32(zeros_row[g]) if has_zero else np.float32(0.0)
+        offset = np.float32(8.0) + z
+        start = U(g) * size
+        count = min(size, U(cols) - start)
+        pairs = count // U(2)
+        base = start // U(2)
+        for j in range(pairs):
+            b = row[base + U(j)]
+            c = start + U(2) * U(j)
+            buf[c] = s * (np.float32(b & np.uint8(15)) - offset)
+            buf[c + U(1)] = s * (np.float32(b >> np.uint8(4)) - offset)
+        if count % U(2):
+            b = row[base + pairs]
+            buf[start + count - U(1)] = s * (np.float32(b & np.uint8(15)) - offset)
+    return buf
+
+
+@njit(**_JIT)
+def rows_into(store, codes, scales, scale_f16, zeros, has_zero, group, cols, start, stop, out, buf, sbuf):
+    """Decode rows start..stop-1 of one matrix (rows, row bytes) into out (stop - start, cols) float32 (the
+    tiles of the CPU backend's BLAS path for larger token counts)."""
+    for r in range(start, stop):
+        w = _decode_row(store, codes[r], scales[r], scale_f16, zeros[r], has_zero, group, cols, buf, sbuf)
+        dst = out[r - start]
+        for c in range(cols):
+            dst[c] = w[c]
+
+
+@njit(**_JIT)
+def _project(store, codes, scales, scale_f16, zeros, has_zero, group, x, rows_of_x, n, out, buf, sbuf):
+    """out[t, r] = sum_c W[r, c] * x[rows_of_x[t], c] for t < n, every row r of W (rows, row bytes)."""
+    cols = x.shape[1]
+    for r in range(codes.shape[0]):
+        w = _decode_row(store, codes[r], scales[r], scale_f16, zeros[r], has_zero, group, cols, buf, sbuf)
+        for t in range(n):
+            xt = x[rows_of_x[t]]
+            acc = np.float32(0.0)
+            for c in range(cols):
+                acc += w[c] * xt[c]
+            out[t, r] = acc
+
+
+@njit(**_JIT)
+def _activate(gate, up, n, act, limit, alpha):
+    """gate[:n] = SwiGLU (silu(gate) * up) or gpt-oss's clamped SwiGLU of gate[:n], up[:n] (colibri_sdk.reference)."""
+    one = np.float32(1.0)
+    for t in range(n):
+        g, u = gate[t], up[t]
+        for c in range(g.shape[0]):
+            a = g[c]
+            if act == ACT_CLAMPED:
+                a = min(a, limit)
+                b = max(min(u[c], limit), -limit)
+                g[c] = a * (one / (one + np.exp(-(a * alpha)))) * (b + one)
+            else:
+                g[c] = a / (one + np.exp(-a)) * u[c]
+
+
+@njit(**_JIT)
+def group_pairs(ids, num_experts, counts, order):
+    """Group the (token, slot) pairs of ids (tokens, top_k) by expert: counts (experts + 1,) becomes the start of
+    each expert's pairs in order (tokens * top_k,), each pair as token * top_k + slot, tokens increasing. A
+    dropped pair (expert -1, expert capacity) is skipped. Returns the number of pairs kept."""
+    tokens, k = ids.shape
+    for e in range(num_experts + 1):
+        counts[e] = 0
+    for t in range(tokens):
+        for j in range(k):
+            e = ids[t, j]
+            if e >= 0:
+                counts[e + 1] += 1
+    for e in range(num_experts):
+        counts[e + 1] += counts[e]
+    fill = counts[:num_experts].copy()
+    for t in range(tokens):
+        for j in range(k):
+            e = ids[t, j]
+            if e >= 0:
+                order[fill[e]] = t * k + j
+                fill[e] += 1
+    return counts[num_experts]
+
+
+@njit(**_JIT)
+def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16, has_zero, group,
+                 gate_w, gate_s, gate_z, up_w, up_s, up_z, down_w, down_s, down_z,
+                 has_bias, gate_b, up_b, down_b, act, limit, alpha, out, tok, gate, up, buf_h, buf_i, sbuf_h, sbuf_i):
+    """out[token] += w_pair * expert(x[token]) for the pairs of each expert in `chosen` (increasing), SwiGLU
+    experts (gate/up (experts, intermediate, bytes), down (experts, hidden, bytes), as stored).
+
+    Args:
+        x: (tokens, hidden) float32; out: (tokens, hidden) float32, added to.
+        order, starts: the pairs grouped by expert (group_pairs); pair p = token * top_k + slot.
+        pair_weights: (tokens * top_k,) float32 routing weights (pair p's weight at p).
+        chosen: (m,) int64 experts to run here, increasing.
+        gate_b, up_b (experts, intermediate), down_b (experts, hidden): float32 biases where has_bias.
+        tok (tokens,) int64, gate/up (tokens, intermediate), buf_h (hidden,), buf_i (intermediate,), sbuf_*:
+            scratch.
+    """
+    hidden = x.shape[1]
+    for m in range(chosen.shape[0]):
+        e = chosen[m]
+        p0, p1 = starts[e], starts[e + 1]
+        n = p1 - p0
+        if n == 0:
+            continue
+        for i in range(n):
+            tok[i] = order[p0 + i] // top_k
+        _project(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok, n, gate, buf_h, sbuf_h)
+        _project(store, up_w[e], up_s[e], scale_f16, up_z[e], has_zero, group, x, tok, n, up, buf_h, sbuf_h)
+        if has_bias:
+            for i in range(n):
+                for c in range(gate.shape[1]):
+                    gate[i, c] += gate_b[e, c]
+                    up[i, c] += up_b[e, c]
+        _activate(gate, up, n, act, limit, alpha)
+        # Down projection fused with the weighted sum: row r of W_down gives column r of every pair's output.
+        codes, scales, zeros = down_w[e], down_s[e], down_z[e]
+        inter = gate.shape[1]
+        for r in range(hidden):
+            w = _decode_row(store, codes[r], scales[r], scale_f16, zeros[r], has_zero, group, inter, buf_i, sbuf_i)
+            bias = down_b[e, r] if has_bias else np.float32(0.0)
+            for i in range(n):
+                a = gate[i]
+                acc = np.float32(0.0)
+                for c in range(inter):
+                    acc += w[c] * a[c]
+                out[tok[i], r] += pair_weights[order[p0 + i]] * (acc + bias)
+
+
+@njit(**_JIT)
+def scatter_add(out, tok, pair_w, y, n, bias, has_bias):
+    """out[tok[i]] += pair_w[i] * (y[i] + bias) for i < n (the BLAS path's weighted sum, bias (hidden,))."""
+    for i in range(n):
+        dst, src, w = out[tok[i]], y[i], pair_w[i]
+        for c in range(dst.shape[0]):
+            b = bias[c] if has_bias else np.float32(0.0)
+            dst[c] += w * (src[c] + b)
+
+
+@njit(**_JIT)
+def router_f16(x, router, logits):
+    """logits (tokens, experts) = x (tokens, hidden) float32 @ router (hidden, experts) float16 bits (uint16), row
+    by row of the router (each read once), summed in float32."""
+    tokens, hidden = x.shape
+    experts = router.shape[1]
+    row = np.empty(experts, np.float32)
+    logits[:tokens] = 0.0
+    for h in range(hidden):
+        _f16_into(router[h], row)
+        for t in range(tokens):
+            v = x[t, h]
+            for e in range(experts):
+                logits[t, e] += v * row[e]

@@ -1,0 +1,143 @@
+"""The CPU backend's engine (sdk/runtime/cpu_engine.py, kernels in cpu_kernels.py) against the float64 reference
+engine, the oracle: every storage (fp32, fp16, int8 per row and grouped, int4 grouped, zero points) with and
+without every v2 feature (routing variants, group-limited selection, router / correction / expert biases, shared
+experts with their gate, clamped SwiGLU, routed scaling, a layer map), at token counts on both paths (the
+compiled per-expert kernel and BLAS, BLAS_PAIRS); v1 files with a float16 router; the exact float16 widening;
+a corrupted tensor named by a FormatError.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_sdk.errors import FormatError
+from colibri_sdk.format import ColibriFile, Header, HeaderV2, write_model
+from colibri_sdk.format.quant import QuantizedTensor, quantize_rtn
+from colibri_sdk.format.writer import write_arrays
+from colibri_sdk.reference import ReferenceEngine
+from colibri_sdk.runtime import cpu_kernels
+from colibri_sdk.runtime.cpu_engine import BLAS_PAIRS, CpuEngine
+
+BASE = dict(num_layers=2, num_experts=4, top_k=2, hidden_size=70, intermediate_size=45, routing=0, composition=1)
+FEATURES = dict(
+    routing=2, norm_topk=1, n_group=2, topk_group=1, group_score=2, router_bias=1, correction_bias=1,
+    num_shared_experts=2, shared_intermediate_size=33, shared_gate=1, expert_bias=1, activation=1, swiglu_limit=7.0,
+    swiglu_alpha=1.702, routed_scaling_factor=2.5, num_model_layers=4, layer_map=(1, 3),
+)
+# (dtype, quant, group size, zero points): the float dtype is the scales' for int8 / int4
+STORAGES = [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (0, 1, 32, 0), (1, 1, 64, 1), (1, 1, 128, 0),
+            (1, 2, 32, 0), (0, 2, 64, 1), (1, 2, 128, 1)]
+TOKENS = (1, 5, 3 * BLAS_PAIRS)  # the last gives some experts BLAS_PAIRS pairs or more (the BLAS path)
+
+
+def write_v2(path, fields, rng):
+    """A v2 file with N(0, 1/3) weights; with zero points, RTN codes and scales and random zero points."""
+    h = HeaderV2(**fields)
+    arrays = {}
+    for kind in h.kinds:
+        lead = (h.num_layers, h.count(kind)) if h.is_matrix(kind) else (h.num_layers,)
+        arrays[kind] = (rng.standard_normal(lead + h.shape(kind)) / 3).astype(np.float32)
+    if h.zero_points:
+        scale_dtype = np.float16 if h.dtype == 1 else np.float32
+        for kind in [k for k in arrays if h.is_matrix(k)]:
+            tensors = []
+            for layer in arrays[kind]:
+                row = []
+                for w in layer:
+                    t = quantize_rtn(w, h.quant, h.group_size, scale_dtype)
+                    zeros = rng.integers(-3, 4, t.scales.shape).astype(np.int8)
+                    row.append(QuantizedTensor(t.codes, t.scales, zeros, t.cols, t.group_size, t.quant))
+                tensors.append(row)
+            arrays[kind] = tensors
+    write_arrays(path, h, arrays)
+    return path
+
+
+def run_engine(path, x):
+    with ColibriFile(path) as model:
+        engine = CpuEngine(model, x.shape[0])
+        engine.warm_up()
+        out = np.full_like(x, np.nan)
+        engine.run_into(x, out, 0, model.header.num_layers)
+        del engine
+    return out
+
+
+def assert_matches_reference(path, x):
+    want = ReferenceEngine(path, compute_dtype=np.float64)(x)
+    got = run_engine(path, x)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "v2-features"])
+@pytest.mark.parametrize("dtype,quant,group,zeros", STORAGES,
+                         ids=[f"{'fp16' if d else 'fp32'}-{('float', 'int8', 'int4')[q]}-g{g}{'-zp' if z else ''}"
+                              for d, q, g, z in STORAGES])
+def test_every_storage_and_feature_matches_the_float64_reference(tmp_path, features, dtype, quant, group, zeros):
+    rng = np.random.default_rng(quant * 100 + group + zeros)
+    fields = dict(BASE, dtype=dtype, quant=quant, group_size=group, zero_points=zeros, **(FEATURES if features else {}))
+    path = write_v2(tmp_path / "m.colibri", fields, rng)
+    for tokens in TOKENS:
+        assert_matches_reference(path, rng.standard_normal((tokens, BASE["hidden_size"])).astype(np.float32))
+
+
+@pytest.mark.parametrize("routing", [0, 1])
+@pytest.mark.parametrize("dtype", [0, 1], ids=["fp32", "fp16"])
+def test_v1_files_match_the_reference(tmp_path, dtype, routing):
+    """v1: the router in the file's dtype (float16 through cpu_kernels.router_f16), sequential layers."""
+    rng = np.random.default_rng(dtype * 2 + routing)
+    L, E, k, H, I = 2, 6, 2, 48, 40
+    h = Header(num_layers=L, num_experts=E, top_k=k, hidden_size=H, intermediate_size=I, dtype=dtype,
+               routing=routing, composition=0)
+    path = write_model(tmp_path / "m.colibri", h, rng.standard_normal((L, E, I, H)) / np.sqrt(H),
+                       rng.standard_normal((L, E, I, H)) / np.sqrt(H), rng.standard_normal((L, E, H, I)) / np.sqrt(I),
+                       rng.standard_normal((L, H, E)))
+    for tokens in TOKENS:
+        assert_matches_reference(path, rng.standard_normal((tokens, H)).astype(np.float32))
+
+
+def test_float16_widening_is_exact():
+    """Every finite float16 bit pattern (normals, subnormals, signed zeros) widens as NumPy's cast does."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    values = bits.view(np.float16)
+    finite = bits[np.isfinite(values)]
+    out = np.empty(finite.size, np.float32)
+    cpu_kernels._f16_into(finite, out)
+    np.testing.assert_array_equal(out.view(np.uint32), finite.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+def test_int4_rows_decode_to_the_exact_dequantization():
+    """rows_into on int4 codes with zero points, a partial last group and an odd column count equals
+    colibri_sdk.format.quant.dequantize bit for bit."""
+    rng = np.random.default_rng(3)
+    rows, cols, group = 5, 77, 32
+    t = quantize_rtn(rng.standard_normal((rows, cols)).astype(np.float32), 2, group, np.float16)
+    zeros = rng.integers(-8, 8, t.scales.shape).astype(np.int8)
+    from colibri_sdk.format.quant import pack_int4
+
+    packed = QuantizedTensor(pack_int4(t.codes), t.scales, zeros, cols, group, 2, packed=True)
+    out = np.zeros((rows, cols), np.float32)
+    groups = t.scales.shape[1]
+    cpu_kernels.rows_into(cpu_kernels.STORE_Q4, packed.codes, np.ascontiguousarray(t.scales).view(np.uint8), True,
+                          zeros, True, group, cols, 0, rows, out, np.zeros(cols, np.float32),
+                          np.zeros(groups, np.float32))
+    np.testing.assert_array_equal(out, packed.dequantize())
+
+
+@pytest.mark.parametrize("quant", [0, 2], ids=["float", "int4"])
+def test_a_non_finite_stored_tensor_is_named(tmp_path, quant):
+    """A NaN in an expert's matrix (float) or scales (int4) is a FormatError naming the tensor, not an output."""
+    fields = dict(BASE, dtype=1, quant=quant, group_size=32 if quant else 0)
+    path = write_v2(tmp_path / "m.colibri", fields, np.random.default_rng(4))
+    with ColibriFile(path) as f:
+        block = f.header.block("gate_proj.scales" if quant else "gate_proj")
+    data = bytearray(path.read_bytes())
+    data[block.offset:block.offset + block.nbytes] = np.full(block.nbytes // 2, np.nan, np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    x = np.random.default_rng(5).standard_normal((8, BASE["hidden_size"])).astype(np.float32)
+    name = "gate_proj.scales" if quant else "gate_proj"
+    with pytest.raises(FormatError, match=rf"m\.colibri: {name} \(layer 0, expert \d\) holds \d+ non-finite values "
+                                          r"\(NaN or Inf\); allowed: finite values"):
+        run_engine(path, x)
