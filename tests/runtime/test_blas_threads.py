@@ -81,7 +81,7 @@ def test_overlapping_calls_from_threads_restore_the_original(no_thread_variables
 def test_cpu_backend_runs_with_one_thread_and_restores(small_bundle, no_thread_variables, two_threads):
     seen = []
     with Runtime.load(small_bundle, backend="cpu", verify=False) as rt:
-        engine = rt._backend._scratch  # the CPU backend's forward pass (sdk/runtime/scratch_engine.py)
+        engine = rt._backend._scratch  # the CPU backend's forward pass (sdk/runtime/cpu_engine.py)
         run = engine.run_into
 
         def recording(*args):

@@ -1,7 +1,7 @@
 """Bring-your-own-memory (`infer(x, out=buf)`), per-layer calls and stats on the CPU backend.
 
 Expected values come from the float64 reference engine (colibri_sdk.reference), the oracle; the CPU backend under
-test runs the preallocated-scratch engine (sdk/runtime/scratch_engine.py).
+test runs its one engine (sdk/runtime/cpu_engine.py).
 """
 
 from __future__ import annotations
