@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from c_runtime_support import SHIPPED, build_bundle_for, manifest  # noqa: E402,F401
@@ -51,7 +52,7 @@ def c_build(tmp_path_factory) -> Path:
         return Path(given)
     out = tmp_path_factory.mktemp("c_runtime")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "c_runtime.sh"), "build", str(out)], capture_output=True,
-                          text=True, check=False, timeout=600)
+                          text=True, check=False, timeout=guard(2400))
     assert done.returncode == 0, f"scripts/c_runtime.sh build failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return out
 
@@ -92,9 +93,10 @@ def run_c(c_build, emu_libs, tmp_path):
     fail="cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY")."""
     count = [0]
 
-    def run(args: list[str], kernels: str | Path = "tiled", timeout: float = 120, asan: bool = True, program: str = "",
-            stdin: bytes | None = None, **settings) -> CRun:
+    def run(args: list[str], kernels: str | Path = "tiled", timeout: float | None = None, asan: bool = True,
+            program: str = "", stdin: bytes | None = None, **settings) -> CRun:
         count[0] += 1
+        timeout = guard(900) if timeout is None else timeout
         log = tmp_path / f"calls{count[0]}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(c_build), env.get("LD_LIBRARY_PATH")) if p)
