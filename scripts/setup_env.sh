@@ -24,7 +24,17 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$state" ]; then
 fi
 python -m pip install -q --upgrade pip
 if [[ "$extras" == *all* || "$extras" == *test* ]]; then
-  python -m pip install -q "torch==2.13.0"
+  # The CPU build of torch, named by its `+cpu` local version so that no CUDA build can match: PyPI's plain
+  # `torch==2.13.0` is the CUDA 13 build (it pulls cuda-bindings>=13, against the build extra's cuda-python<13).
+  # First a local wheel, offline (pip's find-links, e.g. /opt/wheels), then its dependencies from the usual index;
+  # else PyTorch's CPU wheel index, with a short network timeout so that an unreachable index fails, not hangs.
+  if python -m pip install -q --no-index --no-deps "torch==2.13.0+cpu" >/dev/null 2>&1; then
+    python -m pip install -q "torch==2.13.0+cpu"
+  else
+    echo "note: no local torch 2.13.0+cpu wheel; installing it from https://download.pytorch.org/whl/cpu"
+    python -m pip install -q --timeout 30 --retries 1 --index-url https://download.pytorch.org/whl/cpu \
+      "torch==2.13.0+cpu"
+  fi
 fi
 python -m pip install -q "$root[$extras]"
 echo "$state" >"$stamp"

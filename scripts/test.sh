@@ -20,6 +20,27 @@ if [ ! -f /usr/include/openssl/evp.h ] && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && apt-get install -y -qq libssl-dev >/dev/null
 fi
 source scripts/setup_env.sh all
+# The tests need the CPU build of torch and cuda-bindings 12 (the build extra's cuda-python<13): a CUDA torch or
+# cuda-bindings 13 in .venv is refused here in one line, before any test runs.
+python - <<'CHECK'
+import importlib.metadata as metadata
+import sys
+
+import torch
+
+problems = []
+if torch.version.cuda is not None:
+    problems.append(f"torch {torch.__version__} is a CUDA {torch.version.cuda} build; the tests need the CPU build")
+try:
+    bindings = metadata.version("cuda-bindings")
+except metadata.PackageNotFoundError:
+    bindings = None
+if bindings and int(bindings.split(".")[0]) >= 13:
+    problems.append(f"cuda-bindings {bindings} is installed; the tests need cuda-bindings 12 (cuda-python<13)")
+if problems:
+    sys.exit(f"scripts/test.sh: wrong .venv: {'; '.join(problems)} (rm -r .venv and run again: scripts/setup_env.sh "
+             "installs torch==2.13.0+cpu)")
+CHECK
 # One pytest worker per core (pytest-xdist); each test file runs on one worker, so its module fixtures are made once.
 # `bash scripts/test.sh -n 0` runs everything in one process.
 python -m pytest -q -ra -n auto --dist loadfile "$@"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from timeout_support import guard
 
 # Run the CLI in a fresh interpreter in which importing `module` fails as if the package were not installed.
 RUN_WITHOUT = """
@@ -26,7 +27,7 @@ sys.exit(main({argv!r}))
 def test_missing_optional_dependency_names_the_extra(tmp_path, module, extra, argv):
     result = subprocess.run(
         [sys.executable, "-c", RUN_WITHOUT.format(module=module, argv=argv)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        capture_output=True, text=True, cwd=tmp_path, timeout=guard(600),
     )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
@@ -38,7 +39,7 @@ def test_missing_optional_dependency_names_the_extra(tmp_path, module, extra, ar
 
 def test_closed_stdout_is_not_an_error(demo_model_path):
     cmd = f"{sys.executable} -m colibri_sdk inspect --json {demo_model_path} | head -c 10"
-    result = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=guard(600))
     assert result.stdout == '{\n  "path"'
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
 

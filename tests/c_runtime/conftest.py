@@ -9,13 +9,17 @@ fake driver; the fake runs the kernels through the CPU emulation of tests/kernel
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from c_runtime_support import SHIPPED, build_bundle_for, manifest  # noqa: E402,F401
@@ -43,16 +47,52 @@ if not Path("/usr/include/openssl/evp.h").exists() and not os.environ.get("COLIB
                 "as root)", allow_module_level=True)
 
 
+# What `scripts/c_runtime.sh build` reads: the key of the shared build below.
+C_SOURCES = ("scripts/c_runtime.sh", "sdk/libcolibri", "tests/fakecuda/fake_cuda.cpp", "tests/c_runtime/colibri_test.c",
+             "examples/jetson_qc/c/qc_loop.c", "bench/c_runtime_bench.c", "bench/noop_kernels.cpp")
+C_CACHE = Path(tempfile.gettempdir()) / "colibri-c-runtime"
+
+
+def c_build_key() -> str:
+    """sha256 of the compilers' versions, CC / COLIBRI_NO_CMAKE and every byte `scripts/c_runtime.sh build` reads."""
+    digest = hashlib.sha256()
+    for tool in (os.environ.get("CC", "cc"), "g++", "cmake"):
+        found = shutil.which(tool)
+        version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout if found else "-"
+        digest.update(f"{tool}\0{version}\0".encode())
+    digest.update(f"{os.environ.get('CC', '')}\0{os.environ.get('COLIBRI_NO_CMAKE', '')}\0".encode())
+    for name in C_SOURCES:
+        top = ROOT / name
+        for path in sorted([top] if top.is_file() else top.rglob("*")):
+            if path.is_file():
+                digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:24]
+
+
 @pytest.fixture(scope="session")
-def c_build(tmp_path_factory) -> Path:
-    """The folder with colibri_test, libcuda.so.1 (fake) and the libraries."""
+def c_build() -> Path:
+    """The folder with colibri_test, libcuda.so.1 (fake) and the libraries.
+
+    Built once per content (c_build_key) under $TMPDIR/colibri-c-runtime and shared by every test process (the
+    pytest-xdist workers, later runs): one process builds a key at a time (a lock file beside it), the others then
+    use what it built. The build stays where it was made (qc_loop's rpath names its folder); `built` marks it
+    complete."""
     given = os.environ.get("COLIBRI_C_BUILD")
     if given and (Path(given) / "colibri_test").exists():
         return Path(given)
-    out = tmp_path_factory.mktemp("c_runtime")
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "c_runtime.sh"), "build", str(out)], capture_output=True,
-                          text=True, check=False, timeout=600)
-    assert done.returncode == 0, f"scripts/c_runtime.sh build failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    out = C_CACHE / c_build_key()
+    if (out / "built").exists():
+        return out
+    C_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(C_CACHE / f"{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "built").exists():
+            return out
+        shutil.rmtree(out, ignore_errors=True)  # an interrupted build
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "c_runtime.sh"), "build", str(out)], capture_output=True,
+                              text=True, check=False, timeout=guard(2400))
+        assert done.returncode == 0, f"scripts/c_runtime.sh build failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        (out / "built").write_text("")
     return out
 
 
@@ -92,9 +132,10 @@ def run_c(c_build, emu_libs, tmp_path):
     fail="cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY")."""
     count = [0]
 
-    def run(args: list[str], kernels: str | Path = "tiled", timeout: float = 120, asan: bool = True, program: str = "",
-            stdin: bytes | None = None, **settings) -> CRun:
+    def run(args: list[str], kernels: str | Path = "tiled", timeout: float | None = None, asan: bool = True,
+            program: str = "", stdin: bytes | None = None, **settings) -> CRun:
         count[0] += 1
+        timeout = guard(900) if timeout is None else timeout
         log = tmp_path / f"calls{count[0]}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(c_build), env.get("LD_LIBRARY_PATH")) if p)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from c_runtime_support import SHIPPED, captured_launches, manifest
+from timeout_support import guard
 
 from colibri_sdk.bundle.reader import canonical_json, manifest_digest
 
@@ -68,7 +69,7 @@ def test_shipped_profile_bundle_as_the_cli_builds_it(run_c, tmp_path, name):
     m = manifest(bundle)
     major, minor = m["compute_capability"]
     run = run_c(["run", bundle, "calls=1"], kernels=build_library(m["kernels"][0]["defines"]), asan=False,
-                cc=f"{major}.{minor}", timeout=300)
+                cc=f"{major}.{minor}", timeout=guard(1200))
     assert run.rc == 0, run
     check_graph_run(run, len(m["launch"]), 1, captured_launches(m))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from c_runtime_support import manifest
+from timeout_support import guard
 
 from colibri_sdk.bundle.reader import canonical_json, manifest_digest
 
@@ -100,7 +101,7 @@ def run_python_cuda(c_build: Path, bundle: Path, folder: Path, hidden: int, call
     env.update(COLIBRI_FAKE_CUDA_CC=cc, COLIBRI_FAKE_CUDA_KERNEL_MAP=str(kmap),
                COLIBRI_FAKE_CUDA_KERNELS=str(kmap))  # every image is mapped: the fallback must never be used
     done = subprocess.run([sys.executable, "-c", PYTHON_CUDA, str(bundle), str(folder), str(hidden), *calls],
-                          capture_output=True, text=True, timeout=300, env=env, check=False)
+                          capture_output=True, text=True, timeout=guard(1200), env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from timeout_support import guard
 
 from colibri_sdk.format import ColibriFile
 from colibri_sdk.format.constants import ROUTING_SOFTMAX_TOPK, ROUTING_TOPK_SOFTMAX
@@ -150,7 +151,7 @@ def test_cli_subprocess(tmp_path, saved_mixtral):
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, "convert", str(folder), "-o", str(out), "--quiet"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=guard(600),
     )
     assert proc.returncode == 0, proc.stderr
     assert "mixtral (per-expert experts, F32 → float16)" in proc.stdout
@@ -163,11 +164,11 @@ def test_cli_verbose_lists_each_tensor_and_help_names_gguf(tmp_path, saved_mixtr
     folder, _ = saved_mixtral
     proc = subprocess.run(
         [sys.executable, "-m", "colibri_sdk", "convert", str(folder), "-o", str(tmp_path / "m.colibri"), "-v"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=guard(600),
     )
     assert proc.returncode == 0, proc.stderr
     assert "family mixtral" in proc.stderr
     assert "gate_proj layer 1 [15] <- " in proc.stderr
     usage = subprocess.run([sys.executable, "-m", "colibri_sdk", "convert", "--help"], capture_output=True,
-                           text=True, timeout=60).stdout
+                           text=True, timeout=guard(600)).stdout
     assert "HF_DIR|MODEL.gguf" in usage

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from deploy_bundles import HOSTILE, write_bundle  # noqa: E402
@@ -36,7 +37,7 @@ def target(sshd, known_hosts):
     from colibri_sdk.deploy import Target
 
     return Target(host="127.0.0.1", user=sshd.user, port=sshd.port, identity=str(sshd.user_key),
-                  known_hosts=str(known_hosts), connect_timeout=5.0, command_timeout=30.0)
+                  known_hosts=str(known_hosts), connect_timeout=guard(60), command_timeout=guard(600))
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from deploy_bundles import remote_tree, write_bundle
+from timeout_support import guard
 
 from colibri_sdk.deploy import (
     ChecksumMismatchError,
@@ -47,8 +48,9 @@ def new_bytes(old: Path, new: Path) -> int:
     return total
 
 
-def wait_unlocked(path: Path, timeout: float = 10.0) -> None:
+def wait_unlocked(path: Path, timeout: float | None = None) -> None:
     """Wait until no process holds the upload lock on `path` (the killed deploy's remote side has exited)."""
+    timeout = guard(120) if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with open(path, "rb") as f:
@@ -71,7 +73,7 @@ def test_killed_deploy_keeps_previous_bundle_and_resume_sends_only_the_rest(tmp_
            "--remote-dir", str(device_dir), "--remote-python", sys.executable, "--quiet", "--streams", "1"]
     proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + guard(600)
         while not (partial.exists() and partial.stat().st_size >= 8 << 20):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the upload never started"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from timeout_support import guard
 
 from colibri_sdk import __version__
 from colibri_sdk.deploy import DeployOptions, deploy, status
@@ -124,7 +125,7 @@ def device_wheels(tmp_path_factory):
 
     pins = [f"numpy=={version('numpy')}", f"threadpoolctl=={version('threadpoolctl')}", "cuda-bindings>=12,<13"]
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(folder),
-                           "--disable-pip-version-check", *pins], capture_output=True, text=True, timeout=300)
+                           "--disable-pip-version-check", *pins], capture_output=True, text=True, timeout=guard(1200))
     if proc.returncode != 0:
         pytest.skip(f"pip download of {pins} failed here, so no wheels for the full install: "
                     f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -207,7 +208,8 @@ def test_install_runtime_then_verify_uses_the_recorded_venv(tmp_path, target, pr
 def test_missing_packaging_names_the_extra(tmp_path):
     program = ("import sys; sys.modules['packaging'] = None; from colibri_sdk.cli import main; "
                "sys.exit(main(['deploy', '--host', '127.0.0.1', '--install-runtime', '--connect-timeout', '1']))")
-    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=guard(600))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("colibri-sdk deploy: error: --install-runtime needs the Python package 'packaging' "
                                    "(extra \"deploy\"): pip install \"colibri-sdk[deploy]\" (in a source checkout: "

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeout_support import guard
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "jetson_qc"
@@ -21,7 +22,7 @@ def qc_bundle(tmp_path_factory) -> Path:
     from qc.model import build_command
 
     out = tmp_path_factory.mktemp("qc") / "bundle"
-    done = subprocess.run(build_command(out), capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = subprocess.run(build_command(out), capture_output=True, text=True, cwd=ROOT, timeout=guard(1200))
     assert done.returncode == 0, done.stderr + done.stdout
     return out
 

@@ -18,6 +18,7 @@ import pytest
 from qc.loop import EventLog, run_loop
 from qc.model import Prediction
 from qc.sources import FolderSource, Frame, SourceError, open_source
+from timeout_support import guard
 
 ROOT = Path(__file__).resolve().parents[2]
 QC_LOOP = ROOT / "examples" / "jetson_qc" / "qc_loop.py"
@@ -64,7 +65,7 @@ def test_bad_numbers_are_usage_errors(capsys, flag, value, message):
 
 def test_bad_numbers_on_the_command_line_exit_2(tmp_path):
     done = subprocess.run([sys.executable, str(QC_LOOP), "--threshold", "nan", "--bundle", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=guard(600))
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines()[-1] == ("qc_loop.py: error: argument --threshold: nan; allowed: a finite "
                                             "number > 0 and <= 1")
@@ -80,7 +81,7 @@ def test_save_frames_pointing_at_a_file_exits_1_and_keeps_the_file(tmp_path):
     afile = tmp_path / "frames"
     afile.write_text("keep me")
     done = subprocess.run([sys.executable, str(QC_LOOP), "--save-frames", str(afile), "--bundle", str(tmp_path / "b"),
-                           "--no-build", "--max-frames", "1"], capture_output=True, text=True, timeout=60)
+                           "--no-build", "--max-frames", "1"], capture_output=True, text=True, timeout=guard(600))
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().endswith(f"ERROR --save-frames {afile}: cannot use it as a folder for the PNG frames: "
                                         f"File exists"), done.stderr

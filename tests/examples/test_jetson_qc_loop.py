@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from timeout_support import guard
 
 from qc.dataset import CLASSES
 from qc.loop import DropOldestQueue, EventLog, StopFlag, run_loop
@@ -28,7 +29,8 @@ def parse_events(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def run_cli(*args, timeout=120) -> subprocess.CompletedProcess:
+def run_cli(*args, timeout=None) -> subprocess.CompletedProcess:
+    timeout = guard(600) if timeout is None else timeout
     return subprocess.run([sys.executable, str(QC_LOOP), *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout)
 
@@ -69,7 +71,7 @@ def test_sigterm_stops_the_loop_cleanly(qc_bundle):
                             text=True, cwd=ROOT)
     try:
         seen = []
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + guard(600)
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
@@ -79,7 +81,7 @@ def test_sigterm_stops_the_loop_cleanly(qc_bundle):
                 break
         assert seen and seen[-1]["type"] == "frame", seen
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=20)
+        out, err = proc.communicate(timeout=guard(600))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from timeout_support import guard
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "jetson_qc" / "train.py"
@@ -21,7 +22,7 @@ def test_one_short_epoch_writes_loadable_weights(tmp_path):
     from qc.model import StemHead
 
     done = subprocess.run([sys.executable, str(TRAIN), "--epochs", "1", "--train", "256", "--held-out", "64",
-                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=guard(1200))
     assert done.returncode == 0, done.stderr
     assert "held-out accuracy (MoE weights rounded to fp16):" in done.stdout
     report = json.loads((tmp_path / "qc_train.json").read_text())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fakecuda_support import HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun  # noqa: E402,F401
@@ -79,13 +80,14 @@ def emit(**values):
 
 @pytest.fixture
 def run_fake(fake_driver, kernels_lib, tmp_path):
-    """run_fake(code, timeout=60, args=None, **settings) -> FakeRun: run Python `code` (or, with `args`, that
+    """run_fake(code, timeout=guard(600), args=None, **settings) -> FakeRun: run Python `code` (or, with `args`, that
     command) in a subprocess on the fake driver. `settings` become COLIBRI_FAKE_CUDA_<NAME> variables (cc="9.0",
     driver=12060, integrated=1, fail="cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY", kernels=path)."""
     count = [0]
 
-    def run(code: str = "", *, timeout: float = 60, args: list[str] | None = None, **settings) -> FakeRun:
+    def run(code: str = "", *, timeout: float | None = None, args: list[str] | None = None, **settings) -> FakeRun:
         count[0] += 1
+        timeout = guard(600) if timeout is None else timeout
         log = tmp_path / f"calls{count[0]}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(fake_driver), env.get("LD_LIBRARY_PATH")) if p)

@@ -12,6 +12,7 @@ import shutil
 
 import numpy as np
 import pytest
+from timeout_support import guard
 
 from colibri_sdk.capacity import Capacity
 from colibri_sdk.reference import ReferenceEngine
@@ -99,7 +100,7 @@ def test_the_cuda_backend_drops_and_counts_pairs_as_the_reference(run_fake, capa
             out["device"] = y.tolist()
             out["total"] = rt.stats().dropped_pairs
         emit(**out)
-    """, kernels=lib, timeout=120)
+    """, kernels=lib, timeout=guard(600))
     assert run.rc == 0 and run.result, run
     r = run.result
     x = np.random.default_rng(7).standard_normal((1, TOKENS, HIDDEN)).astype(np.float32)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timeout_support import guard
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +35,7 @@ def check_run(fake_driver, tmp_path_factory):
     env.update(PYTHON=sys.executable, COLIBRI_GPU_CHECK_FAKE_LIB=str(fake_driver),
                COLIBRI_GPU_CHECK_INSTALL="pythonpath", COLIBRI_FAKE_CUDA_FAIL="cuMemcpyDtoDAsync=CUDA_ERROR_UNKNOWN")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--fake", str(out)], capture_output=True,
-                          text=True, timeout=240, env=env, cwd=str(ROOT))
+                          text=True, timeout=guard(960), env=env, cwd=str(ROOT))
     lines = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
     return done, out, lines
 

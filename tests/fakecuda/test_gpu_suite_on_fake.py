@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from fakecuda_support import HERE, ROOT, TESTS
+from timeout_support import guard
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")
 
@@ -24,7 +25,7 @@ def test_gpu_tests_pass_on_the_fake_driver(run_fake, tmp_path):
     cmd = [sys.executable, "-m", "pytest", str(TESTS / "gpu"), "-q", "-x", "-p", "fake_gpu_plugin", "-k", selection,
            "-p", "no:cacheprovider", f"--rootdir={ROOT}", f"--basetemp={tmp_path / 'gpu'}"]
     # about 130 s alone on 2 cores: the limit leaves room for a busy machine (another test worker, a cold cache)
-    run = run_fake(args=["env", f"PYTHONPATH={HERE}{os.pathsep}{TESTS / 'kernels'}", *cmd], timeout=600)
+    run = run_fake(args=["env", f"PYTHONPATH={HERE}{os.pathsep}{TESTS / 'kernels'}", *cmd], timeout=guard(2400))
     assert run.rc == 0, run
     summary = run.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary

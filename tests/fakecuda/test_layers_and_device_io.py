@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 from fakecuda_support import HIDDEN, TOKENS
+from timeout_support import guard
 
 from colibri_sdk.bundle import Bundle
 from colibri_sdk.format.constants import COMPOSITION_RESIDUAL
@@ -35,7 +36,7 @@ x = np.random.default_rng(11).standard_normal((1, {tokens}, {hidden})).astype(np
 with Runtime.load({bundle!r}, backend="cuda", streams=2) as rt:
     whole = rt.infer(x)
     futures = [rt.submit(x[:, :t]) for t in (4, 2, 4, 3)]
-    submitted = [f.result(timeout=60).tolist() for f in futures]
+    submitted = [f.result(timeout={wait}).tolist() for f in futures]
     out = np.full_like(x, np.nan)
     same = rt.infer(x, out=out) is out
     layer0 = rt.layer(0, x)
@@ -95,7 +96,7 @@ def close(actual, expected):
 def test_layers_out_submit_and_device_arrays_on_the_fake_driver(run_fake, tiny_bundle, reference_output):
     x, expected = reference_output
     expected = expected.reshape(x.shape)
-    run = run_fake(CODE.format(bundle=str(tiny_bundle), tokens=TOKENS, hidden=HIDDEN))
+    run = run_fake(CODE.format(bundle=str(tiny_bundle), tokens=TOKENS, hidden=HIDDEN, wait=guard(600)))
     assert run.rc == 0 and run.result, run
     r = run.result
     close(r["whole"], expected)

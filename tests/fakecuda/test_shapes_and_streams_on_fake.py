@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 import pytest
 from fakecuda_support import HIDDEN
+from timeout_support import guard
 
 from colibri_sdk import catalog
 from colibri_sdk.bundle import Bundle
@@ -36,7 +37,7 @@ import threading, time
 gate = threading.Event()  # holds every wait for a result until the first calls are all enqueued
 finish_call = cuda_backend.CudaBackend.finish_call
 def gated(self, out):
-    gate.wait(60)
+    gate.wait({wait})
     return finish_call(self, out)
 cuda_backend.CudaBackend.finish_call = gated
 def launches_since(name):
@@ -58,13 +59,13 @@ with Runtime.load({bundle!r}, backend="cuda", streams=3) as rt:
         errors.append(f"{{type(exc).__name__}}: {{exc}}")
     mark("submit")
     futures = [rt.submit(x[:, :t]) for t in {submitted}[:3]]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + {wait}
     while launches_since("# submit") < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     in_flight = rt._pipeline.in_flight()
     gate.set()
     futures += [rt.submit(x[:, :t]) for t in {submitted}[3:]]
-    submitted = [f.result(timeout=60).tolist() for f in futures]
+    submitted = [f.result(timeout={wait}).tolist() for f in futures]
     mark("end")
     selftest = rt.self_test().passed
     stats = rt.stats().as_dict()
@@ -94,8 +95,9 @@ def test_shapes_and_pipelined_calls_on_the_fake_driver(shapes_bundle, tiny_bundl
     # The largest shape's constants are tiny_bundle's: its emulation library is the session's one.
     assert bundle.kernels[0]["defines"] == Bundle.open(tiny_bundle).kernels[0]["defines"]
     libs = {"1x4": str(kernels_lib), "1x2": str(build_library(bundle.for_shape(1, 2).kernels[0]["defines"]))}
-    code = CODE.format(libs=libs, bundle=str(shapes_bundle), hidden=HIDDEN, submitted=SUBMITTED)
-    run = run_fake(code, timeout=240)
+    code = CODE.format(libs=libs, bundle=str(shapes_bundle), hidden=HIDDEN, submitted=SUBMITTED,
+                       wait=guard(600))
+    run = run_fake(code, timeout=guard(960))
     assert run.rc == 0 and run.result, run
     r = run.result
     x = np.random.default_rng(11).standard_normal((1, 4, HIDDEN)).astype(np.float32)

@@ -18,6 +18,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -74,7 +75,9 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
         units: (source file, entry points) to compile (default: every catalogue kernel).
 
     The library is cached under the temp folder by a hash of compiler, flags, defines and every source byte; one
-    process at a time builds a given key (a lock file beside it), the others then load what it built.
+    process at a time builds a given key (a lock file beside it), the others then load what it built. Each object
+    file is cached too (`_objects`), so libraries that share units or constants compile them once, and runner.cpp,
+    which reads none of the -D constants, is compiled once for every library.
 
     Raises:
         EmulationError: g++ missing or a compile/link error (the compiler's output is in the message).
@@ -84,11 +87,8 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
     source_dir = Path(source_dir or catalog.kernel_dir())
     units = units or kernel_units()
     flags = [*CXXFLAGS, *(f"-D{k}={int(v)}" for k, v in sorted(defines.items()))]
-    digest = hashlib.sha256("\n".join([_compiler_version(), *flags, repr(units)]).encode())
-    for folder in (source_dir, EMU_DIR):
-        for path in sorted(folder.iterdir()):
-            if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
-                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    sources = _sources_digest(source_dir)
+    digest = hashlib.sha256("\n".join([_compiler_version(), *flags, repr(units), sources]).encode())
     out = CACHE / digest.hexdigest()[:24] / "libcolibri_emu.so"
     if out.exists():
         return out
@@ -98,25 +98,67 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.exists():
             return out
-        return _build(out, flags, source_dir, units)
+        return _build(out, flags, source_dir, units, sources)
 
 
-def _build(out: Path, flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]]) -> Path:
-    """Compile and link the library into a private folder, then rename it to `out`."""
-    work = Path(tempfile.mkdtemp(dir=CACHE, prefix="build-"))
+def _sources_digest(source_dir: Path) -> str:
+    """sha256 of every .cu/.cuh/.h/.cpp byte in `source_dir` and the shim's folder."""
+    digest = hashlib.sha256()
+    for folder in (source_dir, EMU_DIR):
+        for path in sorted(folder.iterdir()):
+            if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+# A -D constant of the kernels (COLI_HIDDEN, ...), not the shim's own COLI_EMU_* / COLI_CPU_EMULATION names.
+_KERNEL_CONSTANT = re.compile(rb"\bCOLI_(?!EMU_|CPU_EMULATION\b)[A-Z0-9_]+")
+
+
+def _runner_reads_constants() -> bool:
+    return any(_KERNEL_CONSTANT.search(path.read_bytes()) for path in EMU_DIR.iterdir()
+               if path.suffix in (".h", ".cpp"))
+
+
+def _objects(flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]], sources: str,
+             work: Path) -> list[Path]:
+    """Compile (in parallel) the objects of runner.cpp and each unit not yet in CACHE/objects; returns their paths
+    in link order. An object's key: compiler, its flags (runner.cpp: without the -D constants when it reads none),
+    its unit text and every source byte."""
     includes = [f"-I{EMU_DIR}", f"-I{source_dir}"]
-    compiles = [(EMU_DIR / "runner.cpp", work / "runner.o")]
+    plain = [f for f in flags if not f.startswith("-D")] if not _runner_reads_constants() else flags
+    compiles = [(EMU_DIR / "runner.cpp", plain, "runner")]
     for source, symbols in units:
         unit = work / (Path(source).stem + ".cpp")
         unit.write_text(unit_text(source, symbols))
-        compiles.append((unit, work / (unit.stem + ".o")))
-    jobs = [subprocess.Popen([CXX, *flags, *includes, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for src, obj in compiles]
-    logs = [(src, job.communicate()[0], job.returncode) for (src, _), job in zip(compiles, jobs)]
-    failed = [f"{src.name}:\n{log}" for src, log, rc in logs if rc != 0]
+        compiles.append((unit, flags, unit_text(source, symbols)))
+    store = CACHE / "objects"
+    store.mkdir(exist_ok=True)
+    objects, jobs = [], []
+    for src, unit_flags, text in compiles:
+        key = hashlib.sha256("\n".join([_compiler_version(), *unit_flags, *includes[1:], text, sources]).encode())
+        obj = store / f"{src.stem}-{key.hexdigest()[:24]}.o"
+        objects.append(obj)
+        if not obj.exists():
+            built = work / obj.name
+            job = subprocess.Popen([CXX, *unit_flags, *includes, "-c", str(src), "-o", str(built)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            jobs.append((src, built, obj, job))
+    logs = [(src, built, obj, *job.communicate()[:1], job.returncode) for src, built, obj, job in jobs]
+    failed = [f"{src.name}:\n{log}" for src, _, _, log, rc in logs if rc != 0]
     if failed:
         raise EmulationError("g++ failed:\n" + "\n".join(failed))
-    link = subprocess.run([CXX, *CXXFLAGS, "-shared", *(str(o) for _, o in compiles), "-o", str(work / out.name)],
+    for _, built, obj, _, _ in logs:
+        os.replace(built, obj)  # atomic: a concurrent build of the same key writes the same bytes
+    return objects
+
+
+def _build(out: Path, flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]],
+           sources: str) -> Path:
+    """Compile the objects and link the library into a private folder, then rename it to `out`."""
+    work = Path(tempfile.mkdtemp(dir=CACHE, prefix="build-"))
+    objects = _objects(flags, source_dir, units, sources, work)
+    link = subprocess.run([CXX, *CXXFLAGS, "-shared", *(str(o) for o in objects), "-o", str(work / out.name)],
                           capture_output=True, text=True)
     if link.returncode != 0:
         raise EmulationError(f"g++ link failed:\n{link.stderr}")

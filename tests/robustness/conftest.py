@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from robustness_helpers import write_small_model
+from timeout_support import guard_whole
 
 
 @pytest.fixture(scope="session")
@@ -29,8 +30,9 @@ def bundle(small_bundle_dir, tmp_path) -> Path:
 
 @pytest.fixture
 def alarm(request):
-    """Turn a hang into a test failure: TimeoutError after the test module's ALARM_S seconds (default 20)."""
-    seconds = getattr(request.module, "ALARM_S", 20)
+    """Turn a hang into a test failure: TimeoutError after the test module's ALARM_S seconds (default 20) times
+    COLIBRI_TEST_TIMEOUT_SCALE (tests/timeout_support.py)."""
+    seconds = guard_whole(getattr(request.module, "ALARM_S", 20))
 
     def on_alarm(signum, frame):
         raise TimeoutError(f"hung for {seconds} s")

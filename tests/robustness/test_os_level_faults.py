@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from robustness_helpers import cli_error, write_checkpoint, write_small_model
+from timeout_support import guard
 
 from colibri_sdk.errors import BundleError, ConvertError, InputError, ProfileError
 
@@ -83,7 +84,7 @@ def test_a_folder_the_user_may_not_enter_or_a_file_not_to_read_is_one_line():
         closed.chmod(0o000)  # nobody but root may enter it, even to look at what is inside
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
         probe = subprocess.run([*_as_another_user(), sys.executable, "-c", "import colibri_sdk"], capture_output=True,
-                               text=True, timeout=60, env=env, cwd=root)
+                               text=True, timeout=guard(600), env=env, cwd=root)
         if probe.returncode != 0:
             pytest.skip(f"uid 65534 cannot import colibri_sdk from this checkout: {probe.stderr.strip()[-200:]}")
         prefix = [*_as_another_user(), sys.executable, "-m", "colibri_sdk"]
@@ -97,7 +98,7 @@ def test_a_folder_the_user_may_not_enter_or_a_file_not_to_read_is_one_line():
         }
         for argv, expected in cases.items():
             done = subprocess.run([*prefix, *argv, "-o", str(root / "out.colibri")] if argv[0] == "convert"
-                                  else [*prefix, *argv], capture_output=True, text=True, timeout=60, env=env,
+                                  else [*prefix, *argv], capture_output=True, text=True, timeout=guard(600), env=env,
                                   cwd=root)
             assert done.returncode == 1, (argv, done.stderr)
             assert done.stderr.splitlines() == [f"colibri-sdk {argv[0]}: error: {expected}"], (argv, done.stderr)
@@ -152,7 +153,7 @@ def test_a_full_standard_output_is_one_line(tmp_path):
     model = write_small_model(tmp_path / "m.colibri")
     with open("/dev/full", "wb") as full:
         done = subprocess.run([sys.executable, "-m", "colibri_sdk", "inspect", str(model), "--json"], stdout=full,
-                              stderr=subprocess.PIPE, text=True, timeout=60)
+                              stderr=subprocess.PIPE, text=True, timeout=guard(600))
     assert done.returncode == 1
     assert done.stderr.splitlines() == ["colibri-sdk inspect: error: No space left on device"]
 
@@ -165,13 +166,13 @@ def test_sigterm_during_a_build_leaves_no_partial_folder(tmp_path):
                              str(model), "-o", str(tmp_path / "out"), "-q", "--no-cache"],  # NVRTC runs: time to stop it
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + guard(600)
         while not list(tmp_path.glob(".out.partial-*")) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.3)  # into the build proper (NVRTC, the weights copy)
         assert proc.poll() is None, f"the build ended before it could be stopped: {proc.stderr.read()}"
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=guard(600))
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM

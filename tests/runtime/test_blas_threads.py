@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
+from timeout_support import guard
 
 from colibri_sdk import blas
 from colibri_sdk.runtime import Runtime
@@ -64,7 +65,7 @@ def test_overlapping_calls_from_threads_restore_the_original(no_thread_variables
         with blas.blas_threads(8) as limit:
             limits.append(limit)
             entered.wait()
-            release.wait(10)
+            release.wait(guard(60))
 
     workers = [threading.Thread(target=call) for _ in range(2)]
     for w in workers:
@@ -73,7 +74,7 @@ def test_overlapping_calls_from_threads_restore_the_original(no_thread_variables
     assert blas._depth == 2
     release.set()
     for w in workers:
-        w.join(10)
+        w.join(guard(60))
     assert limits == [1, 1] and blas._depth == 0
     assert set(blas_threads_now()) == {2}
 

@@ -12,6 +12,7 @@ import sys
 import termios
 
 import pytest
+from timeout_support import guard
 
 from colibri_sdk.cli import main
 from colibri_sdk.runtime import cuda_status
@@ -46,7 +47,7 @@ def _on_a_terminal(argv: list[str]) -> tuple[int, str]:
             break
         chunks.append(data)
     os.close(master)
-    return proc.wait(timeout=120), b"".join(chunks).decode(errors="replace")
+    return proc.wait(timeout=guard(600)), b"".join(chunks).decode(errors="replace")
 
 
 def test_verify_shows_a_hashing_bar_on_a_terminal_only(small_bundle, capsys):
