@@ -9,7 +9,8 @@ device's store and its `current` pointer stay as they were); instead the agent a
 
     garble     one JSON object whose keys are every answer's, each with a value of the wrong type
     truncate   the first bytes of an answer, cut in the middle, exit status 0
-    delay      no answer for DELAY_S seconds (longer than the tests' command timeout), then exit without one
+    delay      no answer for DELAY_S seconds (longer than the tests' command timeout), then exit without one;
+               `delay=SECONDS` sets another time
     flood      FLOOD_BYTES of output (past the client's 16 MiB cap), then a well-formed answer line
     drop       the SSH connection dropped: the sshd process serving this session is killed
 
@@ -53,8 +54,8 @@ def misbehave(op: str, fault: str) -> int:
         os.kill(session_sshd(), signal.SIGKILL)
         time.sleep(DELAY_S)
         return 0
-    if fault == "delay":
-        time.sleep(DELAY_S)
+    if fault.startswith("delay"):
+        time.sleep(float(fault.partition("=")[2] or DELAY_S))
         return 0
     if op == "receive":
         drain_stdin()

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from timeout_support import guard
 from deploy_bundles import remote_tree, write_bundle
 
 from colibri_sdk.deploy import DeployError, RemoteAnswerError, RemoteTimeoutError, deploy, rollback, status
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.ssh
 FAKE = Path(__file__).with_name("fake_agent.py")
 FAULTS = ("garble", "truncate", "delay", "flood", "drop")
 OPERATIONS = ("plan", "receive", "stage", "switch", "rollback", "status")
-FAULT_TIMEOUT_S = 3.0  # the command timeout while the agent misbehaves (fake_agent.DELAY_S is longer)
+FAULT_TIMEOUT_S = 3.0  # the command timeout with a delaying agent (scaled by guard; the agent waits 4x as long)
 SELFTEST = f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} --selftest"
 
 
@@ -40,8 +41,12 @@ def test_a_misbehaving_agent_is_a_typed_error_and_current_is_untouched(tmp_path,
     if op == "rollback":
         deploy(b, target, options)  # something to roll back from
     before = current_of(device_dir)
-    hostile = replace(options, remote_python=shlex.join([sys.executable, str(FAKE), op, fault]))
-    slow = target.with_(command_timeout=FAULT_TIMEOUT_S)
+    # Only the delaying agent needs a short command timeout; the other faults keep the ordinary one, so that a busy
+    # machine's slow agent start is never mistaken for the fault.
+    wait = guard(FAULT_TIMEOUT_S)
+    agent_fault = f"delay={4 * wait}" if fault == "delay" else fault
+    hostile = replace(options, remote_python=shlex.join([sys.executable, str(FAKE), op, agent_fault]))
+    slow = target.with_(command_timeout=wait) if fault == "delay" else target
     with pytest.raises(DeployError) as caught:
         if op == "rollback":
             rollback(slow, hostile)
