@@ -12,9 +12,11 @@ Per kernel and device the estimate is the largest of
     shared      wavefronts / (active SMs x 1 wavefront per clock x clock)
     issue       warp instructions (memory requests + FMA and dequantization, counted from the shape) /
                 (active SMs x 4 schedulers x clock)
-    in flight   bytes / (bytes in flight per SM x active SMs / DRAM latency)   (Little's law)
+    latency     the loads in rounds of the bytes in flight per SM (Little's law); a round costs the DRAM latency plus
+                the compute (shared, issue) the other resident blocks cannot hide
 
-plus a launch boundary per kernel; the layer is the sum of its kernels. The floor is the selected experts' stored
+with the DRAM time and the latency time taken as the larger (compute is inside the latency term), plus a launch
+boundary per kernel; the layer is the sum of its kernels. The floor is the selected experts' stored
 bytes / bandwidth; `est_floor_fraction` = floor / estimated layer time. Resident blocks per SM come from ptxas'
 resource report of the kernels compiled for each profile (NVRTC; `--no-nvrtc`: threads and shared memory only).
 
@@ -46,6 +48,9 @@ from colibri_sdk.profile import Profile, load_profile  # noqa: E402
 from emulator import SITE_KINDS, ModelDevice  # noqa: E402
 from kernel_access import make_model, selected_bytes  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+from model_estimate import resident_blocks  # noqa: E402
+
 FULL = dict(hidden=4096, inter=14336, experts=8, top_k=2)  # Mixtral-8x7B, one layer
 SCALED = dict(hidden=512, inter=1536, experts=8, top_k=2)  # whole 512-column chunks in both reductions
 QUICK = dict(hidden=512, inter=1024, experts=8, top_k=2)
@@ -57,21 +62,17 @@ TOKENS = (1, 16, 64)
 #   clock_ghz: the boost clock; latency_ns: a loaded DRAM latency (microbenchmarks put idle latency at ~400-600 ns;
 #   under a streaming load it grows: 700 ns is the model's choice); launch_us: a kernel boundary inside a CUDA Graph.
 DEVICES = {
-    "orin": dict(profile="orin", clock_ghz=1.3, latency_ns=700.0, launch_us=3.0, max_threads_sm=1536, max_blocks_sm=16),
-    "a100": dict(profile="a100", clock_ghz=1.41, latency_ns=700.0, launch_us=2.0, max_threads_sm=2048, max_blocks_sm=32),
-    "rtx4090": dict(profile="rtx4090", clock_ghz=2.52, latency_ns=700.0, launch_us=2.0, max_threads_sm=1536,
-                    max_blocks_sm=24),
-    "h200": dict(profile="h200", clock_ghz=1.98, latency_ns=700.0, launch_us=2.0, max_threads_sm=2048,
-                 max_blocks_sm=32),
+    "orin": dict(profile="orin", clock_ghz=1.3, latency_ns=700.0, launch_us=3.0),
+    "a100": dict(profile="a100", clock_ghz=1.41, latency_ns=700.0, launch_us=2.0),
+    "rtx4090": dict(profile="rtx4090", clock_ghz=2.52, latency_ns=700.0, launch_us=2.0),
+    "h200": dict(profile="h200", clock_ghz=1.98, latency_ns=700.0, launch_us=2.0),
 }
-REGISTERS_SM = 65536  # every arch here (sm_80, sm_87, sm_89, sm_90)
-REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
-SHARED_RESERVED = 1024  # bytes of shared memory the system takes per block (sm_80 and later)
 SCHEDULERS = 4  # warp schedulers per SM, one instruction per clock each
 # Warp instructions per weight element besides the FMAs (per element, once per block that streams it): fp16
 # unpack (1 conversion), int8 (byte extract, convert, scale), int4 (shift/mask, offset, convert, scale).
 DEQUANT_INSTR = {"fp16": 1.0, "int8": 3.0, "int4_g128": 4.0}
 TC_SYMBOLS = ("colibri_gate_up_tc", "colibri_down_tc", "colibri_gate_up_qtc", "colibri_down_qtc")
+SAMPLE_BLOCKS = 24  # blocks emulated per expert-kernel launch (every k-th of the grid; counts scaled by k)
 HOT_SHARE = 0.5  # a site is part of a hot loop when it has at least half the requests of its kernel's busiest site
 
 
@@ -119,20 +120,24 @@ def resources(device: str, tokens: int, storage: str, use_nvrtc: bool) -> dict:
     return out
 
 
-def resident_blocks(dev: dict, threads: int, res: dict | None, smem_sm: int) -> int:
-    """Blocks of one kernel resident per SM: threads, registers and shared memory (CUDA occupancy rules)."""
-    warps = -(-threads // 32)
-    limit = min(dev["max_blocks_sm"], dev["max_threads_sm"] // threads)
-    if res:
-        regs = -(-max(res["registers"], 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
-        limit = min(limit, REGISTERS_SM // (regs * warps))
-        limit = min(limit, smem_sm // (res["shared_bytes"] + SHARED_RESERVED))
-    return max(limit, 1)
+_EMULATED: dict = {}  # (path, compile defines, launch plan): emulate()'s result; profiles that compile alike share it
 
 
 def emulate(path: Path, profile: dict, valid: int) -> tuple[list[dict], int, int]:
     """(per-launch records of ModelDevice.run_modelled, selected bytes, selected experts' bytes) for `valid`
-    random tokens."""
+    random tokens; one emulation per distinct compiled layer (a100, rtx4090 and h200 compile alike)."""
+    from colibri_sdk.format import ColibriFile
+
+    with ColibriFile(path) as f:
+        header = f.header
+    key = (str(path), valid, json.dumps(catalog.compile_defines(profile, header), sort_keys=True),
+           json.dumps(catalog.launch_plan(profile, header), sort_keys=True, default=str))
+    if key not in _EMULATED:
+        _EMULATED[key] = _emulate(path, profile, valid)
+    return _EMULATED[key]
+
+
+def _emulate(path: Path, profile: dict, valid: int) -> tuple[list[dict], int, int]:
     device = ModelDevice(profile, path)
     tokens = device.sizes.tokens
     hidden = device.header.hidden_size
@@ -141,7 +146,8 @@ def emulate(path: Path, profile: dict, valid: int) -> tuple[list[dict], int, int
     batch, seq = profile["shape"]["batch"], profile["shape"]["tokens"]
     counts = [min(max(valid - b * seq, 0), seq) for b in range(batch)]
     device.poison()
-    records = device.run_modelled(x, valid_tokens=counts)
+    expert_kernels = tuple(spec.name for spec in catalog.KERNELS if spec.name not in ("routing", "capacity"))
+    records = device.run_modelled(x, valid_tokens=counts, sample_blocks=SAMPLE_BLOCKS, sampled=expert_kernels)
     for r in records:
         r["site_names"] = [device.lib.site_name(int(s[0])) for s in r["sites"]]
     selected, experts_selected = selected_bytes(path, x[:valid])
@@ -153,7 +159,7 @@ def kernel_counts(record: dict) -> dict:
     loads, sites, flight = record["loads"].astype(np.int64), record["sites"].astype(np.int64), record["in_flight"]
     sectors = int(loads[:3, 1].sum())  # registered buffers (weights, activations, other scratch)
     shared = sites[sites[:, 1] <= 1] if len(sites) else sites
-    out = {"sectors": sectors, "requests": int(sites[:, 2].sum()) if len(sites) else 0,
+    out = {"sectors": sectors, "weight_sectors": int(loads[0, 1]), "requests": int(sites[:, 2].sum()) if len(sites) else 0,
            "smem_requests": int(shared[:, 2].sum()) if len(shared) else 0,
            "smem_wavefronts": int(shared[:, 3].sum()) if len(shared) else 0,
            "smem_ideal": int(shared[:, 4].sum()) if len(shared) else 0, "sites": []}
@@ -165,28 +171,44 @@ def kernel_counts(record: dict) -> dict:
                              "hot": bool(hot)})
     b, bsq = int(flight[1]) + int(flight[4]), int(flight[2]) + int(flight[5])
     out["lane_bytes_in_flight"] = bsq / b if b else 0.0  # the outstanding bytes a loaded byte waits with (per lane)
+    loads_sites = sites[sites[:, 1] == 2] if len(sites) else sites
+    requests = int(loads_sites[:, 2].sum()) if len(loads_sites) else 0
+    out["load_lane_fraction"] = int(loads_sites[:, 5].sum()) / (32 * requests) if requests else 1.0
     return out
 
 
 def estimate(dev: dict, dram_bytes: float, wavefronts: float, instr: float, blocks: int, resident: int,
              flight_warp: float, warps: int) -> dict:
-    """Seconds of each limit for one kernel (an estimate) and the largest of them plus the launch boundary."""
+    """Microseconds of each limit of one kernel and the estimate: max(DRAM, latency) plus the launch boundary.
+
+    dram: bytes / bandwidth. shared: wavefronts / (active SMs x clock). issue: warp instructions / (active SMs x 4 x
+    clock). latency: the loads of an SM come in rounds of `bytes in flight per SM` (Little's law); each round costs
+    the DRAM latency plus the compute of the round that the other resident blocks cannot hide
+    (max(latency + compute / blocks, compute)), since a warp computes on a batch only after it has arrived and
+    loads the next one after (the emulation's batches). An estimate: no caches, no clock changes, no tail effects.
+    """
     sms = dev["sms"]
     active = max(min(sms, blocks), 1)
     clock = dev["clock_ghz"] * 1e9
+    latency = dev["latency_ns"] * 1e-9
     t_dram = dram_bytes / (dev["bandwidth_gbs"] * 1e9)
     t_smem = wavefronts / (active * clock)
     t_issue = instr / (active * SCHEDULERS * clock)
-    per_sm_blocks = min(resident, -(-blocks // sms))
+    t_compute = max(t_smem, t_issue)
+    per_sm_blocks = max(min(resident, -(-blocks // sms)), 1)
     flight_sm = flight_warp * warps * per_sm_blocks
-    reachable = min(dev["bandwidth_gbs"] * 1e9, flight_sm * active / (dev["latency_ns"] * 1e-9)) if flight_sm else \
-        dev["bandwidth_gbs"] * 1e9
-    t_flight = dram_bytes / reachable if dram_bytes else 0.0
-    limits = {"dram": t_dram, "shared": t_smem, "issue": t_issue, "in_flight": t_flight}
-    bound = max(limits, key=limits.get)
+    if flight_sm > 0 and dram_bytes > 0:
+        rounds = dram_bytes / active / flight_sm
+        c_round = t_compute / rounds
+        t_latency = rounds * max(latency + c_round / per_sm_blocks, c_round)
+    else:
+        t_latency = t_compute
+    limits = {"dram": t_dram, "shared": t_smem, "issue": t_issue, "latency": t_latency}
+    bound = "dram" if t_dram >= t_latency else ("latency" if t_latency > t_compute * 1.0001 else
+                                                 ("shared" if t_smem >= t_issue else "issue"))
     return {**{f"t_{k}_us": v * 1e6 for k, v in limits.items()}, "bound": bound,
             "bytes_in_flight_sm": flight_sm, "resident_blocks": resident,
-            "time_us": limits[bound] * 1e6 + dev["launch_us"]}
+            "time_us": max(t_dram, t_latency) * 1e6 + dev["launch_us"]}
 
 
 def fma_instr(symbol: str, storage: str, pairs_per_expert: dict, dims: dict) -> float:
@@ -204,8 +226,9 @@ def fma_instr(symbol: str, storage: str, pairs_per_expert: dict, dims: dict) -> 
 
 def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_nvrtc: bool) -> dict:
     profile = profile_for(device, valid)
-    path = make_model(tmp / f"{storage}-{dims['hidden']}x{dims['inter']}.colibri", **dims,
-                      storage=KIT_STORAGE[storage])
+    path = tmp / f"{storage}-{dims['hidden']}x{dims['inter']}.colibri"
+    if not path.exists():
+        make_model(path, **dims, storage=KIT_STORAGE[storage])
     records, selected, experts_selected = emulate(path, profile, valid)
     scale = FULL["hidden"] * FULL["inter"] / (dims["hidden"] * dims["inter"])
     dev = dict(DEVICES[device])
@@ -213,11 +236,6 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
     dev.update(sms=hw["sm_count"], bandwidth_gbs=hw["memory_bandwidth_gbs"])
     res = resources(device, valid, storage, use_nvrtc)
     full_plan = {(l["symbol"]): l for l in catalog.launch_plan(profile, header_for(FULL, storage))}
-    # pairs per expert of the routed tokens (the emulation's routing, the same at every scale)
-    ids = None
-    for r in records:
-        if r["launch"]["kernel"] == "routing":
-            ids = True
     floor_s = experts_selected / expert_bytes(dims, storage) * expert_bytes(FULL, storage) / (dev["bandwidth_gbs"] * 1e9)
     experts_used = round(experts_selected / expert_bytes(dims, storage))
     pairs_per_expert = {e: valid * FULL["top_k"] / experts_used for e in range(experts_used)}
@@ -227,14 +245,17 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
         symbol = launch["symbol"]
         c = kernel_counts(r)
         expert = symbol not in ("colibri_routing", "colibri_align")
-        s = scale if expert else 1.0
+        s = (scale if expert else FULL["hidden"] / dims["hidden"]) * r["block_scale"]  # routing: the router
         full = full_plan.get(symbol, launch)
         blocks = int(np.prod(full["grid"]))
         threads = int(np.prod(full["block"]))
-        resident = resident_blocks(dev, threads, res.get(symbol), hw["shared_memory_per_sm"])
+        r = res.get(symbol) or {}
+        resident = resident_blocks(profile["target"]["arch"], threads, r.get("registers"), r.get("shared_bytes"),
+                                   hw["shared_memory_per_sm"])
         instr = c["requests"] * s + (fma_instr(symbol, storage, pairs_per_expert, dims) if expert else 0.0)
-        est = estimate(dev, 32.0 * c["sectors"] * s, c["smem_wavefronts"] * s, instr, blocks, resident,
-                       32 * c["lane_bytes_in_flight"], threads // 32)
+        # DRAM: the weights' sectors (streamed once); activations and scratch are small and stay in L2
+        est = estimate(dev, 32.0 * c["weight_sectors"] * s, c["smem_wavefronts"] * s, instr, blocks, resident,
+                       32 * c["load_lane_fraction"] * c["lane_bytes_in_flight"], threads // 32)
         kernels.append({"symbol": symbol, "blocks": blocks, "threads": threads,
                         "registers": (res.get(symbol) or {}).get("registers"),
                         "shared_bytes": (res.get(symbol) or {}).get("shared_bytes"),
@@ -248,7 +269,7 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
 def hot_summary(cases: list[dict]) -> dict:
     """Worst shared-memory site ratio and lowest active-lane fraction over the hot sites of every kernel."""
     worst = {"ratio": 0.0, "site": None}
-    lanes = {"fraction": 1.0, "site": None}
+    lanes = {"fraction": 1.01, "site": None}
     weighted = [0.0, 0.0]
     for case in cases:
         for k in case["kernels"]:
@@ -261,9 +282,10 @@ def hot_summary(cases: list[dict]) -> dict:
                     r = s["wavefronts"] / s["ideal"]
                     if r > worst["ratio"]:
                         worst = {"ratio": r, "site": f"{k['symbol']} {s['site']} ({case['storage']}, T={case['tokens']})"}
-                if s["lanes"] < lanes["fraction"]:
+                if s["lanes"] < lanes["fraction"] - 1e-9:
                     lanes = {"fraction": s["lanes"],
                              "site": f"{k['symbol']} {s['site']} ({case['storage']}, T={case['tokens']})"}
+    lanes["fraction"] = min(lanes["fraction"], 1.0)
     return {"worst": worst, "lanes": lanes, "lanes_weighted": weighted[0] / weighted[1] if weighted[1] else None}
 
 
@@ -281,9 +303,9 @@ def main(argv=None) -> int:
     dims = QUICK if args.quick else SCALED
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
-        for device in devices:
-            for storage in args.storages:
-                for t in args.tokens:
+        for storage in args.storages:
+            for t in args.tokens:
+                for device in devices:
                     case = run_case(device, storage, t, dims, Path(tmp), not args.no_nvrtc)
                     cases.append(case)
                     if not args.json:
@@ -294,9 +316,10 @@ def main(argv=None) -> int:
                             ratio = k["smem_wavefront_ratio"]
                             print(f"    {k['symbol']:<22} est {k['time_us']:8.1f} us ({k['bound']:<9}) dram "
                                   f"{k['t_dram_us']:8.1f} shared {k['t_shared_us']:8.1f} issue {k['t_issue_us']:8.1f} "
-                                  f"flight {k['t_in_flight_us']:8.1f}  wavefronts/ideal "
+                                  f"latency {k['t_latency_us']:8.1f}  wavefronts/ideal "
                                   f"{'-' if ratio is None else f'{ratio:.2f}'}  blocks/SM {k['resident_blocks']}"
-                                  f" regs {k['registers']} smem {k['shared_bytes']}", flush=True)
+                                  f" regs {k['registers']} smem {k['shared_bytes']} in flight/SM "
+                                  f"{k['bytes_in_flight_sm'] / 1024:.1f} KiB", flush=True)
     hot = hot_summary(cases)
     fraction: dict = {}
     for c in cases:

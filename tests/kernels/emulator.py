@@ -357,10 +357,17 @@ class ModelLibrary(EmulationLibrary):
         self._lib.coli_emu_model_inflight.restype = None
         self.shared_recorded = bool(self._lib.coli_emu_model_shared())
         self._lib.coli_emu_model_shared_region.argtypes = [ctypes.c_ulonglong, ctypes.c_longlong]
+        self._lib.coli_emu_model_sample.restype = ctypes.c_longlong
+        self._lib.coli_emu_model_sample.argtypes = [ctypes.c_longlong]
         self._lib.coli_emu_model_shared_region(0, -1)
         for offset, size in template_statics(self.path):
             if self._lib.coli_emu_model_shared_region(offset, size):
                 raise EmulationError(f"{self.path}: more template `__shared__` variables than the model registers")
+
+    def model_sample(self, stride: int) -> int:
+        """Run only every `stride`-th block (by linear index) of the following recorded launches; returns the blocks
+        run since the previous call."""
+        return int(self._lib.coli_emu_model_sample(int(stride)))
 
     def model_read(self) -> tuple[np.ndarray, np.ndarray]:
         """(sites, in_flight) since the last read, then reset.
@@ -401,9 +408,15 @@ class ModelDevice(EmulatedDevice):
     library_builder = staticmethod(build_model_library)
     library_class = ModelLibrary
 
-    def run_modelled(self, x: np.ndarray, valid_tokens=None) -> list[dict]:
+    def run_modelled(self, x: np.ndarray, valid_tokens=None, sample_blocks: int | None = None,
+                     sampled: tuple[str, ...] = ()) -> list[dict]:
         """The forward pass with the access model on: per launch of the plan {"launch", "loads" ((classes, 4) as
-        run_recorded), "sites" ((n, 7), ModelLibrary.model_read), "in_flight" ((6,))}, in launch order."""
+        run_recorded), "sites" ((n, 7), ModelLibrary.model_read), "in_flight" ((6,)), "block_scale"}, in launch
+        order.
+
+        sample_blocks: for the launches of the catalogue kernels in `sampled`, run about this many of the grid's
+            blocks (every k-th by linear index; the others write nothing, so later kernels read unwritten data:
+            counts only, no results); block_scale = grid blocks / blocks run (1.0 for a launch run whole)."""
         regions = [(self.weights.address, self.weights.size, 0)]
         for name, region in self.buffers.items():
             regions.append((region.address, region.size, 1 if name in ACTIVATION_BUFFERS else 2))
@@ -416,9 +429,15 @@ class ModelDevice(EmulatedDevice):
         self.lib.access_enable(True)
         try:
             for launch, (function, grid, block, _shared, params, _values) in zip(self.plan, self._launches):
+                blocks = int(np.prod(grid))
+                stride = max(blocks // sample_blocks, 1) if sample_blocks and launch["kernel"] in sampled else 1
+                self.lib.model_sample(stride)
                 self.lib.launch(function, grid, block, params.ctypes.data)
+                ran = self.lib.model_sample(1)
                 sites, flight = self.lib.model_read()
-                out.append({"launch": launch, "loads": self.lib.access_read(), "sites": sites, "in_flight": flight})
+                out.append({"launch": launch, "loads": self.lib.access_read(), "sites": sites, "in_flight": flight,
+                            "block_scale": blocks / max(ran, 1)})
         finally:
             self.lib.access_enable(False)
+            self.lib.model_sample(1)
         return out

@@ -372,6 +372,9 @@ struct AccessRegion {
 };
 struct Access {
     bool on = false;
+    // with the access model on: run only the blocks whose linear index is a multiple of `sample` (a model of
+    // statistically alike blocks; outputs of the others stay unwritten); blocks_run counts the blocks run
+    long long sample = 1, blocks_run = 0;
     std::vector<AccessRegion> regions;
     AccessStats stats[kClasses] = {};
     // per (site, thread): executions so far in this block; per instruction: the lanes' (address, bytes)
@@ -486,6 +489,8 @@ inline int launch(const char* symbol, void (*thunk)(void**), const unsigned* gri
         const Order order{int(blocks)};
         for (long long i = 0; i < blocks && rc == 0; ++i) {
             const long long b = order[int(i)];
+            if (acc_model.on && acc_model.sample > 1 && b % acc_model.sample) continue;
+            ++acc_model.blocks_run;
             blockIdx = {unsigned(b % grid[0]), unsigned(b / grid[0] % grid[1]), unsigned(b / grid[0] / grid[1])};
             if (!run_block()) rc = 1;
             if (acc_model.on) flush_accesses();

@@ -111,6 +111,15 @@ COLI_EMU_API int coli_emu_model_shared_region(unsigned long long offset, long lo
     return 0;
 }
 
+// Block sampling of the following launches with the access model on: only blocks whose linear index is a
+// multiple of `stride` run (1: every block). Returns the blocks run since the last call, then resets that count.
+COLI_EMU_API long long coli_emu_model_sample(long long stride) {
+    const long long ran = coli_emu::acc_model.blocks_run;
+    coli_emu::acc_model.sample = stride < 1 ? 1 : stride;
+    coli_emu::acc_model.blocks_run = 0;
+    return ran;
+}
+
 // 1 when this library records shared-memory accesses (built with COLI_EMU_SMEM_MODEL), else 0.
 COLI_EMU_API int coli_emu_model_shared() { return COLI_EMU_SMEM_MODEL; }
 
