@@ -249,16 +249,15 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
         full = full_plan.get(symbol, launch)
         blocks = int(np.prod(full["grid"]))
         threads = int(np.prod(full["block"]))
-        r = res.get(symbol) or {}
-        resident = resident_blocks(profile["target"]["arch"], threads, r.get("registers"), r.get("shared_bytes"),
-                                   hw["shared_memory_per_sm"])
+        ptxas = res.get(symbol) or {}
+        resident = resident_blocks(profile["target"]["arch"], threads, ptxas.get("registers"),
+                                   ptxas.get("shared_bytes"), hw["shared_memory_per_sm"])
         instr = c["requests"] * s + (fma_instr(symbol, storage, pairs_per_expert, dims) if expert else 0.0)
         # DRAM: the weights' sectors (streamed once); activations and scratch are small and stay in L2
         est = estimate(dev, 32.0 * c["weight_sectors"] * s, c["smem_wavefronts"] * s, instr, blocks, resident,
                        32 * c["load_lane_fraction"] * c["lane_bytes_in_flight"], threads // 32)
         kernels.append({"symbol": symbol, "blocks": blocks, "threads": threads,
-                        "registers": (res.get(symbol) or {}).get("registers"),
-                        "shared_bytes": (res.get(symbol) or {}).get("shared_bytes"),
+                        "registers": ptxas.get("registers"), "shared_bytes": ptxas.get("shared_bytes"),
                         "smem_wavefront_ratio": c["smem_wavefronts"] / c["smem_ideal"] if c["smem_ideal"] else None,
                         "sites": c["sites"], **est})
     layer_us = sum(k["time_us"] for k in kernels)
@@ -289,37 +288,8 @@ def hot_summary(cases: list[dict]) -> dict:
     return {"worst": worst, "lanes": lanes, "lanes_weighted": weighted[0] / weighted[1] if weighted[1] else None}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--json-out", type=Path, metavar="FILE", help="also write the JSON object to FILE")
-    parser.add_argument("--quick", action="store_true", help="orin and h200 only, a smaller scaled shape")
-    parser.add_argument("--devices", nargs="*", choices=list(DEVICES))
-    parser.add_argument("--storages", nargs="*", default=list(STORAGES), choices=list(STORAGES))
-    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), choices=list(TOKENS))
-    parser.add_argument("--no-nvrtc", action="store_true", help="resident blocks from threads only (no ptxas)")
-    args = parser.parse_args(argv)
-    devices = args.devices or (["orin", "h200"] if args.quick else list(DEVICES))
-    dims = QUICK if args.quick else SCALED
-    cases = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for storage in args.storages:
-            for t in args.tokens:
-                for device in devices:
-                    case = run_case(device, storage, t, dims, Path(tmp), not args.no_nvrtc)
-                    cases.append(case)
-                    if not args.json:
-                        print(f"{device:<8} {storage:<10} T={t:<3} est layer {case['est_layer_us']:9.1f} us  floor "
-                              f"{case['floor_us']:8.1f} us  est fraction of floor {case['est_floor_fraction']:.3f}",
-                              flush=True)
-                        for k in case["kernels"]:
-                            ratio = k["smem_wavefront_ratio"]
-                            print(f"    {k['symbol']:<22} est {k['time_us']:8.1f} us ({k['bound']:<9}) dram "
-                                  f"{k['t_dram_us']:8.1f} shared {k['t_shared_us']:8.1f} issue {k['t_issue_us']:8.1f} "
-                                  f"latency {k['t_latency_us']:8.1f}  wavefronts/ideal "
-                                  f"{'-' if ratio is None else f'{ratio:.2f}'}  blocks/SM {k['resident_blocks']}"
-                                  f" regs {k['registers']} smem {k['shared_bytes']} in flight/SM "
-                                  f"{k['bytes_in_flight_sm'] / 1024:.1f} KiB", flush=True)
+def summary(cases: list[dict], dims: dict) -> dict:
+    """The --json object of `cases` (every value an estimate)."""
     hot = hot_summary(cases)
     fraction: dict = {}
     for c in cases:
@@ -338,6 +308,51 @@ def main(argv=None) -> int:
         "est_floor_fraction": fraction, "est_int4_over_fp16_time": ratio,
         "cases": [{k: v for k, v in c.items()} for c in cases],
     }
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json-out", type=Path, metavar="FILE", help="also write the JSON object to FILE")
+    parser.add_argument("--quick", action="store_true", help="orin and h200 only, a smaller scaled shape")
+    parser.add_argument("--devices", nargs="*", choices=list(DEVICES))
+    parser.add_argument("--storages", nargs="*", default=list(STORAGES), choices=list(STORAGES))
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), choices=list(TOKENS))
+    parser.add_argument("--no-nvrtc", action="store_true", help="resident blocks from threads only (no ptxas)")
+    parser.add_argument("--merge", nargs="*", type=Path, metavar="JSON",
+                        help="no emulation: the summary of the cases of these --json-out files (runs split by storage)")
+    args = parser.parse_args(argv)
+    devices = args.devices or (["orin", "h200"] if args.quick else list(DEVICES))
+    dims = QUICK if args.quick else SCALED
+    cases = []
+    if args.merge:
+        for f in args.merge:
+            cases += json.loads(f.read_text())["cases"]
+        devices, args.storages, args.tokens = [], [], []  # nothing to emulate
+    with tempfile.TemporaryDirectory() as tmp:
+        for storage in args.storages:
+            for t in args.tokens:
+                for device in devices:
+                    case = run_case(device, storage, t, dims, Path(tmp), not args.no_nvrtc)
+                    cases.append(case)
+                    if args.json_out is not None:  # after every case: a run cut short keeps what it measured
+                        args.json_out.write_text(json.dumps(summary(cases, dims), indent=1) + "\n")
+                    if not args.json:
+                        print(f"{device:<8} {storage:<10} T={t:<3} est layer {case['est_layer_us']:9.1f} us  floor "
+                              f"{case['floor_us']:8.1f} us  est fraction of floor {case['est_floor_fraction']:.3f}",
+                              flush=True)
+                        for k in case["kernels"]:
+                            ratio = k["smem_wavefront_ratio"]
+                            print(f"    {k['symbol']:<22} est {k['time_us']:8.1f} us ({k['bound']:<9}) dram "
+                                  f"{k['t_dram_us']:8.1f} shared {k['t_shared_us']:8.1f} issue {k['t_issue_us']:8.1f} "
+                                  f"latency {k['t_latency_us']:8.1f}  wavefronts/ideal "
+                                  f"{'-' if ratio is None else f'{ratio:.2f}'}  blocks/SM {k['resident_blocks']}"
+                                  f" regs {k['registers']} smem {k['shared_bytes']} in flight/SM "
+                                  f"{k['bytes_in_flight_sm'] / 1024:.1f} KiB", flush=True)
+    result = summary(cases, dims)
+    hot = hot_summary(cases)
+    ratio = result["est_int4_over_fp16_time"]
     text = json.dumps(result, indent=1)
     if args.json_out is not None:
         args.json_out.write_text(text + "\n")

@@ -126,3 +126,24 @@ def test_goal_check_fails_on_conflicted_variants(model_lib, symbol, passes):
     """The goal bench/kernel_model.py checks (wavefronts / ideal <= 1.10 on hot loops) holds for the conflict-free
     kernels and fails for the conflicted variants of the same access."""
     assert (worst_ratio(shared_loads(model_lib, Io(), symbol)) <= 1.10) is passes
+
+
+def test_time_estimate_limits_by_hand():
+    """bench/kernel_model.py estimate(): 10 SMs, 100 GB/s, 1 GHz, 1 us latency, no launch cost, 1 MB of loads."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from kernel_model import estimate
+
+    dev = dict(sms=10, bandwidth_gbs=100.0, clock_ghz=1.0, latency_ns=1000.0, launch_us=0.0)
+    # 8 warps x 4 KiB in flight per SM: 1e5 bytes per SM take 3.05 rounds of 1 us, under the 10 us of DRAM time
+    e = estimate(dev, 1e6, 0, 0, blocks=10, resident=1, flight_warp=4096, warps=8)
+    assert (e["bound"], e["time_us"]) == ("dram", pytest.approx(10.0))
+    # 64 bytes per warp: 512 per SM, 195.3 rounds of 1 us
+    e = estimate(dev, 1e6, 0, 0, blocks=10, resident=1, flight_warp=64, warps=8)
+    assert (e["bound"], e["time_us"]) == ("latency", pytest.approx(1e5 / 512))
+    # 1e6 wavefronts on 10 SMs: 100 us of shared memory, one block per SM cannot hide the latency of its 3.05 rounds
+    rounds = 1e5 / 32768
+    e = estimate(dev, 1e6, 1e6, 0, blocks=10, resident=1, flight_warp=4096, warps=8)
+    assert (e["bound"], e["time_us"]) == ("latency", pytest.approx(rounds * (1.0 + 100.0 / rounds)))
+    assert e["t_shared_us"] == pytest.approx(100.0)
