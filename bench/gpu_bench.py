@@ -2,12 +2,17 @@
 
     python bench/gpu_bench.py PHASE --out OUT [--fake]
 
+Beside each measured kernel and forward time: the kernel's registers and static shared memory (ptxas), its
+resident blocks per SM (the CUDA occupancy rules, bench/gpu/model_estimate.py) and the time model's ESTIMATE for
+that device, storage and token count (bench/results/kernel_model.json), so that a GPU run calibrates the model.
+
 Phases (each appends JSON lines to OUT/results.jsonl as soon as a value exists, see bench/gpu/device.py `Results`):
   versions      the GPU (name, compute capability, SMs, memory, driver), cuda-bindings, NVRTC, torch, transformers
   floor         device-to-device copy bandwidth and the read-only streaming kernel (bench/gpu/floor.py)
   layer         one Mixtral-8x7B layer (hidden 4096, intermediate 14336, 8 experts, top-2, fp16; weights filled on
                 the device) at tokens 1, 4, 16, 64 on every path of the launch plan: per-kernel times, the forward
                 pass as a CUDA Graph and eager, and the fraction of the floor (bench/gpu/layer.py)
+  layer-quant   the same layer with int8 per-row and int4 group-128 experts at tokens 1 and 16, the profile's own path
   layers        32 such layers at tokens 1, graph vs eager
   correctness   the tests/gpu cases, each in its own process with a time limit (bench/gpu/correctness.py)
   transformers  MixtralSparseMoeBlock on the same GPU and weights, against the colibri layer (bench/gpu/hf_compare.py)
@@ -159,8 +164,9 @@ def floor_gbs(results: Results, out: Path, device: Device, kernels: dict) -> flo
 
 
 def measure_config(results, device, kernels, base, header, weights, tokens, label, data, default, gbs,
-                   valid=None, variant=None) -> None:
+                   valid=None, variant=None, storage="fp16") -> None:
     from layer import LayerRun, expert_bytes, router_bytes, selected_experts
+    from model_estimate import Estimates, resident_blocks
 
     cfg = config()
     run = LayerRun(device, data, header, weights)
@@ -170,12 +176,20 @@ def measure_config(results, device, kernels, base, header, weights, tokens, labe
         real = shape_tokens if valid is None else valid
         x[real:] = 0.0
         y = run.run(x, valid)
-        where = {"tokens": real, "shape_tokens": shape_tokens, "path": label, "crossover": variant}
+        where = {"tokens": real, "shape_tokens": shape_tokens, "path": label, "crossover": variant,
+                 "storage": storage}
+        est = Estimates().est(device.arch, storage, real) if not FAKE else None
         per_kernel, gap_free = run.time_kernels(kernels, cfg["kernel_iters"], cfg["kernel_warm"])
         for index, (launch, stats) in enumerate(zip(run.plan, per_kernel)):
+            res = run.resources.get(launch["symbol"], {})
+            threads = int(np.prod(launch["block"]))
+            blocks_sm = resident_blocks(device.arch, threads, res.get("registers"), res.get("shared_bytes"),
+                                        run.data["hardware"]["shared_memory_per_sm"])
             results.write("kernel", **where, index=index, layer=launch.get("layer"), kernel=launch["kernel"],
                           symbol=launch["symbol"], grid=launch["grid"], block=launch["block"],
-                          shared_bytes=launch.get("shared_bytes", 0), **stats)
+                          shared_bytes=launch.get("shared_bytes", 0), registers=res.get("registers"),
+                          static_shared_bytes=res.get("shared_bytes"), resident_blocks_per_sm=blocks_sm,
+                          est_us=(est or {}).get("kernels", {}).get(launch["symbol"]), **stats)
         graph = run.time_graph(cfg["iters"], cfg["warm"])
         eager = run.time_eager(cfg["iters"], cfg["warm"])
         experts = selected_experts(device, weights, header, x[:real])
@@ -196,7 +210,10 @@ def measure_config(results, device, kernels, base, header, weights, tokens, labe
                       device_selected_experts=device_ids, selected_bytes=nbytes, floor_gbs=round(gbs, 1),
                       floor_us=ratio(floor_us, 1), floor_fraction=ratio(floor_us, graph["median_us"], 4),
                       floor_fraction_kernels=ratio(floor_us, kernel_sum, 4),
-                      output_finite=bool(np.isfinite(y).all()), compile_s=round(run.compile_s, 2))
+                      output_finite=bool(np.isfinite(y).all()), compile_s=round(run.compile_s, 2),
+                      est_layer_us=(est or {}).get("layer_us"), est_floor_fraction=(est or {}).get("floor_fraction"),
+                      est_note="an estimate of bench/kernel_model.py (the h200/orin/a100/rtx4090 model), for calibration"
+                      if est else None)
     finally:
         run.close()
 
@@ -244,6 +261,45 @@ def phase_layer(results: Results, out: Path, variant: str) -> None:
     elif variant == "max":
         results.write("padded", "skip", reason="catalog.io_buffers names no valid_tokens buffer: padded tokens are "
                                               "computed as real ones, so a padded shape is not measured")
+    device.close()
+
+
+QUANT_STORAGES = ("int8", "int4_g128")
+QUANT_TOKENS = (1, 16)
+
+
+def phase_layer_quant(results: Results, out: Path) -> None:
+    """The layer with int8 per-row and int4 group-128 experts (fp16 scales, fp32 router; weights filled on the
+    device: every byte pattern is a valid code, the fill's fp16 values are valid scales) at tokens 1 and 16 on the
+    profile's own path."""
+    from layer import base_profile, path_profiles, quant_header, weights_bytes
+
+    cfg = config()
+    device = Device()
+    kernels = compile_bench_kernels(device)
+    gbs = floor_gbs(results, out, device, kernels)
+    base = base_profile(device.arch)
+    tokens_list = [t for t in QUANT_TOKENS if not FAKE or t in cfg["tokens"]]
+    for storage in QUANT_STORAGES:
+        header = quant_header(1, cfg["hidden"], cfg["inter"], cfg["experts"], cfg["top_k"], storage)
+        size = weights_bytes({**base, "shape": {"batch": 1, "tokens": 1}}, header)
+        weights = device.alloc(size, zero=False)
+        fill_ms = fill_weights(device, kernels, weights, size, SEED)
+        results.write("weights", storage=storage, bytes=size, fill_ms=round(fill_ms, 3))
+        for tokens in tokens_list:
+            for label, data, default in path_profiles(base, tokens, header, None):
+                if not default:
+                    continue
+                if seconds_left() < 10:
+                    results.write("forward", "skip", tokens=tokens, storage=storage, path=label,
+                                  reason="not run: the phase's time is spent")
+                    continue
+                try:
+                    measure_config(results, device, kernels, base, header, weights, tokens, label, data, default,
+                                   gbs, storage=storage)
+                except Exception as exc:
+                    results.fail("forward", exc, tokens=tokens, storage=storage, path=label)
+        device.free(weights)
     device.close()
 
 
@@ -374,8 +430,9 @@ def phase_transformers(results: Results, out: Path) -> None:
     device.close()
 
 
-NEEDS_GPU = ("floor", "layer", "layers", "transformers")  # skipped with the probe's reason without a GPU
-PHASES = {"versions": phase_versions, "floor": phase_floor, "layer": phase_layer, "layers": phase_layers,
+NEEDS_GPU = ("floor", "layer", "layer-quant", "layers", "transformers")  # skipped with the probe's reason without a GPU
+PHASES = {"versions": phase_versions, "floor": phase_floor, "layer": phase_layer, "layer-quant": phase_layer_quant,
+          "layers": phase_layers,
           "correctness": phase_correctness, "transformers": phase_transformers}
 
 

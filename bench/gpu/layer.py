@@ -45,12 +45,25 @@ def mixtral_header(layers: int, hidden: int, inter: int, experts: int, top_k: in
                   composition=COMPOSITION_RESIDUAL)
 
 
+def quant_header(layers: int, hidden: int, inter: int, experts: int, top_k: int, storage: str):
+    """A v2 header of int8 per-row ("int8") or int4 group-128 ("int4_g128") experts, fp16 scales, fp32 router,
+    Mixtral routing and residual layers."""
+    from colibri_sdk.format import HeaderV2
+    from colibri_sdk.format.constants import COMPOSITION_RESIDUAL, QUANT_INT4, QUANT_INT8, ROUTING_TOPK_SOFTMAX
+
+    quant, group = {"int8": (QUANT_INT8, 0), "int4_g128": (QUANT_INT4, 128)}[storage]
+    return HeaderV2(layers, experts, top_k, hidden, inter, dtype=1, quant=quant, group_size=group,
+                    routing=ROUTING_TOPK_SOFTMAX, composition=COMPOSITION_RESIDUAL)
+
+
 def weights_bytes(profile: dict, header) -> int:
-    """Bytes of the weights buffer: the .colibri data size (or the catalogue's own figure where it has one)."""
+    """Bytes of the weights buffer: the .colibri data size (or the catalogue's own figure where it has one) plus
+    catalog.WEIGHTS_TAIL_BYTES, as the CUDA backend allocates it (the GEMV's last 16-byte vector of a row may read
+    past the data)."""
     from colibri_sdk import catalog
 
     own = getattr(catalog, "weights_bytes", None)
-    return int(own(profile, header)) if own else int(header.data_size)
+    return (int(own(profile, header)) if own else int(header.data_size)) + catalog.WEIGHTS_TAIL_BYTES
 
 
 def io_buffers(profile: dict, header) -> dict:
@@ -147,20 +160,29 @@ def selected_experts(device: Device, weights: int, header, x: np.ndarray, layer:
     from colibri_sdk.format.constants import HEADER_SIZE
 
     h, e = header.hidden_size, header.num_experts
+    dtype = router_dtype(header)
     offset = header.tensor_offset("router", layer) - HEADER_SIZE
-    router = device.to_host(weights + offset, h * e * 2).view(np.float16).reshape(h, e).astype(np.float32)
+    router = device.to_host(weights + offset, h * e * dtype.itemsize).view(dtype).reshape(h, e).astype(np.float32)
     logits = x.astype(np.float32) @ router
     top = np.argsort(-logits, axis=1, kind="stable")[:, : header.top_k]
     return sorted(int(v) for v in np.unique(top))
 
 
+def router_dtype(header) -> np.dtype:
+    """The router's stored dtype: fp16 in a v1 file, as its block says in a v2 file (fp32 for int8/int4 experts)."""
+    block = getattr(header, "block", None)
+    return np.dtype(block("router").dtype) if block else np.dtype(np.float16)
+
+
 def expert_bytes(header) -> int:
-    """gate + up + down of one expert, in bytes."""
+    """gate + up + down of one expert as stored (with scales and zero points), in bytes."""
+    if hasattr(header, "blocks"):
+        return sum(b.tensor_bytes for b in header.blocks() if b.tensor in ("gate_proj", "up_proj", "down_proj"))
     return 3 * header.hidden_size * header.intermediate_size * header.itemsize
 
 
 def router_bytes(header) -> int:
-    return header.hidden_size * header.num_experts * header.itemsize
+    return header.hidden_size * header.num_experts * router_dtype(header).itemsize
 
 
 class LayerRun:
@@ -191,6 +213,7 @@ class LayerRun:
         t = time.perf_counter()
         compiled = compile_catalog(profile, header, workers=4)
         self.compile_s = time.perf_counter() - t
+        self.resources = {s: r for kernel in compiled for s, r in kernel.resources.items()}  # ptxas, per symbol
         self.functions = {}
         for kernel in compiled:
             module = device.load(kernel.output.cubin, (catalog.kernel_dir(), None, kernel.defines))

@@ -48,24 +48,31 @@ def render(lines: list[dict]) -> str:
     if floor:
         out.append("floor: " + ", ".join(f"{n} {fmt(l.get('gbs'))} GB/s ({l.get('counted')})"
                                          for n, l in floor.items()))
-    fwd = pick(lines, "layer", "forward")
+    fwd = pick(lines, "layer", "forward") + pick(lines, "layer-quant", "forward")
     if fwd:
         out += ["", "One layer (forward pass; graph and eager by CUDA events; floor = selected experts' bytes / read "
-                "bandwidth; * = the profile's own path)"]
-        out += grid(["tokens", "path", "graph us", "eager us", "eager/graph", "kernels us", "floor us", "floor/graph",
-                     "experts"],
-                    [[f"{l['tokens']}" + (f"/{l['shape_tokens']}" if l.get("shape_tokens") != l["tokens"] else ""),
+                "bandwidth; * = the profile's own path; est = the time model's ESTIMATE, bench/kernel_model.py)"]
+        out += grid(["storage", "tokens", "path", "graph us", "eager us", "eager/graph", "kernels us", "est us",
+                     "floor us", "floor/graph", "experts"],
+                    [[l.get("storage") or "fp16",
+                      f"{l['tokens']}" + (f"/{l['shape_tokens']}" if l.get("shape_tokens") != l["tokens"] else ""),
                       l["path"] + ("*" if l.get("default_path") else ""), fmt(l.get("graph_median_us")),
                       fmt(l.get("eager_median_us")), fmt(l.get("eager_over_graph"), 2), fmt(l.get("kernel_sum_us")),
-                      fmt(l.get("floor_us")), fmt(l.get("floor_fraction"), 3), len(l.get("selected_experts") or [])]
+                      fmt(l.get("est_layer_us")), fmt(l.get("floor_us")), fmt(l.get("floor_fraction"), 3),
+                      len(l.get("selected_experts") or [])]
                      for l in fwd])
         kernels: dict[tuple, list[str]] = {}
-        for k in pick(lines, "layer", "kernel"):
-            key = (k["tokens"], k.get("shape_tokens"), k["path"])
-            kernels.setdefault(key, []).append(f"{k['symbol'].removeprefix('colibri_')} {fmt(k.get('median_us'))}")
+        for k in pick(lines, "layer", "kernel") + pick(lines, "layer-quant", "kernel"):
+            key = (k.get("storage") or "fp16", k["tokens"], k.get("shape_tokens"), k["path"])
+            est = f" (est {fmt(k['est_us'])})" if k.get("est_us") is not None else ""
+            kernels.setdefault(key, []).append(
+                f"{k['symbol'].removeprefix('colibri_')} {fmt(k.get('median_us'))}{est} "
+                f"[{k.get('registers')} regs, {k.get('static_shared_bytes')} B smem, "
+                f"{k.get('resident_blocks_per_sm')} blocks/SM]")
         if kernels:
             out += ["", "Per kernel, median us (layer 0):"]
-            out += [f"  t{t}{'' if s == t else f'/{s}'} {p}: " + " | ".join(v) for (t, s, p), v in kernels.items()]
+            out += [f"  {st} t{t}{'' if s == t else f'/{s}'} {p}: " + " | ".join(v)
+                    for (st, t, s, p), v in kernels.items()]
     many = pick(lines, "layers", "forward")
     if many:
         out += ["", "Layer stack at tokens 1"]

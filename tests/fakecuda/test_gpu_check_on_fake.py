@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")]
 
-PHASES = ["install", "versions", "floor", "layer-max", "layer-min", "layers", "correctness", "transformers"]
+PHASES = ["install", "versions", "floor", "layer-max", "layer-min", "layer-quant", "layers", "correctness",
+          "transformers"]
+LIMIT_SCALE = 4  # the emulated kernels (and their first builds) on shared cores: every phase limit and the budget x 4
 FILES = {"results.jsonl", "stdout.log", "stderr.log", "correctness.log", "table.txt"}
 
 
@@ -33,9 +35,10 @@ def check_run(fake_driver, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COLIBRI_FAKE_CUDA_", "COLIBRI_GPU_CHECK_"))}
     env.update(PYTHON=sys.executable, COLIBRI_GPU_CHECK_FAKE_LIB=str(fake_driver),
-               COLIBRI_GPU_CHECK_INSTALL="pythonpath", COLIBRI_FAKE_CUDA_FAIL="cuMemcpyDtoDAsync=CUDA_ERROR_UNKNOWN")
+               COLIBRI_GPU_CHECK_INSTALL="pythonpath", COLIBRI_FAKE_CUDA_FAIL="cuMemcpyDtoDAsync=CUDA_ERROR_UNKNOWN",
+               COLIBRI_GPU_CHECK_LIMIT_SCALE=str(guard(LIMIT_SCALE)))
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--fake", str(out)], capture_output=True,
-                          text=True, timeout=guard(960), env=env, cwd=str(ROOT))
+                          text=True, timeout=guard(450 * LIMIT_SCALE + 120), env=env, cwd=str(ROOT))
     lines = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
     return done, out, lines
 
@@ -50,6 +53,33 @@ def test_every_phase_reports_and_the_output_is_small(check_run):
     assert {p.name for p in out.iterdir()} == FILES  # the device tool returns at most 8 files, no folders needed
     assert "FAKE DRIVER" in done.stdout and "One layer" in done.stdout and "Phases" in done.stdout
     assert (out / "table.txt").read_text() in done.stdout
+
+
+def test_preflight_first_and_limits_add_up_to_the_budget(check_run):
+    _, _, lines = check_run
+    first = lines[0]
+    assert (first["phase"], first["name"], first["status"]) == ("preflight", "driver", "ok"), first
+    assert first["driver_version"] == 12080 and first["cuInit"] == 0 and first["cuda_bindings"], first
+    (limits,) = [l for l in lines if l["phase"] == "check" and l["name"] == "limits"]
+    assert limits["sum_s"] == limits["budget_s"] == 450 * LIMIT_SCALE, limits
+
+
+def test_quantized_layer_with_resources_beside_the_times(check_run):
+    _, _, lines = check_run
+    forward = [l for l in lines if l["phase"] == "layer-quant" and l["name"] == "forward"]
+    assert {(l["storage"], l["tokens"]) for l in forward} == {("int8", 1), ("int4_g128", 1)}, forward
+    for f in forward:
+        assert f["status"] == "ok" and f["output_finite"] is True, f
+        assert f["selected_experts"] == f["device_selected_experts"], f
+    kernels = [l for l in lines if l["name"] == "kernel" and l["phase"] in ("layer", "layer-quant")]
+    assert kernels and all(k["registers"] > 0 and k["static_shared_bytes"] >= 0 and k["resident_blocks_per_sm"] >= 1
+                           for k in kernels), kernels[:3]
+    weights = [l for l in lines if l["phase"] == "layer-quant" and l["name"] == "weights"]
+    assert [w["storage"] for w in weights] == ["int8", "int4_g128"]
+    # the weights buffer holds the data and the catalogue's tail bytes, as the CUDA backend allocates it
+    from colibri_sdk import catalog
+    fp16 = [l for l in lines if l["phase"] == "layer" and l["name"] == "weights"][0]
+    assert fp16["bytes"] == 2 * (3 * 64 * 32 * 4 + 64 * 4) + catalog.WEIGHTS_TAIL_BYTES, fp16
 
 
 def test_lines_follow_the_schema(check_run):

@@ -66,13 +66,14 @@ def _compiler_version() -> str:
 
 
 def build_library(defines: dict[str, int], source_dir: Path | None = None,
-                  units: list[tuple[str, tuple[str, ...]]] | None = None) -> Path:
+                  units: list[tuple[str, tuple[str, ...]]] | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the kernel sources with g++ into one shared library; returns its path.
 
     Args:
         defines: -D constants (`catalog.compile_defines`).
         source_dir: folder of the .cu sources and common.cuh (default: the catalogue's kernels/).
         units: (source file, entry points) to compile (default: every catalogue kernel).
+        extra_flags: more g++ flags (build_model_library's instrumentation).
 
     The library is cached under the temp folder by a hash of compiler, flags, defines and every source byte; one
     process at a time builds a given key (a lock file beside it), the others then load what it built. Each object
@@ -86,7 +87,7 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
         raise EmulationError("g++ not found on PATH")
     source_dir = Path(source_dir or catalog.kernel_dir())
     units = units or kernel_units()
-    flags = [*CXXFLAGS, *(f"-D{k}={int(v)}" for k, v in sorted(defines.items()))]
+    flags = [*CXXFLAGS, *extra_flags, *(f"-D{k}={int(v)}" for k, v in sorted(defines.items()))]
     sources = _sources_digest(source_dir)
     digest = hashlib.sha256("\n".join([_compiler_version(), *flags, repr(units), sources]).encode())
     out = CACHE / digest.hexdigest()[:24] / "libcolibri_emu.so"
@@ -126,7 +127,9 @@ def _objects(flags: list[str], source_dir: Path, units: list[tuple[str, tuple[st
     in link order. An object's key: compiler, its flags (runner.cpp: without the -D constants when it reads none),
     its unit text and every source byte."""
     includes = [f"-I{EMU_DIR}", f"-I{source_dir}"]
-    plain = [f for f in flags if not f.startswith("-D")] if not _runner_reads_constants() else flags
+    # The shim's own switches (-DCOLI_EMU_*, e.g. the shared-memory model's) stay: runner.cpp reads them.
+    plain = [f for f in flags if not f.startswith("-D") or f.startswith("-DCOLI_EMU_")] \
+        if not _runner_reads_constants() else flags
     compiles = [(EMU_DIR / "runner.cpp", plain, "runner")]
     for source, symbols in units:
         unit = work / (Path(source).stem + ".cpp")
@@ -263,6 +266,9 @@ class EmulatedDevice:
         EmulationError: the library does not build, or a launch fails.
     """
 
+    library_builder = staticmethod(build_library)  # ModelDevice: build_model_library
+    library_class = EmulationLibrary
+
     def __init__(self, profile: dict, weights: str | os.PathLike, kernels: tuple[str, ...] | None = None):
         with ColibriFile(weights) as f:
             self.header = f.header
@@ -271,7 +277,7 @@ class EmulatedDevice:
                      if kernels is None or launch["kernel"] in kernels]
         launched = {launch["kernel"] for launch in self.plan}  # only the sources the plan launches are compiled
         units = [(spec.source, spec.symbols) for spec in catalog.KERNELS if spec.name in launched]
-        self.lib = EmulationLibrary(build_library(catalog.compile_defines(profile, self.header), units=units))
+        self.lib = self.library_class(self.library_builder(catalog.compile_defines(profile, self.header), units=units))
         self.sizes = catalog.sizes(profile, self.header)
         self.buffers = {name: Region(size) for name, size in sorted(catalog.device_buffers(profile, self.header).items())}
         for name, region in self.buffers.items():
@@ -345,3 +351,137 @@ class EmulatedDevice:
         """Names of the buffers whose canary words before or after were overwritten (out-of-bounds writes)."""
         regions = dict(self.buffers, weights=self.weights)
         return [name for name, region in regions.items() if not region.guards_intact()]
+
+
+# ---- shared memory, lanes and bytes in flight (emu/smem_model.h) --------------------------------------------------
+# A second library per define set, its kernel units instrumented by g++'s ThreadSanitizer pass at compile time only
+# (the hooks are emu/runner.cpp's; no sanitizer runtime is linked) and with line tables for the site names. The
+# ordinary library (build_library) has no instrumentation: the emulated tests do not pay for this.
+MODEL_FLAGS = ("-g", "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0", "-DCOLI_EMU_SMEM_MODEL=1")
+SITE_KINDS = ("shared load", "shared store", "global load")
+SITE_COLUMNS = 7  # emu/runner.cpp coli_emu_model_sites
+
+
+def build_model_library(defines: dict[str, int], source_dir: Path | None = None,
+                        units: list[tuple[str, tuple[str, ...]]] | None = None) -> Path:
+    """build_library with the shared-memory model compiled in (MODEL_FLAGS); cached the same way, by its own key.
+
+    Raises:
+        EmulationError: as build_library.
+    """
+    return build_library({**defines, "COLI_EMU_SMEM_MODEL": 1}, source_dir, units, extra_flags=MODEL_FLAGS[:-1])
+
+
+def template_statics(library: Path) -> list[tuple[int, int]]:
+    """(offset, size) of the function-local statics of function templates in `library` outside the shim: the
+    `__shared__` variables g++ left out of the coli_shared section (it ignores a section attribute there)."""
+    tool = shutil.which("nm")
+    if tool is None:
+        raise EmulationError("nm not found on PATH (binutils): the shared-memory model needs it")
+    listing = subprocess.run([tool, "-C", "-S", "--defined-only", str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    out = []
+    for line in listing.splitlines():
+        parts = line.split(maxsplit=3)
+        if len(parts) == 4 and parts[2] in "bBdDu" and ")::" in parts[3] and ">(" in parts[3] \
+                and not parts[3].startswith("coli_emu::") and "coli_emu::" not in parts[3].split(">(")[0]:
+            out.append((int(parts[0], 16), int(parts[1], 16)))
+    return out
+
+
+class ModelLibrary(EmulationLibrary):
+    """An emulation library built by build_model_library: the access model also records shared-memory requests,
+    active lanes and bytes in flight per access site."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self._lib.coli_emu_model_sites.restype = ctypes.c_longlong
+        self._lib.coli_emu_model_sites.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
+        self._lib.coli_emu_model_inflight.argtypes = [ctypes.c_void_p]
+        self._lib.coli_emu_model_inflight.restype = None
+        self.shared_recorded = bool(self._lib.coli_emu_model_shared())
+        self._lib.coli_emu_model_shared_region.argtypes = [ctypes.c_ulonglong, ctypes.c_longlong]
+        self._lib.coli_emu_model_sample.restype = ctypes.c_longlong
+        self._lib.coli_emu_model_sample.argtypes = [ctypes.c_longlong]
+        self._lib.coli_emu_model_shared_region(0, -1)
+        for offset, size in template_statics(self.path):
+            if self._lib.coli_emu_model_shared_region(offset, size):
+                raise EmulationError(f"{self.path}: more template `__shared__` variables than the model registers")
+
+    def model_sample(self, stride: int) -> int:
+        """Run only every `stride`-th block (by linear index) of the following recorded launches; returns the blocks
+        run since the previous call."""
+        return int(self._lib.coli_emu_model_sample(int(stride)))
+
+    def model_read(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sites, in_flight) since the last read, then reset.
+
+        sites: (n, 7) uint64 rows: site offset in the library, kind (SITE_KINDS index), warp-level requests,
+            wavefronts, ideal wavefronts, active lanes summed over the requests, distinct bytes (global loads:
+            requests, lanes and bytes only).
+        in_flight: (6,) uint64: __ldg batches, their bytes, bytes squared; cp.async batches, bytes, bytes squared.
+        """
+        cap = 4096
+        while True:
+            rows = np.zeros((cap, SITE_COLUMNS), dtype=np.uint64)
+            n = self._lib.coli_emu_model_sites(rows.ctypes.data, cap)
+            if n <= cap:
+                break
+            raise EmulationError(f"{n} access sites; at most {cap} are read")  # reset already: no retry possible
+        flight = np.zeros(6, dtype=np.uint64)
+        self._lib.coli_emu_model_inflight(flight.ctypes.data)
+        return rows[:n], flight
+
+    @functools.lru_cache(maxsize=None)
+    def site_name(self, offset: int) -> str:
+        """The source line of an access site ("small_batch.cu:380"), the innermost inlined frame; "?" without
+        addr2line."""
+        tool = shutil.which("addr2line")
+        if tool is None:
+            return "?"
+        frames = subprocess.run([tool, "-e", str(self.path), "-i", hex(max(int(offset) - 1, 0))],
+                                capture_output=True, text=True).stdout.split()
+        names = [Path(f).name for f in frames]
+        outside = [n for n in names if not n.startswith(("cuda_shim.h", "smem_model.h"))]  # the kernel's own line
+        return (outside or names or ["?"])[0]
+
+
+class ModelDevice(EmulatedDevice):
+    """EmulatedDevice on a build_model_library library; run_modelled records every launch."""
+
+    library_builder = staticmethod(build_model_library)
+    library_class = ModelLibrary
+
+    def run_modelled(self, x: np.ndarray, valid_tokens=None, sample_blocks: int | None = None,
+                     sampled: tuple[str, ...] = ()) -> list[dict]:
+        """The forward pass with the access model on: per launch of the plan {"launch", "loads" ((classes, 4) as
+        run_recorded), "sites" ((n, 7), ModelLibrary.model_read), "in_flight" ((6,)), "block_scale"}, in launch
+        order.
+
+        sample_blocks: for the launches of the catalogue kernels in `sampled`, run about this many of the grid's
+            blocks (every k-th by linear index; the others write nothing, so later kernels read unwritten data:
+            counts only, no results); block_scale = grid blocks / blocks run (1.0 for a launch run whole)."""
+        regions = [(self.weights.address, self.weights.size, 0)]
+        for name, region in self.buffers.items():
+            regions.append((region.address, region.size, 1 if name in ACTIVATION_BUFFERS else 2))
+        self.lib.access_regions(regions)
+        self.lib.set_schedule("increasing", 0)
+        self._load_input(x, valid_tokens)
+        out = []
+        self.lib.access_read()
+        self.lib.model_read()
+        self.lib.access_enable(True)
+        try:
+            for launch, (function, grid, block, _shared, params, _values) in zip(self.plan, self._launches):
+                blocks = int(np.prod(grid))
+                stride = max(blocks // sample_blocks, 1) if sample_blocks and launch["kernel"] in sampled else 1
+                self.lib.model_sample(stride)
+                self.lib.launch(function, grid, block, params.ctypes.data)
+                ran = self.lib.model_sample(1)
+                sites, flight = self.lib.model_read()
+                out.append({"launch": launch, "loads": self.lib.access_read(), "sites": sites, "in_flight": flight,
+                            "block_scale": blocks / max(ran, 1)})
+        finally:
+            self.lib.access_enable(False)
+            self.lib.model_sample(1)
+        return out

@@ -16,6 +16,13 @@
 //   - global loads through `__ldg` are recorded when the access model is on (coli_emu_access_enable): the k-th
 //     execution of one load site by each lane of a warp is one warp-level instruction; its 32-byte sectors and
 //     requested bytes are summed per address class (bench/kernel_access.py, docs/kernels.md "Access model");
+//   - with COLI_EMU_SMEM_MODEL (a library built for bench/kernel_model.py), shared-memory accesses too: the
+//     wavefronts of each warp-level request, the active lanes and the global bytes in flight (emu/smem_model.h);
+//   - alignment: a 16-byte __ldg and both addresses of a 16-byte cp.async must be 16-byte aligned (an error of the
+//     launch otherwise, as the GPU raises a misaligned-address fault); under the random schedule a cp.async copy
+//     lands at a random synchronisation point of its thread between issue and the wait that retires it (at the
+//     issue itself included), so a stage refilled before every thread is done with it, or read before its wait,
+//     shows up as a wrong result;
 //   - strict rules, each an error of the launch rather than a hang: a __syncthreads must be reached by every
 //     thread of the block, a full-mask warp operation by all 32 lanes (a thread that exited before counts as
 //     missing), and a state where no fiber can move is a deadlock. A segmentation fault inside a kernel is
@@ -106,6 +113,10 @@ struct State {
 
 inline State g;
 
+// Access-model hooks of the synchronisation points (defined with the access model below).
+inline void model_arrive(bool consume);
+inline void model_block_release();
+
 // cp.async (common.cuh cp_async16 / cp_async_commit / cp_async_wait): per thread, the copies issued since its last
 // commit and its committed groups, oldest first. A copy reads global memory when issued (a load the access model
 // records) and lands in shared memory only when a wait retires its group, so a kernel that reads a stage before
@@ -146,17 +157,55 @@ inline void yield() { swapcontext(&g.fibers[g.current].ctx, &g.sched); }
     for (;;) yield();
 }
 
+// A misaligned vector access: the launch fails naming the access and the address.
+[[noreturn]] inline void misaligned(const char* what, const void* p) {
+    char msg[160];
+    std::snprintf(msg, sizeof msg, "%s at %p is not 16-byte aligned", what, p);
+    fail(msg);
+}
+
+#if COLI_EMU_SMEM_MODEL
+#define COLI_EMU_NOSAN __attribute__((no_sanitize_thread, noinline))
+#else
+#define COLI_EMU_NOSAN
+#endif
+
+// A cp.async copy lands: its 16 bytes are written to shared memory (not a request of the kernel's own).
+COLI_EMU_NOSAN inline void land(const AsyncCopy& c) { std::memcpy(c.dst, c.bytes, 16); }
+
+// Under the random schedule, at a synchronisation point of the current thread, each of its copies in flight lands
+// with probability 1/2 (the rest stay in flight; their groups keep their order for the waits).
+inline void land_some_copies() {
+    if (g.mode < 2) return;
+    AsyncCopies& a = async_copies[g.current];
+    auto some = [](std::vector<AsyncCopy>& copies) {
+        size_t kept = 0;
+        for (size_t i = 0; i < copies.size(); ++i) {
+            if (next_random() % 2) land(copies[i]);
+            else copies[kept++] = copies[i];
+        }
+        copies.resize(kept);
+    };
+    some(a.open);
+    for (std::vector<AsyncCopy>& group : a.groups) some(group);
+}
+
 inline int warp_size_of(int warp) {
     const int rest = g.nthreads - warp * 32;
     return rest < 32 ? rest : 32;
 }
 
+inline void land_some_copies();
+
 inline void block_barrier() {
     Fiber& f = g.fibers[g.current];
     ++g.events;
+    model_arrive(false);  // global loads stay in flight across a barrier
+    land_some_copies();
     if (++g.block_arrived == g.nthreads) {
         g.block_arrived = 0;
         ++g.block_gen;
+        model_block_release();
         return;
     }
     f.wait = Wait::block;
@@ -173,6 +222,8 @@ inline unsigned warp_barrier(unsigned mask) {
     const int warp = g.current / 32;
     if (mask != 0xffffffffu || warp_size_of(warp) != 32) fail("warp operation without all 32 lanes (mask or block size)");
     if (g.exited[warp]) fail("warp operation with a full mask after a lane of the warp returned");
+    model_arrive(true);
+    land_some_copies();
     Fiber& f = g.fibers[g.current];
     const unsigned gen = g.warp_gen[warp];
     ++g.events;
@@ -212,12 +263,13 @@ inline T exchange(unsigned mask, T v, Src src) {
 extern "C" char __start_coli_shared[] __attribute__((weak));
 extern "C" char __stop_coli_shared[] __attribute__((weak));
 
-inline void poison_shared() {
+COLI_EMU_NOSAN inline void poison_shared() {
     for (char* p = __start_coli_shared; p + 4 <= __stop_coli_shared; p += 4) std::memcpy(p, &kSharedPoison, 4);
 }
 
 inline void fiber_main() {
     g.thunk(g.params);
+    model_arrive(true);
     g.fibers[g.current].wait = Wait::done;
     --g.alive;
     ++g.events;
@@ -320,6 +372,9 @@ struct AccessRegion {
 };
 struct Access {
     bool on = false;
+    // with the access model on: run only the blocks whose linear index is a multiple of `sample` (a model of
+    // statistically alike blocks; outputs of the others stay unwritten); blocks_run counts the blocks run
+    long long sample = 1, blocks_run = 0;
     std::vector<AccessRegion> regions;
     AccessStats stats[kClasses] = {};
     // per (site, thread): executions so far in this block; per instruction: the lanes' (address, bytes)
@@ -335,12 +390,17 @@ inline int access_class(uintptr_t a) {
 }
 
 // The site is this call's return address: __ldg is inlined, so each load site in a kernel calls from its own place.
+inline void note_load(uint32_t bytes);
+
 __attribute__((noinline)) inline void record_load(const void* p, uint32_t bytes) {
     const uintptr_t site = uintptr_t(__builtin_return_address(0));
+    note_load(bytes);
     const uint64_t who = (uint64_t(site) << 11) ^ uint64_t(g.current);
     const uint32_t occurrence = acc_model.seen[who]++;
     acc_model.pending[InstrKey{site, uint32_t(g.current / 32), occurrence}].emplace_back(uintptr_t(p), bytes);
 }
+
+inline void note_global_request(uintptr_t site, size_t lanes, unsigned long long bytes);
 
 // One warp-level instruction per pending entry: sectors touched, the distinct bytes its lanes asked for.
 inline void flush_accesses() {
@@ -358,6 +418,7 @@ inline void flush_accesses() {
         }
         std::sort(sectors.begin(), sectors.end());
         const size_t touched = size_t(std::unique(sectors.begin(), sectors.end()) - sectors.begin());
+        note_global_request(key.site, lanes.size(), bytes);
         AccessStats& st = acc_model.stats[access_class(lanes.front().first)];
         st.instructions += 1;
         st.sectors += touched;
@@ -367,6 +428,12 @@ inline void flush_accesses() {
     acc_model.pending.clear();
     acc_model.seen.clear();
 }
+
+}  // namespace coli_emu
+
+#include "smem_model.h"
+
+namespace coli_emu {
 
 inline void on_fault(int, siginfo_t* info, void*) {
     g.fault_addr = info->si_addr;
@@ -422,9 +489,12 @@ inline int launch(const char* symbol, void (*thunk)(void**), const unsigned* gri
         const Order order{int(blocks)};
         for (long long i = 0; i < blocks && rc == 0; ++i) {
             const long long b = order[int(i)];
+            if (acc_model.on && acc_model.sample > 1 && b % acc_model.sample) continue;
+            ++acc_model.blocks_run;
             blockIdx = {unsigned(b % grid[0]), unsigned(b / grid[0] % grid[1]), unsigned(b / grid[0] / grid[1])};
             if (!run_block()) rc = 1;
             if (acc_model.on) flush_accesses();
+            model_block_release();
         }
     }
     sigaction(SIGSEGV, &old_segv, nullptr);
@@ -507,6 +577,7 @@ inline int atomicMax(int* p, int v) { const int old = *p; *p = old > v ? old : v
 // calls record_load from its own address).
 template <class T>
 __attribute__((always_inline)) inline T __ldg(const T* p) {
+    if (sizeof(T) == 16 && uintptr_t(p) % 16) coli_emu::misaligned("16-byte __ldg", p);
     if (coli_emu::acc_model.on) coli_emu::record_load(p, sizeof(T));
     return *p;
 }
@@ -593,9 +664,17 @@ inline void coli_emu_mma_m16n8k16(float d[4], const unsigned a[4], const unsigne
 // A 16-byte copy: read now (through __ldg, so the access model records it at this site), written at the wait that
 // retires its group.
 __attribute__((always_inline)) inline void coli_emu_cp_async16(void* dst, const void* src) {
+    if (uintptr_t(dst) % 16) coli_emu::misaligned("cp.async 16-byte copy: shared destination", dst);
+    if (uintptr_t(src) % 16) coli_emu::misaligned("cp.async 16-byte copy: global source", src);
+    coli_emu::smem.in_copy = true;  // its load is a copy's, in flight until the wait
     const uint4 v = __ldg(static_cast<const uint4*>(src));
+    coli_emu::smem.in_copy = false;
     coli_emu::AsyncCopy c{dst, {}};
     std::memcpy(c.bytes, &v, 16);
+    if (coli_emu::g.mode >= 2 && coli_emu::next_random() % 4 == 0) {  // lands at once
+        coli_emu::land(c);
+        return;
+    }
     coli_emu::async_copies[coli_emu::g.current].open.push_back(c);
 }
 inline void coli_emu_cp_async_commit() {
@@ -606,8 +685,9 @@ inline void coli_emu_cp_async_commit() {
 // Retire the oldest committed groups until at most `pending` remain (copies not yet committed stay in flight).
 inline void coli_emu_cp_async_wait(int pending) {
     coli_emu::AsyncCopies& a = coli_emu::async_copies[coli_emu::g.current];
+    coli_emu::note_copies_in_flight(a);
     while ((int)a.groups.size() > pending) {
-        for (const coli_emu::AsyncCopy& c : a.groups.front()) std::memcpy(c.dst, c.bytes, 16);
+        for (const coli_emu::AsyncCopy& c : a.groups.front()) coli_emu::land(c);
         a.groups.pop_front();
     }
 }

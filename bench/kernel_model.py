@@ -1,0 +1,371 @@
+"""An ESTIMATE of each kernel's and each MoE layer's time on every shipped profile's device, from the CPU emulation's
+access model (no GPU, no timing): docs/kernels.md "Time model (an estimate)".
+
+The emulation (tests/kernels/emulator.py ModelDevice) runs one layer of a Mixtral-8x7B-shaped model, scaled down
+(SCALED: each weight row keeps whole chunks of the GEMV, so every lane's access pattern is that of the full shape),
+and records per kernel: DRAM sectors of the global loads, shared-memory wavefronts per warp request against the
+ideal, the active lanes of each request and the global bytes in flight per warp. Counts are then scaled linearly to
+the full shape (hidden 4096, intermediate 14336, 8 experts, top-2): by the ratio of weight elements.
+Per kernel and device the estimate is the largest of
+
+    DRAM        bytes (32 x sectors touched) / bandwidth
+    shared      wavefronts / (active SMs x 1 wavefront per clock x clock)
+    issue       warp instructions (memory requests + FMA and dequantization, counted from the shape) /
+                (active SMs x 4 schedulers x clock)
+    latency     the loads in rounds of the bytes in flight per SM (Little's law); a round costs the DRAM latency plus
+                the compute (shared, issue) the other resident blocks cannot hide
+
+with the DRAM time and the latency time taken as the larger (compute is inside the latency term), plus a launch
+boundary per kernel; the layer is the sum of its kernels. The floor is the selected experts' stored
+bytes / bandwidth; `est_floor_fraction` = floor / estimated layer time. Resident blocks per SM come from ptxas'
+resource report of the kernels compiled for each profile (NVRTC; `--no-nvrtc`: threads and shared memory only).
+
+    python bench/kernel_model.py                 # the table (an estimate)
+    python bench/kernel_model.py --json          # one object
+    python bench/kernel_model.py --quick         # orin and h200, fewer cases
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from colibri_sdk import catalog  # noqa: E402
+from colibri_sdk.format import Header, HeaderV2  # noqa: E402
+from colibri_sdk.format.constants import QUANT_INT4, QUANT_INT8  # noqa: E402
+from colibri_sdk.profile import Profile, load_profile  # noqa: E402
+from emulator import SITE_KINDS, ModelDevice  # noqa: E402
+from kernel_access import make_model, selected_bytes  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+from model_estimate import resident_blocks  # noqa: E402
+
+FULL = dict(hidden=4096, inter=14336, experts=8, top_k=2)  # Mixtral-8x7B, one layer
+SCALED = dict(hidden=512, inter=1536, experts=8, top_k=2)  # whole 512-column chunks in both reductions
+QUICK = dict(hidden=512, inter=1024, experts=8, top_k=2)
+STORAGES = {"fp16": None, "int8": (QUANT_INT8, 0), "int4_g128": (QUANT_INT4, 128)}
+KIT_STORAGE = {"fp16": "fp16", "int8": "int8", "int4_g128": "int4-g128"}  # kernel_access.make_model names
+TOKENS = (1, 16, 64)
+
+# Device constants (public specs; docs/kernels.md "Time model" cites each). bandwidth and SMs from the profile.
+#   clock_ghz: the boost clock; latency_ns: a loaded DRAM latency (microbenchmarks put idle latency at ~400-600 ns;
+#   under a streaming load it grows: 700 ns is the model's choice); launch_us: a kernel boundary inside a CUDA Graph.
+DEVICES = {
+    "orin": dict(profile="orin", clock_ghz=1.3, latency_ns=700.0, launch_us=3.0),
+    "a100": dict(profile="a100", clock_ghz=1.41, latency_ns=700.0, launch_us=2.0),
+    "rtx4090": dict(profile="rtx4090", clock_ghz=2.52, latency_ns=700.0, launch_us=2.0),
+    "h200": dict(profile="h200", clock_ghz=1.98, latency_ns=700.0, launch_us=2.0),
+}
+SCHEDULERS = 4  # warp schedulers per SM, one instruction per clock each
+# Warp instructions per weight element besides the FMAs (per element, once per block that streams it): fp16
+# unpack (1 conversion), int8 (byte extract, convert, scale), int4 (shift/mask, offset, convert, scale).
+DEQUANT_INSTR = {"fp16": 1.0, "int8": 3.0, "int4_g128": 4.0}
+TC_SYMBOLS = ("colibri_gate_up_tc", "colibri_down_tc", "colibri_gate_up_qtc", "colibri_down_qtc")
+SAMPLE_BLOCKS = 24  # blocks emulated per expert-kernel launch (every k-th of the grid; counts scaled by k)
+HOT_SHARE = 0.5  # a site is part of a hot loop when it has at least half the requests of its kernel's busiest site
+
+
+def profile_for(device: str, tokens: int) -> dict:
+    """The device's shipped profile with the smallest (batch, tokens) shape that holds `tokens` (batch 1 first)."""
+    data = copy.deepcopy(load_profile(DEVICES[device]["profile"], toolchain=False).data)
+    shape = data["shape"]
+    batches = shape["batch"] if isinstance(shape["batch"], list) else [shape["batch"]]
+    lengths = shape["tokens"] if isinstance(shape["tokens"], list) else [shape["tokens"]]
+    fits = sorted((b * t, b, t) for b in batches for t in lengths if b * t >= tokens)
+    if not fits:
+        raise SystemExit(f"{device}: no profile shape holds {tokens} tokens (batch {batches}, tokens {lengths})")
+    _, b, t = fits[0]
+    data["shape"] = {"batch": b, "tokens": t}
+    return Profile.from_dict(data, toolchain=False).data
+
+
+def header_for(dims: dict, storage: str):
+    spec = STORAGES[storage]
+    if spec is None:
+        return Header(1, dims["experts"], dims["top_k"], dims["hidden"], dims["inter"], dtype=1)
+    return HeaderV2(1, dims["experts"], dims["top_k"], dims["hidden"], dims["inter"], dtype=1, quant=spec[0],
+                    group_size=spec[1])
+
+
+def expert_bytes(dims: dict, storage: str) -> int:
+    """Stored bytes of one expert (gate, up, down with scales and zero points)."""
+    h = header_for(dims, storage)
+    if isinstance(h, HeaderV2):
+        return sum(b.tensor_bytes for b in h.blocks() if b.tensor in ("gate_proj", "up_proj", "down_proj"))
+    return 2 * 3 * h.hidden_size * h.intermediate_size
+
+
+def resources(device: str, tokens: int, storage: str, use_nvrtc: bool) -> dict:
+    """{symbol: {"registers", "shared_bytes"}} from ptxas for the full shape, or {} without NVRTC."""
+    if not use_nvrtc:
+        return {}
+    from colibri_sdk.aot.cache import NvrtcCache
+    from colibri_sdk.aot.kernels import compile_catalog
+
+    profile = Profile.from_dict(profile_for(device, tokens), toolchain=False)
+    out = {}
+    for k in compile_catalog(profile, header_for(FULL, storage), workers=1, cache=NvrtcCache()):
+        out.update(k.resources)
+    return out
+
+
+_EMULATED: dict = {}  # (path, compile defines, launch plan): emulate()'s result; profiles that compile alike share it
+
+
+def emulate(path: Path, profile: dict, valid: int) -> tuple[list[dict], int, int]:
+    """(per-launch records of ModelDevice.run_modelled, selected bytes, selected experts' bytes) for `valid`
+    random tokens; one emulation per distinct compiled layer (a100, rtx4090 and h200 compile alike)."""
+    from colibri_sdk.format import ColibriFile
+
+    with ColibriFile(path) as f:
+        header = f.header
+    key = (str(path), valid, json.dumps(catalog.compile_defines(profile, header), sort_keys=True),
+           json.dumps(catalog.launch_plan(profile, header), sort_keys=True, default=str))
+    if key not in _EMULATED:
+        _EMULATED[key] = _emulate(path, profile, valid)
+    return _EMULATED[key]
+
+
+def _emulate(path: Path, profile: dict, valid: int) -> tuple[list[dict], int, int]:
+    device = ModelDevice(profile, path)
+    tokens = device.sizes.tokens
+    hidden = device.header.hidden_size
+    x = np.zeros((tokens, hidden), dtype=np.float32)
+    x[:valid] = np.random.default_rng(valid).standard_normal((valid, hidden))
+    batch, seq = profile["shape"]["batch"], profile["shape"]["tokens"]
+    counts = [min(max(valid - b * seq, 0), seq) for b in range(batch)]
+    device.poison()
+    expert_kernels = tuple(spec.name for spec in catalog.KERNELS if spec.name not in ("routing", "capacity"))
+    records = device.run_modelled(x, valid_tokens=counts, sample_blocks=SAMPLE_BLOCKS, sampled=expert_kernels)
+    for r in records:
+        r["site_names"] = [device.lib.site_name(int(s[0])) for s in r["sites"]]
+    selected, experts_selected = selected_bytes(path, x[:valid])
+    return records, selected, experts_selected
+
+
+def kernel_counts(record: dict) -> dict:
+    """Totals of one launch: DRAM sectors, shared requests/wavefronts/ideal, hot-site lane fractions, in flight."""
+    loads, sites, flight = record["loads"].astype(np.int64), record["sites"].astype(np.int64), record["in_flight"]
+    sectors = int(loads[:3, 1].sum())  # registered buffers (weights, activations, other scratch)
+    shared = sites[sites[:, 1] <= 1] if len(sites) else sites
+    out = {"sectors": sectors, "weight_sectors": int(loads[0, 1]), "requests": int(sites[:, 2].sum()) if len(sites) else 0,
+           "smem_requests": int(shared[:, 2].sum()) if len(shared) else 0,
+           "smem_wavefronts": int(shared[:, 3].sum()) if len(shared) else 0,
+           "smem_ideal": int(shared[:, 4].sum()) if len(shared) else 0, "sites": []}
+    busiest = int(sites[:, 2].max()) if len(sites) else 0
+    for row, name in zip(sites, record["site_names"]):
+        hot = busiest and row[2] >= HOT_SHARE * busiest
+        out["sites"].append({"site": name, "kind": SITE_KINDS[int(row[1])], "requests": int(row[2]),
+                             "wavefronts": int(row[3]), "ideal": int(row[4]), "lanes": int(row[5]) / 32 / max(int(row[2]), 1),
+                             "hot": bool(hot)})
+    b, bsq = int(flight[1]) + int(flight[4]), int(flight[2]) + int(flight[5])
+    out["lane_bytes_in_flight"] = bsq / b if b else 0.0  # the outstanding bytes a loaded byte waits with (per lane)
+    loads_sites = sites[sites[:, 1] == 2] if len(sites) else sites
+    requests = int(loads_sites[:, 2].sum()) if len(loads_sites) else 0
+    out["load_lane_fraction"] = int(loads_sites[:, 5].sum()) / (32 * requests) if requests else 1.0
+    return out
+
+
+def estimate(dev: dict, dram_bytes: float, wavefronts: float, instr: float, blocks: int, resident: int,
+             flight_warp: float, warps: int) -> dict:
+    """Microseconds of each limit of one kernel and the estimate: max(DRAM, latency) plus the launch boundary.
+
+    dram: bytes / bandwidth. shared: wavefronts / (active SMs x clock). issue: warp instructions / (active SMs x 4 x
+    clock). latency: the loads of an SM come in rounds of `bytes in flight per SM` (Little's law); each round costs
+    the DRAM latency plus the compute of the round that the other resident blocks cannot hide
+    (max(latency + compute / blocks, compute)), since a warp computes on a batch only after it has arrived and
+    loads the next one after (the emulation's batches). An estimate: no caches, no clock changes, no tail effects.
+    """
+    sms = dev["sms"]
+    active = max(min(sms, blocks), 1)
+    clock = dev["clock_ghz"] * 1e9
+    latency = dev["latency_ns"] * 1e-9
+    t_dram = dram_bytes / (dev["bandwidth_gbs"] * 1e9)
+    t_smem = wavefronts / (active * clock)
+    t_issue = instr / (active * SCHEDULERS * clock)
+    t_compute = max(t_smem, t_issue)
+    per_sm_blocks = max(min(resident, -(-blocks // sms)), 1)
+    flight_sm = flight_warp * warps * per_sm_blocks
+    if flight_sm > 0 and dram_bytes > 0:
+        rounds = dram_bytes / active / flight_sm
+        c_round = t_compute / rounds
+        t_latency = rounds * max(latency + c_round / per_sm_blocks, c_round)
+    else:
+        t_latency = t_compute
+    limits = {"dram": t_dram, "shared": t_smem, "issue": t_issue, "latency": t_latency}
+    bound = "dram" if t_dram >= t_latency else ("latency" if t_latency > t_compute * 1.0001 else
+                                                 ("shared" if t_smem >= t_issue else "issue"))
+    return {**{f"t_{k}_us": v * 1e6 for k, v in limits.items()}, "bound": bound,
+            "bytes_in_flight_sm": flight_sm, "resident_blocks": resident,
+            "time_us": max(t_dram, t_latency) * 1e6 + dev["launch_us"]}
+
+
+def fma_instr(symbol: str, storage: str, pairs_per_expert: dict, dims: dict) -> float:
+    """Warp instructions of the arithmetic of one expert kernel at the full shape (not emulated: counted)."""
+    h, i = FULL["hidden"], FULL["inter"]
+    mats = 2 if "gate_up" in symbol else 1
+    elements = mats * h * i
+    used = len(pairs_per_expert)
+    pairs = sum(pairs_per_expert.values())
+    if symbol in TC_SYMBOLS:  # mma.m16n8k16: 4096 FMAs, tiles of 16 rows (padded)
+        tiles = sum(-(-p // 16) * 16 for p in pairs_per_expert.values())
+        return elements * tiles / 4096 + elements * used * DEQUANT_INSTR[storage] / 32 / 4
+    return (elements * pairs + elements * used * DEQUANT_INSTR[storage]) / 32
+
+
+def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_nvrtc: bool) -> dict:
+    profile = profile_for(device, valid)
+    path = tmp / f"{storage}-{dims['hidden']}x{dims['inter']}.colibri"
+    if not path.exists():
+        make_model(path, **dims, storage=KIT_STORAGE[storage])
+    records, selected, experts_selected = emulate(path, profile, valid)
+    scale = FULL["hidden"] * FULL["inter"] / (dims["hidden"] * dims["inter"])
+    dev = dict(DEVICES[device])
+    hw = profile["hardware"]
+    dev.update(sms=hw["sm_count"], bandwidth_gbs=hw["memory_bandwidth_gbs"])
+    res = resources(device, valid, storage, use_nvrtc)
+    full_plan = {(l["symbol"]): l for l in catalog.launch_plan(profile, header_for(FULL, storage))}
+    floor_s = experts_selected / expert_bytes(dims, storage) * expert_bytes(FULL, storage) / (dev["bandwidth_gbs"] * 1e9)
+    experts_used = round(experts_selected / expert_bytes(dims, storage))
+    pairs_per_expert = {e: valid * FULL["top_k"] / experts_used for e in range(experts_used)}
+    kernels = []
+    for r in records:
+        launch = r["launch"]
+        symbol = launch["symbol"]
+        c = kernel_counts(r)
+        expert = symbol not in ("colibri_routing", "colibri_align")
+        s = (scale if expert else FULL["hidden"] / dims["hidden"]) * r["block_scale"]  # routing: the router
+        full = full_plan.get(symbol, launch)
+        blocks = int(np.prod(full["grid"]))
+        threads = int(np.prod(full["block"]))
+        ptxas = res.get(symbol) or {}
+        resident = resident_blocks(profile["target"]["arch"], threads, ptxas.get("registers"),
+                                   ptxas.get("shared_bytes"), hw["shared_memory_per_sm"])
+        instr = c["requests"] * s + (fma_instr(symbol, storage, pairs_per_expert, dims) if expert else 0.0)
+        # DRAM: the weights' sectors (streamed once); activations and scratch are small and stay in L2
+        est = estimate(dev, 32.0 * c["weight_sectors"] * s, c["smem_wavefronts"] * s, instr, blocks, resident,
+                       32 * c["load_lane_fraction"] * c["lane_bytes_in_flight"], threads // 32)
+        kernels.append({"symbol": symbol, "blocks": blocks, "threads": threads,
+                        "registers": ptxas.get("registers"), "shared_bytes": ptxas.get("shared_bytes"),
+                        "smem_wavefront_ratio": c["smem_wavefronts"] / c["smem_ideal"] if c["smem_ideal"] else None,
+                        "sites": c["sites"], **est})
+    layer_us = sum(k["time_us"] for k in kernels)
+    return {"device": device, "storage": storage, "tokens": valid, "kernels": kernels, "est_layer_us": layer_us,
+            "floor_us": floor_s * 1e6, "est_floor_fraction": floor_s * 1e6 / layer_us, "scale": scale}
+
+
+def hot_summary(cases: list[dict]) -> dict:
+    """Worst shared-memory site ratio and lowest active-lane fraction over the hot sites of every kernel."""
+    worst = {"ratio": 0.0, "site": None}
+    lanes = {"fraction": 1.01, "site": None}
+    weighted = [0.0, 0.0]
+    for case in cases:
+        for k in case["kernels"]:
+            for s in k["sites"]:
+                if not s["hot"]:
+                    continue
+                weighted[0] += s["lanes"] * s["requests"]
+                weighted[1] += s["requests"]
+                if s["kind"] != "global load" and s["ideal"]:
+                    r = s["wavefronts"] / s["ideal"]
+                    if r > worst["ratio"]:
+                        worst = {"ratio": r, "site": f"{k['symbol']} {s['site']} ({case['storage']}, T={case['tokens']})"}
+                if s["lanes"] < lanes["fraction"] - 1e-9:
+                    lanes = {"fraction": s["lanes"],
+                             "site": f"{k['symbol']} {s['site']} ({case['storage']}, T={case['tokens']})"}
+    lanes["fraction"] = min(lanes["fraction"], 1.0)
+    return {"worst": worst, "lanes": lanes, "lanes_weighted": weighted[0] / weighted[1] if weighted[1] else None}
+
+
+def summary(cases: list[dict], dims: dict) -> dict:
+    """The --json object of `cases` (every value an estimate)."""
+    hot = hot_summary(cases)
+    fraction: dict = {}
+    for c in cases:
+        fraction.setdefault(c["device"], {}).setdefault(c["storage"], {})[str(c["tokens"])] = c["est_floor_fraction"]
+    layer = {(c["device"], c["storage"], c["tokens"]): c["est_layer_us"] for c in cases}
+    ratio = layer.get(("orin", "int4_g128", 1), 0) / layer[("orin", "fp16", 1)] \
+        if ("orin", "fp16", 1) in layer and ("orin", "int4_g128", 1) in layer else None
+    result = {
+        "note": "an ESTIMATE from the CPU emulation's access model (bench/kernel_model.py, docs/kernels.md), not a "
+                "measurement",
+        "shape": {"full": FULL, "emulated": dims, "counts_scaled_by": FULL["hidden"] * FULL["inter"] /
+                  (dims["hidden"] * dims["inter"])},
+        "smem_wavefront_ratio_worst": hot["worst"]["ratio"], "smem_worst_site": hot["worst"]["site"],
+        "active_lane_fraction_min": hot["lanes"]["fraction"], "active_lane_min_site": hot["lanes"]["site"],
+        "active_lane_fraction_weighted": hot["lanes_weighted"],
+        "est_floor_fraction": fraction, "est_int4_over_fp16_time": ratio,
+        "cases": [{k: v for k, v in c.items()} for c in cases],
+    }
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json-out", type=Path, metavar="FILE", help="also write the JSON object to FILE")
+    parser.add_argument("--quick", action="store_true", help="orin and h200 only, a smaller scaled shape")
+    parser.add_argument("--devices", nargs="*", choices=list(DEVICES))
+    parser.add_argument("--storages", nargs="*", default=list(STORAGES), choices=list(STORAGES))
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), choices=list(TOKENS))
+    parser.add_argument("--no-nvrtc", action="store_true", help="resident blocks from threads only (no ptxas)")
+    parser.add_argument("--merge", nargs="*", type=Path, metavar="JSON",
+                        help="no emulation: the summary of the cases of these --json-out files (runs split by storage)")
+    args = parser.parse_args(argv)
+    devices = args.devices or (["orin", "h200"] if args.quick else list(DEVICES))
+    dims = QUICK if args.quick else SCALED
+    cases = []
+    if args.merge:
+        for f in args.merge:
+            cases += json.loads(f.read_text())["cases"]
+        devices, args.storages, args.tokens = [], [], []  # nothing to emulate
+    with tempfile.TemporaryDirectory() as tmp:
+        for storage in args.storages:
+            for t in args.tokens:
+                for device in devices:
+                    case = run_case(device, storage, t, dims, Path(tmp), not args.no_nvrtc)
+                    cases.append(case)
+                    if args.json_out is not None:  # after every case: a run cut short keeps what it measured
+                        args.json_out.write_text(json.dumps(summary(cases, dims), indent=1) + "\n")
+                    if not args.json:
+                        print(f"{device:<8} {storage:<10} T={t:<3} est layer {case['est_layer_us']:9.1f} us  floor "
+                              f"{case['floor_us']:8.1f} us  est fraction of floor {case['est_floor_fraction']:.3f}",
+                              flush=True)
+                        for k in case["kernels"]:
+                            ratio = k["smem_wavefront_ratio"]
+                            print(f"    {k['symbol']:<22} est {k['time_us']:8.1f} us ({k['bound']:<9}) dram "
+                                  f"{k['t_dram_us']:8.1f} shared {k['t_shared_us']:8.1f} issue {k['t_issue_us']:8.1f} "
+                                  f"latency {k['t_latency_us']:8.1f}  wavefronts/ideal "
+                                  f"{'-' if ratio is None else f'{ratio:.2f}'}  blocks/SM {k['resident_blocks']}"
+                                  f" regs {k['registers']} smem {k['shared_bytes']} in flight/SM "
+                                  f"{k['bytes_in_flight_sm'] / 1024:.1f} KiB", flush=True)
+    result = summary(cases, dims)
+    hot = hot_summary(cases)
+    ratio = result["est_int4_over_fp16_time"]
+    text = json.dumps(result, indent=1)
+    if args.json_out is not None:
+        args.json_out.write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print(f"hot loops: worst shared wavefronts / ideal {hot['worst']['ratio']:.2f} at {hot['worst']['site']}; "
+              f"lowest active-lane fraction {hot['lanes']['fraction']:.3f} at {hot['lanes']['site']}")
+        if ratio is not None:
+            print(f"estimated int4 g128 / fp16 layer time, orin, T=1: {ratio:.2f}")
+        print("all times are estimates of a model (docs/kernels.md \"Time model\"), not measurements")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
