@@ -6,10 +6,11 @@
 // colibri_gate_up_gemv — grid (ceil(intermediate / WARPS), min(experts, tokens*k)), block (COLI_SMALL_BATCH_THREADS).
 //   Block (c, s) takes the s-th expert e selected by a valid token (increasing expert index; slots past the last
 //   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. Chunk-major (float and int8/int4
-//   weights): for each chunk of CHUNK_ columns each warp loads its part of row n of gate[e] and of up[e] into registers (16-byte
-//   loads, two per row per lane in flight, L1 bypassed), then for each group of PASS_ pairs routed to e (8; 4 above
-//   512 threads) their x rows of the chunk are staged in shared memory and multiplied; chunk sums go to a shared
-//   partial per (pair, row), so every weight byte is streamed once:
+//   weights): for each chunk of CHUNK_ columns each warp loads its part of row n of gate[e] and of up[e] into
+//   registers (16-byte loads, L1 bypassed; the next chunk's loads are issued before this chunk is used), then for
+//   each group of PASS_ pairs routed to e (8; 4 for int4 and above 512 threads) their x rows of the chunk are staged
+//   in shared memory (a bank-conflict-free layout, SP_) and multiplied, each staged unit read once for gate and up;
+//   chunk sums go to a shared partial per (pair, row), so every weight byte is streamed once:
 //       act[p, n] = silu(gate[e, n, :] . x[p / k, :]) * (up[e, n, :] . x[p / k, :])       only pairs p routed to e
 //   (with biases and the clamped SwiGLU when the file has them: common.cuh gate_up_epilogue)
 // colibri_down_gemv — grid (ceil(hidden / (ROWS*WARPS))), same block; ROWS = 2 (1 above 512 threads). Rows
@@ -46,8 +47,9 @@
 #define THREADS_ COLI_SMALL_BATCH_THREADS
 #define WARPS_ (THREADS_ / 32)
 // Pairs per pass over a weight row (accumulators per row stream) and hidden rows per warp in colibri_down_gemv:
-// blocks of more than 512 threads have 64 registers per thread, so they take half.
-#define PASS_ (THREADS_ > 512 ? 4 : 8)
+// blocks of more than 512 threads have 64 registers per thread, so they take half; int4 takes 4 pairs per pass as
+// well, its chunks being twice as wide (CHUNK_ below: the stage keeps its size).
+#define PASS_ (THREADS_ > 512 || COLI_QUANT == 2 ? 4 : 8)
 #define DOWN_ROWS_ (THREADS_ > 512 ? 1 : 2)
 #define TILE_ (WARPS_ * DOWN_ROWS_)
 // Blocks per SM the routed GEMV kernels are compiled for: 1, so ptxas may give a thread up to 255 registers (at 256
@@ -60,7 +62,8 @@ static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
 #if COLI_QUANT
 #define QEPV_ (COLI_QUANT == 2 ? 32 : 16)  // codes per 16-byte vector
 #define VCOLS_ QEPV_
-#define CHUNK_ 512  // columns of the reduction dimension staged per step: 32 (int8) or 16 (int4) vectors per row
+// Columns of the reduction dimension staged per step: 32 vectors per row, one per lane (int8 512, int4 1024).
+#define CHUNK_ (32 * QEPV_)
 // A group holds whole vectors' worth of columns, so a vector of a row's window (which starts anywhere in a group
 // when the row is not 32-byte aligned) spans at most two groups (q_fma_vec).
 static_assert(GS_ % QEPV_ == 0, "a scale group must be a multiple of the codes per 16-byte vector");
@@ -83,6 +86,24 @@ typedef wt ws_t;  // stored weight: fp16 bits or fp32
 #define MARGIN_(cols) (QROW_BYTES_(cols) % 32 ? 2 * VCOLS_ : 0)
 #define NCHUNKS_(cols) (((cols) + (MARGIN_(cols) ? 2 * VCOLS_ - 1 : 0) + CHUNK_ - 1) / CHUNK_)
 #define SW_ (CHUNK_ + 2 * VCOLS_)        // staged columns per pair (margin included)
+// The stage: PASS_ rows of SWR_ floats (SW_ rounded up to whole 32-column blocks, 128 bytes: one pass of the 32
+// shared-memory banks), column c of a row at SP_(c): the 16-byte units (4 columns) of block b = c / 32 rotated by
+// b mod R_ within the block, R_ = VCOLS_ / 4 units per lane vector (fp32 1, fp16 2, int8 4, int4 8). A 16-byte
+// shared access is served a quarter-warp (8 lanes, 128 bytes) per wavefront, conflict-free when the 8 lanes' units
+// fall in 8 different unit slots (u mod 8). In chunk_dot lane l reads its vector i = 32 u + l as R_ float4s, the
+// t-th at unit R_ i + t (+ the margin's 2 R_ units, rows of whole sectors: none): 8 lanes span R_ blocks, 8 / R_
+// lanes in each, at slots t, t + R_, ... of their block, and the rotations 0 .. R_ - 1 of the R_ consecutive
+// blocks move them onto the 8 different slots (fp16: lanes 0-3 slots t, t+2, t+4, t+6 of block 0, lanes 4-7 the
+// same + 1 in block 1; int8: 2 lanes per block, slots t, t+4 rotated by 0..3; int4: one lane per block, slot t
+// rotated by 0..7). Unrotated, the lanes of a quarter-warp sit R_ units apart: an R_-way conflict (and scalar
+// 4-byte reads of lanes 8, 16 or 32 floats apart, as before: 8-, 16- or, int4's 16 lanes, 16-way). The vectors of
+// rows at a margin, and int8/int4 rows at any shift that is a multiple of 4 columns, stay conflict-free (they span
+// R_ + 1 blocks, whose rotations still give the 8 lanes 8 different slots: checked for every such offset); other
+// shifts (odd sizes) read the stage element by element. The staging stores (stage_rows) write 8 consecutive units
+// per quarter-warp, one whole block: conflict-free.
+#define SWR_ ((SW_ + 31) / 32 * 32)
+#define R_ (VCOLS_ / 4)
+#define SP_(c) (((c) & ~31) | (((((c) >> 2) + ((c) >> 5) % R_) & 7) << 2) | ((c) & 3))
 static_assert(T_ * TILE_ * 4 <= 16 * 1024 && 2 * T_ * WARPS_ * 4 <= 16 * 1024,
               "small_batch: batch*tokens * rows per block * 4 bytes must be <= 16 KiB (lower max_pairs or threads)");
 
@@ -163,44 +184,47 @@ __device__ __forceinline__ int valid_pairs(const int* __restrict__ valid_tokens)
     return n * K_;
 }
 
-// Stage columns c0 .. c0 + SW_ - 1 of rows src[rows[j]] (j < cnt, rows of row_len floats) into stage[j][0 .. SW_):
-// columns outside [0, row_len) are staged as 0 (never used: the weights there are masked). c0 is a multiple of 4:
-// float4 loads where the rows are 16-byte aligned; else scalar loads in runs of 32 consecutive floats that start on
-// a 32-byte sector (one warp, 4 whole sectors), the run of row j shifted by the row's offset in its sector.
+// Stage columns c0 .. c0 + NEED - 1 of rows src[rows[j]] (c0 = q * CHUNK_ - MARGIN, NEED = CHUNK_ + MARGIN; j < cnt,
+// rows of row_len floats) into stage[j] (column c at SP_(c)): columns outside [0, row_len) are staged as 0 (never
+// used: the weights there are masked or meet them as zeros). c0 is a multiple of 4: float4 loads and 16-byte
+// stores where the rows are 16-byte aligned, over NEED rounded up to whole 32-column blocks (the lanes past NEED
+// load a needed vector again and store zeros: one instruction per warp, 8 units of one block per quarter-warp);
+// else scalar loads in runs of 32 consecutive floats that start on a 32-byte sector (one warp, 4 whole sectors),
+// the run of row j shifted by the row's offset in its sector (its scalar stores span two blocks: up to 2-way).
+template <int MARGIN>
 __device__ __forceinline__ void stage_rows(const float* __restrict__ src, int row_len, const int* rows, int cnt,
-                                           int c0, float (*stage)[SW_]) {
+                                           int q, float (*stage)[SWR_]) {
+    constexpr int need = CHUNK_ + MARGIN;
+    const int c0 = q * CHUNK_ - MARGIN;
+    const int lo = c0 > 0 ? c0 : 0, end = c0 + need < row_len ? c0 + need : row_len;  // staged row columns [lo, end)
     if (row_len % 4 == 0) {  // every row and every chunk start is 16-byte aligned (the buffer is 256-byte aligned)
-        constexpr int per_row = SW_ / 4;
+        constexpr int per_row = (need + 31) / 32 * 8;  // 16-byte units, whole blocks
         for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
             const int j = i / per_row, c = (i % per_row) * 4, col = c0 + c;
             // Columns outside the row load the nearest in-row vector (the same sector as a neighbouring lane's) and
             // store zeros: every lane of a warp executes the load, so the access model sees one instruction.
-            const bool in_row = col >= 0 && col < row_len;
-            const int at = col < 0 ? 0 : col < row_len ? col : row_len - 4;
+            const bool in_row = col >= lo && col < end;
+            const int at = col < lo ? lo : col < end ? col : end - 4;
             float4 v = __ldg(reinterpret_cast<const float4*>(src + (size_t)rows[j] * row_len + at));
             if (!in_row) v.x = v.y = v.z = v.w = 0.0f;
-            stage[j][c] = v.x;
-            stage[j][c + 1] = v.y;
-            stage[j][c + 2] = v.z;
-            stage[j][c + 3] = v.w;
+            *reinterpret_cast<float4*>(&stage[j][SP_(c)]) = v;
         }
     } else {
-        constexpr int per_row = (SW_ + 7 + 31) / 32 * 32;  // a whole number of warp runs per row
+        constexpr int per_row = (need + 7 + 31) / 32 * 32;  // a whole number of warp runs per row
         for (int i = threadIdx.x; i < cnt * per_row; i += THREADS_) {
             const int j = i / per_row, t = i % per_row;
             const long long first = (long long)rows[j] * row_len + c0;  // element of stage column 0
             const int off = (int)(((first % 8) + 8) % 8);                // its place in a 32-byte sector
             const int c = t - off, col = c0 + c;
-            // The staged columns of the row: [lo, hi]. A run (32 lanes) with any of them loads for every lane, at the
-            // nearest of them (same sector), so that a warp's lanes stay one instruction in the access model.
-            const int lo = c0 > 0 ? c0 : 0, hi = (c0 + SW_ < row_len ? c0 + SW_ : row_len) - 1;
+            // The staged columns of the row: [lo, end). A run (32 lanes) with any of them loads for every lane, at
+            // the nearest of them (same sector), so that a warp's lanes stay one instruction in the access model.
             const int run = c0 - off + (t & ~31);  // column of the run's first lane
-            if (run <= hi && run + 31 >= lo) {
-                const int at = col < lo ? lo : col > hi ? hi : col;
+            if (run < end && run + 31 >= lo) {
+                const int at = col < lo ? lo : col >= end ? end - 1 : col;
                 const float v = __ldg(src + (size_t)rows[j] * row_len + at);
-                if (c >= 0 && c < SW_) stage[j][c] = col == at ? v : 0.0f;
-            } else if (c >= 0 && c < SW_) {
-                stage[j][c] = 0.0f;
+                if (c >= 0 && c < need) stage[j][SP_(c)] = col == at ? v : 0.0f;
+            } else if (c >= 0 && c < need) {
+                stage[j][SP_(c)] = 0.0f;
             }
         }
     }
@@ -241,20 +265,68 @@ __device__ __forceinline__ void load_chunk(const Window win[NROWS], int q, uint4
         }
 }
 
-// acc[j] += w[VCOLS_] . stage[j][h .. h + VCOLS_) for the pairs j < cnt, elements e_lo .. e_hi - 1 only.
-__device__ __forceinline__ void fma_vec(const float w[VEC_], const float (*stage)[SW_], int h, int cnt,
-                                        float acc[PASS_]) {
+// The staged columns c .. c + 3 of pair j (c a multiple of 4: one 16-byte unit, LDS.128).
+__device__ __forceinline__ float4 stage4(const float (*stage)[SWR_], int j, int c) {
+    return *reinterpret_cast<const float4*>(&stage[j][SP_(c)]);
+}
+
+// Weights in flight (PREFETCH_, blocks of up to 512 threads; above, 64 registers per thread leave no room): chunk
+// q + 1's vectors are loaded into `next` while chunk q, in `raw`, is staged and multiplied, so a warp has two
+// chunks of loads in flight instead of one and the loads overlap the shared-memory work. Call first_chunk once per
+// row set, then next_chunk at the top of every chunk q = 0, 1, ...
+#define PREFETCH_ (THREADS_ <= 512)
+// One staged unit read for all the warp's rows (chunk_dot) up to 512 threads; above, 64 registers take one row at a
+// time (the two-row loops spilled there: fp16 hidden 200 at 1024 threads, int4 g32 with zero points at hidden 2048).
+#define SHARE_ROWS_ (THREADS_ <= 512)
+template <int NROWS>
+__device__ __forceinline__ void first_chunk(const Window win[NROWS], bool rows, uint4 next[NROWS][VPL_]) {
+    if (PREFETCH_ && rows) load_chunk<NROWS>(win, 0, next);
+}
+template <int NROWS>
+__device__ __forceinline__ void next_chunk(const Window win[NROWS], bool rows, int q, int nchunks,
+                                           uint4 raw[NROWS][VPL_], uint4 next[NROWS][VPL_]) {
+    if (!rows) return;  // uniform per warp
+    if (PREFETCH_) {
 #pragma unroll
-    for (int j = 0; j < PASS_; ++j) {
-        if (j < cnt) {
-            float a = acc[j];
+        for (int r = 0; r < NROWS; ++r)
 #pragma unroll
-            for (int q = 0; q < VEC_; ++q) a += w[q] * stage[j][h + q];
-            acc[j] = a;
+            for (int u = 0; u < VPL_; ++u) raw[r][u] = next[r][u];
+        if (q + 1 < nchunks) load_chunk<NROWS>(win, q + 1, next);
+    } else {
+        load_chunk<NROWS>(win, q, raw);
+    }
+}
+
+// acc[r][j] += row r's vector raw[r] . stage[j][h .. h + VEC_) for the pairs j < cnt and the NROWS rows, h a multiple
+// of 4: each staged 16-byte unit is read once (LDS.128) for all rows (gate and up, or the down rows of a warp); unit
+// by unit, 4 weights of each row live at a time; each accumulator summed in element order as before.
+template <int NROWS>
+__device__ __forceinline__ void fma_vec(const uint4 raw[NROWS], const float (*stage)[SWR_], int h, int cnt,
+                                        float acc[NROWS][PASS_]) {
+#pragma unroll
+    for (int t = 0; t < VEC_; t += 4) {
+        float w[NROWS][VEC_];
+#pragma unroll
+        for (int r = 0; r < NROWS; ++r) unpack16(raw[r], w[r]);  // only elements t .. t + 3 are used below
+#pragma unroll
+        for (int j = 0; j < PASS_; ++j) {
+            if (j < cnt) {
+                const float4 a = stage4(stage, j, h + t);
+#pragma unroll
+                for (int r = 0; r < NROWS; ++r) {
+                    float s = acc[r][j];
+                    s += w[r][t] * a.x;
+                    s += w[r][t + 1] * a.y;
+                    s += w[r][t + 2] * a.z;
+                    s += w[r][t + 3] * a.w;
+                    acc[r][j] = s;
+                }
+            }
         }
     }
 }
-__device__ __forceinline__ void fma_vec_masked(const float w[VEC_], const float (*stage)[SW_], int h, int e_lo,
+// acc[j] += w[VEC_] . stage[j][h .. h + VEC_), elements e_lo .. e_hi - 1 only, any h (scalar reads: odd sizes).
+__device__ __forceinline__ void fma_vec_masked(const float w[VEC_], const float (*stage)[SWR_], int h, int e_lo,
                                                int e_hi, int cnt, float acc[PASS_]) {
 #pragma unroll
     for (int j = 0; j < PASS_; ++j) {
@@ -262,7 +334,7 @@ __device__ __forceinline__ void fma_vec_masked(const float w[VEC_], const float 
             float a = acc[j];
 #pragma unroll
             for (int q = 0; q < VEC_; ++q)
-                if (q >= e_lo && q < e_hi) a += w[q] * stage[j][h + q];
+                if (q >= e_lo && q < e_hi) a += w[q] * stage[j][SP_(h + q)];
             acc[j] = a;
         }
     }
@@ -295,22 +367,40 @@ struct QRow {};  // float rows have no scales
 #if !COLI_QUANT
 template <int NROWS, bool STAGED = false>
 __device__ __forceinline__ void chunk_dot(const Window win[NROWS], const QRow*, const uint4 raw[NROWS][VPL_], int q,
-                                          int cols, int margin, const float (*stage)[SW_], int cnt,
+                                          int cols, int margin, const float (*stage)[SWR_], int cnt,
                                           float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int r = 0; r < NROWS; ++r) {
+    for (int u = 0; u < VPL_; ++u) {
+        const int i = 32 * u + lane, k = q * NVC_ + i;
+        if (i >= NVC_) continue;
+        bool whole = true;  // every row's vector k aligned and inside the row (even sizes): one shared read for all
 #pragma unroll
-        for (int u = 0; u < VPL_; ++u) {
-            const int i = 32 * u + lane, k = q * NVC_ + i;
-            if (i >= NVC_ || k >= win[r].nv) continue;
+        for (int r = 0; r < NROWS; ++r)
+            whole = whole && win[r].shift == 0 && (k + 1) * VCOLS_ <= cols;
+        if (whole && SHARE_ROWS_) {
+            uint4 v[NROWS];
+#pragma unroll
+            for (int r = 0; r < NROWS; ++r) v[r] = raw[r][u];
+            fma_vec<NROWS>(v, stage, i * VCOLS_ + margin, cnt, acc);
+            continue;
+        }
+#pragma unroll
+        for (int r = 0; r < NROWS; ++r) {
+            if (k >= win[r].nv) continue;
             const int col = k * VCOLS_ - win[r].shift, h = i * VCOLS_ - win[r].shift + margin;
+            if (!SHARE_ROWS_ && win[r].shift == 0 && col + VCOLS_ <= cols) {  // this row's whole aligned vector
+                float one[1][PASS_];
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) one[0][j] = acc[r][j];
+                fma_vec<1>(&raw[r][u], stage, h, cnt, one);
+#pragma unroll
+                for (int j = 0; j < PASS_; ++j) acc[r][j] = one[0][j];
+                continue;
+            }
             float w[VEC_];
             unpack16(raw[r][u], w);
-            if (win[r].shift == 0 && col + VCOLS_ <= cols)
-                fma_vec(w, stage, i * VCOLS_ + margin, cnt, acc[r]);  // a whole aligned vector: even sizes
-            else
-                fma_vec_masked(w, stage, h, col < 0 ? -col : 0, cols - col < VCOLS_ ? cols - col : VCOLS_, cnt, acc[r]);
+            fma_vec_masked(w, stage, h, col < 0 ? -col : 0, cols - col < VCOLS_ ? cols - col : VCOLS_, cnt, acc[r]);
         }
     }
 }
@@ -350,13 +440,17 @@ __device__ __forceinline__ void stage_scales(const st* __restrict__ scales, cons
                   [&](int i, const unsigned* w, int m) { z_sh[i] = (signed char)((w[m / 4] >> (8 * (m % 4))) & 255u); });
 }
 
-// acc[j] += the dequantized vector . stage[j][h .. h + QEPV_) for the pairs j < cnt. The vector holds columns
-// col .. col + QEPV_ - 1 of a row of `cols` columns; those outside the row (col < 0: the previous row's codes; past
-// the row: the next row's, an int4 padding nibble or the buffer's tail) are finite weights against staged zeros.
-// It spans at most two groups: elements from `split` on take the next group's scale and zero point.
-template <bool STAGED>
-__device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int col, int cols, const float (*stage)[SW_],
-                                          int h, int cnt, float acc[PASS_]) {
+// acc[r][j] += the dequantized vector u of row r . stage[j][h .. h + QEPV_) for the pairs j < cnt and the NROWS
+// rows, whose vectors all hold columns col .. col + QEPV_ - 1 of rows of `cols` columns (the same window shift);
+// those outside the row (col < 0: the previous row's codes; past the row: the next row's, an int4 padding nibble or
+// the buffer's tail) are finite weights against staged zeros. A vector spans at most two groups: elements from
+// `split` on take the next group's scale and zero point. VEC4 (h a multiple of 4): the stage is read one 16-byte
+// unit at a time (LDS.128, SP_), each unit once for all rows; else element by element. Each accumulator is summed
+// in element order either way, as before.
+template <int NROWS, bool STAGED, bool VEC4>
+__device__ __forceinline__ void q_fma_vec(const uint4 raw[NROWS][VPL_], int u, const QRow rows[NROWS], int col,
+                                          int cols, const float (*stage)[SWR_], int h, int cnt,
+                                          float acc[NROWS][PASS_]) {
     int ga = 0, gb = 0, split = QEPV_;
     if (GS_ != 0) {
         constexpr int G = GS_ == 0 ? 1 : GS_;
@@ -365,37 +459,97 @@ __device__ __forceinline__ void q_fma_vec(uint4 raw, const QRow& r, int col, int
         split = next - col;
         gb = split < QEPV_ && next < cols ? ga + 1 : ga;
     }
-    const float sa = q_scale<STAGED>(r, ga), sb = q_scale<STAGED>(r, gb);
-    const int za = q_zero<STAGED>(r, ga), zb = q_zero<STAGED>(r, gb);
-    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+    float sa[NROWS], sb[NROWS];
+    int za[NROWS], zb[NROWS];
 #pragma unroll
-    for (int i = 0; i < QEPV_; ++i) {  // element-major: one weight live at a time (64 registers above 512 threads)
+    for (int r = 0; r < NROWS; ++r) {
+        sa[r] = q_scale<STAGED>(rows[r], ga);
+        sb[r] = q_scale<STAGED>(rows[r], gb);
+        za[r] = q_zero<STAGED>(rows[r], ga);
+        zb[r] = q_zero<STAGED>(rows[r], gb);
+    }
+    constexpr int STEP = VEC4 ? 4 : 1;  // elements per shared read
+#pragma unroll
+    for (int i0 = 0; i0 < QEPV_; i0 += STEP) {  // element-major: STEP weights per row live at a time
+        float f[NROWS][STEP];
+#pragma unroll
+        for (int r = 0; r < NROWS; ++r) {
+            const unsigned w[4] = {raw[r][u].x, raw[r][u].y, raw[r][u].z, raw[r][u].w};
+#pragma unroll
+            for (int t = 0; t < STEP; ++t) {
+                const int i = i0 + t;
 #if COLI_QUANT == 2
-        const int q = (int)((w[i / 8] >> (4 * (i % 8))) & 15u) - 8;  // element i: nibble i of the 16 bytes
+                const int qv = (int)((w[i / 8] >> (4 * (i % 8))) & 15u) - 8;  // element i: nibble i of the 16 bytes
 #else
-        const int q = (int)(signed char)((w[i / 4] >> (8 * (i % 4))) & 255u);
+                const int qv = (int)(signed char)((w[i / 4] >> (8 * (i % 4))) & 255u);
 #endif
-        const float f = i < split ? sa * (float)(q - za) : sb * (float)(q - zb);  // one rounding, as the reference
+                // one rounding, as the reference
+                f[r][t] = i < split ? sa[r] * (float)(qv - za[r]) : sb[r] * (float)(qv - zb[r]);
+            }
+        }
 #pragma unroll
-        for (int j = 0; j < PASS_; ++j)
-            if (j < cnt) acc[j] += f * stage[j][h + i];
+        for (int j = 0; j < PASS_; ++j) {
+            if (j < cnt) {
+                float a[4];
+                if (VEC4) {
+                    const float4 v = stage4(stage, j, h + i0);
+                    a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
+                } else {
+                    a[0] = stage[j][SP_(h + i0)];
+                }
+#pragma unroll
+                for (int r = 0; r < NROWS; ++r)
+#pragma unroll
+                    for (int t = 0; t < STEP; ++t) acc[r][j] += f[r][t] * a[t];
+            }
+        }
     }
 }
 
-// chunk_dot for int8/int4 rows: the same windows, chunks and staged columns as float rows.
+// q_fma_vec for row r of the NROWS alone, element by element.
+template <int NROWS, bool STAGED>
+__device__ __forceinline__ void q_fma_row(const uint4 raw[NROWS][VPL_], int u, int r, const QRow rows[NROWS], int col,
+                                          int cols, const float (*stage)[SWR_], int h, int cnt,
+                                          float acc[NROWS][PASS_]) {
+    uint4 raw1[1][VPL_];
+    raw1[0][u] = raw[r][u];
+    float one[1][PASS_];
+#pragma unroll
+    for (int j = 0; j < PASS_; ++j) one[0][j] = acc[r][j];
+    q_fma_vec<1, STAGED, false>(raw1, u, &rows[r], col, cols, stage, h, cnt, one);
+#pragma unroll
+    for (int j = 0; j < PASS_; ++j) acc[r][j] = one[0][j];
+}
+
+// chunk_dot for int8/int4 rows: the same windows, chunks and staged columns as float rows. Rows with the same shift,
+// a multiple of 4 columns (every row of whole sectors: shift 0), share each 16-byte shared read; the others (odd
+// sizes) are taken one at a time, element by element (16-byte reads for one row cost registers: int4 g32 with zero
+// points spilled at 255).
+// Blocks of more than 512 threads (SHARE_ROWS_ 0) dequantize one row at a time, element by element, with 4-byte
+// shared reads (as before: lanes 16 or 32 floats apart, conflicted; no shipped profile runs them): 16-byte reads
+// of two rows, or of one, spilled there (int4 g32 with zero points, hidden 2048).
 template <int NROWS, bool STAGED>
 __device__ __forceinline__ void chunk_dot(const Window win[NROWS], const QRow rows[NROWS],
                                           const uint4 raw[NROWS][VPL_], int q, int cols, int margin,
-                                          const float (*stage)[SW_], int cnt, float acc[NROWS][PASS_]) {
+                                          const float (*stage)[SWR_], int cnt, float acc[NROWS][PASS_]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int r = 0; r < NROWS; ++r) {
+    for (int u = 0; u < VPL_; ++u) {
+        const int i = 32 * u + lane, k = q * NVC_ + i;
+        if (i >= NVC_) continue;
+        bool same = win[0].shift % 4 == 0;
 #pragma unroll
-        for (int u = 0; u < VPL_; ++u) {
-            const int i = 32 * u + lane, k = q * NVC_ + i;
-            if (i >= NVC_ || k >= win[r].nv) continue;
-            q_fma_vec<STAGED>(raw[r][u], rows[r], k * VCOLS_ - win[r].shift, cols, stage,
-                              i * VCOLS_ - win[r].shift + margin, cnt, acc[r]);
+        for (int r = 0; r < NROWS; ++r) same = same && win[r].shift == win[0].shift && k < win[r].nv;
+        if (same && SHARE_ROWS_) {
+            q_fma_vec<NROWS, STAGED, true>(raw, u, rows, k * VCOLS_ - win[0].shift, cols, stage,
+                                           i * VCOLS_ - win[0].shift + margin, cnt, acc);
+            continue;
+        }
+#pragma unroll
+        for (int r = 0; r < NROWS; ++r) {
+            if (k >= win[r].nv) continue;
+            q_fma_row<NROWS, STAGED>(raw, u, r, rows, k * VCOLS_ - win[r].shift, cols, stage,
+                                     i * VCOLS_ - win[r].shift + margin, cnt, acc);
         }
     }
 }
@@ -425,7 +579,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
                      GATE_UP_BIAS_PARAMS) {
     GATE_UP_BIAS_NONE
     __shared__ PairOrder order;
-    __shared__ __align__(16) float stage[PASS_][SW_];
+    __shared__ __align__(16) float stage[PASS_][SWR_];
     __shared__ int tokens[PASS_];
     __shared__ float part[2][T_][WARPS_];  // gate and up dot products of the expert's pairs, summed over chunks
     const int slot = blockIdx.y;
@@ -460,15 +614,17 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
 
     // Chunk-major: each chunk of the two rows is loaded once into registers and used by every pass of the expert's
     // pairs, so an expert's weights (codes and scales included) are streamed once however many pairs it has.
+    uint4 next[2][VPL_];
+    first_chunk<2>(win, has_row, next);
     for (int q = 0; q < NCHUNKS_(H_); ++q) {
         uint4 raw[2][VPL_];
-        if (has_row) load_chunk<2>(win, q, raw);
+        next_chunk<2>(win, has_row, q, NCHUNKS_(H_), raw, next);
         for (int g0 = 0; g0 < count; g0 += PASS_) {
             const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
             __syncthreads();  // stage and tokens[] of the previous pass fully used
             if ((int)threadIdx.x < cnt) tokens[threadIdx.x] = order.sorted[first + g0 + threadIdx.x] / K_;
             __syncthreads();
-            stage_rows(x, H_, tokens, cnt, q * CHUNK_ - MARGIN_(H_), stage);
+            stage_rows<MARGIN_(H_)>(x, H_, tokens, cnt, q, stage);
             __syncthreads();
             if (has_row) {  // uniform per warp
                 float acc[2][PASS_];
@@ -506,7 +662,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                      DOWN_BIAS_PARAMS) {
     DOWN_BIAS_NONE
     __shared__ PairOrder order;
-    __shared__ __align__(16) float stage[PASS_][SW_];
+    __shared__ __align__(16) float stage[PASS_][SWR_];
     __shared__ int pairs[PASS_];
     __shared__ float wts[PASS_];  // their routing weights
     __shared__ float y[T_][TILE_];
@@ -541,9 +697,11 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             win[r] = row_window(down, (size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first), I_);
         // Chunk-major as in colibri_gate_up_gemv: each chunk of the warp's rows is loaded once for all passes; the
         // chunk's products are added into y per pair (experts in increasing index, chunks in order: a fixed order).
+        uint4 next[DOWN_ROWS_][VPL_];
+        first_chunk<DOWN_ROWS_>(win, any_row, next);
         for (int q = 0; q < NCHUNKS_(I_); ++q) {
             uint4 raw[DOWN_ROWS_][VPL_];
-            if (any_row) load_chunk<DOWN_ROWS_>(win, q, raw);
+            next_chunk<DOWN_ROWS_>(win, any_row, q, NCHUNKS_(I_), raw, next);
             for (int g0 = 0; g0 < count; g0 += PASS_) {
                 const int cnt = count - g0 < PASS_ ? count - g0 : PASS_;
                 __syncthreads();  // stage and pairs[] of the previous pass fully used
@@ -553,7 +711,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                     wts[threadIdx.x] = __ldg(topk_weights + p);
                 }
                 __syncthreads();
-                stage_rows(act, I_, pairs, cnt, q * CHUNK_ - MARGIN_(I_), stage);
+                stage_rows<MARGIN_(I_)>(act, I_, pairs, cnt, q, stage);
                 __syncthreads();
                 if (any_row) {  // uniform per warp
                     float acc[DOWN_ROWS_][PASS_];
@@ -643,7 +801,7 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ sha
 #endif
 ) {
 #if COLI_SHARED_EXPERTS
-    __shared__ __align__(16) float stage[PASS_][SW_];
+    __shared__ __align__(16) float stage[PASS_][SWR_];
     __shared__ int tokens[T_];
     __shared__ int ntokens;
     valid_token_list(valid_tokens, tokens, &ntokens);
@@ -667,11 +825,13 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ sha
         float acc[2][PASS_];
 #pragma unroll
         for (int j = 0; j < PASS_; ++j) acc[0][j] = acc[1][j] = 0.0f;
+        uint4 next[2][VPL_];
+        first_chunk<2>(win, has_row, next);
         for (int q = 0; q < NCHUNKS_(H_); ++q) {
             uint4 raw[2][VPL_];
-            if (has_row) load_chunk<2>(win, q, raw);
+            next_chunk<2>(win, has_row, q, NCHUNKS_(H_), raw, next);
             __syncthreads();  // the previous chunk fully used
-            stage_rows(x, H_, tokens + g0, cnt, q * CHUNK_ - MARGIN_(H_), stage);
+            stage_rows<MARGIN_(H_)>(x, H_, tokens + g0, cnt, q, stage);
             __syncthreads();
             if (has_row) chunk_dot<2, false>(win, rows, raw, q, H_, MARGIN_(H_), stage, cnt, acc);
         }
@@ -697,7 +857,7 @@ colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict
 #endif
 ) {
 #if COLI_SHARED_EXPERTS
-    __shared__ __align__(16) float stage[PASS_][SW_];
+    __shared__ __align__(16) float stage[PASS_][SWR_];
     __shared__ int tokens[T_];
     __shared__ int ntokens;
     valid_token_list(valid_tokens, tokens, &ntokens);
@@ -731,11 +891,13 @@ colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict
                 rows[r] = q_row(shared_down_scales, shared_down_zeros, row, SI_, nullptr, nullptr);
 #endif
             }
+            uint4 next[DOWN_ROWS_][VPL_];
+            first_chunk<DOWN_ROWS_>(win, any_row, next);
             for (int q = 0; q < NCHUNKS_(SI_); ++q) {
                 uint4 raw[DOWN_ROWS_][VPL_];
-                if (any_row) load_chunk<DOWN_ROWS_>(win, q, raw);
+                next_chunk<DOWN_ROWS_>(win, any_row, q, NCHUNKS_(SI_), raw, next);
                 __syncthreads();
-                stage_rows(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, q * CHUNK_ - MARGIN_(SI_), stage);
+                stage_rows<MARGIN_(SI_)>(shared_act + (size_t)s * T_ * SI_, SI_, tokens + g0, cnt, q, stage);
                 __syncthreads();
                 if (any_row) chunk_dot<DOWN_ROWS_, false>(win, rows, raw, q, SI_, MARGIN_(SI_), stage, cnt, acc);
             }
