@@ -13,8 +13,9 @@ edits, links, FIFOs, forged digests), runs the SDK's own reader on it (`ColibriF
     silent-wrong         accepted, but the independent check disagrees (e.g. a file that differs from its manifest)
     read-outside-folder  a file under the "outside" folder (a copy the links point at) was opened
 
-One module per surface in bench/fuzzing/ (colibri_files, v2_files, bundles, profiles, checkpoints); this script runs
-them. The independent checks are written there from the specs, not with the code under test: .colibri sizes and
+One module per surface in bench/fuzzing/ (colibri_files, v2_files, bundles, profiles, checkpoints, and
+agent_answers: the deploy client fed mutated answers of a device's agent, its own columns described there); this
+script runs them. The independent checks are written there from the specs, not with the code under test: .colibri sizes and
 tensor offsets from docs/format.md (v2: the header fields at their offsets, the block list and a dequantized matrix
 per kind, over int8 / int4 / float bases with shared experts and each routing variant); a bundle's files re-hashed with hashlib, its canonical JSON recomputed, its weights
 header and values read with struct/NumPy; a profile's values against docs/profiles.md's ranges; a converted
@@ -22,7 +23,7 @@ checkpoint's tensors against safetensors' own loader (Mixtral layout: w1 = gate,
 router). Opens are watched with an audit hook (sys.addaudithook, the "open" event). Everything runs in this
 process, so a segfault would end the run (none has happened).
 
-    python bench/fuzz.py                        # the full counts: 10,000 / 1,200 / 3,000 / 3,000 / 1,000
+    python bench/fuzz.py                        # the full counts: 10,000 / 1,200 / 3,000 / 3,000 / 1,000 / 3,000
     python bench/fuzz.py --scale 0.1            # a tenth of each
     python bench/fuzz.py --only bundle --seed 7
     python bench/fuzz.py --only v2 --scale 0.1
@@ -38,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/fuzzing, when run as a script or loaded by path
 
+from fuzzing.agent_answers import fuzz_agent  # noqa: E402
 from fuzzing.bundles import fuzz_bundles  # noqa: E402
 from fuzzing.cases import BAD, COLUMNS, Tally, run_case  # noqa: E402,F401 (run_case: used by tests/robustness)
 from fuzzing.checkpoints import fuzz_checkpoints  # noqa: E402
@@ -45,9 +47,9 @@ from fuzzing.colibri_files import fuzz_colibri  # noqa: E402
 from fuzzing.profiles import fuzz_profiles  # noqa: E402
 from fuzzing.v2_files import fuzz_v2  # noqa: E402
 
-FULL = {"colibri": 10_000, "v2": 1_200, "bundle": 3_000, "profile": 3_000, "checkpoint": 1_000}
+FULL = {"colibri": 10_000, "v2": 1_200, "bundle": 3_000, "profile": 3_000, "checkpoint": 1_000, "agent": 3_000}
 TARGETS = {"colibri": fuzz_colibri, "v2": fuzz_v2, "bundle": fuzz_bundles, "profile": fuzz_profiles,
-           "checkpoint": fuzz_checkpoints}
+           "checkpoint": fuzz_checkpoints, "agent": fuzz_agent}
 
 
 def run(counts: dict[str, int], seed: int, timeout: float, work: Path | None = None) -> list[Tally]:

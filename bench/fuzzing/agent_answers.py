@@ -19,12 +19,11 @@ The independent check is written here from docs/deploy.md and the agent's code (
 sdk/deploy/answers.py: required keys, JSON types, sha256 and bundle ids as lowercase hex, absolute paths without
 control characters, counts >= 0, offsets within the sizes asked for.
 
-    python bench/fuzz_agent.py [--count 3000] [--seed 0]
+    python bench/fuzz.py --only agent [--scale 0.1] [--seed 7]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import io
@@ -33,14 +32,11 @@ import math
 import random
 import signal
 import sys
-import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz import COLUMNS  # noqa: E402
+from .cases import Tally
 
 SHA_A, SHA_B = "a" * 64, "0123456789abcdef" * 4
 ID_A, ID_B = "9c1e0f4b2a7d3e85", "3f9c0a7d51e2b804"
@@ -268,18 +264,18 @@ def _consume(op: str, result, work: Path):
     raise ValueError(op)
 
 
-def fuzz_agent(count: int, seed: int, work: Path, timeout: float) -> dict:
+def fuzz_agent(count: int, seed: int, work: Path, timeout: float) -> Tally:
     """`count` seeded mutations of valid agent answers fed to `RemoteAgent.answer` and what uses the answer.
 
     Returns:
-        {column: cases} for every column of bench/fuzz.py's COLUMNS ("tried", "typed", ...).
+        the tally "agent" of every column of COLUMNS ("tried", "typed", ...).
     """
     from colibri_sdk.deploy import DeployError
     from colibri_sdk.deploy.connection import CommandResult
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    counts = dict.fromkeys(COLUMNS, 0)
+    tally = Tally("agent")
     rng = random.Random(seed)
     ops = sorted(VALID)
     opened = []
@@ -305,7 +301,6 @@ def fuzz_agent(count: int, seed: int, work: Path, timeout: float) -> dict:
             base = ERROR if rng.random() < 0.1 else VALID[op]
             stdout, status = mutate(base, rng)
             result = CommandResult(status, stdout, b"\x1b[31mTraceback\nValueError: x\n" if status else b"")
-            counts["tried"] += 1
             del opened[:]
             watching[0] = True
             signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -325,10 +320,10 @@ def fuzz_agent(count: int, seed: int, work: Path, timeout: float) -> dict:
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 watching[0] = False
-            counts[column if not opened else "read-outside-folder"] += 1
+            tally.add(column if not opened else "read-outside-folder", f"agent#{tally.counts['tried']} ({op})")
     finally:
         signal.signal(signal.SIGALRM, previous)
-    return counts
+    return tally
 
 
 def _last_json(stdout: bytes):
@@ -337,24 +332,3 @@ def _last_json(stdout: bytes):
         return json.loads(text.splitlines()[-1]) if text else None
     except (ValueError, RecursionError):
         return None
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--count", type=int, default=3000, help="mutated answers (default 3000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per case before it counts as a hang")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fuzz_agent_") as work:
-        counts = fuzz_agent(args.count, args.seed, Path(work), args.timeout)
-    print(f"# python bench/fuzz_agent.py --count {args.count} --seed {args.seed}  "
-          f"({time.perf_counter() - start:.1f} s)")
-    widths = [max(len(c), 6) for c in COLUMNS]
-    print(f"{'input':<14}" + "  ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, widths)))
-    print(f"{'agent answers':<14}" + "  ".join(f"{counts[c]:>{w}}" for c, w in zip(COLUMNS, widths)))
-    return 0 if not any(counts[c] for c in ("crash", "hang", "silent-wrong", "read-outside-folder")) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
