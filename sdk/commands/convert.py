@@ -6,7 +6,9 @@ from __future__ import annotations
 
 def register(sub) -> None:
     p = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint folder to a .colibri file")
-    p.add_argument("checkpoint", metavar="HF_DIR|MODEL.gguf", help="folder with config.json and *.safetensors (single or sharded), or a .gguf file")
+    p.add_argument("checkpoint", metavar="HF_DIR|MODEL.gguf",
+                   help="folder with config.json and model.safetensors (or model.safetensors.index.json and its "
+                        "shards), or a .gguf file")
     p.add_argument("-o", "--output", required=True, help="the .colibri file to write")
     p.add_argument("--force", action="store_true", help="replace the output file if it exists")
     p.add_argument(
