@@ -100,12 +100,15 @@ _folder_lock = threading.Lock()
 
 
 def folder_digest(folder: Path) -> str:
-    """sha256 of the relative path and bytes of every file under `folder` (sorted; "" when it is not a folder).
-    Remembered per process for an unchanged listing (path, size and mtime of every file)."""
+    """sha256 of the relative path and bytes of every file under `folder` (sorted; "" when it is not a folder),
+    but Python's byte code (`__pycache__/`, `*.pyc`: no `#include` reads it, and pip rewrites it, with the source's
+    time in it, on every install of the package's kernels folder). Remembered per process for an unchanged listing
+    (path, size and mtime of every file)."""
     folder = Path(folder)
     if not folder.is_dir():
         return ""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix != ".pyc"
+                   and "__pycache__" not in p.relative_to(folder).parts)
     listing = tuple((p.relative_to(folder).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     memo = (str(folder.resolve()), listing)
     with _folder_lock:

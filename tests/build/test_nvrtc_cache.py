@@ -159,3 +159,18 @@ def test_cli_summary_says_when_the_cache_could_not_be_written(tmp_path, monkeypa
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert f"compilations from the cache ({blocker / 'nvrtc'}; not writable: nothing stored)\n" in out, out
+
+
+def test_python_byte_code_beside_the_kernels_is_no_input(tmp_path, kernel_dir):
+    # pip rewrites kernels/__pycache__/__init__.*.pyc (the source's time inside) on every install of the package:
+    # it was part of the key, so each reinstall missed every entry.
+    kernels = tmp_path / "kernels"
+    shutil.copytree(kernel_dir, kernels, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    args = dict(source="int x;", name="routing.cu", arch="sm_87", defines={"A": 1}, include_dirs=[kernels], toolkit=12)
+    base = cache_key(**args)
+    (kernels / "__pycache__").mkdir()
+    (kernels / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"\x00byte code, stamped at install")
+    (kernels / "stray.pyc").write_bytes(b"\x01")
+    assert cache_key(**args) == base
+    (kernels / "extra.cuh").write_text("// a header NVRTC could include\n")
+    assert cache_key(**args) != base
