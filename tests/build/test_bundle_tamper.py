@@ -124,8 +124,12 @@ def test_missing_truncated_and_extra_files(bundle_copy):
 
 
 def test_schema_faults(bundle_copy, tmp_path):
-    with pytest.raises(BundleError, match="is not a bundle folder"):
+    with pytest.raises(BundleError, match=r"none is not a bundle folder \(no such directory\)$"):
         Bundle.open(tmp_path / "none")
+    (tmp_path / "model.colibri").write_bytes(b"COLI")  # a file given where a bundle folder goes
+    with pytest.raises(BundleError, match=r"model.colibri is not a bundle folder \(a file; `colibri-sdk build` makes"):
+        Bundle.open(tmp_path / "model.colibri")
+    (tmp_path / "model.colibri").unlink()
     with pytest.raises(BundleError, match="manifest.json: cannot read the manifest"):
         Bundle.open(tmp_path)
     path = bundle_copy / "manifest.json"
