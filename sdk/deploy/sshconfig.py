@@ -64,7 +64,8 @@ def resolve(spec: str, config=None, port: int | None = None, identity: str | Non
     chosen_port = spec_port or port
     if chosen_port is None and "port" in entry:
         text = entry["port"]
-        if not str(text).isdigit() or not 1 <= int(text) <= 65535:
+        # isascii: str.isdigit also holds for "²" (int() refuses it) and "٣" (int() reads 3; OpenSSH refuses both)
+        if not (str(text).isascii() and str(text).isdigit()) or not 1 <= int(text) <= 65535:
             raise DeployError(f"ssh config: Host {parsed.host}: Port {text!r} is not a number from 1 to 65535")
         chosen_port = int(text)
     identities = ()
@@ -74,7 +75,8 @@ def resolve(spec: str, config=None, port: int | None = None, identity: str | Non
         raise DeployError(f"ssh config: Host {parsed.host} uses ProxyCommand, which deploy does not run; use "
                           f"ProxyJump (a host to reach it through) instead")
     jump = None
-    hops = [h.strip() for h in entry.get("proxyjump", "").split(",") if h.strip()]
+    # a hop is [user@]host[:port] or, as OpenSSH also reads it, ssh://[user@]host[:port]
+    hops = [h.strip().removeprefix("ssh://") for h in entry.get("proxyjump", "").split(",") if h.strip()]
     if hops and hops != ["none"]:
         if _depth >= MAX_JUMPS:
             raise DeployError(f"ssh config: ProxyJump for {parsed.host} nests more than {MAX_JUMPS} hops")

@@ -124,6 +124,21 @@ def test_dev_null_and_an_empty_file_are_an_empty_config(tmp_path, sshd, known_ho
         load_config(tmp_path)
 
 
+@pytest.mark.parametrize("port", ["\u00b2", "\u0663"])  # "²": int() refuses it; "٣" (Arabic-Indic 3): int() gives 3
+def test_a_port_of_non_ascii_digits_is_refused_in_one_line(tmp_path, port):
+    config = tmp_path / "config"
+    config.write_text(f"Host orin\n  Port {port}\n", encoding="utf-8")
+    with pytest.raises(DeployError, match=f"Host orin: Port '{port}' is not a number from 1 to 65535"):
+        resolve("orin", load_config(config))
+
+
+def test_a_proxy_jump_hop_in_ssh_uri_form_is_read_as_openssh_reads_it(tmp_path):
+    config = tmp_path / "config"
+    config.write_text("Host orin\n  ProxyJump ssh://jumper@gateway:2222\n")
+    jump = resolve("orin", load_config(config)).proxy_jump
+    assert (jump.user, jump.host, jump.port) == ("jumper", "gateway", 2222)
+
+
 def test_no_usable_key_says_where_it_looked_and_names_dash_i(target, tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
