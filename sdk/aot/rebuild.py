@@ -177,7 +177,8 @@ def rebuild_and_compare(bundle, kernel_dir: Path | None = None, workers: int = 2
 
     Raises:
         BundleError: the manifest records no `inputs` (a bundle written before they existed).
-        CompileError: the installed NVRTC is another version than the recorded one, a source or header differs
+        CompileError: `kernel_dir` is not a folder, the installed NVRTC is another version than the recorded one, a
+            source or header differs
             from the recorded sha256, the options differ from the recorded ones, or NVRTC fails.
     """
     from .. import catalog
@@ -215,6 +216,9 @@ def rebuild_and_compare(bundle, kernel_dir: Path | None = None, workers: int = 2
             + (f" ({hint})" if hint else "")
         )
     folder = Path(kernel_dir) if kernel_dir is not None else catalog.kernel_dir()
+    if not folder.is_dir():  # else every header "differs" (a folder that is not there has none)
+        raise CompileError(f"--kernels {folder}: {'no such folder' if not folder.exists() else 'not a folder'}; "
+                           f"allowed: a folder with the kernel sources (*.cu, common.cuh) the bundle was built from")
     texts = _check_sources(entries, folder, manifest["sdk_version"])
     arch = manifest["arch"]
     headers = nvrtc.find_cuda_include_dir()
