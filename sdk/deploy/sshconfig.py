@@ -10,7 +10,10 @@ and token expansion (%h, %u, ~).
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import shlex
 from pathlib import Path
 
 from .connection import Target
@@ -18,6 +21,8 @@ from .errors import DeployError
 
 USER_CONFIG = Path("~/.ssh/config")
 MAX_JUMPS = 8
+MAX_INCLUDE_DEPTH = 16  # OpenSSH's READCONF_MAX_DEPTH
+_INCLUDE = re.compile(r"^\s*include(?:\s*=\s*|\s+)(?P<files>.+?)\s*$", re.IGNORECASE)
 
 
 def load_config(path=None):
@@ -39,9 +44,31 @@ def load_config(path=None):
         raise DeployError(f"--ssh-config {path if path is not None else file}: a folder; expected an OpenSSH "
                           f"client config file (/dev/null for none)")
     try:
-        return paramiko.SSHConfig.from_path(str(file))
+        return paramiko.SSHConfig.from_text(_with_includes(file, 0))
     except (OSError, ValueError, paramiko.ConfigParseError) as exc:
         raise DeployError(f"ssh config {file}: cannot read it ({exc})") from None
+
+
+def _with_includes(file: Path, depth: int) -> str:
+    """The text of `file` with every `Include` line replaced by the text of the files it names, as OpenSSH reads
+    them (paramiko's parser keeps Include as an unknown key, so the hosts of an included file were not found):
+    each pattern a glob, `~` expanded, a relative one under ~/.ssh, matches in sorted order, no match no error."""
+    if depth > MAX_INCLUDE_DEPTH:
+        raise DeployError(f"ssh config {file}: Include nests more than {MAX_INCLUDE_DEPTH} files deep")
+    lines = []
+    for line in file.read_text().splitlines():
+        m = _INCLUDE.match(line)
+        if not m:
+            lines.append(line)
+            continue
+        for pattern in shlex.split(m["files"]):
+            pattern = os.path.expanduser(pattern)
+            if not os.path.isabs(pattern):
+                pattern = os.path.join(os.path.expanduser("~/.ssh"), pattern)
+            for match in sorted(glob.glob(pattern)):
+                if os.path.isfile(match):
+                    lines.append(_with_includes(Path(match), depth + 1))
+    return "\n".join(lines) + "\n"
 
 
 def resolve(spec: str, config=None, port: int | None = None, identity: str | None = None, _depth: int = 0,

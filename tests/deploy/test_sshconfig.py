@@ -139,6 +139,20 @@ def test_a_proxy_jump_hop_in_ssh_uri_form_is_read_as_openssh_reads_it(tmp_path):
     assert (jump.user, jump.host, jump.port) == ("jumper", "gateway", 2222)
 
 
+def test_hosts_of_an_included_file_resolve(tmp_path):
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "10-orin").write_text("Host orin\n  HostName 10.1.2.3\n  Port 2200\n")
+    (tmp_path / "conf.d" / "20-loop").write_text(f"Include {tmp_path / 'config'}\n")  # a cycle: refused, not a hang
+    config = tmp_path / "config"
+    config.write_text(f"Include {tmp_path / 'conf.d' / '10-*'} {tmp_path / 'nothing-*'}\nHost other\n  Port 2201\n")
+    target = resolve("orin", load_config(config))
+    assert (target.host, target.port) == ("10.1.2.3", 2200)
+    assert resolve("other", load_config(config)).port == 2201
+    config.write_text(f"include = {tmp_path / 'conf.d' / '*'}\n")
+    with pytest.raises(DeployError, match=r"Include nests more than 16 files deep"):
+        load_config(config)
+
+
 def test_no_usable_key_says_where_it_looked_and_names_dash_i(target, tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
