@@ -225,11 +225,15 @@ def rebuild_and_compare(bundle, kernel_dir: Path | None = None, workers: int = 2
     dirs = [folder] + ([headers] if headers else [])
     for shape, entry in entries:
         options = portable_options(nvrtc.compile_options(arch, entry["defines"], dirs), folder)
-        if options != entry[INPUTS_KEY]["options"]:
+        recorded = entry[INPUTS_KEY]["options"]
+        if options != recorded:
+            i = next((j for j, (a, b) in enumerate(zip(options, recorded)) if a != b), min(len(options),
+                                                                                         len(recorded)))
+            here, there = (repr(o[i][:80]) if i < len(o) else "(none)" for o in (options, recorded))
             raise CompileError(
-                f"kernel {entry['name']} ({shape}): the NVRTC options here {options} differ from the recorded "
-                f"{entry[INPUTS_KEY]['options']}; rebuild where the same options apply (colibri-sdk "
-                f"{manifest['sdk_version']}, the CUDA headers installed or not as at the build)"
+                f"kernel {entry['name']} ({shape}): NVRTC option {i} here is {here}, recorded {there} ({len(options)} "
+                f"options here, {len(recorded)} recorded); rebuild where the same options apply (colibri-sdk "
+                f"{manifest['sdk_version'][:40]}, the CUDA headers installed or not as at the build)"
             )
 
     def compile_one(item):
