@@ -30,7 +30,8 @@ def load_config(path=None):
     readable file will do, an empty one and /dev/null included (OpenSSH's `ssh -F /dev/null`: no config).
 
     Raises:
-        DeployError: `path` was given and is missing or a folder, or the file cannot be read or parsed.
+        DeployError: `path` was given and is missing or a folder, the file is not a regular file (a FIFO, a device;
+            /dev/null excepted), or it cannot be read or parsed.
     """
     import paramiko
 
@@ -43,10 +44,22 @@ def load_config(path=None):
     if file.is_dir():
         raise DeployError(f"--ssh-config {path if path is not None else file}: a folder; expected an OpenSSH "
                           f"client config file (/dev/null for none)")
+    if not file.is_file() and not _is_dev_null(file):  # a FIFO or a device would block the read, or never end
+        from ..bundle.paths import kind_of
+
+        raise DeployError(f"--ssh-config {path if path is not None else file}: {kind_of(file.stat().st_mode)}; "
+                          f"expected an OpenSSH client config file (/dev/null for none)")
     try:
         return paramiko.SSHConfig.from_text(_with_includes(file, 0))
     except (OSError, ValueError, paramiko.ConfigParseError) as exc:
         raise DeployError(f"ssh config {file}: cannot read it ({exc})") from None
+
+
+def _is_dev_null(file: Path) -> bool:
+    try:
+        return os.path.samefile(file, os.devnull)
+    except OSError:
+        return False
 
 
 def _with_includes(file: Path, depth: int) -> str:

@@ -153,6 +153,17 @@ def test_hosts_of_an_included_file_resolve(tmp_path):
         load_config(config)
 
 
+def test_a_fifo_or_a_device_as_the_config_is_refused_not_read(tmp_path):
+    import os
+
+    fifo = tmp_path / "config"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    with pytest.raises(DeployError, match=f"^--ssh-config {fifo}: a FIFO; expected an OpenSSH client config file"):
+        load_config(fifo)
+    with pytest.raises(DeployError, match="^--ssh-config /dev/zero: a device; expected"):  # would never end
+        load_config("/dev/zero")
+
+
 def test_no_usable_key_says_where_it_looked_and_names_dash_i(target, tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
