@@ -177,7 +177,8 @@ def rebuild_and_compare(bundle, kernel_dir: Path | None = None, workers: int = 2
 
     Raises:
         BundleError: the manifest records no `inputs` (a bundle written before they existed).
-        CompileError: the installed NVRTC is another version than the recorded one, a source or header differs
+        CompileError: `kernel_dir` is not a folder, the installed NVRTC is another version than the recorded one, a
+            source or header differs
             from the recorded sha256, the options differ from the recorded ones, or NVRTC fails.
     """
     from .. import catalog
@@ -215,17 +216,24 @@ def rebuild_and_compare(bundle, kernel_dir: Path | None = None, workers: int = 2
             + (f" ({hint})" if hint else "")
         )
     folder = Path(kernel_dir) if kernel_dir is not None else catalog.kernel_dir()
+    if not folder.is_dir():  # else every header "differs" (a folder that is not there has none)
+        raise CompileError(f"--kernels {folder}: {'no such folder' if not folder.exists() else 'not a folder'}; "
+                           f"allowed: a folder with the kernel sources (*.cu, common.cuh) the bundle was built from")
     texts = _check_sources(entries, folder, manifest["sdk_version"])
     arch = manifest["arch"]
     headers = nvrtc.find_cuda_include_dir()
     dirs = [folder] + ([headers] if headers else [])
     for shape, entry in entries:
         options = portable_options(nvrtc.compile_options(arch, entry["defines"], dirs), folder)
-        if options != entry[INPUTS_KEY]["options"]:
+        recorded = entry[INPUTS_KEY]["options"]
+        if options != recorded:
+            i = next((j for j, (a, b) in enumerate(zip(options, recorded)) if a != b), min(len(options),
+                                                                                         len(recorded)))
+            here, there = (repr(o[i][:80]) if i < len(o) else "(none)" for o in (options, recorded))
             raise CompileError(
-                f"kernel {entry['name']} ({shape}): the NVRTC options here {options} differ from the recorded "
-                f"{entry[INPUTS_KEY]['options']}; rebuild where the same options apply (colibri-sdk "
-                f"{manifest['sdk_version']}, the CUDA headers installed or not as at the build)"
+                f"kernel {entry['name']} ({shape}): NVRTC option {i} here is {here}, recorded {there} ({len(options)} "
+                f"options here, {len(recorded)} recorded); rebuild where the same options apply (colibri-sdk "
+                f"{manifest['sdk_version'][:40]}, the CUDA headers installed or not as at the build)"
             )
 
     def compile_one(item):

@@ -266,7 +266,7 @@ def model_text(model) -> str:
         layers, experts = int(model["num_layers"]), int(model["num_experts"])
         return (f"{layers} layer{'' if layers == 1 else 's'} x {experts} experts, top-{int(model['top_k'])}, "
                 f"hidden {int(model['hidden_size'])}")
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(Infinity), JSON's 1e999
         return "?"
 
 
@@ -274,5 +274,5 @@ def shape_text(shape) -> str:
     """"batch 1 x tokens 16", "?" when unknown."""
     try:
         return f"batch {int(shape['batch'])} x tokens {int(shape['tokens'])}"
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(Infinity), JSON's 1e999
         return "?"

@@ -117,6 +117,9 @@ def run(args) -> int:
     start = time.perf_counter()
     bundle = Bundle.open(args.bundle, verify=False)  # the manifest only: the arguments are checked before any work
     batch, tokens = check_random_shape(args, bundle.shape)
+    if args.output and Path(bundle.path).resolve() in Path(args.output).resolve().parents:
+        raise InputError(f"--output {args.output}: inside the bundle {bundle.path} (writing it would replace a file "
+                         "of the bundle); allowed: a file path outside the bundle folder")
     if not args.no_verify:  # the checksums first, with a progress bar (they read every byte of the weights)
         from .progress import StepBars
 

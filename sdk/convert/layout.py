@@ -139,13 +139,18 @@ def _find_layers(tensors: dict) -> tuple[str, dict[int, dict[str, str]]]:
 def module_index(text: str, name: str, what: str) -> int:
     """The layer or expert number of a tensor name, spelled as `nn.ModuleList` writes it (`str(i)`: `layers.1.`).
 
-    A leading zero (`layers.01.`) is refused rather than read as 1: no PyTorch state dict spells an index that way
+    A leading zero (`layers.01.`), or digits other than ASCII ones (`layers.１.`), is refused rather than read as 1: no PyTorch state dict spells an index that way
     (`load_state_dict` would not load such a name into the model), and `layers.1.` next to `layers.01.` would make
     two tensors claim one module.
 
     Raises:
         ConvertError: naming the tensor and the index.
     """
+    if not text.isascii():  # `\d` matches every Unicode digit: 'layers.１.' (fullwidth) or 'layers.١.' (Arabic-Indic)
+        raise ConvertError(
+            f"tensor {name!r}: {what} index {text!r} is not in ASCII digits; allowed: the index as nn.ModuleList "
+            f"writes it ('{what}s.{int(text)}.')"
+        )
     if text != "0" and text.startswith("0"):
         raise ConvertError(
             f"tensor {name!r}: {what} index {text!r} has a leading zero; allowed: the index as nn.ModuleList writes it "

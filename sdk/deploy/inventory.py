@@ -60,12 +60,17 @@ def load_inventory(path, base: Target, config=None, port_given: bool = True) -> 
         port_given: whether base.port came from the command line (else the config's Port may apply).
 
     Raises:
-        DeployError: unreadable YAML, unknown keys (the allowed set is quoted), a field of the wrong type, no hosts,
+        DeployError: not a regular file (a FIFO, a device), unreadable YAML, unknown keys (the allowed set is quoted), a field of the wrong type, no hosts,
             duplicate names, the same device and remote_dir twice.
     """
     from ..errors import ProfileError
     from ..profile import parse_yaml
 
+    file = Path(path)
+    if file.exists() and not file.is_file() and not file.is_dir():  # a FIFO would block the read, a device not end
+        from ..bundle.paths import kind_of
+
+        raise DeployError(f"inventory {path}: {kind_of(file.stat().st_mode)}; expected a YAML file")
     try:
         if Path(path).is_file() and Path(path).stat().st_size > MAX_INVENTORY_BYTES:
             raise DeployError(f"inventory {path}: {Path(path).stat().st_size:,} bytes; an inventory is at most "

@@ -10,7 +10,10 @@ and token expansion (%h, %u, ~).
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import shlex
 from pathlib import Path
 
 from .connection import Target
@@ -18,6 +21,8 @@ from .errors import DeployError
 
 USER_CONFIG = Path("~/.ssh/config")
 MAX_JUMPS = 8
+MAX_INCLUDE_DEPTH = 16  # OpenSSH's READCONF_MAX_DEPTH
+_INCLUDE = re.compile(r"^\s*include(?:\s*=\s*|\s+)(?P<files>.+?)\s*$", re.IGNORECASE)
 
 
 def load_config(path=None):
@@ -25,7 +30,8 @@ def load_config(path=None):
     readable file will do, an empty one and /dev/null included (OpenSSH's `ssh -F /dev/null`: no config).
 
     Raises:
-        DeployError: `path` was given and is missing or a folder, or the file cannot be read or parsed.
+        DeployError: `path` was given and is missing or a folder, the file is not a regular file (a FIFO, a device;
+            /dev/null excepted), or it cannot be read or parsed.
     """
     import paramiko
 
@@ -38,10 +44,44 @@ def load_config(path=None):
     if file.is_dir():
         raise DeployError(f"--ssh-config {path if path is not None else file}: a folder; expected an OpenSSH "
                           f"client config file (/dev/null for none)")
+    if not file.is_file() and not _is_dev_null(file):  # a FIFO or a device would block the read, or never end
+        from ..bundle.paths import kind_of
+
+        raise DeployError(f"--ssh-config {path if path is not None else file}: {kind_of(file.stat().st_mode)}; "
+                          f"expected an OpenSSH client config file (/dev/null for none)")
     try:
-        return paramiko.SSHConfig.from_path(str(file))
+        return paramiko.SSHConfig.from_text(_with_includes(file, 0))
     except (OSError, ValueError, paramiko.ConfigParseError) as exc:
         raise DeployError(f"ssh config {file}: cannot read it ({exc})") from None
+
+
+def _is_dev_null(file: Path) -> bool:
+    try:
+        return os.path.samefile(file, os.devnull)
+    except OSError:
+        return False
+
+
+def _with_includes(file: Path, depth: int) -> str:
+    """The text of `file` with every `Include` line replaced by the text of the files it names, as OpenSSH reads
+    them (paramiko's parser keeps Include as an unknown key, so the hosts of an included file were not found):
+    each pattern a glob, `~` expanded, a relative one under ~/.ssh, matches in sorted order, no match no error."""
+    if depth > MAX_INCLUDE_DEPTH:
+        raise DeployError(f"ssh config {file}: Include nests more than {MAX_INCLUDE_DEPTH} files deep")
+    lines = []
+    for line in file.read_text().splitlines():
+        m = _INCLUDE.match(line)
+        if not m:
+            lines.append(line)
+            continue
+        for pattern in shlex.split(m["files"]):
+            pattern = os.path.expanduser(pattern)
+            if not os.path.isabs(pattern):
+                pattern = os.path.join(os.path.expanduser("~/.ssh"), pattern)
+            for match in sorted(glob.glob(pattern)):
+                if os.path.isfile(match):
+                    lines.append(_with_includes(Path(match), depth + 1))
+    return "\n".join(lines) + "\n"
 
 
 def resolve(spec: str, config=None, port: int | None = None, identity: str | None = None, _depth: int = 0,
@@ -64,7 +104,8 @@ def resolve(spec: str, config=None, port: int | None = None, identity: str | Non
     chosen_port = spec_port or port
     if chosen_port is None and "port" in entry:
         text = entry["port"]
-        if not str(text).isdigit() or not 1 <= int(text) <= 65535:
+        # isascii: str.isdigit also holds for "²" (int() refuses it) and "٣" (int() reads 3; OpenSSH refuses both)
+        if not (str(text).isascii() and str(text).isdigit()) or not 1 <= int(text) <= 65535:
             raise DeployError(f"ssh config: Host {parsed.host}: Port {text!r} is not a number from 1 to 65535")
         chosen_port = int(text)
     identities = ()
@@ -74,7 +115,8 @@ def resolve(spec: str, config=None, port: int | None = None, identity: str | Non
         raise DeployError(f"ssh config: Host {parsed.host} uses ProxyCommand, which deploy does not run; use "
                           f"ProxyJump (a host to reach it through) instead")
     jump = None
-    hops = [h.strip() for h in entry.get("proxyjump", "").split(",") if h.strip()]
+    # a hop is [user@]host[:port] or, as OpenSSH also reads it, ssh://[user@]host[:port]
+    hops = [h.strip().removeprefix("ssh://") for h in entry.get("proxyjump", "").split(",") if h.strip()]
     if hops and hops != ["none"]:
         if _depth >= MAX_JUMPS:
             raise DeployError(f"ssh config: ProxyJump for {parsed.host} nests more than {MAX_JUMPS} hops")

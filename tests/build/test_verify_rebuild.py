@@ -147,6 +147,37 @@ def test_kernel_sources_that_differ_from_the_recorded_ones_are_refused(honest, t
     assert verify(capsys, bundle, "--kernels", kernels)[0] == 0  # the same sources from another folder
 
 
+@pytest.mark.parametrize("name", ["missing", "a_file"])
+def test_kernels_that_is_not_a_folder_is_named_in_one_line(honest, tmp_path, capsys, name):
+    _, bundle = honest
+    kernels = tmp_path / name
+    if name == "a_file":
+        kernels.write_text("")
+    code, _, err = verify(capsys, bundle, "--kernels", kernels)
+    what = "no such folder" if name == "missing" else "not a folder"
+    assert code == 1
+    assert err == f"colibri-sdk verify: error: --kernels {kernels}: {what}; allowed: a folder with the kernel " \
+                  "sources (*.cu, common.cuh) the bundle was built from\n"
+
+
+def test_recorded_options_that_differ_are_named_by_the_first_difference(honest, tmp_path, capsys):
+    _, bundle = honest
+    copy_ = tmp_path / "b"
+    shutil.copytree(bundle, copy_)
+
+    def change(manifest):
+        for kernels in [manifest["kernels"]] + [s["kernels"] for s in manifest["shapes"]]:
+            for entry in kernels:
+                entry["inputs"]["options"] = entry["inputs"]["options"] + ["--extra-device-vectorization"]
+
+    rewrite_manifest(copy_, change)
+    code, _, err = verify(capsys, copy_)
+    assert code == 1 and err.count("\n") == 1
+    assert re.search(r"NVRTC option (\d+) here is \(none\), recorded '--extra-device-vectorization' \((\d+) options "
+                     r"here, (\d+) recorded\)", err), err
+    assert len(err) < 400
+
+
 def test_kernels_without_rebuild_is_a_usage_error(honest, capsys):
     _, bundle = honest
     assert cli.main(["verify", str(bundle), "--no-selftest", "--kernels", "somewhere"]) == 1

@@ -294,3 +294,18 @@ def test_an_index_with_a_leading_zero_is_refused_naming_the_tensor(mixtral_copy,
     shown = new.replace(".", r"\.")
     refused(mixtral_copy, tmp_path, rf"^tensor '{shown}[^']+': {what} index '0\d' has a leading zero; allowed: the "
             rf"index as nn\.ModuleList writes it \('{what}s\.\d\.'\)$")
+
+
+@pytest.mark.parametrize("old,new,what", [
+    ("model.layers.1.", "model.layers.\uff11.", "layer"),  # fullwidth digit one: int() reads 1
+    (PREFIX + "experts.3.", PREFIX + "experts.\u0663.", "expert"),  # Arabic-Indic digit three: int() reads 3
+], ids=["layer", "expert"])
+def test_an_index_in_non_ascii_digits_is_refused_naming_the_tensor(mixtral_copy, tmp_path, old, new, what):
+    def rename(tensors):
+        for name in [n for n in tensors if n.startswith(old)]:
+            tensors[new + name[len(old):]] = tensors.pop(name)
+
+    rewrite(mixtral_copy, rename)
+    shown = new.replace(".", r"\.")
+    refused(mixtral_copy, tmp_path, rf"^tensor '{shown}[^']+': {what} index '[^']+' is not in ASCII digits; allowed: "
+            rf"the index as nn\.ModuleList writes it \('{what}s\.\d\.'\)$")

@@ -17,7 +17,7 @@ from deploy_bundles import remote_tree, write_bundle
 from sshd_server import free_port
 
 from colibri_sdk.cli import main
-from colibri_sdk.commands.deploy import count_files
+from colibri_sdk.commands.deploy import count_files, model_text, shape_text
 
 pytestmark = pytest.mark.ssh
 
@@ -81,6 +81,13 @@ def test_count_files_follows_the_files_plus_manifest_convention():
     assert count_files(["a", "manifest.json", "b"]) == "2 files + manifest"
     assert count_files(["kernels/x.cubin"]) == "1 file"
     assert count_files([]) == "0 files"
+
+
+def test_status_summary_with_an_infinite_number_shows_a_question_mark():
+    # JSON's Infinity / 1e999 from a device's status answer parse to float("inf"): int() of it is an OverflowError
+    assert shape_text({"batch": float("inf"), "tokens": 1}) == "?"
+    assert model_text({"num_layers": float("inf"), "num_experts": 8, "top_k": 2, "hidden_size": 64}) == "?"
+    assert shape_text({"batch": 1, "tokens": 16}) == "batch 1 x tokens 16"
 
 
 def test_single_host_error_exits_1_with_message(tmp_path, sshd, known_hosts, device_dir, capsys):

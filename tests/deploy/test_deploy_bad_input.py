@@ -111,6 +111,17 @@ def test_bad_inventory_field_is_named(tmp_path, text, message):
         load_inventory(path, Target("-"))
 
 
+def test_an_inventory_that_is_a_fifo_or_a_device_is_refused_not_read(tmp_path):
+    import os
+
+    fifo = tmp_path / "inventory.yaml"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    with pytest.raises(DeployError, match=f"^inventory {fifo}: a FIFO; expected a YAML file$"):
+        load_inventory(fifo, Target("-"))
+    with pytest.raises(DeployError, match="^inventory /dev/zero: a device; expected a YAML file$"):
+        load_inventory("/dev/zero", Target("-"))
+
+
 def test_inventory_that_is_not_text_or_is_an_alias_bomb(tmp_path):
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00hosts")

@@ -124,6 +124,46 @@ def test_dev_null_and_an_empty_file_are_an_empty_config(tmp_path, sshd, known_ho
         load_config(tmp_path)
 
 
+@pytest.mark.parametrize("port", ["\u00b2", "\u0663"])  # "²": int() refuses it; "٣" (Arabic-Indic 3): int() gives 3
+def test_a_port_of_non_ascii_digits_is_refused_in_one_line(tmp_path, port):
+    config = tmp_path / "config"
+    config.write_text(f"Host orin\n  Port {port}\n", encoding="utf-8")
+    with pytest.raises(DeployError, match=f"Host orin: Port '{port}' is not a number from 1 to 65535"):
+        resolve("orin", load_config(config))
+
+
+def test_a_proxy_jump_hop_in_ssh_uri_form_is_read_as_openssh_reads_it(tmp_path):
+    config = tmp_path / "config"
+    config.write_text("Host orin\n  ProxyJump ssh://jumper@gateway:2222\n")
+    jump = resolve("orin", load_config(config)).proxy_jump
+    assert (jump.user, jump.host, jump.port) == ("jumper", "gateway", 2222)
+
+
+def test_hosts_of_an_included_file_resolve(tmp_path):
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "10-orin").write_text("Host orin\n  HostName 10.1.2.3\n  Port 2200\n")
+    (tmp_path / "conf.d" / "20-loop").write_text(f"Include {tmp_path / 'config'}\n")  # a cycle: refused, not a hang
+    config = tmp_path / "config"
+    config.write_text(f"Include {tmp_path / 'conf.d' / '10-*'} {tmp_path / 'nothing-*'}\nHost other\n  Port 2201\n")
+    target = resolve("orin", load_config(config))
+    assert (target.host, target.port) == ("10.1.2.3", 2200)
+    assert resolve("other", load_config(config)).port == 2201
+    config.write_text(f"include = {tmp_path / 'conf.d' / '*'}\n")
+    with pytest.raises(DeployError, match=r"Include nests more than 16 files deep"):
+        load_config(config)
+
+
+def test_a_fifo_or_a_device_as_the_config_is_refused_not_read(tmp_path):
+    import os
+
+    fifo = tmp_path / "config"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    with pytest.raises(DeployError, match=f"^--ssh-config {fifo}: a FIFO; expected an OpenSSH client config file"):
+        load_config(fifo)
+    with pytest.raises(DeployError, match="^--ssh-config /dev/zero: a device; expected"):  # would never end
+        load_config("/dev/zero")
+
+
 def test_no_usable_key_says_where_it_looked_and_names_dash_i(target, tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)

@@ -76,3 +76,17 @@ def test_run_cuda_without_gpu(small_bundle, capsys):
 
 def test_run_backend_choices_match_the_runtime():
     assert BACKENDS == ("auto", "cuda", "cpu")
+
+
+def test_run_refuses_an_output_inside_the_bundle(small_bundle, tmp_path, capsys):
+    import shutil
+
+    bundle = shutil.copytree(small_bundle, tmp_path / "bundle")
+    manifest = (bundle / "manifest.json").read_bytes()
+    target = bundle / "sub" / ".." / "manifest.json"  # the manifest itself, spelled with a detour
+    (bundle / "sub").mkdir()
+    assert main(["run", str(bundle), "--backend", "cpu", "--iters", "1", "--output", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"colibri-sdk run: error: --output {target}: inside the bundle {bundle} (writing it would replace " \
+                  "a file of the bundle); allowed: a file path outside the bundle folder\n"
+    assert (bundle / "manifest.json").read_bytes() == manifest
