@@ -174,9 +174,11 @@ def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_
     real = transfer.read_chunks
 
     def slow(path, offset, chunk=transfer.CHUNK_BYTES):
+        # Slow enough, once Ctrl-C is on its way, that no busy machine finishes the upload before the interrupt is
+        # handled (24 chunks x 0.5 s); the deploy stops long before that.
         for block in real(path, offset, chunk):
             sending.touch()
-            time.sleep(0.05)
+            time.sleep(0.5)
             yield block
 
     monkeypatch.setattr(transfer, "read_chunks", slow)

@@ -123,7 +123,8 @@ def device_wheels(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wheels")
     from importlib.metadata import version
 
-    pins = [f"numpy=={version('numpy')}", f"threadpoolctl=={version('threadpoolctl')}", "cuda-bindings>=12,<13"]
+    pins = [f"numpy=={version('numpy')}", f"threadpoolctl=={version('threadpoolctl')}", f"numba=={version('numba')}",
+            f"llvmlite=={version('llvmlite')}", "cuda-bindings>=12,<13"]
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d", str(folder),
                            "--disable-pip-version-check", *pins], capture_output=True, text=True, timeout=guard(1200))
     if proc.returncode != 0:
@@ -143,7 +144,7 @@ def test_missing_wheels_are_named_with_the_pip_download_command(tmp_path, target
     assert f"no wheel for the device ({platform.machine()}, CPython {sys.version_info[0]}.{sys.version_info[1]}" in text
     # every device requirement of the package (pyproject: dependencies + the jetson extra), in the message and in
     # the pip download command that fetches it
-    wanted = ("numpy>=1.22", "threadpoolctl>=3.1", "cuda-bindings<13,>=12")
+    wanted = ("numpy>=1.22", "threadpoolctl>=3.1", "numba>=0.59", "cuda-bindings<13,>=12")
     named = text.split(" of: ", 1)[1].split(" (looked in --wheels ", 1)[0]
     assert sorted(named.split(", ")) == sorted(wanted), text
     assert "Fetch them on a machine with an index: pip download --only-binary=:all: --platform=manylinux_2_" in text
@@ -193,8 +194,8 @@ def test_install_runtime_then_verify_uses_the_recorded_venv(tmp_path, target, pr
     assert json.loads((root / "runtime.json").read_text())["python"] == str(venv / "bin" / "python")
     names = sorted(os.listdir(root / "wheels"))
     assert [n.split("-")[0] for n in names if not n.startswith("pip-")] == ["colibri_sdk", "cuda_bindings",
-                                                                            "cuda_pathfinder", "numpy",
-                                                                            "threadpoolctl"]
+                                                                            "cuda_pathfinder", "llvmlite",
+                                                                            "numba", "numpy", "threadpoolctl"]
     probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import colibri_sdk, numpy, cuda.bindings; "
                             "print(colibri_sdk.__file__)"], capture_output=True, text=True)
     assert probe.returncode == 0 and probe.stdout.startswith(str(venv)), probe.stderr

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from timeout_support import guard
+from timeout_support import guard, guard_whole
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def check_run(fake_driver, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COLIBRI_FAKE_CUDA_", "COLIBRI_GPU_CHECK_"))}
     env.update(PYTHON=sys.executable, COLIBRI_GPU_CHECK_FAKE_LIB=str(fake_driver),
                COLIBRI_GPU_CHECK_INSTALL="pythonpath", COLIBRI_FAKE_CUDA_FAIL="cuMemcpyDtoDAsync=CUDA_ERROR_UNKNOWN",
-               COLIBRI_GPU_CHECK_LIMIT_SCALE=str(guard(LIMIT_SCALE)))
+               COLIBRI_GPU_CHECK_LIMIT_SCALE=str(guard_whole(LIMIT_SCALE)))
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--fake", str(out)], capture_output=True,
                           text=True, timeout=guard(450 * LIMIT_SCALE + 120), env=env, cwd=str(ROOT))
     lines = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
