@@ -162,30 +162,39 @@ def test_ctrl_c_after_the_switch_says_the_new_bundle_is_active(tmp_path, sshd, k
     assert os.readlink(device_dir / "current") == f"bundles/{b_id}"
 
 
-def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_hosts, device_dir, capsys,
-                                                          monkeypatch):
-    from colibri_sdk.deploy import transfer
+def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_hosts, device_dir):
+    # The CLI runs in its own process (as from a shell): a pytest-xdist worker does not deliver SIGINT to the
+    # deploy the way a terminal does. The child's upload is slowed and marks its first chunk; SIGINT then follows.
+    import subprocess
+
+    from timeout_support import guard
 
     common = ["--host", f"{sshd.user}@127.0.0.1:{sshd.port}", *flags(sshd, known_hosts, device_dir)]
     a = write_bundle(tmp_path / "a")
     assert main(["deploy", str(a), *common]) == 0
     b = write_bundle(tmp_path / "b", model_seed=1, model_bytes=24 << 20)
     sending = tmp_path / "sending"
-    real = transfer.read_chunks
-
-    def slow(path, offset, chunk=transfer.CHUNK_BYTES):
-        # Slow enough, once Ctrl-C is on its way, that no busy machine finishes the upload before the interrupt is
-        # handled (24 chunks x 0.5 s); the deploy stops long before that.
-        for block in real(path, offset, chunk):
-            sending.touch()
-            time.sleep(0.5)
-            yield block
-
-    monkeypatch.setattr(transfer, "read_chunks", slow)
-    interrupt_when(sending)
-    capsys.readouterr()
-    code = main(["deploy", str(b), *common])
-    err = capsys.readouterr().err
-    assert code == 130
+    child = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from colibri_sdk.cli import main\n"
+        "from colibri_sdk.deploy import transfer\n"
+        "real = transfer.read_chunks\n"
+        "def slow(path, offset, chunk=transfer.CHUNK_BYTES):\n"
+        "    for block in real(path, offset, chunk):\n"
+        f"        Path({str(sending)!r}).touch()\n"
+        "        time.sleep(0.5)\n"
+        "        yield block\n"
+        "transfer.read_chunks = slow\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, "deploy", str(b), *common], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + guard(600)
+    while not sending.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=guard(600))
+    assert proc.returncode == 130, err
     assert "interrupted before the switch: the active bundle was not changed" in err, err
     assert remote_tree(device_dir / "current") == remote_tree(a)
