@@ -18,7 +18,7 @@ the port (1 to 65535). A device (host, port, remote_dir) may appear once.
 from __future__ import annotations
 
 import reprlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -161,6 +161,10 @@ def _fields(target: Target) -> dict:
                                             "connect_timeout", "command_timeout")}
 
 
+# How often the thread that waits for the hosts wakes to take a Ctrl-C (seconds).
+SIGNAL_POLL_S = 0.1
+
+
 def run_on_hosts(hosts: list, action, parallel: int = 4, on_interrupt=None) -> list:
     """Call `action(host) -> (value, detail)` for every host on at most `parallel` threads.
 
@@ -179,6 +183,11 @@ def run_on_hosts(hosts: list, action, parallel: int = 4, on_interrupt=None) -> l
     with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(hosts))), thread_name_prefix="host") as pool:
         futures = [pool.submit(one, host) for host in hosts]
         try:
+            # The kernel hands a Ctrl-C to any thread of the process; Python runs its handler in this one only
+            # when it wakes, so it waits in short steps rather than until every deploy has ended.
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=SIGNAL_POLL_S)
             return [f.result() for f in futures]
         except KeyboardInterrupt:
             for f in futures:

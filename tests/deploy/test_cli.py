@@ -162,9 +162,12 @@ def test_ctrl_c_after_the_switch_says_the_new_bundle_is_active(tmp_path, sshd, k
     assert os.readlink(device_dir / "current") == f"bundles/{b_id}"
 
 
-def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_hosts, device_dir):
+@pytest.mark.parametrize("lands_on", ["process", "reading-thread"])
+def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_hosts, device_dir, lands_on):
     # The CLI runs in its own process (as from a shell): a pytest-xdist worker does not deliver SIGINT to the
-    # deploy the way a terminal does. The child's upload is slowed and marks its first chunk; SIGINT then follows.
+    # deploy the way a terminal does. The child's upload is slowed and marks its first chunk; SIGINT then follows,
+    # sent to the process (the kernel picks a thread) or raised by the thread that reads the chunk, which is not
+    # the one Python runs its handler in: the waiting thread must still take it before the switch.
     import subprocess
 
     from timeout_support import guard
@@ -175,13 +178,15 @@ def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_
     b = write_bundle(tmp_path / "b", model_seed=1, model_bytes=24 << 20)
     sending = tmp_path / "sending"
     child = (
-        "import sys, time\n"
+        "import signal, sys, threading, time\n"
         "from pathlib import Path\n"
         "from colibri_sdk.cli import main\n"
         "from colibri_sdk.deploy import transfer\n"
         "real = transfer.read_chunks\n"
         "def slow(path, offset, chunk=transfer.CHUNK_BYTES):\n"
         "    for block in real(path, offset, chunk):\n"
+        f"        if {lands_on == 'reading-thread'} and not Path({str(sending)!r}).exists():\n"
+        "            signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n"
         f"        Path({str(sending)!r}).touch()\n"
         "        time.sleep(0.5)\n"
         "        yield block\n"
@@ -190,10 +195,11 @@ def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_
     )
     proc = subprocess.Popen([sys.executable, "-c", child, "deploy", str(b), *common], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + guard(600)
-    while not sending.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
+    if lands_on == "process":
+        deadline = time.monotonic() + guard(600)
+        while not sending.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=guard(600))
     assert proc.returncode == 130, err
     assert "interrupted before the switch: the active bundle was not changed" in err, err
