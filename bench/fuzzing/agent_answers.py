@@ -36,7 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
-from .cases import Tally
+from .cases import Tally, json_paths
 
 SHA_A, SHA_B = "a" * 64, "0123456789abcdef" * 4
 ID_A, ID_B = "9c1e0f4b2a7d3e85", "3f9c0a7d51e2b804"
@@ -167,21 +167,11 @@ def well_formed(op: str, a) -> bool:
 
 
 # ---- mutations -------------------------------------------------------------------------------------------------------
-def json_paths(value, prefix=()):
-    yield prefix
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from json_paths(v, prefix + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from json_paths(v, prefix + (i,))
-
-
 def mutate(answer: dict, rng: random.Random) -> tuple:
     """(stdout bytes, exit status) of a mutated answer."""
     tree = copy.deepcopy(answer)
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
-        paths = [p for p in json_paths(tree) if p]
+        paths = [p for p, _ in json_paths(tree) if p]
         if not paths:
             break
         path = rng.choice(paths)

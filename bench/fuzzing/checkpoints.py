@@ -19,11 +19,13 @@ CONFIG = {"model_type": "mixtral", "num_hidden_layers": 1, "num_local_experts": 
 PREFIX = "model.layers.0.block_sparse_moe."
 
 
-def checkpoint_base(folder: Path) -> Path:
+def checkpoint_base(folder: Path, **config) -> Path:
+    """A valid tiny checkpoint folder (config.json + model.safetensors, float32): 1 layer, 2 experts, top-1, hidden
+    4, intermediate 8; `config` overrides config.json keys (tests/robustness uses it too)."""
     from safetensors.numpy import save_file
 
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(CONFIG))
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({**CONFIG, **config}))
     rng = np.random.default_rng(0)
     tensors = {PREFIX + "gate.weight": rng.standard_normal((2, 4)).astype(np.float32)}
     for e in range(2):

@@ -33,6 +33,24 @@ def no_progress(step: str, done: int, total: int) -> None:
     pass
 
 
+def _read_hashing(src, path: Path, progress: Progress, step: str, sink=None) -> str:
+    """Read the open file `src` (of `path`) in CHUNK_BYTES pieces (one buffer, reused), hand each to `sink` if
+    given, and return the sha256 (hex) of what was read, reporting progress."""
+    total = path.stat().st_size
+    digest = hashlib.sha256()
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    done = 0
+    progress(step, 0, total)
+    while n := src.readinto(buffer):
+        digest.update(view[:n])
+        if sink is not None:
+            sink(view[:n])
+        done += n
+        progress(step, done, total)
+    return digest.hexdigest()
+
+
 def copy_with_sha256(source: Path, target: Path, progress: Progress = no_progress, step: str = "weights") -> str:
     """Copy `source` to `target` in CHUNK_BYTES pieces (one buffer, reused) and return the sha256 (hex) of what
     was written, so the bundle's largest file is read once for both.
@@ -40,38 +58,18 @@ def copy_with_sha256(source: Path, target: Path, progress: Progress = no_progres
     Raises:
         OSError: reading or writing failed.
     """
-    total = source.stat().st_size
-    digest = hashlib.sha256()
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
-    done = 0
-    progress(step, 0, total)
     with open(source, "rb") as src, open(target, "wb") as dst:
-        while True:
-            n = src.readinto(buffer)
-            if not n:
-                break
-            digest.update(view[:n])
-            dst.write(view[:n])
-            done += n
-            progress(step, done, total)
-    return digest.hexdigest()
+        return _read_hashing(src, source, progress, step, dst.write)
 
 
 def sha256_with_progress(path: Path, progress: Progress = no_progress, step: str = "sha256") -> str:
-    """sha256 (hex) of a file, read in CHUNK_BYTES pieces, reporting progress."""
-    total = path.stat().st_size
-    digest = hashlib.sha256()
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
-    done = 0
-    progress(step, 0, total)
+    """sha256 (hex) of a file, read in CHUNK_BYTES pieces, reporting progress.
+
+    Raises:
+        OSError: reading failed.
+    """
     with open(path, "rb") as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-            done += n
-            progress(step, done, total)
-    return digest.hexdigest()
+        return _read_hashing(f, path, progress, step)
 
 
 def prepare_weights(source: Path, dtype: str, target: Path, progress: Progress = no_progress) -> tuple[Header, str]:

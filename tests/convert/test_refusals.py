@@ -280,32 +280,21 @@ def test_phimoe_checkpoint_is_refused(tmp_path):
     refused(tmp_path / "phimoe", tmp_path, r"^phimoe: routes with SparseMixer \(each selected expert's weight is a softmax over only the logits within a jitter threshold of it, the second choice taken after masking the first\), which no \.colibri router computes; not supported$")
 
 
-@pytest.mark.parametrize("old,new,what", [
-    ("model.layers.1.", "model.layers.01.", "layer"),
-    (PREFIX + "experts.3.", PREFIX + "experts.03.", "expert"),
-], ids=["layer", "expert"])
-def test_an_index_with_a_leading_zero_is_refused_naming_the_tensor(mixtral_copy, tmp_path, old, new, what):
+@pytest.mark.parametrize("old,new,what,problem", [
     # read as int() it was layer 1 while the block was looked up as 'layers.1.': KeyError: 'gate.weight'
+    ("model.layers.1.", "model.layers.01.", "layer", r"index '0\d' has a leading zero"),
+    (PREFIX + "experts.3.", PREFIX + "experts.03.", "expert", r"index '0\d' has a leading zero"),
+    # fullwidth digit one and Arabic-Indic digit three: int() reads 1 and 3
+    ("model.layers.1.", "model.layers.\uff11.", "layer", r"index '[^']+' is not in ASCII digits"),
+    (PREFIX + "experts.3.", PREFIX + "experts.\u0663.", "expert", r"index '[^']+' is not in ASCII digits"),
+], ids=["layer-leading-zero", "expert-leading-zero", "layer-non-ascii", "expert-non-ascii"])
+def test_an_index_not_written_as_nn_modulelist_writes_it_is_refused_naming_the_tensor(mixtral_copy, tmp_path, old,
+                                                                                        new, what, problem):
     def rename(tensors):
         for name in [n for n in tensors if n.startswith(old)]:
             tensors[new + name[len(old):]] = tensors.pop(name)
 
     rewrite(mixtral_copy, rename)
     shown = new.replace(".", r"\.")
-    refused(mixtral_copy, tmp_path, rf"^tensor '{shown}[^']+': {what} index '0\d' has a leading zero; allowed: the "
-            rf"index as nn\.ModuleList writes it \('{what}s\.\d\.'\)$")
-
-
-@pytest.mark.parametrize("old,new,what", [
-    ("model.layers.1.", "model.layers.\uff11.", "layer"),  # fullwidth digit one: int() reads 1
-    (PREFIX + "experts.3.", PREFIX + "experts.\u0663.", "expert"),  # Arabic-Indic digit three: int() reads 3
-], ids=["layer", "expert"])
-def test_an_index_in_non_ascii_digits_is_refused_naming_the_tensor(mixtral_copy, tmp_path, old, new, what):
-    def rename(tensors):
-        for name in [n for n in tensors if n.startswith(old)]:
-            tensors[new + name[len(old):]] = tensors.pop(name)
-
-    rewrite(mixtral_copy, rename)
-    shown = new.replace(".", r"\.")
-    refused(mixtral_copy, tmp_path, rf"^tensor '{shown}[^']+': {what} index '[^']+' is not in ASCII digits; allowed: "
-            rf"the index as nn\.ModuleList writes it \('{what}s\.\d\.'\)$")
+    refused(mixtral_copy, tmp_path, rf"^tensor '{shown}[^']+': {what} {problem}; allowed: the index as "
+            rf"nn\.ModuleList writes it \('{what}s\.\d\.'\)$")

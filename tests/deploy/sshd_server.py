@@ -32,6 +32,17 @@ def sshd_unavailable_reason() -> str | None:
     return None
 
 
+def stop_process(process: subprocess.Popen, grace_s: float) -> None:
+    """Terminate `process` if it still runs; kill it if it has not exited `grace_s` seconds later."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,10 +142,4 @@ class SshServer:
         return f"{self.user}@127.0.0.1"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 5)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sshd_server import free_port, keygen
+from sshd_server import free_port, keygen, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "arm64_device.sh"
@@ -134,13 +134,7 @@ class Device:
                               timeout=EMULATED_S)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 20)
         self.log.close()
 
 

@@ -322,16 +322,21 @@ class EmulatedDevice:
             self.lib.launch(function, grid, block, params.ctypes.data)
         return self.buffers[self.io["output"]].view(np.float32).reshape(shape).copy()
 
-    def run_recorded(self, x: np.ndarray, valid_tokens=None) -> list[tuple[dict, np.ndarray]]:
-        """The forward pass with the access model on: [(launch of the plan, (classes, 4) load totals)] in launch
-        order (EmulationLibrary.access_read). Weights are class 0, the buffers of ACTIVATION_BUFFERS class 1, every
-        other scratch buffer class 2."""
+    def _prepare_access(self, x: np.ndarray, valid_tokens) -> None:
+        """Mark the regions for the access model (weights class 0, ACTIVATION_BUFFERS class 1, other scratch class
+        2), run blocks in increasing order, and load the input."""
         regions = [(self.weights.address, self.weights.size, 0)]
         for name, region in self.buffers.items():
             regions.append((region.address, region.size, 1 if name in ACTIVATION_BUFFERS else 2))
         self.lib.access_regions(regions)
         self.lib.set_schedule("increasing", 0)
         self._load_input(x, valid_tokens)
+
+    def run_recorded(self, x: np.ndarray, valid_tokens=None) -> list[tuple[dict, np.ndarray]]:
+        """The forward pass with the access model on: [(launch of the plan, (classes, 4) load totals)] in launch
+        order (EmulationLibrary.access_read). Weights are class 0, the buffers of ACTIVATION_BUFFERS class 1, every
+        other scratch buffer class 2."""
+        self._prepare_access(x, valid_tokens)
         out = []
         self.lib.access_read()
         self.lib.access_enable(True)
@@ -461,12 +466,7 @@ class ModelDevice(EmulatedDevice):
         sample_blocks: for the launches of the catalogue kernels in `sampled`, run about this many of the grid's
             blocks (every k-th by linear index; the others write nothing, so later kernels read unwritten data:
             counts only, no results); block_scale = grid blocks / blocks run (1.0 for a launch run whole)."""
-        regions = [(self.weights.address, self.weights.size, 0)]
-        for name, region in self.buffers.items():
-            regions.append((region.address, region.size, 1 if name in ACTIVATION_BUFFERS else 2))
-        self.lib.access_regions(regions)
-        self.lib.set_schedule("increasing", 0)
-        self._load_input(x, valid_tokens)
+        self._prepare_access(x, valid_tokens)
         out = []
         self.lib.access_read()
         self.lib.model_read()

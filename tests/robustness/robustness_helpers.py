@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,26 +11,11 @@ from colibri_sdk import cli
 from colibri_sdk.bundle import MANIFEST, canonical_json, file_sha256, manifest_digest
 from colibri_sdk.format import Header, write_model
 
-# A Mixtral-style checkpoint: 1 layer, 2 experts, top-1, hidden 4, intermediate 8 (safetensors, float32).
-CONFIG = {"model_type": "mixtral", "num_hidden_layers": 1, "num_local_experts": 2, "num_experts_per_tok": 1,
-          "hidden_size": 4, "intermediate_size": 8}
-PREFIX = "model.layers.0.block_sparse_moe."
-
-
-def write_checkpoint(folder: Path, **config) -> Path:
-    """A valid tiny checkpoint folder (config.json + model.safetensors); `config` overrides config.json keys."""
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({**CONFIG, **config}))
-    rng = np.random.default_rng(0)
-    tensors = {PREFIX + "gate.weight": rng.standard_normal((2, 4)).astype(np.float32)}
-    for e in range(2):
-        tensors[f"{PREFIX}experts.{e}.w1.weight"] = rng.standard_normal((8, 4)).astype(np.float32)
-        tensors[f"{PREFIX}experts.{e}.w3.weight"] = rng.standard_normal((8, 4)).astype(np.float32)
-        tensors[f"{PREFIX}experts.{e}.w2.weight"] = rng.standard_normal((4, 8)).astype(np.float32)
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder
+# A Mixtral-style checkpoint: 1 layer, 2 experts, top-1, hidden 4, intermediate 8 (safetensors, float32), the one
+# bench/fuzz.py mutates; write_checkpoint(folder, **config) overrides config.json keys.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from fuzzing.checkpoints import CONFIG, PREFIX  # noqa: E402,F401
+from fuzzing.checkpoints import checkpoint_base as write_checkpoint  # noqa: E402,F401
 
 
 # A small model for bundles: 1 layer, 6 experts, top-2, hidden 64, intermediate 96, fp16.
