@@ -18,7 +18,6 @@ import fcntl
 import functools
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import tempfile
@@ -99,7 +98,7 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.exists():
             return out
-        return _build(out, flags, source_dir, units, sources)
+        return _build(out, flags, source_dir, units)
 
 
 def _sources_digest(source_dir: Path) -> str:
@@ -112,55 +111,54 @@ def _sources_digest(source_dir: Path) -> str:
     return digest.hexdigest()
 
 
-# A -D constant of the kernels (COLI_HIDDEN, ...), not the shim's own COLI_EMU_* / COLI_CPU_EMULATION names.
-_KERNEL_CONSTANT = re.compile(rb"\bCOLI_(?!EMU_|CPU_EMULATION\b)[A-Z0-9_]+")
-
-
-def _runner_reads_constants() -> bool:
-    return any(_KERNEL_CONSTANT.search(path.read_bytes()) for path in EMU_DIR.iterdir()
-               if path.suffix in (".h", ".cpp"))
-
-
-def _objects(flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]], sources: str,
-             work: Path) -> list[Path]:
+def _objects(flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]], work: Path) -> list[Path]:
     """Compile (in parallel) the objects of runner.cpp and each unit not yet in CACHE/objects; returns their paths
-    in link order. An object's key: compiler, its flags (runner.cpp: without the -D constants when it reads none),
-    its unit text and every source byte."""
+    in link order.
+
+    An object is keyed by what g++ compiles: the compiler, the flags other than -D, and the unit's preprocessed text
+    (`g++ -E` with every flag, line markers included). A unit that reads none of the constants two define sets
+    differ in (runner.cpp reads none of the kernels' constants; routing.cu none of the intermediate size's) is
+    compiled once for both, and the preprocessed file is what is compiled, so the key is exactly its input."""
     includes = [f"-I{EMU_DIR}", f"-I{source_dir}"]
-    # The shim's own switches (-DCOLI_EMU_*, e.g. the shared-memory model's) stay: runner.cpp reads them.
-    plain = [f for f in flags if not f.startswith("-D") or f.startswith("-DCOLI_EMU_")] \
-        if not _runner_reads_constants() else flags
-    compiles = [(EMU_DIR / "runner.cpp", plain, "runner")]
+    compiles = [EMU_DIR / "runner.cpp"]
     for source, symbols in units:
         unit = work / (Path(source).stem + ".cpp")
         unit.write_text(unit_text(source, symbols))
-        compiles.append((unit, flags, unit_text(source, symbols)))
+        compiles.append(unit)
+    preprocess = [(src, work / f"{src.stem}.ii") for src in compiles]
+    jobs = [subprocess.Popen([CXX, *flags, *includes, "-E", str(src), "-o", str(ii)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for src, ii in preprocess]
+    _check(compiles, jobs, "g++ -E failed")
+    compile_flags = [f for f in flags if not f.startswith("-D")]
     store = CACHE / "objects"
     store.mkdir(exist_ok=True)
-    objects, jobs = [], []
-    for src, unit_flags, text in compiles:
-        key = hashlib.sha256("\n".join([_compiler_version(), *unit_flags, *includes[1:], text, sources]).encode())
+    objects, pending = [], []
+    for src, ii in preprocess:
+        key = hashlib.sha256("\n".join([_compiler_version(), *compile_flags]).encode() + b"\n" + ii.read_bytes())
         obj = store / f"{src.stem}-{key.hexdigest()[:24]}.o"
         objects.append(obj)
         if not obj.exists():
-            built = work / obj.name
-            job = subprocess.Popen([CXX, *unit_flags, *includes, "-c", str(src), "-o", str(built)],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            jobs.append((src, built, obj, job))
-    logs = [(src, built, obj, *job.communicate()[:1], job.returncode) for src, built, obj, job in jobs]
-    failed = [f"{src.name}:\n{log}" for src, _, _, log, rc in logs if rc != 0]
-    if failed:
-        raise EmulationError("g++ failed:\n" + "\n".join(failed))
-    for _, built, obj, _, _ in logs:
-        os.replace(built, obj)  # atomic: a concurrent build of the same key writes the same bytes
+            pending.append((src, ii, obj))
+    jobs = [subprocess.Popen([CXX, *compile_flags, "-c", str(ii), "-o", str(work / obj.name)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for _, ii, obj in pending]
+    _check([src for src, _, _ in pending], jobs, "g++ failed")
+    for _, _, obj in pending:
+        os.replace(work / obj.name, obj)  # atomic: a concurrent build of the same key writes the same bytes
     return objects
 
 
-def _build(out: Path, flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]],
-           sources: str) -> Path:
+def _check(sources: list[Path], jobs: list[subprocess.Popen], what: str) -> None:
+    """Wait for every job; raise EmulationError with the output of each that failed."""
+    logs = [(src, job.communicate()[0], job.returncode) for src, job in zip(sources, jobs)]
+    failed = [f"{src.name}:\n{log}" for src, log, rc in logs if rc != 0]
+    if failed:
+        raise EmulationError(f"{what}:\n" + "\n".join(failed))
+
+
+def _build(out: Path, flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]]) -> Path:
     """Compile the objects and link the library into a private folder, then rename it to `out`."""
     work = Path(tempfile.mkdtemp(dir=CACHE, prefix="build-"))
-    objects = _objects(flags, source_dir, units, sources, work)
+    objects = _objects(flags, source_dir, units, work)
     link = subprocess.run([CXX, *CXXFLAGS, "-shared", *(str(o) for o in objects), "-o", str(work / out.name)],
                           capture_output=True, text=True)
     if link.returncode != 0:
