@@ -140,6 +140,13 @@ class CpuEngine:
         self.tile = np.zeros(TILE_ROWS * wide, f32)
         self.tile_out = np.zeros(n * TILE_ROWS, f32)
         self.buf = np.zeros(wide, f32)  # one decoded row
+        # int8 / int4 experts of at most DIRECT_TOKENS tokens (cpu_kernels._project_direct): the prepared inputs,
+        # their group sums, one matrix's group scales as float32
+        direct = min(n, K.DIRECT_TOKENS)
+        self.xq = np.zeros(direct * 2 * (wide + 1), f32)
+        self.xsum = np.zeros(direct * wide, f32)
+        groups = (lambda cols: h.groups_for(cols) if self.v2 and quant != QUANT_FLOAT else 1)
+        self.s32 = np.zeros(max(r * groups(c) for r, c in ((I, H), (H, I), (SI, H), (H, SI)) if r and c), f32)
         self._sbufs: dict[int, np.ndarray] = {}
         self.shared_order = np.arange(n, dtype=np.int64)
         self.shared_starts = np.zeros(2, np.int64)
@@ -166,7 +173,7 @@ class CpuEngine:
         one, pairs = np.zeros(1, i64), np.array([0, 1], i64)
         K.experts_into(x, one, pairs, np.ones(1, f32), 1, one, K.STORE_F32, False, False, 0, codes, scales, zeros,
                        codes, scales, zeros, codes, scales, zeros, False, bias, bias, bias, K.ACT_SWIGLU, f32(0),
-                       f32(0), out, np.zeros(1, i64), gate, up, buf, buf, sbuf, sbuf)
+                       f32(0), out, np.zeros(1, i64), gate, up, buf, buf, sbuf, sbuf, one, out, buf, buf, buf)
         K.rows_into(K.STORE_F32, codes[0], scales[0], False, zeros[0], False, 0, 2, 0, 2, gate, buf, sbuf)
         K._activate(gate, up, 1, K.ACT_SWIGLU, f32(0), f32(0))
         K.scatter_add(out, np.zeros(1, i64), np.ones(1, f32), gate, 1, bias[0], False)
@@ -302,6 +309,7 @@ class CpuEngine:
             self.has_bias and act is None, w["gate_bias"], w["up_bias"], w["down_bias"],
             self.act if act is None else act, self.limit, self.alpha, out, self.tok, gate, up,
             self.buf[:hidden], self.buf[: g.rows], self._sbuf(hidden), self._sbuf(g.rows),
+            self.shared_order, self.y, self.xq, self.xsum, self.s32,
         )
 
     def _project_blas(self, m: _Matrix, expert: int, xs: np.ndarray, dst: np.ndarray) -> None:
