@@ -27,13 +27,20 @@ Every buffer is allocated once at load, sized for the bundle's fixed rows (batch
     starts        (experts + 1,)        where each expert's pairs start in `order`
     gate, up      (rows, intermediate)  gate/up projections (also the shared experts', up to their size)
     xs, y, shared (rows, hidden)        the BLAS path's gathered rows and output; the shared experts' sum
+    finite        (rows, hidden) bool   which values of a layer's output are finite
     tile          (TILE_ROWS, widest)   decoded rows for the BLAS path of fp16 / int8 / int4 weights
 
 What is still allocated per call: the routing functions' (rows, experts) temporaries and index arrays, and small
 scalars (the tracemalloc test in tests/runtime bounds a warm call's peak well below one activation tensor).
 
-Stored tensors are checked finite on first use (the router and vectors per layer, the experts' matrices or
-scales per expert), as the reference engine does: a NaN or Inf in the file is a FormatError naming the tensor.
+Stored tensors are checked finite, as the reference engine does: a NaN or Inf in the file is a FormatError naming
+the tensor. The router, the vectors and the shared experts are checked when a layer is first used. A routed
+expert's matrices (or scales) are checked when a layer's output holds a non-finite value, before anything else
+sees it: with the SwiGLU, a non-finite stored value always reaches the output (NaN and Inf propagate through every
+product, sum, silu and routing weight, 0 · Inf included), so a finite output proves the used experts finite
+without a second read of their bytes (which cost a first call of shape B, 8 of 128 experts, about as much as the
+product itself: bench/runtime_cpu_bench.py). The clamped SwiGLU can turn an Inf into a finite value, so with it
+each expert is checked on first use.
 """
 
 from __future__ import annotations
@@ -137,6 +144,7 @@ class CpuEngine:
         self.xs = np.zeros((n, H), f32)
         self.y = np.zeros((n, H), f32)
         self.shared_out = np.zeros((n, H), f32)
+        self.finite = np.zeros((n, H), bool)  # the layer output's finiteness (the experts' lazy check)
         self.tile = np.zeros(TILE_ROWS * wide, f32)
         self.tile_out = np.zeros(n * TILE_ROWS, f32)
         self.buf = np.zeros(wide, f32)  # one decoded row
@@ -287,7 +295,8 @@ class CpuEngine:
         K.group_pairs(np.ascontiguousarray(ids, dtype=np.int64), h.num_experts, starts, order)
         counts = np.diff(starts)
         used = np.flatnonzero(counts)
-        self._check_experts(layer, w, used)
+        if self.clamped:
+            self._check_experts(layer, w, used)
         out.fill(0.0)
         big = used[counts[used] >= BLAS_PAIRS]
         small = used if big.size == 0 else used[counts[used] < BLAS_PAIRS]
@@ -297,6 +306,8 @@ class CpuEngine:
             self._expert_blas(x, int(e), w, out)
         if self.shared_count:
             self._shared(x, w, out)
+        if not self.clamped and not np.isfinite(out, out=self.finite[:n]).all():
+            self._check_experts(layer, w, used)  # a FormatError when a used expert stores a non-finite value
 
     def _experts(self, x, order, starts, pair_w, k, chosen, w, out, act=None) -> None:
         """experts_into for the matrices of w (routed: with biases and the file's activation; shared: act given)."""

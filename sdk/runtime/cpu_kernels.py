@@ -61,13 +61,20 @@ _F16_SCALE = np.float32(2.0**112)  # float16 bits shifted into a float32's place
 
 @njit(**_JIT)
 def _f16_into(src, buf):
-    """buf[c] = float32(src[c]) for float16 bits src (n,) uint16, finite values (subnormals exact)."""
+    """buf[c] = float32(src[c]) for float16 bits src (n,) uint16, finite values (subnormals exact). Where src
+    holds a NaN or Inf, buf[0] is NaN: the product the values go into is then NaN, which makes the CPU engine
+    check the stored tensors and name the bad one (cpu_engine, "checked finite")."""
     bits = buf.view(np.uint32)
+    exponent = np.uint32(0x7C00)
+    finite = exponent  # min over the values of (exponent bits ^ all ones): 0 where one is NaN or Inf
     for c in range(src.shape[0]):
         h = np.uint32(src[c])
         bits[c] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
+        finite = min(finite, (h & exponent) ^ exponent)
     for c in range(src.shape[0]):
         buf[c] = buf[c] * _F16_SCALE
+    if finite == 0 and src.shape[0] > 0:
+        buf[0] = np.float32(np.nan)
 
 
 @njit(**_JIT)

@@ -170,3 +170,26 @@ def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zero
                                     np.zeros(rows * cols, np.float32))
         want = x[pick].astype(np.float64) @ w.T
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("quant,dtype", [(0, 0), (0, 1), (1, 0), (2, 1)], ids=["fp32", "fp16", "int8", "int4"])
+def test_one_non_finite_stored_value_of_a_used_expert_is_named(tmp_path, quant, dtype, value):
+    """A single Inf or NaN in one expert's down projection (float) or its scales (int8 / int4), every other value
+    finite, at one token: a FormatError naming the tensor and the expert (the experts are checked when the layer's
+    output is not finite)."""
+    fields = dict(BASE, dtype=dtype, quant=quant, group_size=32 if quant == 2 else 0)
+    path = write_v2(tmp_path / "m.colibri", fields, np.random.default_rng(6))
+    name = "down_proj.scales" if quant else "down_proj"
+    with ColibriFile(path) as f:
+        block = f.header.block(name)
+        itemsize = 2 if (dtype == 1) else 4
+        per_expert = block.nbytes // (f.header.num_layers * BASE["num_experts"])
+    data = bytearray(path.read_bytes())
+    for expert in range(BASE["num_experts"]):  # one value of each expert of layer 0: the used ones are named
+        at = block.offset + expert * per_expert + 3 * itemsize
+        data[at:at + itemsize] = np.array([value], np.float16 if dtype == 1 else np.float32).tobytes()
+    path.write_bytes(bytes(data))
+    x = np.random.default_rng(7).standard_normal((1, BASE["hidden_size"])).astype(np.float32)
+    with pytest.raises(FormatError, match=rf"m\.colibri: {name} \(layer 0, expert \d\) holds 1 non-finite value "):
+        run_engine(path, x)
