@@ -15,7 +15,8 @@ Per layer, on rows x (tokens, hidden) float32:
 
 An expert with fewer than BLAS_PAIRS pairs runs in `cpu_kernels.experts_into`: each stored row is decoded once
 (float16 widened, int8/int4 dequantized exactly) into an L1-sized buffer and multiplied with all of that expert's
-tokens, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call. An expert
+tokens, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call (an int8 /
+int4 expert of at most cpu_kernels.DIRECT_TOKENS tokens multiplies its codes as stored, no decoded row). An expert
 with more pairs is compute-bound: its tokens are gathered and multiplied by BLAS (NumPy matmul), float32 weights in
 place, other storages through tiles of TILE_ROWS decoded rows (never a whole widened matrix).
 
@@ -29,6 +30,7 @@ Every buffer is allocated once at load, sized for the bundle's fixed rows (batch
     xs, y, shared (rows, hidden)        the BLAS path's gathered rows and output; the shared experts' sum
     finite        (rows, hidden) bool   which values of a layer's output are finite
     tile          (TILE_ROWS, widest)   decoded rows for the BLAS path of fp16 / int8 / int4 weights
+    xq, xsum, s32                       the direct int8 / int4 path's prepared inputs, group sums, scales
 
 What is still allocated per call: the routing functions' (rows, experts) temporaries and index arrays, and small
 scalars (the tracemalloc test in tests/runtime bounds a warm call's peak well below one activation tensor).

@@ -14,6 +14,11 @@ routed to the expert while it is in L1: each expert's rows are read once per cal
 widened copy of a matrix is ever made. Sums are in float32 (the order of the additions is the compiler's, vectorised
 with `fastmath` reassociation only: no flush of subnormals, no finite-math assumptions).
 
+An int8 / int4 expert with at most DIRECT_TOKENS tokens is not decoded: `_project_direct` multiplies its codes as
+stored against the input laid out once per call (int4: its even and odd columns, to meet a byte's low and high
+nibble), each group's scale applied once to the group's sum (after llama.cpp's ggml-cpu quantized dot products;
+docs/runtime.md, "int8 / int4 codes multiplied as stored").
+
 `experts_into` runs one layer's routed experts (or a layer's shared experts) for the pairs grouped per expert
 (`group_pairs`), adding `weight * expert(x)` to each token's output row in increasing expert order, as the
 reference engine does (colibri_sdk.reference).

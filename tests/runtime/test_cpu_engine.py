@@ -157,7 +157,8 @@ def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zero
     t = quantize_rtn(rng.standard_normal((rows, cols)).astype(np.float32), quant, group, np.float16)
     z = rng.integers(-3, 4, t.scales.shape).astype(np.int8) if zeros else np.zeros((rows, 1), np.int8)
     codes = pack_int4(t.codes) if quant == 2 else t.codes.view(np.uint8)
-    stored = QuantizedTensor(codes if quant == 2 else t.codes, t.scales, z if zeros else None, cols, group, quant, packed=quant == 2)
+    stored = QuantizedTensor(codes if quant == 2 else t.codes, t.scales, z if zeros else None, cols, group, quant,
+                             packed=quant == 2)
     w = stored.dequantize().astype(np.float64)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     store = cpu_kernels.STORE_Q4 if quant == 2 else cpu_kernels.STORE_Q8
