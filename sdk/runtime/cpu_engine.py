@@ -15,7 +15,8 @@ Per layer, on rows x (tokens, hidden) float32:
 
 An expert with fewer than BLAS_PAIRS pairs runs in `cpu_kernels.experts_into`: each stored row is decoded once
 (float16 widened, int8/int4 dequantized exactly) into an L1-sized buffer and multiplied with all of that expert's
-tokens, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call. An expert
+tokens, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call (an int8 /
+int4 expert of at most cpu_kernels.DIRECT_TOKENS tokens multiplies its codes as stored, no decoded row). An expert
 with more pairs is compute-bound: its tokens are gathered and multiplied by BLAS (NumPy matmul), float32 weights in
 place, other storages through tiles of TILE_ROWS decoded rows (never a whole widened matrix).
 
@@ -27,13 +28,21 @@ Every buffer is allocated once at load, sized for the bundle's fixed rows (batch
     starts        (experts + 1,)        where each expert's pairs start in `order`
     gate, up      (rows, intermediate)  gate/up projections (also the shared experts', up to their size)
     xs, y, shared (rows, hidden)        the BLAS path's gathered rows and output; the shared experts' sum
+    finite        (rows, hidden) bool   which values of a layer's output are finite
     tile          (TILE_ROWS, widest)   decoded rows for the BLAS path of fp16 / int8 / int4 weights
+    xq, xsum, s32                       the direct int8 / int4 path's prepared inputs, group sums, scales
 
 What is still allocated per call: the routing functions' (rows, experts) temporaries and index arrays, and small
 scalars (the tracemalloc test in tests/runtime bounds a warm call's peak well below one activation tensor).
 
-Stored tensors are checked finite on first use (the router and vectors per layer, the experts' matrices or
-scales per expert), as the reference engine does: a NaN or Inf in the file is a FormatError naming the tensor.
+Stored tensors are checked finite, as the reference engine does: a NaN or Inf in the file is a FormatError naming
+the tensor. The router, the vectors and the shared experts are checked when a layer is first used. A routed
+expert's matrices (or scales) are checked when a layer's output holds a non-finite value, before anything else
+sees it: with the SwiGLU, a non-finite stored value always reaches the output (NaN and Inf propagate through every
+product, sum, silu and routing weight, 0 · Inf included), so a finite output proves the used experts finite
+without a second read of their bytes (which cost a first call of shape B, 8 of 128 experts, about as much as the
+product itself: bench/runtime_cpu_bench.py). The clamped SwiGLU can turn an Inf into a finite value, so with it
+each expert is checked on first use.
 """
 
 from __future__ import annotations
@@ -137,9 +146,17 @@ class CpuEngine:
         self.xs = np.zeros((n, H), f32)
         self.y = np.zeros((n, H), f32)
         self.shared_out = np.zeros((n, H), f32)
+        self.finite = np.zeros((n, H), bool)  # the layer output's finiteness (the experts' lazy check)
         self.tile = np.zeros(TILE_ROWS * wide, f32)
         self.tile_out = np.zeros(n * TILE_ROWS, f32)
         self.buf = np.zeros(wide, f32)  # one decoded row
+        # int8 / int4 experts of at most DIRECT_TOKENS tokens (cpu_kernels._project_direct): the prepared inputs,
+        # their group sums, one matrix's group scales as float32
+        direct = min(n, K.DIRECT_TOKENS)
+        self.xq = np.zeros(direct * 2 * (wide + 1), f32)
+        self.xsum = np.zeros(direct * wide, f32)
+        groups = (lambda cols: h.groups_for(cols) if self.v2 and quant != QUANT_FLOAT else 1)
+        self.s32 = np.zeros(max(r * groups(c) for r, c in ((I, H), (H, I), (SI, H), (H, SI)) if r and c), f32)
         self._sbufs: dict[int, np.ndarray] = {}
         self.shared_order = np.arange(n, dtype=np.int64)
         self.shared_starts = np.zeros(2, np.int64)
@@ -166,7 +183,7 @@ class CpuEngine:
         one, pairs = np.zeros(1, i64), np.array([0, 1], i64)
         K.experts_into(x, one, pairs, np.ones(1, f32), 1, one, K.STORE_F32, False, False, 0, codes, scales, zeros,
                        codes, scales, zeros, codes, scales, zeros, False, bias, bias, bias, K.ACT_SWIGLU, f32(0),
-                       f32(0), out, np.zeros(1, i64), gate, up, buf, buf, sbuf, sbuf)
+                       f32(0), out, np.zeros(1, i64), gate, up, buf, buf, sbuf, sbuf, one, out, buf, buf, buf)
         K.rows_into(K.STORE_F32, codes[0], scales[0], False, zeros[0], False, 0, 2, 0, 2, gate, buf, sbuf)
         K._activate(gate, up, 1, K.ACT_SWIGLU, f32(0), f32(0))
         K.scatter_add(out, np.zeros(1, i64), np.ones(1, f32), gate, 1, bias[0], False)
@@ -280,7 +297,8 @@ class CpuEngine:
         K.group_pairs(np.ascontiguousarray(ids, dtype=np.int64), h.num_experts, starts, order)
         counts = np.diff(starts)
         used = np.flatnonzero(counts)
-        self._check_experts(layer, w, used)
+        if self.clamped:
+            self._check_experts(layer, w, used)
         out.fill(0.0)
         big = used[counts[used] >= BLAS_PAIRS]
         small = used if big.size == 0 else used[counts[used] < BLAS_PAIRS]
@@ -290,6 +308,8 @@ class CpuEngine:
             self._expert_blas(x, int(e), w, out)
         if self.shared_count:
             self._shared(x, w, out)
+        if not self.clamped and not np.isfinite(out, out=self.finite[:n]).all():
+            self._check_experts(layer, w, used)  # a FormatError when a used expert stores a non-finite value
 
     def _experts(self, x, order, starts, pair_w, k, chosen, w, out, act=None) -> None:
         """experts_into for the matrices of w (routed: with biases and the file's activation; shared: act given)."""
@@ -302,6 +322,7 @@ class CpuEngine:
             self.has_bias and act is None, w["gate_bias"], w["up_bias"], w["down_bias"],
             self.act if act is None else act, self.limit, self.alpha, out, self.tok, gate, up,
             self.buf[:hidden], self.buf[: g.rows], self._sbuf(hidden), self._sbuf(g.rows),
+            self.shared_order, self.y, self.xq, self.xsum, self.s32,
         )
 
     def _project_blas(self, m: _Matrix, expert: int, xs: np.ndarray, dst: np.ndarray) -> None:

@@ -14,6 +14,11 @@ routed to the expert while it is in L1: each expert's rows are read once per cal
 widened copy of a matrix is ever made. Sums are in float32 (the order of the additions is the compiler's, vectorised
 with `fastmath` reassociation only: no flush of subnormals, no finite-math assumptions).
 
+An int8 / int4 expert with at most DIRECT_TOKENS tokens is not decoded: `_project_direct` multiplies its codes as
+stored against the input laid out once per call (int4: its even and odd columns, to meet a byte's low and high
+nibble), each group's scale applied once to the group's sum (after llama.cpp's ggml-cpu quantized dot products;
+docs/runtime.md, "int8 / int4 codes multiplied as stored").
+
 `experts_into` runs one layer's routed experts (or a layer's shared experts) for the pairs grouped per expert
 (`group_pairs`), adding `weight * expert(x)` to each token's output row in increasing expert order, as the
 reference engine does (colibri_sdk.reference).
@@ -61,13 +66,20 @@ _F16_SCALE = np.float32(2.0**112)  # float16 bits shifted into a float32's place
 
 @njit(**_JIT)
 def _f16_into(src, buf):
-    """buf[c] = float32(src[c]) for float16 bits src (n,) uint16, finite values (subnormals exact)."""
+    """buf[c] = float32(src[c]) for float16 bits src (n,) uint16, finite values (subnormals exact). Where src
+    holds a NaN or Inf, buf[0] is NaN: the product the values go into is then NaN, which makes the CPU engine
+    check the stored tensors and name the bad one (cpu_engine, "checked finite")."""
     bits = buf.view(np.uint32)
+    exponent = np.uint32(0x7C00)
+    finite = exponent  # min over the values of (exponent bits ^ all ones): 0 where one is NaN or Inf
     for c in range(src.shape[0]):
         h = np.uint32(src[c])
         bits[c] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
+        finite = min(finite, (h & exponent) ^ exponent)
     for c in range(src.shape[0]):
         buf[c] = buf[c] * _F16_SCALE
+    if finite == 0 and src.shape[0] > 0:
+        buf[0] = np.float32(np.nan)
 
 
 @njit(**_JIT)
@@ -151,6 +163,165 @@ def _project(store, codes, scales, scale_f16, zeros, has_zero, group, x, rows_of
             out[t, r] = acc
 
 
+# ---- int8 / int4 rows read as stored, for a few tokens (after llama.cpp's ggml-cpu dot products; docs/runtime.md)
+DIRECT_TOKENS = 2  # an expert with at most this many tokens multiplies its int8 / int4 codes as stored
+
+
+@njit(**_JIT)
+def _prepare_direct(store, src, rows_of_src, n, cols, size, xq, xsum):
+    """The n input rows src[rows_of_src[t]] laid out for `_dot_q8` / `_dot_q4`, once per projection and call.
+
+    xq (n, 2, half) float32: int8, xq[t, 0, :cols] = the row; int4, the row's even columns in xq[t, 0] and its odd
+    ones in xq[t, 1] (half = ceil(cols / 2); an odd row's last odd entry 0), so that byte j's low and high nibbles
+    meet xq[t, 0, j] and xq[t, 1, j] in one contiguous loop. xsum (n, groups) float32: the sum of each group's
+    columns of the row (int8: the zero point's term, applied once per group)."""
+    half = xq.shape[2]
+    groups = xsum.shape[1]
+    for t in range(n):
+        x = src[rows_of_src[t]]
+        even, odd = xq[t, 0], xq[t, 1]
+        if store == STORE_Q4:
+            for j in range(cols // 2):
+                even[j] = x[2 * j]
+                odd[j] = x[2 * j + 1]
+            if cols % 2:
+                even[half - 1] = x[cols - 1]
+                odd[half - 1] = np.float32(0.0)
+        else:
+            for c in range(cols):
+                even[c] = x[c]
+        for g in range(groups):
+            acc = np.float32(0.0)
+            for c in range(g * size, min(cols, (g + 1) * size)):
+                acc += x[c]
+            xsum[t, g] = acc
+
+
+@njit(**_JIT)
+def _span_q8(q, x, start, count):
+    """sum_j q[start + j] * x[start + j] for j < count, int8 codes q."""
+    acc = np.float32(0.0)
+    for j in range(count):
+        c = start + U(j)
+        acc += np.float32(q[c]) * x[c]
+    return acc
+
+
+@njit(**_JIT)
+def _span_q4(row, even, odd, start, count, zero):
+    """sum_j lo_c * even[c] + hi_c * odd[c], c = start + j for j < count: lo_c, hi_c the int4 codes of packed byte
+    row[c] (its nibbles 0..15 as stored, less 8), less the group's zero point `zero`, against the prepared
+    columns."""
+    acc = np.float32(0.0)
+    for j in range(count):
+        c = start + U(j)
+        # The nibbles in float32 arithmetic (exact for 0..255): numba types integer operations as int64, which
+        # vectorises to a quarter of the float32 lanes (measured 2x slower). t = byte - 128 = 16 hi + lo + 8.
+        t = np.float32(row[c]) - np.float32(128.0)
+        high = np.floor(t * np.float32(0.0625))
+        low = t - np.float32(16.0) * high - np.float32(8.0)
+        acc += (low - zero) * even[c] + (high - zero) * odd[c]
+    return acc
+
+
+
+@njit(**_JIT)
+def _dot_q8(q, s, z, has_zero, size, x, xsum):
+    """sum_c W[r, c] * x[c] for one int8 row r: per group g, s_g * (sum_c q_c x_c - z_g X_g), X_g = xsum[g]."""
+    total = np.float32(0.0)
+    cols = U(q.shape[0])
+    for g in range(s.shape[0]):
+        start = U(g) * size
+        acc = _span_q8(q, x, start, min(size, cols - start))
+        if has_zero:
+            acc -= np.float32(z[g]) * xsum[g]
+        total += s[g] * acc
+    return total
+
+
+@njit(**_JIT)
+def _dot_q4(row, s, z, has_zero, half, even, odd):
+    """sum_c W[r, c] * x[c] for one packed int4 row r (half = group size / 2 bytes a group): per group g,
+    s_g * sum_c (q_c - z_g) x_c, each code exact in float32 before its product (the zero point is not folded
+    into a group sum of x: with nibbles 0..15 that sum's cancellation exceeds the float32 tolerance of the
+    reference tests)."""
+    total = np.float32(0.0)
+    size = U(row.shape[0])
+    for g in range(s.shape[0]):
+        start = U(g) * half
+        zero = np.float32(z[g]) if has_zero else np.float32(0.0)
+        total += s[g] * _span_q4(row, even, odd, start, min(half, size - start), zero)
+    return total
+
+
+@njit(**_JIT)
+def _matrix_scales(scales, scale_f16, out):
+    """out (rows, groups) float32 = one matrix's group scales (rows, groups · scale bytes) as stored, in one pass
+    (float16 widened exactly)."""
+    rows, groups = out.shape
+    flat = out.reshape(rows * groups)
+    if scale_f16:
+        _f16_into(scales.view(np.uint16).reshape(rows * groups), flat)
+    else:
+        src = scales.view(np.float32).reshape(rows * groups)
+        for i in range(rows * groups):
+            flat[i] = src[i]
+
+
+@njit(inline="always", **_JIT)
+def _rows_q4(codes, s2, zeros, has_zero, half, xq3, xs2, n, out):
+    """out[t, r] = _dot_q4 of every row r and prepared input t < n (half: bytes a group)."""
+    for r in range(codes.shape[0]):
+        for t in range(n):
+            out[t, r] = _dot_q4(codes[r], s2[r], zeros[r], has_zero, half, xq3[t, 0], xq3[t, 1])
+
+
+@njit(inline="always", **_JIT)
+def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
+    """out[t, r] = _dot_q8 of every row r and prepared input t < n (size: columns a group)."""
+    for r in range(codes.shape[0]):
+        q = codes[r].view(np.int8)
+        for t in range(n):
+            out[t, r] = _dot_q8(q, s2[r], zeros[r], has_zero, size, xq3[t, 0], xs2[t])
+
+
+@njit(**_JIT)
+def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src, rows_of_src, n, out, xq, xsum,
+                    s32):
+    """out[t, r] = sum_c W[r, c] * src[rows_of_src[t], c] for t < n, every row r of an int8 / int4 matrix (rows,
+    row bytes): the codes multiplied as stored, each group's scale applied once; no decoded row.
+
+    xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch."""
+    rows, cols = codes.shape[0], src.shape[1]
+    size = cols if group == 0 else group
+    groups = (cols + size - 1) // size
+    half = (cols + 1) // 2 if store == STORE_Q4 else cols
+    xq3 = xq[: n * 2 * half].reshape((n, 2, half))
+    xs2 = xsum[: n * groups].reshape((n, groups))
+    s2 = s32[: rows * groups].reshape((rows, groups))
+    _prepare_direct(store, src, rows_of_src, n, cols, size, xq3, xs2)
+    _matrix_scales(scales, scale_f16, s2)
+    # The group size as a compile-time constant in each branch (inlined): a loop of a known trip count vectorises
+    # without a scalar remainder (measured 1.7x faster than the same loop of a run-time count).
+    if store == STORE_Q4:
+        if size == 128:
+            _rows_q4(codes, s2, zeros, has_zero, U(64), xq3, xs2, n, out)
+        elif size == 64:
+            _rows_q4(codes, s2, zeros, has_zero, U(32), xq3, xs2, n, out)
+        elif size == 32:
+            _rows_q4(codes, s2, zeros, has_zero, U(16), xq3, xs2, n, out)
+        else:
+            _rows_q4(codes, s2, zeros, has_zero, U(size // 2), xq3, xs2, n, out)
+    elif size == 128:
+        _rows_q8(codes, s2, zeros, has_zero, U(128), xq3, xs2, n, out)
+    elif size == 64:
+        _rows_q8(codes, s2, zeros, has_zero, U(64), xq3, xs2, n, out)
+    elif size == 32:
+        _rows_q8(codes, s2, zeros, has_zero, U(32), xq3, xs2, n, out)
+    else:
+        _rows_q8(codes, s2, zeros, has_zero, U(size), xq3, xs2, n, out)
+
+
 @njit(**_JIT)
 def _activate(gate, up, n, act, limit, alpha):
     """gate[:n] = SwiGLU (silu(gate) * up) or gpt-oss's clamped SwiGLU of gate[:n], up[:n] (colibri_sdk.reference)."""
@@ -195,7 +366,8 @@ def group_pairs(ids, num_experts, counts, order):
 @njit(**_JIT)
 def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16, has_zero, group,
                  gate_w, gate_s, gate_z, up_w, up_s, up_z, down_w, down_s, down_z,
-                 has_bias, gate_b, up_b, down_b, act, limit, alpha, out, tok, gate, up, buf_h, buf_i, sbuf_h, sbuf_i):
+                 has_bias, gate_b, up_b, down_b, act, limit, alpha, out, tok, gate, up, buf_h, buf_i, sbuf_h, sbuf_i,
+                 ident, y, xq, xsum, s32):
     """out[token] += w_pair * expert(x[token]) for the pairs of each expert in `chosen` (increasing), SwiGLU
     experts (gate/up (experts, intermediate, bytes), down (experts, hidden, bytes), as stored).
 
@@ -207,6 +379,8 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
         gate_b, up_b (experts, intermediate), down_b (experts, hidden): float32 biases where has_bias.
         tok (tokens,) int64, gate/up (tokens, intermediate), buf_h (hidden,), buf_i (intermediate,), sbuf_*:
             scratch.
+        ident (>= DIRECT_TOKENS,) int64 0, 1, 2, ...; y (>= DIRECT_TOKENS, hidden) float32; xq, xsum, s32: the
+            scratch of `_project_direct` (int8 / int4 experts with at most DIRECT_TOKENS tokens).
     """
     hidden = x.shape[1]
     for m in range(chosen.shape[0]):
@@ -217,14 +391,31 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
             continue
         for i in range(n):
             tok[i] = order[p0 + i] // top_k
-        _project(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok, n, gate, buf_h, sbuf_h)
-        _project(store, up_w[e], up_s[e], scale_f16, up_z[e], has_zero, group, x, tok, n, up, buf_h, sbuf_h)
+        direct = store >= STORE_Q8 and n <= DIRECT_TOKENS
+        if direct:
+            _project_direct(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok, n, gate, xq,
+                            xsum, s32)
+            _project_direct(store, up_w[e], up_s[e], scale_f16, up_z[e], has_zero, group, x, tok, n, up, xq, xsum,
+                            s32)
+        else:
+            _project(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok, n, gate, buf_h,
+                     sbuf_h)
+            _project(store, up_w[e], up_s[e], scale_f16, up_z[e], has_zero, group, x, tok, n, up, buf_h, sbuf_h)
         if has_bias:
             for i in range(n):
                 for c in range(gate.shape[1]):
                     gate[i, c] += gate_b[e, c]
                     up[i, c] += up_b[e, c]
         _activate(gate, up, n, act, limit, alpha)
+        if direct:
+            _project_direct(store, down_w[e], down_s[e], scale_f16, down_z[e], has_zero, group, gate, ident, n, y,
+                            xq, xsum, s32)
+            for i in range(n):
+                w, dst, src = pair_weights[order[p0 + i]], out[tok[i]], y[i]
+                for r in range(hidden):
+                    bias = down_b[e, r] if has_bias else np.float32(0.0)
+                    dst[r] += w * (src[r] + bias)
+            continue
         # Down projection fused with the weighted sum: row r of W_down gives column r of every pair's output.
         codes, scales, zeros = down_w[e], down_s[e], down_z[e]
         inter = gate.shape[1]

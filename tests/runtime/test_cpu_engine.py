@@ -141,3 +141,56 @@ def test_a_non_finite_stored_tensor_is_named(tmp_path, quant):
     with pytest.raises(FormatError, match=rf"m\.colibri: {name} \(layer 0, expert \d\) holds \d+ non-finite values "
                                           r"\(NaN or Inf\); allowed: finite values"):
         run_engine(path, x)
+
+
+@pytest.mark.parametrize("quant,group,zeros", [(1, 0, 0), (1, 32, 1), (2, 32, 0), (2, 64, 1), (2, 128, 0),
+                                               (2, 128, 1)],
+                         ids=["int8-row", "int8-g32-zp", "int4-g32", "int4-g64-zp", "int4-g128", "int4-g128-zp"])
+def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zeros):
+    """_project_direct (an int8 / int4 matrix's codes multiplied as stored, each group's scale once) against the
+    float64 product of the exact dequantization, at 1..DIRECT_TOKENS gathered tokens, odd column counts and a
+    partial last group."""
+    from colibri_sdk.format.quant import pack_int4
+
+    rng = np.random.default_rng(quant * 10 + group + zeros)
+    rows, cols, tokens = 37, 301, 9
+    t = quantize_rtn(rng.standard_normal((rows, cols)).astype(np.float32), quant, group, np.float16)
+    z = rng.integers(-3, 4, t.scales.shape).astype(np.int8) if zeros else np.zeros((rows, 1), np.int8)
+    codes = pack_int4(t.codes) if quant == 2 else t.codes.view(np.uint8)
+    stored = QuantizedTensor(codes if quant == 2 else t.codes, t.scales, z if zeros else None, cols, group, quant,
+                             packed=quant == 2)
+    w = stored.dequantize().astype(np.float64)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    store = cpu_kernels.STORE_Q4 if quant == 2 else cpu_kernels.STORE_Q8
+    scales = np.ascontiguousarray(t.scales).reshape(rows, -1).view(np.uint8)  # (rows, groups · 2) bytes
+    for n in range(1, cpu_kernels.DIRECT_TOKENS + 1):
+        pick = rng.choice(tokens, n, replace=False).astype(np.int64)
+        out = np.full((n, rows), np.nan, np.float32)
+        cpu_kernels._project_direct(store, codes, scales, True, z, bool(zeros), group, x, pick, n, out,
+                                    np.zeros(n * 2 * (cols + 1), np.float32), np.zeros(n * cols, np.float32),
+                                    np.zeros(rows * cols, np.float32))
+        want = x[pick].astype(np.float64) @ w.T
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("quant,dtype", [(0, 0), (0, 1), (1, 0), (2, 1)], ids=["fp32", "fp16", "int8", "int4"])
+def test_one_non_finite_stored_value_of_a_used_expert_is_named(tmp_path, quant, dtype, value):
+    """A single Inf or NaN in one expert's down projection (float) or its scales (int8 / int4), every other value
+    finite, at one token: a FormatError naming the tensor and the expert (the experts are checked when the layer's
+    output is not finite)."""
+    fields = dict(BASE, dtype=dtype, quant=quant, group_size=32 if quant == 2 else 0)
+    path = write_v2(tmp_path / "m.colibri", fields, np.random.default_rng(6))
+    name = "down_proj.scales" if quant else "down_proj"
+    with ColibriFile(path) as f:
+        block = f.header.block(name)
+        itemsize = 2 if (dtype == 1) else 4
+        per_expert = block.nbytes // (f.header.num_layers * BASE["num_experts"])
+    data = bytearray(path.read_bytes())
+    for expert in range(BASE["num_experts"]):  # one value of each expert of layer 0: the used ones are named
+        at = block.offset + expert * per_expert + 3 * itemsize
+        data[at:at + itemsize] = np.array([value], np.float16 if dtype == 1 else np.float32).tobytes()
+    path.write_bytes(bytes(data))
+    x = np.random.default_rng(7).standard_normal((1, BASE["hidden_size"])).astype(np.float32)
+    with pytest.raises(FormatError, match=rf"m\.colibri: {name} \(layer 0, expert \d\) holds 1 non-finite value "):
+        run_engine(path, x)
