@@ -688,6 +688,8 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
 
     const int n_first = n0 + warp * DOWN_ROWS_;  // the warp's rows: n_first .. n_first + DOWN_ROWS_ - 1
     const bool any_row = n_first < H_;
+    const int yj = lane / DOWN_ROWS_, yr = lane % DOWN_ROWS_;  // lane's (pair, row) of a one-pass expert
+    static_assert(PASS_ * DOWN_ROWS_ <= 32, "a one-pass expert's y values: one lane each");
 
 #if COLI_QUANT
     constexpr bool staged = QS_DOWN_;
@@ -712,6 +714,12 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             win[r] = row_window(down, (size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first), I_);
         // Chunk-major as in colibri_gate_up_gemv: each chunk of the warp's rows is loaded once for all passes; the
         // chunk's products are added into y per pair (experts in increasing index, chunks in order: a fixed order).
+        // An expert with at most PASS_ pairs (one pass per chunk: every expert at a few tokens) keeps its running y
+        // values in lanes instead: lane L = j * DOWN_ROWS_ + r holds y of pair j, row r (read with the first chunk,
+        // the chunks' terms added in the same order, written after the last), so the chunk loop has no one-lane
+        // shared-memory update (active lanes 1/32 per chunk before); more pairs update y per chunk as above.
+        const bool one_pass = count <= PASS_;  // uniform
+        float yv = 0.0f, yw = 0.0f;            // lane L's running y and routing weight
         uint4 next[DOWN_ROWS_][VPL_];
         first_chunk<DOWN_ROWS_>(win, any_row, next);
         for (int q = 0; q < NCHUNKS_(I_); ++q) {
@@ -746,13 +754,16 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                     const QRow* rows = nullptr;
 #endif
                     chunk_dot<DOWN_ROWS_, staged>(win, rows, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
+                    float mine = 0.0f;  // one pass: the sum of lane L's (pair, row)
 #pragma unroll
                     for (int j = 0; j < PASS_; ++j) {
                         if (j < cnt) {
 #pragma unroll
                             for (int r = 0; r < DOWN_ROWS_; ++r) {
                                 const float v = warp_sum(acc[r][j]);
-                                if (lane == 0 && n_first + r < H_) {
+                                if (one_pass) {
+                                    if (lane == j * DOWN_ROWS_ + r) mine = v;
+                                } else if (lane == 0 && n_first + r < H_) {
                                     // the down bias once per pair (with the first chunk): w * (v_0 + b) + w * v_1 ...
                                     const int p = pairs[j];
                                     y[p / K_][warp * DOWN_ROWS_ + r] +=
@@ -760,6 +771,14 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                                 }
                             }
                         }
+                    }
+                    if (one_pass && lane < cnt * DOWN_ROWS_ && n_first + yr < H_) {  // the same sums, in lanes
+                        if (q == 0) {
+                            yw = wts[yj];
+                            yv = y[pairs[yj] / K_][warp * DOWN_ROWS_ + yr];
+                        }
+                        yv += q == 0 ? down_epilogue(mine, yw, down_bias, e, n_first + yr) : yw * mine;
+                        if (q == NCHUNKS_(I_) - 1) y[pairs[yj] / K_][warp * DOWN_ROWS_ + yr] = yv;
                     }
                 }
             }
