@@ -167,3 +167,19 @@ def test_routing_reduction_is_conflict_free(tmp_path):
         sites = [s for s in kernel_counts(routing[0])["sites"] if s["kind"] != "global load" and s["ideal"]]
         worst = max(sites, key=lambda s: s["wavefronts"] / s["ideal"])
         assert worst["wavefronts"] <= 1.10 * worst["ideal"], (storage, worst)
+
+
+def test_down_gemv_hot_loops_use_every_lane(tmp_path):
+    """colibri_down_gemv at one token (one pass per expert) keeps the running output values in lanes: no hot site of
+    the chunk loop runs on one lane (the per-chunk y update by lane 0 had 1/32 active lanes)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from kernel_access import make_model
+    from kernel_model import emulate, kernel_counts, profile_for
+
+    path = make_model(tmp_path / "int8.colibri", hidden=512, inter=1024, experts=8, top_k=2, storage="int8")
+    records, _, _ = emulate(path, profile_for("orin", 1), 1)
+    down = [r for r in records if r["launch"]["symbol"] == "colibri_down_gemv"]
+    hot = [s for s in kernel_counts(down[0])["sites"] if s["hot"]]
+    assert hot and min(s["lanes"] for s in hot) >= 0.95, [s for s in hot if s["lanes"] < 0.95]
