@@ -53,6 +53,9 @@ from model_estimate import resident_blocks  # noqa: E402
 
 FULL = dict(hidden=4096, inter=14336, experts=8, top_k=2)  # Mixtral-8x7B, one layer
 SCALED = dict(hidden=512, inter=1536, experts=8, top_k=2)  # whole 512-column chunks in both reductions
+# int4 chunks are 1024 columns (32 lanes x 32 codes): its scaled shape keeps whole ones, so that every lane of the
+# hot loops has a vector as at the full shape (512 columns left half the lanes of gate/up idle)
+SCALED_INT4 = dict(hidden=1024, inter=1536, experts=8, top_k=2)
 QUICK = dict(hidden=512, inter=1024, experts=8, top_k=2)
 STORAGES = {"fp16": None, "int8": (QUANT_INT8, 0), "int4_g128": (QUANT_INT4, 128)}
 KIT_STORAGE = {"fp16": "fp16", "int8": "int8", "int4_g128": "int4-g128"}  # kernel_access.make_model names
@@ -301,7 +304,8 @@ def summary(cases: list[dict], dims: dict) -> dict:
         "note": "an ESTIMATE from the CPU emulation's access model (bench/kernel_model.py, docs/kernels.md), not a "
                 "measurement",
         "shape": {"full": FULL, "emulated": dims, "counts_scaled_by": FULL["hidden"] * FULL["inter"] /
-                  (dims["hidden"] * dims["inter"])},
+                  (dims["hidden"] * dims["inter"]),
+                  **({"emulated_int4": SCALED_INT4} if dims is SCALED else {})},
         "smem_wavefront_ratio_worst": hot["worst"]["ratio"], "smem_worst_site": hot["worst"]["site"],
         "active_lane_fraction_min": hot["lanes"]["fraction"], "active_lane_min_site": hot["lanes"]["site"],
         "active_lane_fraction_weighted": hot["lanes_weighted"],
@@ -334,7 +338,8 @@ def main(argv=None) -> int:
         for storage in args.storages:
             for t in args.tokens:
                 for device in devices:
-                    case = run_case(device, storage, t, dims, Path(tmp), not args.no_nvrtc)
+                    shape = SCALED_INT4 if storage.startswith("int4") and dims is SCALED else dims
+                    case = run_case(device, storage, t, shape, Path(tmp), not args.no_nvrtc)
                     cases.append(case)
                     if args.json_out is not None:  # after every case: a run cut short keeps what it measured
                         args.json_out.write_text(json.dumps(summary(cases, dims), indent=1) + "\n")

@@ -84,6 +84,14 @@ __device__ __forceinline__ float rw_to_float(rw_t v) { return wt_to_float(v); }
 #define VGROUPS_ (RT_ / VPASS_)
 #define VTOK_ (PART_ / (RVEC_ * RT_) < 1 ? 1 : PART_ / (RVEC_ * RT_) > TG_ ? TG_ : PART_ / (RVEC_ * RT_))
 #define VEC_ROUTER_ (sizeof(rw_t) == 4 && E_ % RVEC_ == 0 && RT_ <= 512)
+// Floats between the tokens of a round in part: RT_ (a multiple of 32 banks) plus the reduction's run per token mod
+// 32, so that the reduction's lane i (token i / run, column i % run) reads bank (i + a constant) mod 32 for every
+// row group: conflict-free (without the pad, the 32 / run tokens a warp spans fell on the same banks: 4-way at 8
+// experts). The vector path's run is VPASS_ * RVEC_ floats and its writes stay 16-byte aligned (the pad is a
+// multiple of 4).
+#define RQS_ (RT_ + EPASS_ % 32)
+#define VQS_ (RT_ * RVEC_ + VPASS_ * RVEC_ % 32)
+#define PART_N_ (RTOK_ * RQS_ > (VEC_ROUTER_ ? VTOK_ * VQS_ : 0) ? RTOK_ * RQS_ : VTOK_ * VQS_)
 #define EP_ (E_ + COLI_SHARED_GATE)  // columns of routing_partials: the experts, then the shared gate
 #define WARPS_ (RT_ / 32)
 
@@ -100,7 +108,7 @@ union RoutingShared {
     struct {
         float xs[TG_ * SR_];         // x[t, slice] of the group's tokens, 0 for padded tokens
         float gate[SR_];             // shared_expert_gate[slice]
-        float part[PART_];           // one round of the row groups' sums
+        float part[PART_N_];         // one round of the row groups' sums (RQS_, VQS_ floats per token)
     } logit;
     struct {
         float z[TG_ * E_];           // logits of the group's tokens
@@ -355,13 +363,13 @@ __device__ __forceinline__ void slice_logits(const rw_t* __restrict__ router, in
         for (int t1 = 0; t1 < TG_; t1 += RTOK_) {
 #pragma unroll
             for (int q = 0; q < RTOK_; ++q)
-                if (t1 + q < TG_) part[q * RT_ + tid] = acc[t1 + q];
+                if (t1 + q < TG_) part[q * RQS_ + tid] = acc[t1 + q];
             __syncthreads();
             for (int i = tid; i < RTOK_ * EPASS_; i += RT_) {
                 const int q = i / EPASS_, c = i % EPASS_, t = t1 + q;
                 if (t < TG_ && e0 + c < E_) {
                     float z = 0.0f;
-                    for (int gg = 0; gg < RGROUPS_; ++gg) z += part[q * RT_ + gg * EPASS_ + c];
+                    for (int gg = 0; gg < RGROUPS_; ++gg) z += part[q * RQS_ + gg * EPASS_ + c];
                     out[t * EP_ + e0 + c] = z;
                 }
             }
@@ -402,13 +410,13 @@ __device__ __forceinline__ void slice_logits_vec(const rw_t* __restrict__ router
             for (int q = 0; q < VTOK_; ++q)
                 if (t1 + q < TG_)
 #pragma unroll
-                    for (int k = 0; k < RVEC_; ++k) part[(q * RT_ + tid) * RVEC_ + k] = acc[t1 + q][k];
+                    for (int k = 0; k < RVEC_; ++k) part[q * VQS_ + tid * RVEC_ + k] = acc[t1 + q][k];
             __syncthreads();
             for (int i = tid; i < VTOK_ * VPASS_ * RVEC_; i += RT_) {
                 const int q = i / (VPASS_ * RVEC_), c = i % (VPASS_ * RVEC_) / RVEC_, k = i % RVEC_, t = t1 + q;
                 if (t < TG_ && v0 + c < VPR_) {
                     float z = 0.0f;
-                    for (int gg = 0; gg < VGROUPS_; ++gg) z += part[(q * RT_ + gg * VPASS_ + c) * RVEC_ + k];
+                    for (int gg = 0; gg < VGROUPS_; ++gg) z += part[q * VQS_ + (gg * VPASS_ + c) * RVEC_ + k];
                     out[t * EP_ + (v0 + c) * RVEC_ + k] = z;
                 }
             }

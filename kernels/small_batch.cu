@@ -52,10 +52,13 @@
 #define PASS_ (THREADS_ > 512 || COLI_QUANT == 2 ? 4 : 8)
 #define DOWN_ROWS_ (THREADS_ > 512 ? 1 : 2)
 #define TILE_ (WARPS_ * DOWN_ROWS_)
-// Blocks per SM the routed GEMV kernels are compiled for: 1, so ptxas may give a thread up to 255 registers (at 256
-// threads) — holding int8/int4 blocks to 128 registers (two blocks per SM) spilled for some sizes and storages
-// (int4 g32/g128 at hidden 64, intermediate 32), and the build refuses spills.
-#define QMINB_ 1
+// Blocks per SM the routed GEMV kernels are compiled for (__launch_bounds__ min blocks): int8/int4 512 / threads
+// (2 at 256 threads), so ptxas keeps a thread within 128 registers and two or more blocks share an SM: one block's
+// dequantization and FMAs run while another's loads are in flight, and twice the bytes are in flight per SM (the
+// latency limit of the time model, docs/kernels.md). q_fma_vec's rolled word loop is what makes 128 fit without
+// spills (checked for the Mixtral shape, the test shapes and odd sizes with and without zero points; 3 blocks of
+// 256, 80 registers, spilled). Above 512 threads and for float weights: 1 (float weights fit in 128 as they are).
+#define QMINB_ (COLI_QUANT && THREADS_ < 512 ? 512 / THREADS_ : 1)
 #define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");
@@ -469,40 +472,52 @@ __device__ __forceinline__ void q_fma_vec(const uint4 raw[NROWS][VPL_], int u, c
         zb[r] = q_zero<STAGED>(rows[r], gb);
     }
     constexpr int STEP = VEC4 ? 4 : 1;  // elements per shared read
+    constexpr int EPW = QEPV_ / 4;       // codes per 32-bit word (int4 8, int8 4)
+    // Word-major, the word loop kept rolled: the codes of one 32-bit word per row are live at a time, and ptxas
+    // cannot hoist the stage reads of later words ahead (which held the quantized GEMVs at 144-239 registers, one
+    // block per SM); the words move down each step (w.x <- w.y <- w.z <- w.w), so word wi is always in .x.
+    uint4 w[NROWS];
 #pragma unroll
-    for (int i0 = 0; i0 < QEPV_; i0 += STEP) {  // element-major: STEP weights per row live at a time
-        float f[NROWS][STEP];
+    for (int r = 0; r < NROWS; ++r) w[r] = raw[r][u];
+#pragma unroll 1
+    for (int wi = 0; wi < 4; ++wi) {
 #pragma unroll
-        for (int r = 0; r < NROWS; ++r) {
-            const unsigned w[4] = {raw[r][u].x, raw[r][u].y, raw[r][u].z, raw[r][u].w};
+        for (int e0 = 0; e0 < EPW; e0 += STEP) {  // element-major: STEP weights per row live at a time
+            const int i0 = wi * EPW + e0;
+            float f[NROWS][STEP];
 #pragma unroll
-            for (int t = 0; t < STEP; ++t) {
-                const int i = i0 + t;
+            for (int r = 0; r < NROWS; ++r) {
+#pragma unroll
+                for (int t = 0; t < STEP; ++t) {
+                    const int i = i0 + t;
 #if COLI_QUANT == 2
-                const int qv = (int)((w[i / 8] >> (4 * (i % 8))) & 15u) - 8;  // element i: nibble i of the 16 bytes
+                    const int qv = (int)((w[r].x >> (4 * (e0 + t))) & 15u) - 8;  // element i: nibble i of the 16 bytes
 #else
-                const int qv = (int)(signed char)((w[i / 4] >> (8 * (i % 4))) & 255u);
+                    const int qv = (int)(signed char)((w[r].x >> (8 * (e0 + t))) & 255u);
 #endif
-                // one rounding, as the reference
-                f[r][t] = i < split ? sa[r] * (float)(qv - za[r]) : sb[r] * (float)(qv - zb[r]);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < PASS_; ++j) {
-            if (j < cnt) {
-                float a[4];
-                if (VEC4) {
-                    const float4 v = stage4(stage, j, h + i0);
-                    a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
-                } else {
-                    a[0] = stage[j][SP_(h + i0)];
+                    // one rounding, as the reference
+                    f[r][t] = i < split ? sa[r] * (float)(qv - za[r]) : sb[r] * (float)(qv - zb[r]);
                 }
+            }
 #pragma unroll
-                for (int r = 0; r < NROWS; ++r)
+            for (int j = 0; j < PASS_; ++j) {
+                if (j < cnt) {
+                    float a[4];
+                    if (VEC4) {
+                        const float4 v = stage4(stage, j, h + i0);
+                        a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
+                    } else {
+                        a[0] = stage[j][SP_(h + i0)];
+                    }
 #pragma unroll
-                    for (int t = 0; t < STEP; ++t) acc[r][j] += f[r][t] * a[t];
+                    for (int r = 0; r < NROWS; ++r)
+#pragma unroll
+                        for (int t = 0; t < STEP; ++t) acc[r][j] += f[r][t] * a[t];
+                }
             }
         }
+#pragma unroll
+        for (int r = 0; r < NROWS; ++r) w[r] = make_uint4(w[r].y, w[r].z, w[r].w, 0u);
     }
 }
 
@@ -673,6 +688,8 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
 
     const int n_first = n0 + warp * DOWN_ROWS_;  // the warp's rows: n_first .. n_first + DOWN_ROWS_ - 1
     const bool any_row = n_first < H_;
+    const int yj = lane / DOWN_ROWS_, yr = lane % DOWN_ROWS_;  // lane's (pair, row) of a one-pass expert
+    static_assert(PASS_ * DOWN_ROWS_ <= 32, "a one-pass expert's y values: one lane each");
 
 #if COLI_QUANT
     constexpr bool staged = QS_DOWN_;
@@ -697,6 +714,12 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
             win[r] = row_window(down, (size_t)e * H_ + (n_first + r < H_ ? n_first + r : n_first), I_);
         // Chunk-major as in colibri_gate_up_gemv: each chunk of the warp's rows is loaded once for all passes; the
         // chunk's products are added into y per pair (experts in increasing index, chunks in order: a fixed order).
+        // An expert with at most PASS_ pairs (one pass per chunk: every expert at a few tokens) keeps its running y
+        // values in lanes instead: lane L = j * DOWN_ROWS_ + r holds y of pair j, row r (read with the first chunk,
+        // the chunks' terms added in the same order, written after the last), so the chunk loop has no one-lane
+        // shared-memory update (active lanes 1/32 per chunk before); more pairs update y per chunk as above.
+        const bool one_pass = count <= PASS_;  // uniform
+        float yv = 0.0f, yw = 0.0f;            // lane L's running y and routing weight
         uint4 next[DOWN_ROWS_][VPL_];
         first_chunk<DOWN_ROWS_>(win, any_row, next);
         for (int q = 0; q < NCHUNKS_(I_); ++q) {
@@ -731,13 +754,16 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                     const QRow* rows = nullptr;
 #endif
                     chunk_dot<DOWN_ROWS_, staged>(win, rows, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
+                    float mine = 0.0f;  // one pass: the sum of lane L's (pair, row)
 #pragma unroll
                     for (int j = 0; j < PASS_; ++j) {
                         if (j < cnt) {
 #pragma unroll
                             for (int r = 0; r < DOWN_ROWS_; ++r) {
                                 const float v = warp_sum(acc[r][j]);
-                                if (lane == 0 && n_first + r < H_) {
+                                if (one_pass) {
+                                    if (lane == j * DOWN_ROWS_ + r) mine = v;
+                                } else if (lane == 0 && n_first + r < H_) {
                                     // the down bias once per pair (with the first chunk): w * (v_0 + b) + w * v_1 ...
                                     const int p = pairs[j];
                                     y[p / K_][warp * DOWN_ROWS_ + r] +=
@@ -745,6 +771,14 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                                 }
                             }
                         }
+                    }
+                    if (one_pass && lane < cnt * DOWN_ROWS_ && n_first + yr < H_) {  // the same sums, in lanes
+                        if (q == 0) {
+                            yw = wts[yj];
+                            yv = y[pairs[yj] / K_][warp * DOWN_ROWS_ + yr];
+                        }
+                        yv += q == 0 ? down_epilogue(mine, yw, down_bias, e, n_first + yr) : yw * mine;
+                        if (q == NCHUNKS_(I_) - 1) y[pairs[yj] / K_][warp * DOWN_ROWS_ + yr] = yv;
                     }
                 }
             }

@@ -147,3 +147,39 @@ def test_time_estimate_limits_by_hand():
     e = estimate(dev, 1e6, 1e6, 0, blocks=10, resident=1, flight_warp=4096, warps=8)
     assert (e["bound"], e["time_us"]) == ("latency", pytest.approx(rounds * (1.0 + 100.0 / rounds)))
     assert e["t_shared_us"] == pytest.approx(100.0)
+
+
+def test_routing_reduction_is_conflict_free(tmp_path):
+    """colibri_routing's reduction of the row groups' sums (kernels/routing.cu, part[] padded per token) reads each
+    warp's lanes from 32 different banks at the shipped Orin profile (128 threads, 8 experts, fp32 router: the
+    vector path; fp16 router: the scalar path): every shared-memory site within 1.10x the ideal wavefronts (4.0x
+    before the pad)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from kernel_access import make_model
+    from kernel_model import emulate, kernel_counts, profile_for
+
+    for storage in ("int8", "fp16"):
+        path = make_model(tmp_path / f"{storage}.colibri", hidden=512, inter=512, experts=8, top_k=2, storage=storage)
+        records, _, _ = emulate(path, profile_for("orin", 16), 16)
+        routing = [r for r in records if r["launch"]["symbol"] == "colibri_routing"]
+        sites = [s for s in kernel_counts(routing[0])["sites"] if s["kind"] != "global load" and s["ideal"]]
+        worst = max(sites, key=lambda s: s["wavefronts"] / s["ideal"])
+        assert worst["wavefronts"] <= 1.10 * worst["ideal"], (storage, worst)
+
+
+def test_down_gemv_hot_loops_use_every_lane(tmp_path):
+    """colibri_down_gemv at one token (one pass per expert) keeps the running output values in lanes: no hot site of
+    the chunk loop runs on one lane (the per-chunk y update by lane 0 had 1/32 active lanes)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from kernel_access import make_model
+    from kernel_model import emulate, kernel_counts, profile_for
+
+    path = make_model(tmp_path / "int8.colibri", hidden=512, inter=1024, experts=8, top_k=2, storage="int8")
+    records, _, _ = emulate(path, profile_for("orin", 1), 1)
+    down = [r for r in records if r["launch"]["symbol"] == "colibri_down_gemv"]
+    hot = [s for s in kernel_counts(down[0])["sites"] if s["hot"]]
+    assert hot and min(s["lanes"] for s in hot) >= 0.95, [s for s in hot if s["lanes"] < 0.95]
