@@ -49,13 +49,14 @@ sys.exit(sys.modules["colibri_agent.main"].main(sys.argv[1:]))
 def agent_source() -> str:
     """The program sent as `python3 -c PROGRAM OP ROOT ARG...`: the agent package's modules (agent/, standard
     library only), installed as the package `colibri_agent` in dependency order, then `main.main(argv)`. It
-    travels zlib-compressed (base64), about a third of its size, since every remote command carries it."""
+    travels zlib-compressed (base64), about a third of its size, since every remote command carries it; the
+    device decodes it with binascii, not the base64 module, which would import `re` and more into each start."""
     from .agent.main import MODULES
 
     folder = Path(__file__).with_name("agent")
     sources = tuple((name, (folder / f"{name}.py").read_text(encoding="utf-8")) for name in MODULES)
     packed = base64.b64encode(zlib.compress((BOOTSTRAP % (sources,)).encode("utf-8"), 9)).decode("ascii")
-    return f"import base64, zlib; exec(zlib.decompress(base64.b64decode({packed!r})))"
+    return f"import binascii, zlib; exec(zlib.decompress(binascii.a2b_base64({packed!r})))"
 
 
 class RemoteAgent:
