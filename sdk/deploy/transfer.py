@@ -204,7 +204,9 @@ class Uploader:
                         raise DeployError(f"{label}: upload of {upload.file.path!r} stopped (another stream failed, "
                                           f"or the deploy was interrupted); the active bundle was not changed")
                     try:
-                        channel.sendall(block)
+                        # A memoryview: paramiko's sendall slices off what each 32 KiB packet took, and the slice
+                        # of a bytes block copies the rest of it (a 1 MiB block was copied 16 times over).
+                        channel.sendall(memoryview(block))
                     except TimeoutError:
                         raise RemoteTimeoutError(f"{label}: upload of {upload.file.path!r} stalled for "
                                                  f"{self.agent.conn.target.command_timeout:g} s: "
