@@ -15,8 +15,8 @@
              bundle is current again (activation.py)
 
 Before any of this the local bundle is opened with the runtime's own loader (local_bundle.py: all its checks but
-the files' sha256, which are computed once, from the reads that send them, and checked before step 3): a bundle
-it refuses is never sent. Killing the deploy at any moment before step 5 leaves `current` and the bundle it names
+the files' sha256, which the device computes from what it receives; a file it found different is hashed here, and
+one changed here stops the deploy before step 3): a bundle it refuses is never sent. Killing the deploy at any moment before step 5 leaves `current` and the bundle it names
 untouched; Ctrl-C in the caller's thread (`Checkpoint.stop`) stops it before the switch.
 """
 
@@ -180,7 +180,8 @@ def deploy(bundle_path, target: Target, options: DeployOptions = DeployOptions()
 
     Raises:
         BundleError: the runtime's loader refuses the local bundle (checked before connecting), or a file's
-            sha256 differs from the manifest (computed from the reads that send it; before anything is staged).
+            sha256 differs from the manifest (hashed here when the device found it different, or when the device
+            already holds it; before anything is staged).
         DeployError subclasses (errors.py): connection, host key, authentication, disk full, permission,
             checksum mismatch, remote timeout, failed self-test (the active bundle is unchanged in these cases);
             HealthCheckError after the switch (the previous bundle is active again).

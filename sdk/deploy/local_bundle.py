@@ -4,10 +4,10 @@ then its files with sizes and sha256, and an id derived from the manifest's own 
 `LocalBundle.open(path)` is `Bundle.open(path, verify=True)`: schema, canonical manifest, digest, no unlisted or
 symlinked file, every file's size and sha256, the weights' header and values. `deploy` opens it with
 `hash_files=False`: the same checks but the files' sha256 and the weights' NaN/Inf scan, which would be a pass
-over every byte before the upload reads them all again. The deploy hashes each file once instead, from the same
-reads that send it (transfer.HashingReader), and the files the device already holds in a thread beside the upload;
-a file whose sha256 differs from the manifest stops the deploy before anything is staged or switched
-(`check_digest`). The device hashes every byte it receives as well.
+over every byte before the upload reads them all again. The device hashes every byte it receives and keeps a file
+only under the manifest's sha256; a file it found different is hashed here then (transfer.py), and the files the
+device already holds in a thread beside the upload: one whose sha256 differs from the manifest stops the deploy
+before anything is staged or switched (`check_digest`).
 """
 
 from __future__ import annotations

@@ -31,31 +31,45 @@ DISK_FULL = {"ENOSPC", "EDQUOT"}
 PERMISSION = {"EACCES", "EPERM", "EROFS"}
 
 
-BOOTSTRAP = """import sys, types
-SOURCES = %r
-package = types.ModuleType("colibri_agent")
-package.__path__ = []
-sys.modules["colibri_agent"] = package
-for name, source in SOURCES:
-    module = types.ModuleType("colibri_agent." + name)
-    module.__package__ = "colibri_agent"
-    sys.modules[module.__name__] = module
-    exec(compile(source, "colibri_agent/" + name + ".py", "exec"), module.__dict__)
-sys.exit(sys.modules["colibri_agent.main"].main(sys.argv[1:]))
+BOOTSTRAP = """import sys
+from importlib.machinery import ModuleSpec
+SOURCES = dict(%r)
+class AgentModules:
+    # Finds and loads the package colibri_agent from SOURCES; a module is compiled when it is first imported.
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        package, _, short = name.partition(".")
+        if package == "colibri_agent" and (not short or short in SOURCES):
+            return ModuleSpec(name, AgentModules, origin="colibri_agent/%%s.py" %% (short or "__init__"),
+                              is_package=not short)
+        return None
+    @staticmethod
+    def create_module(spec):
+        return None
+    @staticmethod
+    def exec_module(module):
+        short = module.__name__.partition(".")[2]
+        if short:
+            exec(compile(SOURCES[short], "colibri_agent/" + short + ".py", "exec"), module.__dict__)
+sys.meta_path.insert(0, AgentModules)
+import colibri_agent.main
+sys.exit(colibri_agent.main.main(sys.argv[1:]))
 """
 
 
 @lru_cache(maxsize=1)
 def agent_source() -> str:
     """The program sent as `python3 -c PROGRAM OP ROOT ARG...`: the agent package's modules (agent/, standard
-    library only), installed as the package `colibri_agent` in dependency order, then `main.main(argv)`. It
-    travels zlib-compressed (base64), about a third of its size, since every remote command carries it."""
+    library only), made importable as the package `colibri_agent` (each compiled when first imported: an
+    operation pays only for the modules it uses), then `main.main(argv)`. It
+    travels zlib-compressed (base64), about a third of its size, since every remote command carries it; the
+    device decodes it with binascii, not the base64 module, which would import `re` and more into each start."""
     from .agent.main import MODULES
 
     folder = Path(__file__).with_name("agent")
     sources = tuple((name, (folder / f"{name}.py").read_text(encoding="utf-8")) for name in MODULES)
     packed = base64.b64encode(zlib.compress((BOOTSTRAP % (sources,)).encode("utf-8"), 9)).decode("ascii")
-    return f"import base64, zlib; exec(zlib.decompress(base64.b64decode({packed!r})))"
+    return f"import binascii, zlib; exec(zlib.decompress(binascii.a2b_base64({packed!r})))"
 
 
 class RemoteAgent:

@@ -7,11 +7,13 @@ once on the one SSH connection); small ones (< 4 MB) share one channel back to b
 kernels costs one remote command, not one per file. A plain byte stream (no SFTP request/acknowledge round
 trips) is what lets paramiko keep up with `scp` (see bench/deploy_bench.py).
 
-Each object is hashed here from the very reads that send it (`HashingReader`: a thread reads and hashes ahead of
-the sender, so the hash costs no pass of its own; a resumed object's first OFFSET bytes are read and hashed
-first). A local sha256 that differs from the manifest is a bundle changed on this machine (BundleError). On a
-device-side mismatch with a matching local hash the object is sent once more from byte 0, and a second
-mismatch raises ChecksumMismatchError.
+Every byte is hashed on the device: it keeps an object only when the sha256 of what it stored is the name the
+manifest gives it. The bytes read here to be sent are not hashed as well (on a 2-core machine that pass took CPU
+from the cipher: bench/deploy_bench.py); a thread reads each file ahead of the sender (`HashingReader`). Only
+when the device reports a mismatch is the local file hashed (`rehash`): one that differs from the manifest is a
+bundle changed on this machine (BundleError, nothing sent again); one that matches was damaged on the way and is
+sent once more from byte 0, hashed from the reads that send it this time, and a second mismatch raises
+ChecksumMismatchError.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from .errors import ChecksumMismatchError, DeployError, RemoteCommandError, RemoteTimeoutError
-from .local_bundle import BundleFile, check_digest
+from .local_bundle import BundleFile, check_digest, rehash
 from .remote import RemoteAgent
 
 CHUNK_BYTES = 1 << 20
@@ -63,33 +65,34 @@ def read_chunks(path, offset: int, chunk: int = CHUNK_BYTES):
 
 
 class HashingReader:
-    """The blocks of `path` from `offset` to the end, read and hashed by a thread up to READ_AHEAD blocks ahead of
-    the consumer (hashlib and file reads release the GIL, so hashing overlaps the sending); `digest` is the
-    sha256 of the whole file, bytes before `offset` included, once every block was taken. `close()` stops the
-    thread early."""
+    """The blocks of `path` from `offset` to the end, read by a thread up to READ_AHEAD blocks ahead of the consumer
+    (file reads release the GIL, so reading overlaps the sending). With `hashing`, `digest` is the sha256 of the
+    whole file, bytes before `offset` included, once every block was taken (else it stays None). `close()` stops
+    the thread early."""
 
     _END = object()
 
-    def __init__(self, path, offset: int, chunk: int = CHUNK_BYTES):
+    def __init__(self, path, offset: int, chunk: int = CHUNK_BYTES, hashing: bool = True):
         self.path, self.offset, self.chunk = path, offset, chunk
         self.digest = None
         self.blocks = queue.Queue(READ_AHEAD)
         self.closed = threading.Event()
-        self.thread = threading.Thread(target=self._read, name="read-hash", daemon=True)
+        self.thread = threading.Thread(target=self._read, args=(hashing,), name="read-hash", daemon=True)
         self.thread.start()
 
-    def _read(self) -> None:
-        h = hashlib.sha256()
+    def _read(self, hashing: bool) -> None:
+        h = hashlib.sha256() if hashing else None
         try:
-            at = 0
-            for block in read_chunks(self.path, 0, self.chunk):
-                h.update(block)
+            at = 0 if hashing else self.offset  # a hash needs the bytes before `offset` too
+            for block in read_chunks(self.path, at, self.chunk):
+                if h is not None:
+                    h.update(block)
                 if at + len(block) > self.offset:
                     self._put(block[max(0, self.offset - at):])
                 at += len(block)
                 if self.closed.is_set():
                     return
-            self.digest = h.hexdigest()
+            self.digest = h.hexdigest() if h is not None else None
             self._put(self._END)
         except BaseException as exc:  # handed to the consumer: it raises it
             self._put(exc)
@@ -168,17 +171,16 @@ class Uploader:
         if self.stop.is_set():
             return
         report.resumed += [u.file.path for u in batch if u.offset]
-        digests = {}
-        answers = self._stream(batch, report, digests)
+        answers = self._stream(batch, report)
         for upload in batch:
             answer = answers.get(upload.file.sha256, {})
             file = upload.file
-            if file.sha256 in digests:  # read to the end (not when the device stopped the stream early)
-                check_digest(file, digests[file.sha256])
             if answer.get("status") == "mismatch":
+                check_digest(file, rehash(file))  # changed here: a BundleError, nothing sent again
                 report.retried.append(file.path)
+                digests = {}
                 answer = self._stream([Upload(file, 0)], report, digests).get(file.sha256, {})
-                check_digest(file, digests.get(file.sha256, file.sha256))
+                check_digest(file, digests.get(file.sha256, file.sha256))  # changed while it was sent again
                 if answer.get("status") == "mismatch":
                     raise ChecksumMismatchError(
                         f"{self.agent.label}: {file.path!r} arrived corrupted twice: the device computed sha256 "
@@ -188,21 +190,23 @@ class Uploader:
                                          f"received {answer.get('size', 0)} of {file.size} bytes")
             report.sent.append(file.path)
 
-    def _stream(self, batch: list, report: UploadReport, digests: dict) -> dict:
-        """Send `batch` back to back on one channel; returns the agent's {sha256: answer}, and puts the local
-        sha256 of each object read to its end into `digests`."""
+    def _stream(self, batch: list, report: UploadReport, digests: dict | None = None) -> dict:
+        """Send `batch` back to back on one channel; returns the agent's {sha256: answer}. With `digests`, the
+        local sha256 of each object read to its end is put there (computed from the reads that send it)."""
         label = self.agent.label
         channel = self.agent.open_receive([(u.file.sha256, u.file.size, u.offset) for u in batch])
         reader = None
         try:
             for upload in batch:
-                reader = HashingReader(upload.file.local, upload.offset)
+                reader = HashingReader(upload.file.local, upload.offset, hashing=digests is not None)
                 for block in reader:
                     if self.stop.is_set():
                         raise DeployError(f"{label}: upload of {upload.file.path!r} stopped (another stream failed, "
                                           f"or the deploy was interrupted); the active bundle was not changed")
                     try:
-                        channel.sendall(block)
+                        # A memoryview: paramiko's sendall slices off what each 32 KiB packet took, and the slice
+                        # of a bytes block copies the rest of it (a 1 MiB block was copied 16 times over).
+                        channel.sendall(memoryview(block))
                     except TimeoutError:
                         raise RemoteTimeoutError(f"{label}: upload of {upload.file.path!r} stalled for "
                                                  f"{self.agent.conn.target.command_timeout:g} s: "
@@ -212,7 +216,8 @@ class Uploader:
                     report.add_bytes(len(block))
                     if self.progress is not None:
                         self.progress(len(block))
-                digests[upload.file.sha256] = reader.digest
+                if digests is not None:
+                    digests[upload.file.sha256] = reader.digest
             return self._finish(channel, batch)
         finally:
             if reader is not None:

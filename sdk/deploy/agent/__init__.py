@@ -1,7 +1,8 @@
 """Device side of `colibri-sdk deploy`: the store logic that runs ON the device (standard library only).
 
 The deploying machine sends these modules' sources in one `python3 -c BOOTSTRAP OP ROOT ARG...` command
-(`colibri_sdk.deploy.remote.agent_source`), which installs them as the package `colibri_agent` and calls
+(`colibri_sdk.deploy.remote.agent_source`), which makes them importable as the package `colibri_agent` (a
+module is compiled when first imported, so an operation's start pays only for the modules it uses) and calls
 `main.main`. Every argument is quoted by `shlex.quote`; paths travel as argv entries and are never seen by a
 shell. Python 3.8 compatible (JetPack 5 ships 3.8, JetPack 6 ships 3.10): nothing needs installing on the device.
 

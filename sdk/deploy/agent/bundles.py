@@ -5,14 +5,22 @@ and pruning.
 in FRESH (comma-separated, hashed by `receive` this session); a corrupt object is deleted and reported, nothing is
 switched; otherwise, with KEEP >= 0, `switch` follows at once (`pointers.op_stage`, the operation that stages and
 then switches); KEEP -1 stages only.
+
+shutil is imported where a folder is removed (`remove_tree`): every remote command starts a Python with all the
+agent's modules, and the operations that remove nothing should not pay for it.
 """
 
 import hashlib
 import json
 import os
-import shutil
 
 from .common import AgentError, check_id, check_rel, check_sha, fsync_dir, hash_file, remove_quietly
+
+
+def remove_tree(path, ignore_errors=False):
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def parse_items(items):
@@ -42,7 +50,7 @@ def stage(root, bundle_id, pairs, fresh):
     final = os.path.join(bundles, bundle_id)
     for name in os.listdir(bundles):
         if name.startswith((".staging-", ".trash-")):
-            shutil.rmtree(os.path.join(bundles, name), ignore_errors=True)
+            remove_tree(os.path.join(bundles, name), ignore_errors=True)
     if os.path.isdir(final):
         bad = verify_tree(final, pairs, skip=())
         if not bad:
@@ -66,7 +74,7 @@ def stage(root, bundle_id, pairs, fresh):
     if corrupt:
         for sha in corrupt:
             remove_quietly(os.path.join(root, "store", sha))
-        shutil.rmtree(staging)
+        remove_tree(staging)
         return {"path": final, "reused": False, "corrupt": corrupt}
     os.rename(staging, final)
     fsync_dir(bundles)
@@ -117,6 +125,6 @@ def prune_bundles(root, keep, protected):
     removed = []
     others = [name for name, _ in list_bundles(root) if name not in protected]
     for name in others[keep:]:
-        shutil.rmtree(os.path.join(root, "bundles", name))
+        remove_tree(os.path.join(root, "bundles", name))
         removed.append(name)
     return removed

@@ -5,14 +5,14 @@
 shipped), runs `pip install --no-index --find-links ROOT/wheels REQ` in it (the device never reaches an index),
 checks that `python -m colibri_sdk --version` runs there, and records the venv in ROOT/runtime.json, which `plan`
 returns so that `--verify` and the health check use it.
+
+platform, subprocess and sysconfig are imported by the two operations that use them: every remote command starts a
+Python with all the agent's modules, and `plan` (which reads the record) should not pay for them.
 """
 
 import json
 import os
-import platform
-import subprocess
 import sys
-import sysconfig
 import time
 
 from .common import AgentError, Lock, check_rel, check_sha, emit, make_dirs, write_atomic
@@ -32,6 +32,9 @@ def read_record(root):
 
 def op_probe(root):
     """The device's machine, Python, ABI and C library, and the environment markers of PEP 508."""
+    import platform
+    import sysconfig
+
     libc, libc_version = platform.libc_ver()
     impl = sys.implementation
     version = "%d.%d.%d" % impl.version[:3]
@@ -65,6 +68,8 @@ def op_probe(root):
 
 def run(argv, what, timeout=1800):
     """Run `argv`; its output, or AgentError with its ERROR lines (pip's) or its last line."""
+    import subprocess
+
     try:
         proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -77,6 +82,8 @@ def run(argv, what, timeout=1800):
 
 
 def op_install(root, venv, requirement, *items):
+    import subprocess
+
     make_dirs(root)
     venv = os.path.abspath(os.path.expanduser(venv))
     wheels = os.path.join(root, "wheels")
