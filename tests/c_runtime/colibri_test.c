@@ -1,5 +1,5 @@
 /* colibri_test.c: the C tests of libcolibri, one subcommand per case (tests/c_runtime/test_c_runtime.py runs them on
- * the fake driver, tests/fakecuda/fake_cuda.cpp, built with AddressSanitizer).
+ * the fake driver, tests/fakecuda/driver/, built with AddressSanitizer).
  *
  *   colibri_test run BUNDLE [eager] [noverify] [lengths] [calls=N]   self-test vectors end to end (N calls, default
  *                                                      5); prints one JSON line

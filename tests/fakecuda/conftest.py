@@ -1,4 +1,4 @@
-"""Fixtures for the CUDA backend against a fake CUDA driver on the CPU (fake_cuda.cpp, docs/runtime-cuda.md).
+"""Fixtures for the CUDA backend against a fake CUDA driver on the CPU (driver/*.cpp, docs/runtime-cuda.md).
 
 The fake libcuda.so.1 is built with g++ into a temp folder once per session. Every test runs its Python code in a
 SUBPROCESS whose LD_LIBRARY_PATH starts with that folder, so cuda-bindings (through cuda.pathfinder's system search)
@@ -21,7 +21,7 @@ import pytest
 from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fakecuda_support import HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun  # noqa: E402,F401
+from fakecuda_support import DRIVER_SOURCES, HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun  # noqa: E402,F401
 
 CXX = shutil.which("g++")
 
@@ -39,7 +39,7 @@ def fake_driver(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fakecuda")
     lib = out / "libcuda.so.1"
     cmd = [CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Werror", str(HERE / "fake_cuda.cpp"), "-o", str(lib), "-ldl", "-pthread"]
+           "-Wno-unused-parameter", "-Werror", *map(str, DRIVER_SOURCES), "-o", str(lib), "-ldl", "-pthread"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert done.returncode == 0, f"g++ failed:\n{done.stderr}"
     return out

@@ -10,6 +10,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 TESTS = HERE.parent
 ROOT = TESTS.parent
+# The fake driver's sources (driver/fake_cuda.h describes it): compiled together into one libcuda.so.1.
+DRIVER_SOURCES = sorted((HERE / "driver").glob("*.cpp"))
 # The bundle of most tests: the Orin profile (sm_87, min_driver 12.2) at 4 tokens, a 2-layer model small enough that
 # one emulated forward pass takes well under a second.
 TOKENS, HIDDEN, INTER = 4, 64, 32
