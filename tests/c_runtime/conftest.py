@@ -1,7 +1,7 @@
 """Fixtures for the C runtime tests (libcolibri, docs/c_runtime.md) on the fake CUDA driver.
 
 `scripts/c_runtime.sh build DIR` builds the library with AddressSanitizer + UBSan, the fake libcuda.so.1
-(tests/fakecuda/driver/) and the C test program `colibri_test` (tests/c_runtime/colibri_test.c). When
+(tests/fakecuda/driver/) and the C test program `colibri_test` (tests/c_runtime/colibri_test/). When
 COLIBRI_C_BUILD names a folder already built that way (what `scripts/c_runtime.sh test` does), it is used as is.
 Every C program runs in a subprocess whose LD_LIBRARY_PATH starts with that folder, so libcolibri's dlopen finds the
 fake driver; the fake runs the kernels through the CPU emulation of tests/kernels/emulator.py.
@@ -48,7 +48,7 @@ if not Path("/usr/include/openssl/evp.h").exists() and not os.environ.get("COLIB
 
 
 # What `scripts/c_runtime.sh build` reads: the key of the shared build below.
-C_SOURCES = ("scripts/c_runtime.sh", "sdk/libcolibri", "tests/fakecuda/driver", "tests/c_runtime/colibri_test.c",
+C_SOURCES = ("scripts/c_runtime.sh", "sdk/libcolibri", "tests/fakecuda/driver", "tests/c_runtime/colibri_test",
              "examples/jetson_qc/c/qc_loop.c", "bench/c_runtime_bench.c", "bench/noop_kernels.cpp")
 C_CACHE = Path(tempfile.gettempdir()) / "colibri-c-runtime"
 
