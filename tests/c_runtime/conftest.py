@@ -27,6 +27,7 @@ from c_runtime_support import SHIPPED, build_bundle_for, manifest  # noqa: E402,
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakecuda"))
 # One run of colibri_test: exit code, output, the JSON of its last stdout line, the fake driver's call log.
 from fakecuda_support import FakeRun as CRun  # noqa: E402
+from fakecuda_support import fake_env  # noqa: E402
 
 HERE = Path(__file__).parent
 TESTS = HERE.parent
@@ -137,15 +138,10 @@ def run_c(c_build, emu_libs, tmp_path):
         count[0] += 1
         timeout = guard(900) if timeout is None else timeout
         log = tmp_path / f"calls{count[0]}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(c_build), env.get("LD_LIBRARY_PATH")) if p)
-        env["COLIBRI_FAKE_CUDA_LOG"] = str(log)
-        env["COLIBRI_FAKE_CUDA_KERNELS"] = str(emu_libs[kernels] if kernels in emu_libs else kernels)
+        env = fake_env(c_build, log, emu_libs[kernels] if kernels in emu_libs else kernels, settings)
         env["ASAN_OPTIONS"] = "detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=0"
         env["LSAN_OPTIONS"] = f"suppressions={HERE / 'lsan.supp'}:print_suppressions=0"
         env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
-        for key, value in settings.items():
-            env[f"COLIBRI_FAKE_CUDA_{key.upper()}"] = str(value)
         program = program or ("colibri_test" if asan else "colibri_test_plain")
         cmd = [str(c_build / program), *[str(a) for a in args]]
         done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, cwd=str(tmp_path), check=False,

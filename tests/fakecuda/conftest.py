@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,8 @@ import pytest
 from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fakecuda_support import DRIVER_SOURCES, HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun  # noqa: E402,F401
+from fakecuda_support import (  # noqa: E402,F401
+    DRIVER_SOURCES, HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun, fake_env)
 
 CXX = shutil.which("g++")
 
@@ -89,12 +89,7 @@ def run_fake(fake_driver, kernels_lib, tmp_path):
         count[0] += 1
         timeout = guard(600) if timeout is None else timeout
         log = tmp_path / f"calls{count[0]}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(fake_driver), env.get("LD_LIBRARY_PATH")) if p)
-        env["COLIBRI_FAKE_CUDA_LOG"] = str(log)
-        env["COLIBRI_FAKE_CUDA_KERNELS"] = str(kernels_lib)
-        for key, value in settings.items():
-            env[f"COLIBRI_FAKE_CUDA_{key.upper()}"] = str(value)
+        env = fake_env(fake_driver, log, kernels_lib, settings)
         cmd = args or [sys.executable, "-c", PRELUDE + textwrap.dedent(code)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(tmp_path),
                               check=False)

@@ -130,6 +130,18 @@ CUresult submit(Node n, void* stream, const char* call) {
     return run_node(n);
 }
 
+namespace {
+// A synchronous copy or memset runs now (refused while a stream captures); an asynchronous one goes to `stream`.
+CUresult run_or_submit(Node node, void* stream, const char* call, bool async) {
+    if (!async) {
+        if (any_capture())
+            if (CUresult r = refuse_during_capture(call)) return r;
+        return run_node(node);
+    }
+    return submit(std::move(node), stream, call);
+}
+}  // namespace
+
 CUresult copy_node(const char* call, uintptr_t dst, uintptr_t src, size_t n, void* stream, bool dst_dev, bool src_dev,
                    bool async) {
     if (CUresult r = need_context(call)) return r;
@@ -152,12 +164,7 @@ CUresult copy_node(const char* call, uintptr_t dst, uintptr_t src, size_t n, voi
     node.dst = dst;
     node.src = src;
     node.bytes = n;
-    if (!async) {
-        if (any_capture())
-            if (CUresult r = refuse_during_capture(call)) return r;
-        return run_node(node);
-    }
-    return submit(std::move(node), stream, call);
+    return run_or_submit(std::move(node), stream, call, async);
 }
 
 CUresult memset_node(const char* call, CUdeviceptr dst, unsigned value, size_t count, int elem, void* stream,
@@ -174,12 +181,7 @@ CUresult memset_node(const char* call, CUdeviceptr dst, unsigned value, size_t c
     node.dst = dst;
     node.bytes = count;
     node.value = value;
-    if (!async) {
-        if (any_capture())
-            if (CUresult r = refuse_during_capture(call)) return r;
-        return run_node(node);
-    }
-    return submit(std::move(node), stream, call);
+    return run_or_submit(std::move(node), stream, call, async);
 }
 
 }  // namespace fake
