@@ -1,7 +1,7 @@
 """Host time per call: the C runtime (libcolibri) vs the Python runtime (Runtime.infer on the CUDA backend), side by
 side on the same bundle and the same fake driver.
 
-Both run against the fake libcuda.so.1 (tests/fakecuda/fake_cuda.cpp) with a kernel library whose kernels return at
+Both run against the fake libcuda.so.1 (tests/fakecuda/driver/) with a kernel library whose kernels return at
 once (bench/noop_kernels.cpp), so what is measured is the host side of one call: input checks and the copy into
 pinned memory, cuGraphLaunch, cuStreamSynchronize, the output copy — plus the fake driver's own replay of the graph's
 nodes, the same for both. It says nothing about GPU time; on a GPU run `bash scripts/gpu_check.sh`.

@@ -1,4 +1,4 @@
-// noop_kernels.cpp: a kernel "emulation library" for the fake CUDA driver (tests/fakecuda/fake_cuda.cpp) whose
+// noop_kernels.cpp: a kernel "emulation library" for the fake CUDA driver (tests/fakecuda/driver/) whose
 // kernels do nothing, so that bench/c_runtime_bench.py measures the runtimes' host time per call and not the CPU
 // emulation of the kernels. One entry per catalogue symbol (sdk/catalog.py, KERNELS), of every compiled shape's
 // kernels (libcolibri looks up every shape's symbols at init).

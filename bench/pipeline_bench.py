@@ -91,9 +91,9 @@ def fake_env(bundle: Path, work: Path) -> dict:
     from colibri_sdk.bundle import Bundle
 
     lib = work / "libcuda.so.1"
+    driver = sorted(str(p) for p in (ROOT / "tests" / "fakecuda" / "driver").glob("*.cpp"))
     subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-Wno-unused-parameter",
-                    str(ROOT / "tests" / "fakecuda" / "fake_cuda.cpp"), "-o", str(lib), "-ldl", "-pthread"],
-                   check=True)
+                    *driver, "-o", str(lib), "-ldl", "-pthread"], check=True)
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(work), env.get("LD_LIBRARY_PATH")) if p)
     env["COLIBRI_FAKE_CUDA_KERNELS"] = str(build_library(Bundle.open(bundle).kernels[0]["defines"]))

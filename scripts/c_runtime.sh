@@ -39,12 +39,12 @@ build() {
   build_library "$out/lib" OFF
   build_library "$out/lib-asan" ON
   g++ -O1 -std=c++17 -shared -fPIC -fvisibility=hidden -Wall -Wextra -Wno-unused-parameter \
-    "$root/tests/fakecuda/fake_cuda.cpp" -o "$out/libcuda.so.1" -ldl -pthread
+    "$root"/tests/fakecuda/driver/*.cpp -o "$out/libcuda.so.1" -ldl -pthread
   local san=(-fsanitize=address,undefined -fno-omit-frame-pointer)
   local wrap=(-Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc)
-  "$cc" -std=c11 -O1 -g -Wall -Wextra "${san[@]}" -I"$lib/include" "$root/tests/c_runtime/colibri_test.c" \
+  "$cc" -std=c11 -O1 -g -Wall -Wextra "${san[@]}" -I"$lib/include" "$root"/tests/c_runtime/colibri_test/*.c \
     "$out/lib-asan/libcolibri.a" "${wrap[@]}" -lcrypto -ldl -lpthread -lm -o "$out/colibri_test"
-  "$cc" -std=c11 -O1 -g -Wall -Wextra -I"$lib/include" "$root/tests/c_runtime/colibri_test.c" \
+  "$cc" -std=c11 -O1 -g -Wall -Wextra -I"$lib/include" "$root"/tests/c_runtime/colibri_test/*.c \
     "$out/lib/libcolibri.a" "${wrap[@]}" -lcrypto -ldl -lpthread -lm -o "$out/colibri_test_plain"
   "$cc" -std=c11 -O2 -Wall -Wextra -I"$lib/include" "$root/examples/jetson_qc/c/qc_loop.c" \
     -L"$out/lib" -Wl,-rpath,"$out/lib" -lcolibri -lm -o "$out/qc_loop"

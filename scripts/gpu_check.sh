@@ -54,7 +54,7 @@ if [ "$fake" = 1 ]; then
   fakelib="${COLIBRI_GPU_CHECK_FAKE_LIB:-}"
   if [ -z "$fakelib" ] || [ ! -f "$fakelib/libcuda.so.1" ]; then
     fakelib="$(mktemp -d)"
-    g++ -O1 -std=c++17 -shared -fPIC -fvisibility=hidden tests/fakecuda/fake_cuda.cpp -o "$fakelib/libcuda.so.1" \
+    g++ -O1 -std=c++17 -shared -fPIC -fvisibility=hidden tests/fakecuda/driver/*.cpp -o "$fakelib/libcuda.so.1" \
       -ldl -pthread || { echo "g++ could not build the fake driver"; exit 2; }
   fi
   export LD_LIBRARY_PATH="$fakelib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -1,7 +1,7 @@
 """Fixtures for the C runtime tests (libcolibri, docs/c_runtime.md) on the fake CUDA driver.
 
 `scripts/c_runtime.sh build DIR` builds the library with AddressSanitizer + UBSan, the fake libcuda.so.1
-(tests/fakecuda/fake_cuda.cpp) and the C test program `colibri_test` (tests/c_runtime/colibri_test.c). When
+(tests/fakecuda/driver/) and the C test program `colibri_test` (tests/c_runtime/colibri_test/). When
 COLIBRI_C_BUILD names a folder already built that way (what `scripts/c_runtime.sh test` does), it is used as is.
 Every C program runs in a subprocess whose LD_LIBRARY_PATH starts with that folder, so libcolibri's dlopen finds the
 fake driver; the fake runs the kernels through the CPU emulation of tests/kernels/emulator.py.
@@ -27,6 +27,7 @@ from c_runtime_support import SHIPPED, build_bundle_for, manifest  # noqa: E402,
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakecuda"))
 # One run of colibri_test: exit code, output, the JSON of its last stdout line, the fake driver's call log.
 from fakecuda_support import FakeRun as CRun  # noqa: E402
+from fakecuda_support import fake_env  # noqa: E402
 
 HERE = Path(__file__).parent
 TESTS = HERE.parent
@@ -48,7 +49,7 @@ if not Path("/usr/include/openssl/evp.h").exists() and not os.environ.get("COLIB
 
 
 # What `scripts/c_runtime.sh build` reads: the key of the shared build below.
-C_SOURCES = ("scripts/c_runtime.sh", "sdk/libcolibri", "tests/fakecuda/fake_cuda.cpp", "tests/c_runtime/colibri_test.c",
+C_SOURCES = ("scripts/c_runtime.sh", "sdk/libcolibri", "tests/fakecuda/driver", "tests/c_runtime/colibri_test",
              "examples/jetson_qc/c/qc_loop.c", "bench/c_runtime_bench.c", "bench/noop_kernels.cpp")
 C_CACHE = Path(tempfile.gettempdir()) / "colibri-c-runtime"
 
@@ -137,15 +138,10 @@ def run_c(c_build, emu_libs, tmp_path):
         count[0] += 1
         timeout = guard(900) if timeout is None else timeout
         log = tmp_path / f"calls{count[0]}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(c_build), env.get("LD_LIBRARY_PATH")) if p)
-        env["COLIBRI_FAKE_CUDA_LOG"] = str(log)
-        env["COLIBRI_FAKE_CUDA_KERNELS"] = str(emu_libs[kernels] if kernels in emu_libs else kernels)
+        env = fake_env(c_build, log, emu_libs[kernels] if kernels in emu_libs else kernels, settings)
         env["ASAN_OPTIONS"] = "detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=0"
         env["LSAN_OPTIONS"] = f"suppressions={HERE / 'lsan.supp'}:print_suppressions=0"
         env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
-        for key, value in settings.items():
-            env[f"COLIBRI_FAKE_CUDA_{key.upper()}"] = str(value)
         program = program or ("colibri_test" if asan else "colibri_test_plain")
         cmd = [str(c_build / program), *[str(a) for a in args]]
         done = subprocess.run(cmd, capture_output=True, timeout=timeout, env=env, cwd=str(tmp_path), check=False,

@@ -1,4 +1,4 @@
-"""Fixtures for the CUDA backend against a fake CUDA driver on the CPU (fake_cuda.cpp, docs/runtime-cuda.md).
+"""Fixtures for the CUDA backend against a fake CUDA driver on the CPU (driver/*.cpp, docs/runtime-cuda.md).
 
 The fake libcuda.so.1 is built with g++ into a temp folder once per session. Every test runs its Python code in a
 SUBPROCESS whose LD_LIBRARY_PATH starts with that folder, so cuda-bindings (through cuda.pathfinder's system search)
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,8 @@ import pytest
 from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fakecuda_support import HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun  # noqa: E402,F401
+from fakecuda_support import (  # noqa: E402,F401
+    DRIVER_SOURCES, HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun, fake_env)
 
 CXX = shutil.which("g++")
 
@@ -39,7 +39,7 @@ def fake_driver(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fakecuda")
     lib = out / "libcuda.so.1"
     cmd = [CXX, "-O1", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra",
-           "-Wno-unused-parameter", "-Werror", str(HERE / "fake_cuda.cpp"), "-o", str(lib), "-ldl", "-pthread"]
+           "-Wno-unused-parameter", "-Werror", *map(str, DRIVER_SOURCES), "-o", str(lib), "-ldl", "-pthread"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert done.returncode == 0, f"g++ failed:\n{done.stderr}"
     return out
@@ -89,12 +89,7 @@ def run_fake(fake_driver, kernels_lib, tmp_path):
         count[0] += 1
         timeout = guard(600) if timeout is None else timeout
         log = tmp_path / f"calls{count[0]}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(fake_driver), env.get("LD_LIBRARY_PATH")) if p)
-        env["COLIBRI_FAKE_CUDA_LOG"] = str(log)
-        env["COLIBRI_FAKE_CUDA_KERNELS"] = str(kernels_lib)
-        for key, value in settings.items():
-            env[f"COLIBRI_FAKE_CUDA_{key.upper()}"] = str(value)
+        env = fake_env(fake_driver, log, kernels_lib, settings)
         cmd = args or [sys.executable, "-c", PRELUDE + textwrap.dedent(code)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(tmp_path),
                               check=False)

@@ -4,15 +4,32 @@ folders, which `conftest` module a plain import finds depends on the order pytes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).parent
 TESTS = HERE.parent
 ROOT = TESTS.parent
+# The fake driver's sources (driver/fake_cuda.h describes it): compiled together into one libcuda.so.1.
+DRIVER_SOURCES = sorted((HERE / "driver").glob("*.cpp"))
 # The bundle of most tests: the Orin profile (sm_87, min_driver 12.2) at 4 tokens, a 2-layer model small enough that
 # one emulated forward pass takes well under a second.
 TOKENS, HIDDEN, INTER = 4, 64, 32
+
+
+def fake_env(driver: Path, log: Path, kernels: str | Path, settings: dict) -> dict[str, str]:
+    """The environment of a subprocess on the fake driver: this process's, less its COLIBRI_FAKE_CUDA_* variables,
+    with LD_LIBRARY_PATH starting at `driver` (the folder of the fake libcuda.so.1), the fake's call log at `log`,
+    the kernel emulation library `kernels`, and each of `settings` as COLIBRI_FAKE_CUDA_<NAME> (cc="9.0",
+    fail="cuMemAlloc=CUDA_ERROR_OUT_OF_MEMORY", ...)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLIBRI_FAKE_CUDA_")}
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(driver), env.get("LD_LIBRARY_PATH")) if p)
+    env["COLIBRI_FAKE_CUDA_LOG"] = str(log)
+    env["COLIBRI_FAKE_CUDA_KERNELS"] = str(kernels)
+    for key, value in settings.items():
+        env[f"COLIBRI_FAKE_CUDA_{key.upper()}"] = str(value)
+    return env
 
 
 class FakeRun:

@@ -32,6 +32,9 @@ from colibri_sdk.format.constants import HEADER_SIZE
 from colibri_sdk.runtime.cuda_backend import POISON_WORD, CudaBackend
 
 EMU_DIR = Path(__file__).parent / "emu"
+# The shim's headers (cuda_shim.h and the parts it includes, smem_model.h): the library keys hash every one of
+# them (`_sources_digest`), and an access site's name is its innermost frame outside them (`site_name`).
+SHIM_HEADERS = tuple(sorted(path.name for path in EMU_DIR.glob("*.h")))
 CXX = shutil.which("g++")
 CXXFLAGS = ("-O1", "-std=c++20", "-pthread", "-fPIC", "-fvisibility=hidden", "-U_FORTIFY_SOURCE", "-Wall",
             "-Wno-unknown-pragmas")
@@ -39,7 +42,7 @@ CACHE = Path(tempfile.gettempdir()) / "colibri-kernel-emu"
 ALIGN = 256  # bytes: cuMemAlloc's alignment, so the GEMV picks the same vector/scalar path as on the GPU
 GUARD = 4096  # bytes of canary before and after every buffer
 CANARY_WORD = 0x7FC0CAFE  # a float32 NaN that no kernel writes
-# Address classes of the access model (emu/cuda_shim.h kClasses): weights, activations, other scratch, unregistered.
+# Address classes of the access model (emu/emu_access.h kClasses): weights, activations, other scratch, unregistered.
 ACCESS_CLASSES = 4
 ACCESS_CLASS_NAMES = ("weights", "activations", "other", "unregistered")
 ACTIVATION_BUFFERS = ("x0", "x1", "act", "pair_out")
@@ -445,7 +448,7 @@ class ModelLibrary(EmulationLibrary):
         frames = subprocess.run([tool, "-e", str(self.path), "-i", hex(max(int(offset) - 1, 0))],
                                 capture_output=True, text=True).stdout.split()
         names = [Path(f).name for f in frames]
-        outside = [n for n in names if not n.startswith(("cuda_shim.h", "smem_model.h"))]  # the kernel's own line
+        outside = [n for n in names if not n.startswith(SHIM_HEADERS)]  # the kernel's own line
         return (outside or names or ["?"])[0]
 
 

@@ -465,7 +465,7 @@ def test_mma_fragments_and_cp_async_follow_the_documented_layout(orin_profile, t
 
 
 def test_cp_async_lands_only_when_its_group_is_waited_for(orin_profile, tmp_path_factory):
-    """The emulated cp.async (tests/kernels/emu/cuda_shim.h) writes shared memory at the cp_async_wait that retires
+    """The emulated cp.async (emu/emu_mma_cp_async.h) writes shared memory at the cp_async_wait that retires
     its group, not at the copy: a kernel reading a stage too early sees the shared-memory poison, as it may on a GPU
     (tests/kernels/mma_tile.cu cp_async_groups: two groups, read before any wait, after wait<1>, after wait<0>)."""
     folder = tmp_path_factory.mktemp("cp_async")
@@ -479,7 +479,7 @@ def test_cp_async_lands_only_when_its_group_is_waited_for(orin_profile, tmp_path
     params = np.array([pointers.ctypes.data + 8 * i for i in range(2)], dtype=np.uint64)
     lib.launch(lib.function("cp_async_groups"), (1, 1, 1), (32, 1, 1), params.ctypes.data)
     words = out.view(np.uint32).reshape(6, 4)
-    poison = 0x7FC0BAD0  # cuda_shim.h kSharedPoison
+    poison = 0x7FC0BAD0  # emu/emu_state.h kSharedPoison
     assert (words[0:2] == poison).all()  # nothing landed before a wait
     assert words[2].tolist() == [1, 2, 3, 4] and (words[3] == poison).all()  # wait<1>: the older group only
     assert words[4].tolist() == [1, 2, 3, 4] and words[5].tolist() == [5, 6, 7, 8]  # wait<0>: both
