@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path

@@ -140,7 +140,6 @@ def moe_child(paths: dict, rounds: int, calls: int) -> dict:
     rounds, the fastest call of each; ms, and the selected experts' stored bytes at T=1."""
     import torch
 
-    from colibri_sdk.format import ColibriFile
     from colibri_sdk.runtime.cpu_backend import CpuBackend
 
     threads = int(os.environ.get("OPENBLAS_NUM_THREADS", "1"))
