@@ -21,6 +21,7 @@ a driver >= 580.
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import tempfile
@@ -56,31 +57,57 @@ def source_tree() -> Path | None:
     return None
 
 
+# pyproject.toml's [build-system] requires: what an offline build (--no-build-isolation) needs installed here.
+BUILD_SETUPTOOLS_MIN = 68
+
+
+def _offline_build_possible() -> bool:
+    """setuptools >= BUILD_SETUPTOOLS_MIN and wheel importable here, as pyproject.toml's build-system requires."""
+    import importlib.metadata as metadata
+
+    try:
+        major = int(metadata.version("setuptools").split(".")[0])
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+    return major >= BUILD_SETUPTOOLS_MIN and importlib.util.find_spec("wheel") is not None
+
+
+def _pip_error(stderr: str) -> str:
+    """The line of pip's output that names the failure: the last `error:` line that says more than one of pip's
+    codes (`error: subprocess-exited-with-error`), else the last such code, else the last line that is no hint."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and not line.startswith(("hint:", "note:"))]
+    specific = [line for line in errors if not re.fullmatch(r"error: [a-z-]+", line)]
+    plain = [line for line in lines if not line.startswith(("hint:", "note:"))]
+    return (specific or errors or plain or lines or ["(no output)"])[-1]
+
+
 def build_sdk_wheel(out: Path) -> Path:
-    """`pip wheel --no-deps` of the source tree into `out`: with `--no-build-isolation --no-index` when setuptools
-    (the build backend) is installed here, so no index is needed; else pip fetches it into an isolated build.
+    """`pip wheel --no-deps` of the source tree into `out`: with `--no-build-isolation --no-index` when the build
+    backend pyproject.toml asks for (setuptools >= 68 and wheel) is installed here, so no index is needed; else pip
+    fetches it into an isolated build.
 
     Raises:
-        RuntimeInstallError: no source tree, or the build failed (its last line quoted).
+        RuntimeInstallError: no source tree, or the build failed (pip's error line quoted).
     """
     root = source_tree()
     if root is None:
-        raise RuntimeInstallError(f"--install-runtime builds the device's colibri-sdk wheel from the source tree, and "
-                                  f"colibri-sdk runs from an installed copy here and the current folder is no "
-                                  f"colibri-sdk checkout: run it from inside the checkout, or put a wheel built "
-                                  f"there (pip wheel --no-deps . -w wheels: "
-                                  f"colibri_sdk-{__version__}-py3-none-any.whl) into --wheels DIR")
-    offline = ["--no-build-isolation", "--no-index"] if importlib.util.find_spec("setuptools") else []
+        raise RuntimeInstallError(f"--install-runtime builds the device's colibri-sdk wheel from a colibri-sdk source "
+                                  f"checkout, and there is none here (colibri-sdk runs from an installed copy and the "
+                                  f"current folder is not a checkout): run it from inside the checkout, or build the "
+                                  f"wheel there (pip wheel --no-deps . -w DIR: colibri_sdk-{__version__}-py3-none-any"
+                                  f".whl) and pass --wheels DIR")
+    offline = ["--no-build-isolation", "--no-index"] if _offline_build_possible() else []
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *offline,
                            "--disable-pip-version-check", "-q", "-w", str(out), str(root)],
                           capture_output=True, text=True)
     built = sorted(out.glob("colibri_sdk-*.whl"))
     if proc.returncode != 0 or not built:
-        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        hint = "" if offline else " (setuptools is not installed here: pip install setuptools, or give --wheels a " \
-                                  "colibri_sdk wheel)"
+        hint = "" if offline else (f" (pip needed an index for the build backend, setuptools>={BUILD_SETUPTOOLS_MIN} "
+                                   f"and wheel: pip install 'setuptools>={BUILD_SETUPTOOLS_MIN}' wheel, or give "
+                                   f"--wheels a colibri_sdk wheel)")
         raise RuntimeInstallError(f"building the colibri-sdk wheel from {root} failed (pip wheel exit status "
-                                  f"{proc.returncode}): {last}{hint}")
+                                  f"{proc.returncode}): {_pip_error(proc.stderr + proc.stdout)}{hint}")
     return built[-1]
 
 

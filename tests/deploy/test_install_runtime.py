@@ -215,3 +215,29 @@ def test_missing_packaging_names_the_extra(tmp_path):
     assert proc.stderr.strip() == ("colibri-sdk deploy: error: --install-runtime needs the Python package 'packaging' "
                                    "(extra \"deploy\"): pip install \"colibri-sdk[deploy]\" (in a source checkout: "
                                    "pip install \".[deploy]\")")
+
+
+def test_an_old_setuptools_builds_with_isolation_and_a_failed_build_names_pip_s_error(tmp_path, monkeypatch):
+    # setuptools 65 without wheel (a fresh Python 3.11 venv) cannot build offline: pyproject.toml asks for >= 68 and
+    # wheel; the failure used to be quoted as pip's last line, "hint: See above for details."
+    import importlib.metadata as metadata
+
+    real_version = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "65.5.0" if name == "setuptools" else real_version(name))
+    assert installer._offline_build_possible() is False
+    calls = []
+
+    def failing_pip(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "  error: invalid command 'bdist_wheel'\n"
+                                                       "error: subprocess-exited-with-error\n"
+                                                       "hint: See above for details.\n")
+
+    monkeypatch.setattr(installer.subprocess, "run", failing_pip)
+    with pytest.raises(RuntimeInstallError) as caught:
+        installer.build_sdk_wheel(tmp_path)
+    assert "--no-build-isolation" not in calls[0] and "--no-index" not in calls[0], calls[0]
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "(pip wheel exit status 1): error: invalid command 'bdist_wheel' (pip needed an index" in message, message
+    assert "hint:" not in message, message
