@@ -315,7 +315,7 @@ def summary(cases: list[dict], dims: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--json-out", type=Path, metavar="FILE", help="also write the JSON object to FILE")
     parser.add_argument("--quick", action="store_true", help="orin and h200 only, a smaller scaled shape")
@@ -333,6 +333,9 @@ def main(argv=None) -> int:
         for f in args.merge:
             cases += json.loads(f.read_text())["cases"]
         devices, args.storages, args.tokens = [], [], []  # nothing to emulate
+    if args.quick and not args.json:
+        print("--quick: a smaller scaled shape than the committed results (bench/results/kernel_model.txt): its "
+              "estimates differ from theirs; run without --quick for those", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for storage in args.storages:
             for t in args.tokens:

@@ -43,6 +43,7 @@ load, the child processes); this file parses the options, runs them and writes t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -58,12 +59,14 @@ from runtime_cpu_system import RESULTS, thread_and_load_sections
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--iters", type=int, default=20, help="timed calls per point (default: 20)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the thread settings (default: 3)")
     parser.add_argument("--large-gb", type=float, default=1.0, help="size of the large model (default: 1 GB)")
     parser.add_argument("--repeats", type=int, default=3, help="load measurements per bundle (median; default: 3)")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=RESULTS,
+                        help=f"the report (text; --json beside it); default: {RESULTS.relative_to(RESULTS.parents[2])}, "
+                             f"the committed results, which a run replaces")
     parser.add_argument("--sections", default="moe,overhead,threads,load",
                         help="comma-separated: moe, overhead, threads, load (default: all)")
     parser.add_argument("--moe-rounds", type=int, default=3, help="interleaved rounds of the MoE layer (default: 3)")
@@ -78,6 +81,9 @@ def main() -> int:
     unknown = sections - {"moe", "overhead", "threads", "load"}
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; allowed: moe, overhead, threads, load")
+    if sections & {"moe", "overhead"} and importlib.util.find_spec("torch") is None:
+        parser.error("the moe and overhead sections compare with transformers' MoE block and need torch and "
+                     "transformers (the test extra: scripts/setup_env.sh all); --sections threads,load runs without")
     report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpus": os.cpu_count(),
                     "load_average_at_start": os.getloadavg()[0]}
 

@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,11 +99,17 @@ def build(out: Path, profile: Path, weights: Path | None = None) -> Path:
 
 
 def profile_with_shape(folder: Path, batch: int, tokens: int) -> Path:
-    text = ORIN.read_text()
-    text = re.sub(r"(?m)^  batch: \d+", f"  batch: {batch}", text)
-    text = re.sub(r"(?m)^  tokens: \d+", f"  tokens: {tokens}", text)
+    """The Orin profile compiled for one shape, batch x tokens; its GEMV threads lowered where the shape needs it
+    (the GEMV output tile: batch*tokens <= 65536 / kernels.small_batch.threads, docs/kernels.md "Limits"); the CPU
+    backend runs no kernel, so only the bundle's build sees them."""
+    import yaml
+
+    data = yaml.safe_load(ORIN.read_text())
+    data["shape"] = {"batch": batch, "tokens": tokens}
+    gemv = data["kernels"]["small_batch"]
+    gemv["threads"] = max(32, min(gemv["threads"], 65536 // (batch * tokens) // 32 * 32))
     path = folder / f"orin-{batch}x{tokens}.yaml"
-    path.write_text(text)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 

@@ -134,7 +134,8 @@ def _run(args: argparse.Namespace) -> int:
         extra = EXTRAS[top]
         print(
             f"colibri-sdk {args.command}: error: this command needs the Python package {top!r} "
-            f'(extra "{extra}"): pip install "colibri-sdk[{extra}]" (in a source checkout: pip install ".[{extra}]")',
+            f'(extra "{extra}"): in the colibri-sdk checkout, pip install ".[{extra}]" (colibri-sdk is on no package '
+            f'index)',
             file=sys.stderr,
         )
         return 1
