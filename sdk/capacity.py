@@ -19,7 +19,8 @@ and then
                   token's first expert only where that expert already holds 2C pairs.
 With order "choice", soft mode keeps the first C pairs in (slot, policy) order and then up to C more first choices:
 an expert with n0 >= C first choices keeps min(n0, 2C) of them and no later choice; one with n0 < C keeps all of
-them and C - n0 later choices (by slot, then policy). A dropped pair contributes zero; the kept pairs' weights are not renormalised, so with residual composition a token
+them and C - n0 later choices (by slot, then policy).
+A dropped pair contributes zero; the kept pairs' weights are not renormalised, so with residual composition a token
 whose pairs are all dropped passes through unchanged. Without a capacity (the default) no pair is dropped, which is
 what transformers computes.
 """
