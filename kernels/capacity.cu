@@ -2,12 +2,15 @@
 //
 // The semantics are colibri_sdk.capacity's (sdk/capacity.py, docs/runtime.md "Expert capacity"), exactly:
 //   T  = the valid tokens of the call (common.cuh token_valid; padded tokens take no capacity)
-//   C  = ceil(T * k * factor / experts), in IEEE double as Python computes it (factor exact: NUM * 2^-SHIFT)
+//   C  = max(COLI_CAPACITY_MIN, ceil(T * k * factor / experts)), in IEEE double as Python computes it (factor
+//        exact: NUM * 2^-SHIFT); 0 when T = 0
 //   the pairs of expert e in priority order: policy "score" (flags bit 1 clear): routing weight descending, ties
 //   by token ascending; "position" (bit 1 set): token ascending (a token routes to an expert at most once);
+//   order "choice" (flags bit 2 set): slot ascending first (every first choice before any second choice), then
+//   the policy;
 //   hard: the first C pairs are kept; soft (flags bit 0 set): also, beyond them, the pairs in slot 0 (the token's
 //   first choice) in the same order, at most C of them.
-//   Mode and policy are a launch argument (`flags`, sdk/catalog.py capacity_flags), the factor a compile-time
+//   Mode, policy and order are a launch argument (`flags`, sdk/catalog.py capacity_flags), the factor a compile-time
 //   constant.
 //   A dropped pair gets topk_ids = NO_EXPERT and topk_weights = 0, so every later kernel (GEMV and tiled paths,
 //   both aggregations) skips it; the layer's dropped-pair count goes to dropped[layer].
@@ -21,7 +24,8 @@
 //   3. drop the pairs with keep 0, count them (a shared-memory sum: a count, order-free), write dropped[layer].
 //   Scratch: rank (2 * tokens * k) int32: rank[0..pairs), keep[pairs..2*pairs). Every entry written on every call.
 //
-// Limits: those of routing.cu (experts <= 256, top-k <= COLI_MAX_TOP_K); factor in (0, 64] (the profile's check).
+// Limits: those of routing.cu (experts <= 256, top-k <= COLI_MAX_TOP_K); factor in (0, 64], min_capacity in
+// 1..2^20 (the profile's checks).
 #include "common.cuh"
 
 #ifndef COLI_CAPACITY  // a bundle without capacity never launches this kernel; the defaults only let it compile
@@ -29,6 +33,10 @@
 #endif
 #define CAPACITY_SOFT_ 1      // flags bit 0: mode soft (else hard)
 #define CAPACITY_POSITION_ 2  // flags bit 1: policy position (else score)
+#define CAPACITY_CHOICE_ 4    // flags bit 2: order choice, slot first (else the policy alone)
+#ifndef COLI_CAPACITY_MIN
+#define COLI_CAPACITY_MIN 1  // min_capacity (profile capacity.min_capacity)
+#endif
 #ifndef COLI_CAPACITY_FACTOR_NUM
 #define COLI_CAPACITY_FACTOR_NUM 1
 #endif
@@ -40,10 +48,13 @@
 static_assert(CT_ % 32 == 0 && CT_ >= 32 && CT_ <= 1024, "COLI_ROUTING_THREADS must be a multiple of 32 in 32..1024");
 static_assert(COLI_CAPACITY_FACTOR_NUM >= 1 && COLI_CAPACITY_FACTOR_SHIFT >= 0,
               "the capacity factor is COLI_CAPACITY_FACTOR_NUM * 2^-COLI_CAPACITY_FACTOR_SHIFT, > 0");
+static_assert(COLI_CAPACITY_MIN >= 1, "min_capacity is at least 1");
 
-// Pair q comes before pair p (same expert) in the priority order.
-__device__ __forceinline__ bool capacity_before(int q, int p, const float* __restrict__ weights, bool position) {
+// Pair q comes before pair p (same expert) in the priority order: by slot first with `choice`, then the policy.
+__device__ __forceinline__ bool capacity_before(int q, int p, const float* __restrict__ weights, bool position,
+                                                bool choice) {
     const int tq = q / K_, tp = p / K_;
+    if (choice && q % K_ != p % K_) return q % K_ < p % K_;
     if (position) return tq < tp;
     const float wq = weights[q], wp = weights[p];
     return wq > wp || (wq == wp && tq < tp);
@@ -56,6 +67,7 @@ colibri_capacity(const int* __restrict__ valid_tokens, int* __restrict__ topk_id
     __shared__ int s_dropped;
     const int tid = threadIdx.x;
     const bool soft = (flags & CAPACITY_SOFT_) != 0, position = (flags & CAPACITY_POSITION_) != 0;
+    const bool choice = (flags & CAPACITY_CHOICE_) != 0;
     int* keep = rank + PAIRS_;
     if (tid == 0) {
         s_valid = 0;
@@ -75,6 +87,7 @@ colibri_capacity(const int* __restrict__ valid_tokens, int* __restrict__ topk_id
     long long c_ll = (long long)q;
     if ((double)c_ll < q) ++c_ll;
     if (c_ll < 1) c_ll = 1;  // the exact ceil of a positive value: q underflows to 0 for a tiny factor
+    if (c_ll < COLI_CAPACITY_MIN) c_ll = COLI_CAPACITY_MIN;
     const int cap = s_valid ? (int)(c_ll < PAIRS_ ? c_ll : PAIRS_) : 0;
 
     // 1. The rank of each pair among its expert's pairs.
@@ -85,7 +98,7 @@ colibri_capacity(const int* __restrict__ valid_tokens, int* __restrict__ topk_id
             r = 0;
 #pragma unroll 1
             for (int o = 0; o < PAIRS_; ++o)
-                if (o != p && topk_ids[o] == e && capacity_before(o, p, topk_weights, position)) ++r;
+                if (o != p && topk_ids[o] == e && capacity_before(o, p, topk_weights, position, choice)) ++r;
         }
         rank[p] = r;
     }

@@ -142,8 +142,9 @@ def kernels_for(profile: dict) -> tuple[KernelSpec, ...]:
 
 
 def capacity_defines(spec: dict | None) -> dict[str, int]:
-    """The capacity kernel's -D constants for a profile `capacity` mapping (None: {}); mode and policy are a
-    launch argument (`capacity_flags`).
+    """The capacity kernel's -D constants for a profile `capacity` mapping (None: {}); mode, policy and order are a
+    launch argument (`capacity_flags`). COLI_CAPACITY_MIN (min_capacity) is defined only where it is not 1, so a
+    profile without min_capacity compiles with the constants it had before the key existed.
 
     factor = COLI_CAPACITY_FACTOR_NUM * 2^-COLI_CAPACITY_FACTOR_SHIFT exactly (`float.as_integer_ratio`: the
     denominator of a double is a power of two), so kernels/capacity.cu computes C = ceil(T*k*factor/experts) with the
@@ -152,12 +153,17 @@ def capacity_defines(spec: dict | None) -> dict[str, int]:
     if spec is None:
         return {}
     num, den = float(spec["factor"]).as_integer_ratio()
-    return {"COLI_CAPACITY": 1, "COLI_CAPACITY_FACTOR_NUM": num, "COLI_CAPACITY_FACTOR_SHIFT": den.bit_length() - 1}
+    defines = {"COLI_CAPACITY": 1, "COLI_CAPACITY_FACTOR_NUM": num, "COLI_CAPACITY_FACTOR_SHIFT": den.bit_length() - 1}
+    if int(spec.get("min_capacity", 1)) != 1:
+        defines["COLI_CAPACITY_MIN"] = int(spec["min_capacity"])
+    return defines
 
 
 def capacity_flags(spec: dict) -> int:
-    """colibri_capacity's `flags` argument: bit 0 mode soft (else hard), bit 1 policy position (else score)."""
-    return (1 if spec.get("mode", "hard") == "soft" else 0) | (2 if spec.get("policy", "score") == "position" else 0)
+    """colibri_capacity's `flags` argument: bit 0 mode soft (else hard), bit 1 policy position (else score), bit 2
+    order choice (first choices first; else by the policy alone)."""
+    return ((1 if spec.get("mode", "hard") == "soft" else 0) | (2 if spec.get("policy", "score") == "position" else 0)
+            | (4 if spec.get("order", "policy") == "choice" else 0))
 
 
 def kernel_dir() -> Path:

@@ -161,7 +161,7 @@ SCHEMA: dict = {
     "allow_spills": Leaf((bool,), allowed="true or false"),
     "top_k": _int(1, MAX_TOP_K, "experts per token in place of the model's own k (docs/build.md, \"Top-k override\")",
                   required=False),
-    "capacity": Leaf((dict,), allowed="a mapping {factor, mode: hard|soft, policy: score|position}", required=False),
+    "capacity": Leaf((dict,), allowed="a mapping {factor, mode: hard|soft, policy: score|position, min_capacity, order: policy|choice}", required=False),
     "streams": _int(1, 64, "calls Runtime.submit keeps in flight (default 1)", required=False),
 }
 

@@ -26,6 +26,12 @@ def register(sub) -> None:
     p.add_argument("--capacity-mode", choices=("hard", "soft"), help="with --capacity-factor; default hard")
     p.add_argument("--capacity-policy", choices=("score", "position"),
                    help="with --capacity-factor: which pairs an expert keeps first; default score")
+    p.add_argument("--capacity-min", type=int, metavar="N",
+                   help="with --capacity-factor: C = max(N, ceil(tokens*k*F/experts)), DeepSpeed's min_capacity; "
+                   "default 1")
+    p.add_argument("--capacity-order", choices=("policy", "choice"),
+                   help="with --capacity-factor: choice = every first choice takes capacity before any second choice "
+                   "(GShard, DeepSpeed top2gating), then the policy; default policy (the policy alone)")
     p.add_argument("--batch", metavar="B[,B...]",
                    help="compiled batch sizes in place of the profile's shape.batch, e.g. 1,4 (docs/build.md, "
                    "\"Several shapes\")")
@@ -66,7 +72,8 @@ def override_flags(args) -> list[str]:
     """The command-line flags that replace profile values, as typed: ["--top-k 9", "--tokens 1,16"]."""
     names = (("top_k", "--top-k"), ("batch", "--batch"), ("tokens", "--tokens"),
              ("capacity_factor", "--capacity-factor"), ("capacity_mode", "--capacity-mode"),
-             ("capacity_policy", "--capacity-policy"))
+             ("capacity_policy", "--capacity-policy"), ("capacity_min", "--capacity-min"),
+             ("capacity_order", "--capacity-order"))
     return [f"{flag} {getattr(args, name)}" for name, flag in names if getattr(args, name) is not None]
 
 
@@ -104,8 +111,13 @@ def run(args) -> int:
     if args.capacity_factor is not None:
         overrides["capacity"] = {"factor": args.capacity_factor, "mode": args.capacity_mode or "hard",
                                  "policy": args.capacity_policy or "score"}
-    elif args.capacity_mode or args.capacity_policy:
-        raise ProfileError("--capacity-mode / --capacity-policy need --capacity-factor F")
+        if args.capacity_min is not None:
+            overrides["capacity"]["min_capacity"] = args.capacity_min
+        if args.capacity_order is not None:
+            overrides["capacity"]["order"] = args.capacity_order
+    elif args.capacity_mode or args.capacity_policy or args.capacity_min is not None or args.capacity_order:
+        raise ProfileError("--capacity-mode / --capacity-policy / --capacity-min / --capacity-order need "
+                           "--capacity-factor F")
     flags = override_flags(args)
     try:
         if overrides:
@@ -148,8 +160,8 @@ def run(args) -> int:
         print(f"  top-k override: {h['top_k']} experts per token (the model's own k is {m['weights']['model_top_k']})")
     if m["profile"].get("capacity"):
         c = m["profile"]["capacity"]
-        print(f"  expert capacity: factor {c['factor']:g}, {c.get('mode', 'hard')}, policy {c.get('policy', 'score')}"
-              " (colibri_capacity after each routing launch)")
+        from ..capacity import describe as describe_capacity
+        print(f"  expert capacity: {describe_capacity(c)} (colibri_capacity after each routing launch)")
     print(format_resources(m["kernels"]))
     total = sum(f["size"] for f in m["files"])
     print(f"  {len(m['files'])} files + manifest, {total:,} bytes, {len(m.get('launch') or [])} launches per forward pass"

@@ -205,8 +205,8 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     if storage:
         rows.append(("experts", f"{storage} (the weights' own storage)"))
     cap = m["profile"].get("capacity")
-    rows.append(("capacity", "dropless" if not cap else
-                 f"factor {cap['factor']:g}, {cap.get('mode', 'hard')}, policy {cap.get('policy', 'score')}"))
+    from ..capacity import describe as describe_capacity
+    rows.append(("capacity", "dropless" if not cap else describe_capacity(cap)))
     for key, value in rows:
         print(f"  {key:<14} {value}")
     recorded = m["weights"]["header"]

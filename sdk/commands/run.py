@@ -159,8 +159,8 @@ def run(args) -> int:
             print(f"top-k    {rt.top_k} (build override; the model's own k is {rt.model_top_k})")
         if rt.capacity:
             c, dropped = rt.capacity, rt.stats().last_dropped_pairs
-            print(f"capacity factor {c['factor']:g}, {c.get('mode', 'hard')}, policy {c.get('policy', 'score')}; "
-                  f"{dropped} pairs dropped in the last call")
+            from ..capacity import describe as describe_capacity
+            print(f"capacity {describe_capacity(c)}; {dropped} pairs dropped in the last call")
         print(f"load     {load_seconds * 1e3:.1f} ms" + ("" if args.no_verify else " (with checksums)"))
         print(f"input    {source}  {x.dtype} {tuple(x.shape)}" + (f"  lengths {args.lengths}" if args.lengths else ""))
         chosen = rt.stats().last_shape

@@ -57,13 +57,17 @@ def valid_mask(batch: int, tokens: int, valid_tokens) -> np.ndarray:
 
 
 # (capacity, batch, tokens, valid tokens, aggregation). g++ builds one emulation library per set of -D constants:
-# the factor is one (mode and policy are a launch argument), so these are two libraries, GEMV (tokens*k <= 32) and
-# tiled.
+# the factor and min_capacity are (mode, policy and order are a launch argument), so these are three libraries,
+# GEMV (tokens*k <= 32) and tiled, and GEMV with min_capacity 3 (5 valid tokens: ceil(5 * 2 * 0.8 / 6) = 2 < 3).
 CONFIGS = {
     "hard-score-gemv": ({"factor": 0.8, "mode": "hard", "policy": "score"}, 2, 8, None, "ordered"),
     "hard-position-gemv-padded": ({"factor": 0.8, "mode": "hard", "policy": "position"}, 2, 8, [5, 3], "ordered"),
     "soft-score-tiled-padded-atomic": ({"factor": 0.8, "mode": "soft", "policy": "score"}, 2, 16, [16, 9], "atomic"),
     "soft-position-tiled-atomic": ({"factor": 0.8, "mode": "soft", "policy": "position"}, 2, 16, None, "atomic"),
+    "hard-position-choice-min-gemv-padded": ({"factor": 0.8, "mode": "hard", "policy": "position", "min_capacity": 3,
+                                             "order": "choice"}, 2, 8, [3, 2], "ordered"),
+    "soft-score-choice-tiled-atomic": ({"factor": 0.8, "mode": "soft", "policy": "score", "order": "choice"}, 2, 16,
+                                       None, "atomic"),
 }
 
 
@@ -108,6 +112,10 @@ def test_the_kernel_drops_the_pairs_colibri_sdk_capacity_drops(orin_profile, tmp
     np.testing.assert_array_equal(device.buffer("topk_weights", np.float32).reshape(-1, 2),
                                   np.where(expected >= 0, w0, 0.0))
     assert n > 0 and (expected[mask] == NO_EXPERT).any(), "skewed routing must overflow experts 0 and 1"
+    if "min" in config:  # min_capacity and the order change the kept pairs here
+        base, _ = apply_capacity(np.where(ids0 == 6, NO_EXPERT, ids0), w0, 6, Capacity(0.8, spec["mode"],
+                                 spec["policy"]), mask)
+        assert (base != expected).any()
     assert device.buffer("capacity_dropped", np.int32).tolist() == [n]
     # The expert kernels skip a dropped pair: the output is x + the kept pairs' weighted experts (float64).
     engine = ReferenceEngine(path, compute_dtype=np.float64)
@@ -163,6 +171,10 @@ def test_the_capacity_defines_give_the_factor_exactly():
     assert catalog.capacity_defines(None) == {}
     assert catalog.capacity_defines({"factor": 2.0})["COLI_CAPACITY_FACTOR_SHIFT"] == 0
     assert catalog.capacity_flags({"factor": 2.0}) == 0 and catalog.capacity_flags({"factor": 1, "mode": "soft"}) == 1
+    assert "COLI_CAPACITY_MIN" not in catalog.capacity_defines({"factor": 2.0, "min_capacity": 1})
+    assert catalog.capacity_defines({"factor": 2.0, "min_capacity": 8})["COLI_CAPACITY_MIN"] == 8
+    assert catalog.capacity_flags({"factor": 1, "order": "choice"}) == 4
+    assert catalog.capacity_flags({"factor": 1, "mode": "soft", "policy": "position", "order": "policy"}) == 3
 
 
 def test_the_kernel_capacity_is_ceil_in_double(orin_profile, tmp_path):

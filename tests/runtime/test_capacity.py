@@ -45,6 +45,55 @@ def test_the_rule_by_hand():
     assert ties.tolist() == [[0], [0], [X]], "equal weights: the lower token index first"
 
 
+# 4 tokens, top-2, 3 experts; weights as softmax over all experts without renormalisation over the k, so a second
+# choice (token 3's 0.38 for expert 1) can outweigh another token's first choice (token 1's 0.3).
+IDS2 = np.array([[0, 1], [1, 0], [1, 2], [2, 1]])
+W2 = np.array([[0.5, 0.35], [0.3, 0.25], [0.6, 0.3], [0.4, 0.38]])
+# Expert 0: (t0, slot 0, 0.5), (t1, slot 1, 0.25). Expert 1: (t0, 1, 0.35), (t1, 0, 0.3), (t2, 0, 0.6), (t3, 1, 0.38).
+# Expert 2: (t2, 1, 0.3), (t3, 0, 0.4).
+
+
+def test_min_capacity_by_hand():
+    # ceil(4 * 2 * 0.3 / 3) = ceil(0.8) = 1; min_capacity 2 raises it to 2; it does not lower a larger C (8).
+    assert Capacity(0.3).limit(4, 2, 3) == 1
+    assert Capacity(0.3, min_capacity=2).limit(4, 2, 3) == 2
+    assert Capacity(3.0, min_capacity=2).limit(4, 2, 3) == 8
+    assert Capacity(0.3, min_capacity=2).limit(0, 2, 3) == 0, "no tokens: no capacity"
+    # C = 2, hard, score: expert 1 keeps 0.6 (t2) and 0.38 (t3), drops t0's 0.35 and t1's 0.3; experts 0, 2 fit.
+    kept, n = apply_capacity(IDS2, W2, 3, Capacity(0.3, "hard", "score", min_capacity=2))
+    assert kept.tolist() == [[0, X], [X, 0], [1, 2], [2, 1]] and n == 2
+
+
+def test_first_choices_first_by_hand():
+    # C = 1 (factor 0.3), hard, position. By the policy alone each expert keeps its lowest token: expert 0 t0,
+    # expert 1 t0 (a second choice), expert 2 t2 (a second choice).
+    kept, n = apply_capacity(IDS2, W2, 3, Capacity(0.3, "hard", "position"))
+    assert kept.tolist() == [[0, 1], [X, X], [X, 2], [X, X]] and n == 5
+    # First choices first: expert 1's first choices (t1, t2) come before its second choices (t0, t3), lowest token
+    # first: t1; expert 2 keeps t3 (its only first choice) over t2.
+    kept, n = apply_capacity(IDS2, W2, 3, Capacity(0.3, "hard", "position", order="choice"))
+    assert kept.tolist() == [[0, X], [1, X], [X, X], [2, X]] and n == 5
+    # C = 2, hard, score, first choices first: expert 1 keeps its two first choices t2 (0.6), t1 (0.3), and drops
+    # the second choices t3 (0.38) and t0 (0.35) although they outweigh t1's first choice.
+    kept, n = apply_capacity(IDS2, W2, 3, Capacity(0.3, "hard", "score", min_capacity=2, order="choice"))
+    assert kept.tolist() == [[0, X], [1, 0], [1, 2], [2, X]] and n == 2
+
+
+def test_first_choices_first_in_soft_mode_by_hand():
+    # C = 2, soft, score. By the policy alone expert 1's order is t2 (0.6), t3 (0.38), t0 (0.35), t1 (0.3): the first
+    # C are t2, t3; beyond them first choices stay, up to C more: t1 (slot 0) stays, t0 (slot 1) is dropped.
+    kept, n = apply_capacity(IDS2, W2, 3, Capacity(0.3, "soft", "score", min_capacity=2))
+    assert kept.tolist() == [[0, X], [1, 0], [1, 2], [2, 1]] and n == 1
+    # First choices first: the order is t2, t1 (slot 0), then t3, t0 (slot 1); the first C = 2 are both first
+    # choices and no first choice is left beyond them: t3 and t0 are dropped.
+    kept, n = apply_capacity(IDS2, W2, 3, Capacity(0.3, "soft", "score", min_capacity=2, order="choice"))
+    assert kept.tolist() == [[0, X], [1, 0], [1, 2], [2, X]] and n == 2
+    # C = 1, soft, first choices first: expert 1 has 2 >= C first choices and keeps min(2, 2C) = 2 of them (t2, t1)
+    # and no second choice; expert 0 keeps t0 (slot 0) and drops t1 (slot 1); expert 2 keeps t3, drops t2.
+    kept, n = apply_capacity(IDS2, W2, 3, Capacity(0.3, "soft", "score", order="choice"))
+    assert kept.tolist() == [[0, X], [1, X], [1, X], [2, X]] and n == 4
+
+
 def skewed_bundle(folder: Path, capacity: dict | None, composition: int = 1):
     """3 layers, 6 experts, top-2, hidden 64; the router favours experts 0 and 1 (skewed routing)."""
     from runtime_bundles import write_bundle
@@ -65,9 +114,11 @@ def skewed_bundle(folder: Path, capacity: dict | None, composition: int = 1):
     return bundle, path
 
 
-@pytest.mark.parametrize("mode,policy", [("hard", "score"), ("soft", "position")])
-def test_cpu_backend_equals_the_reference_with_capacity(tmp_path, mode, policy):
-    spec = {"factor": 1.0, "mode": mode, "policy": policy}
+@pytest.mark.parametrize("mode,policy,extra", [("hard", "score", {}), ("soft", "position", {}),
+                                               ("hard", "position", {"min_capacity": 4, "order": "choice"}),
+                                               ("soft", "position", {"order": "choice"})])
+def test_cpu_backend_equals_the_reference_with_capacity(tmp_path, mode, policy, extra):
+    spec = {"factor": 1.0, "mode": mode, "policy": policy, **extra}
     bundle, path = skewed_bundle(tmp_path, spec)
     x = np.random.default_rng(3).standard_normal((2, 8, 64)).astype(np.float32)
     engine = ReferenceEngine(path, compute_dtype=np.float64, capacity=Capacity.from_dict(spec))
@@ -84,6 +135,9 @@ def test_cpu_backend_equals_the_reference_with_capacity(tmp_path, mode, policy):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
     assert stats.last_dropped_pairs == expected_dropped == stats.dropped_pairs
     np.testing.assert_allclose(short, engine(x[:1, :5]), rtol=1e-5, atol=1e-5)
+    if extra:  # the options change what is dropped (so the backend read them from the manifest)
+        base = ReferenceEngine(path, compute_dtype=np.float64, capacity=Capacity(1.0, mode, policy))
+        assert not (np.allclose(base(x), y, atol=1e-3) and np.allclose(base(x[:1, :5]), short, atol=1e-3))
 
 
 def test_a_token_with_every_pair_dropped_passes_through(tmp_path):
@@ -104,7 +158,16 @@ def test_profile_keys_and_build_flags(capsys, tmp_path):
         ({"factor": 0}, "p.yaml: capacity.factor = 0; allowed: a number in (0, 64]"),
         ({"factor": 1, "mode": "firm"}, "p.yaml: capacity.mode = 'firm'; allowed: hard, soft"),
         ({"factor": 1, "policy": "random"}, "p.yaml: capacity.policy = 'random'; allowed: score, position"),
-        ({"factor": 1, "size": 3}, "p.yaml: capacity: unknown keys ['size']; allowed: factor, mode, policy"),
+        ({"factor": 1, "size": 3},
+         "p.yaml: capacity: unknown keys ['size']; allowed: factor, mode, policy, min_capacity, order"),
+        ({"factor": 1, "min_capacity": 0}, "p.yaml: capacity.min_capacity = 0; allowed: an integer in 1..1048576"),
+        ({"factor": 1, "min_capacity": 2.5},
+         "p.yaml: capacity.min_capacity = 2.5; allowed: an integer in 1..1048576"),
+        ({"factor": 1, "min_capacity": True},
+         "p.yaml: capacity.min_capacity = True; allowed: an integer in 1..1048576"),
+        ({"factor": 1, "min_capacity": 1 << 21},
+         "p.yaml: capacity.min_capacity = 2097152; allowed: an integer in 1..1048576"),
+        ({"factor": 1, "order": "slot"}, "p.yaml: capacity.order = 'slot'; allowed: policy, choice"),
     ]:
         data["capacity"] = bad
         with pytest.raises(ProfileError) as info:
@@ -113,4 +176,33 @@ def test_profile_keys_and_build_flags(capsys, tmp_path):
     from colibri_sdk.cli import main
 
     assert main(["build", "--profile", "orin", "--demo", "--capacity-mode", "soft", "-o", str(tmp_path / "b")]) == 1
-    assert "--capacity-mode / --capacity-policy need --capacity-factor F" in capsys.readouterr().err
+    assert "--capacity-mode / --capacity-policy / --capacity-min / --capacity-order need --capacity-factor F" in (
+        capsys.readouterr().err)
+    assert main(["build", "--profile", "orin", "--demo", "--capacity-min", "4", "-o", str(tmp_path / "b")]) == 1
+    assert "need --capacity-factor F" in capsys.readouterr().err
+    # A bad value from the command line: one line naming the flag and the value.
+    assert main(["build", "--profile", "orin", "--demo", "--capacity-factor", "1", "--capacity-min", "0",
+                 "-o", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert "--capacity-min 0" in err and "capacity.min_capacity = 0; allowed: an integer in 1..1048576" in err
+    assert len(err.strip().splitlines()) == 1
+    for argv, word in ((["--capacity-min", "two"], "'two'"), (["--capacity-order", "slot"], "'slot'")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["build", "--profile", "orin", "--demo", "--capacity-factor", "1", *argv])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert word in err and argv[0] in err  # argparse's usage error names the flag and the value
+
+
+def test_old_capacity_mappings_keep_their_form():
+    """A mapping without the new keys reads as before: min_capacity 1, order policy, the same to_dict, kernel
+    constants and launch flags."""
+    from colibri_sdk import catalog
+
+    old = {"factor": 0.6, "mode": "soft", "policy": "position"}
+    cap = Capacity.from_dict(old)
+    assert (cap.min_capacity, cap.order) == (1, "policy") and cap.to_dict() == old
+    assert "COLI_CAPACITY_MIN" not in catalog.capacity_defines(old) and catalog.capacity_flags(old) == 3
+    new = dict(old, min_capacity=8, order="choice")
+    assert Capacity.from_dict(new).to_dict() == new
+    assert catalog.capacity_defines(new)["COLI_CAPACITY_MIN"] == 8 and catalog.capacity_flags(new) == 7
