@@ -33,7 +33,10 @@
 // in order: emu_state.h (the launch state), emu_scheduler.h (fibers, barriers, warp exchanges), emu_access.h (the
 // access model of global loads), smem_model.h (its shared-memory counters), emu_launch.h (a grid launch),
 // emu_intrinsics.h (the CUDA intrinsics), emu_mma_cp_async.h (tensor cores and cp.async).
-#pragma once
+// An include guard rather than #pragma once: the guard also holds when the header came from its precompiled form
+// (emulator.py _shim_pch) and a unit includes it again.
+#ifndef COLI_EMU_CUDA_SHIM_H
+#define COLI_EMU_CUDA_SHIM_H
 
 #include <csetjmp>
 #include <csignal>
@@ -80,3 +83,5 @@ inline dim3 blockDim, gridDim;
 #include "emu_launch.h"
 #include "emu_intrinsics.h"
 #include "emu_mma_cp_async.h"
+
+#endif  // COLI_EMU_CUDA_SHIM_H
