@@ -226,7 +226,7 @@ def _consume(op: str, result, work: Path):
         local.write_bytes(b"x" * 10)
         upload = Upload(BundleFile("model.colibri", SHA_A, 10, local))
         uploader = Uploader(agent)
-        uploader._stream = lambda batch, report, digests: agent.answer("receive", result)["objects"]
+        uploader._stream = lambda batch, report, digests=None: agent.answer("receive", result)["objects"]
         return uploader._send_batch([upload], UploadReport())
     if op == "stage":
         files = [BundleFile(f"f{i}", s, n, work / "x") for i, (s, n) in enumerate(SIZES.items())]
