@@ -32,8 +32,8 @@ def test_missing_optional_dependency_names_the_extra(tmp_path, module, extra, ar
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().endswith(
-        f"needs the Python package {module!r} (extra \"{extra}\"): pip install \"colibri-sdk[{extra}]\" "
-        f"(in a source checkout: pip install \".[{extra}]\")"
+        f"needs the Python package {module!r} (extra \"{extra}\"): in the colibri-sdk checkout, pip install "
+        f"\".[{extra}]\" (colibri-sdk is on no package index)"
     ), result.stderr
 
 

@@ -12,14 +12,16 @@ before anything is staged or switched (`check_digest`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..bundle import MANIFEST, Bundle, canonical_json, file_sha256, manifest_digest
+from ..bundle import MANIFEST, Bundle, canonical_json, manifest_digest
 from ..bundle.manifest import DIGEST_KEY
-from ..bundle.paths import open_inside, read_manifest
+from ..bundle.paths import _O_NOFOLLOW, _O_NONBLOCK, kind_of, open_inside, read_manifest
 from ..bundle.records import check_buffer_records
 from ..errors import BundleError
 
@@ -121,6 +123,66 @@ def check_digest(file: BundleFile, digest: str) -> None:
                           f"manifest's {file.sha256}; nothing was staged, the active bundle was not changed")
 
 
+READ_BYTES = 1 << 20  # the block size of read_chunks
+
+
+def read_chunks(path, offset: int, chunk: int = READ_BYTES):
+    """The bytes of `path` from `offset` to its end, in blocks of at most `chunk` bytes. `path` is opened without
+    following a link at its last component and without blocking (a FIFO), and refused unless it is a regular file,
+    so a file swapped after the bundle's check for a link, a device or a FIFO is never read.
+
+    Raises:
+        BundleError: not a regular file, or it cannot be opened.
+        OSError: a read failed.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK)
+    except OSError as exc:
+        what = "a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened: {exc.strerror}"
+        raise BundleError(f"{path}: {what}; allowed: a regular file inside the bundle") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise BundleError(f"{path}: {kind_of(mode)}; allowed: a regular file inside the bundle")
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        f.seek(offset)
+        while block := f.read(chunk):
+            yield block
+
+
+def exact_blocks(file: BundleFile, offset: int, chunk: int = READ_BYTES, reader=read_chunks):
+    """The bytes of `file` from `offset` to its manifest size, read through `reader` (read_chunks), refusing a file
+    that is no longer that size: no byte past the size is yielded, and a file that ends early is refused after its
+    last byte.
+
+    Raises:
+        BundleError: the file changed on this machine (longer or shorter than the manifest says), is not a regular
+            file, or cannot be read (naming the file; nothing was staged or switched).
+    """
+    at = offset
+    try:
+        for block in reader(file.local, offset, chunk):
+            if at + len(block) > file.size:
+                raise BundleError(f"bundle file {file.path!r} changed on this machine: it is now longer than the "
+                                  f"manifest's {file.size} bytes; nothing was staged, the active bundle was not changed")
+            at += len(block)
+            yield block
+    except OSError as exc:
+        raise BundleError(f"bundle file {file.path!r} cannot be read: {exc.strerror or exc}; nothing was staged, the "
+                          f"active bundle was not changed") from None
+    if at < file.size:
+        raise BundleError(f"bundle file {file.path!r} changed on this machine: it now ends after {at} bytes, the "
+                          f"manifest says {file.size}; nothing was staged, the active bundle was not changed")
+
+
 def rehash(file: BundleFile) -> str:
-    """sha256 hex of the local file now."""
-    return file_sha256(file.local)
+    """sha256 hex of the local file now, read as `exact_blocks` reads it (at most its manifest size, never through a
+    link, a device or a FIFO).
+
+    Raises:
+        BundleError: as exact_blocks.
+    """
+    digest = hashlib.sha256()
+    for block in exact_blocks(file, 0):
+        digest.update(block)
+    return digest.hexdigest()

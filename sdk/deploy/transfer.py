@@ -13,7 +13,9 @@ from the cipher: bench/deploy_bench.py); a thread reads each file ahead of the s
 when the device reports a mismatch is the local file hashed (`rehash`): one that differs from the manifest is a
 bundle changed on this machine (BundleError, nothing sent again); one that matches was damaged on the way and is
 sent once more from byte 0, hashed from the reads that send it this time, and a second mismatch raises
-ChecksumMismatchError.
+ChecksumMismatchError. Every read stops at the manifest's size and refuses a file that is now shorter or longer,
+a link, a device or a FIFO (local_bundle.exact_blocks: a BundleError), so a file changed after the bundle's check
+is never sent past its size, never blamed on the device and never read without end.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from .errors import ChecksumMismatchError, DeployError, RemoteCommandError, RemoteTimeoutError
-from .local_bundle import BundleFile, check_digest, rehash
+# read_chunks is looked up here by HashingReader at each read, so a test can put a reader of its own in its place.
+from .local_bundle import BundleFile, check_digest, exact_blocks, read_chunks, rehash
 from .remote import RemoteAgent
 
 CHUNK_BYTES = 1 << 20
@@ -56,24 +59,18 @@ class UploadReport:
             self.bytes_sent += n
 
 
-def read_chunks(path, offset: int, chunk: int = CHUNK_BYTES):
-    """The bytes of `path` from `offset` to the end, in blocks of at most `chunk` bytes."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while block := f.read(chunk):
-            yield block
-
-
 class HashingReader:
-    """The blocks of `path` from `offset` to the end, read by a thread up to READ_AHEAD blocks ahead of the consumer
-    (file reads release the GIL, so reading overlaps the sending). With `hashing`, `digest` is the sha256 of the
-    whole file, bytes before `offset` included, once every block was taken (else it stays None). `close()` stops
-    the thread early."""
+    """The blocks of `file` (a BundleFile) from `offset` to its manifest size (local_bundle.exact_blocks: a file
+    changed in size, a link, a device or a FIFO is a BundleError raised to the consumer), read by a thread up to
+    READ_AHEAD blocks ahead of the consumer (file reads release the GIL, so reading overlaps the sending). With
+    `hashing`, `digest` is the sha256 of the whole file, bytes before `offset` included, once every block was taken
+    (else it stays None). `close()` stops the thread early."""
 
     _END = object()
 
-    def __init__(self, path, offset: int, chunk: int = CHUNK_BYTES, hashing: bool = True):
-        self.path, self.offset, self.chunk = path, offset, chunk
+    def __init__(self, file: BundleFile, offset: int, chunk: int = CHUNK_BYTES, hashing: bool = True):
+        self.file, self.offset, self.chunk = file, offset, chunk
+        self.path = file.local
         self.digest = None
         self.blocks = queue.Queue(READ_AHEAD)
         self.closed = threading.Event()
@@ -84,7 +81,7 @@ class HashingReader:
         h = hashlib.sha256() if hashing else None
         try:
             at = 0 if hashing else self.offset  # a hash needs the bytes before `offset` too
-            for block in read_chunks(self.path, at, self.chunk):
+            for block in exact_blocks(self.file, at, self.chunk, read_chunks):
                 if h is not None:
                     h.update(block)
                 if at + len(block) > self.offset:
@@ -198,7 +195,7 @@ class Uploader:
         reader = None
         try:
             for upload in batch:
-                reader = HashingReader(upload.file.local, upload.offset, hashing=digests is not None)
+                reader = HashingReader(upload.file, upload.offset, hashing=digests is not None)
                 for block in reader:
                     if self.stop.is_set():
                         raise DeployError(f"{label}: upload of {upload.file.path!r} stopped (another stream failed, "

@@ -160,7 +160,7 @@ def test_outside_the_checkout_a_colibri_sdk_wheel_in_wheels_is_used(tmp_path, ta
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     options = DeployOptions(remote_dir=str(tmp_path / "device"), remote_python=sys.executable)
-    with pytest.raises(RuntimeInstallError, match="run it from inside the checkout, or put a wheel built there"):
+    with pytest.raises(RuntimeInstallError, match=r"run it from inside the checkout, or build the wheel there \(pip wheel --no-deps \. -w DIR: .*\) and pass --wheels DIR$"):
         installer.install_runtime(target, options, wheels)
     shutil.copy(sdk_wheel, wheels)
     with pytest.raises(RuntimeInstallError) as info:  # now only the device's dependencies are missing
