@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
@@ -148,13 +149,34 @@ def wheel_requirements(path: Path) -> list:
 def resolve(requirement: str, files, device: Device, local: dict | None = None) -> tuple:
     """The wheels that install `requirement` on `device`, dependencies included, from `files`.
 
+    Each name gets the highest version its requirements seen so far allow (select_wheel); where a later requirement
+    excludes the version chosen (numba's numpy<2.1 after colibri-sdk's numpy>=1.22 took numpy 2.2), its specifier
+    joins that name's constraints and the resolution starts again, at most RESOLVE_ROUNDS times. A wheel in `local`
+    is never replaced.
+
     Args:
         local: {canonical name: wheel path} chosen beforehand (the colibri-sdk wheel built here).
 
     Returns:
         ({canonical name: wheel path}, [Requirement missing]) — nothing in `files` fits those.
     """
-    chosen = dict(local or {})
+    constraints: dict = {}
+    for _ in range(RESOLVE_ROUNDS):
+        chosen, missing, conflict = _resolve_once(requirement, files, device, local or {}, constraints)
+        if conflict is None:
+            break
+        name, specifier = conflict
+        constraints[name] = constraints.get(name, SpecifierSet()) & specifier
+    return chosen, list({str(r): r for r in missing}.values())  # each missing requirement once
+
+
+RESOLVE_ROUNDS = 16  # restarts with a new constraint; each adds one specifier, so a handful suffice
+
+
+def _resolve_once(requirement: str, files, device: Device, local: dict, constraints: dict) -> tuple:
+    """One pass of `resolve`: (chosen, missing, conflict) where conflict is (name, specifier) of the first
+    requirement that excludes a version chosen earlier in this pass and is not yet among `constraints`, else None."""
+    chosen = dict(local)
     missing, queue, seen = [], [(Requirement(requirement), None)], set()
     while queue:
         req, parent_extras = queue.pop(0)
@@ -165,19 +187,24 @@ def resolve(requirement: str, files, device: Device, local: dict | None = None) 
         name = canonicalize_name(req.name)
         path = chosen.get(name)
         if path is None:
-            path = select_wheel(req, files, device)
+            wanted = Requirement(str(req))
+            wanted.specifier = req.specifier & constraints.get(name, SpecifierSet())
+            path = select_wheel(wanted, files, device)
             if path is None:
-                missing.append(_without_marker(req))
+                missing.append(_without_marker(wanted))
                 continue
             chosen[name] = path
         elif not req.specifier.contains(parse_wheel_filename(path.name)[1], prereleases=True):
+            known = constraints.get(name, SpecifierSet())
+            if name not in local and (known & req.specifier) != known:
+                return chosen, missing, (name, req.specifier)
             missing.append(_without_marker(req))
             continue
         for dep in wheel_requirements(path):
             if dep.marker is None or any(dep.marker.evaluate({**device.markers, "extra": e})
                                          for e in (sorted(req.extras) or [""])):
                 queue.append((dep, tuple(sorted(req.extras))))
-    return chosen, missing
+    return chosen, missing, None
 
 
 def _without_marker(req: Requirement) -> Requirement:

@@ -98,6 +98,23 @@ def test_dependency_closure_follows_extras_and_markers(tmp_path):
     assert [str(r) for r in missing] == ["cuda-pathfinder~=1.1"]  # no paramiko (extra), no ml-dtypes (x86_64)
 
 
+def test_a_later_upper_bound_re_chooses_an_earlier_pick(tmp_path):
+    # colibri-sdk's numpy>=1.22 took numpy 2.1.0; numba's numpy<2.1 then excluded it: the device got "no wheel of
+    # numpy<2.1,>=1.22" although numpy 1.26.4 was in the folder (the emulated arm64 device's numba 0.60).
+    device = Device.from_probe(JETPACK6)
+    sdk = fake_wheel(tmp_path, f"colibri_sdk-{__version__}-py3-none-any.whl", ["numpy>=1.22", "numba>=0.59"])
+    files = [fake_wheel(tmp_path, NUMPY[0]), fake_wheel(tmp_path, NUMPY[1]),
+             fake_wheel(tmp_path, "numba-0.60.0-cp310-cp310-manylinux2014_aarch64.manylinux_2_17_aarch64.whl",
+                        ["numpy<2.1,>=1.22"])]
+    chosen, missing = resolve(f"colibri-sdk=={__version__}", files, device, local={"colibri-sdk": sdk})
+    assert missing == []
+    assert chosen["numpy"].name == NUMPY[0], chosen
+    # a bound nothing in the folder meets is still named, with every constraint on the name
+    files = [fake_wheel(tmp_path, NUMPY[1]), files[2]]
+    chosen, missing = resolve(f"colibri-sdk=={__version__}", files, device, local={"colibri-sdk": sdk})
+    assert [str(r) for r in missing] == ["numpy<2.1,>=1.22"], missing
+
+
 # ---- on the loopback 'device' ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def sdk_wheel(tmp_path_factory):
