@@ -206,10 +206,11 @@ def test_install_runtime_puts_aarch64_wheels_in_a_venv_there(device, installed):
     assert installed.strip().endswith(f"in /home/colibri/colibri/venv ({len(record['wheels'])} wheels)")
     names = sorted(os.listdir(home / "wheels"))
     binary = [n for n in names if not n.endswith("-none-any.whl")]
-    assert {n.split("-")[0] for n in binary} == {"numpy", "cuda_bindings"}, names
+    # numba (the CPU backend's kernels) and its llvmlite are binary wheels too
+    assert {n.split("-")[0] for n in binary} == {"numpy", "cuda_bindings", "numba", "llvmlite"}, names
     assert all(n.endswith("aarch64.whl") for n in binary), names
     dists = {n.split("-")[0] for n in names}
-    wanted = {"colibri_sdk", "numpy", "threadpoolctl", "cuda_bindings"}
+    wanted = {"colibri_sdk", "numpy", "threadpoolctl", "numba", "llvmlite", "cuda_bindings"}
     assert wanted <= dists <= wanted | {"cuda_pathfinder", "pip"}, names  # cuda-bindings >= 12.9.1 needs pathfinder
     proc = device.ssh("colibri/venv/bin/python -c 'import platform, numpy, colibri_sdk, cuda.bindings; "
                       "print(platform.machine(), numpy.__file__, colibri_sdk.__file__)'")
