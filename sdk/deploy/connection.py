@@ -387,6 +387,10 @@ class Tail:
         return bytes(self.data[-self.limit:])
 
 
+# After the exit status, how long collect waits for the channel's EOF (the output sshd has not sent yet), s.
+EXIT_GRACE_S = 2.0
+
+
 def collect(channel, timeout: float, label: str, argv, max_stdout: int | None = None,
             what: str | None = None) -> CommandResult:
     """Read stdout and stderr of `channel` until the command exits; abandon it after `timeout` seconds.
@@ -405,6 +409,7 @@ def collect(channel, timeout: float, label: str, argv, max_stdout: int | None = 
     out, err = (bytearray() if max_stdout is not None else Tail(TAIL_STDOUT_BYTES)), Tail(MAX_STDERR_BYTES)
     what = what or f"remote command {_short(argv)}"
     deadline = time.monotonic() + timeout
+    exited = None
     while True:
         while channel.recv_ready() and time.monotonic() <= deadline:
             block = channel.recv(1 << 16)
@@ -420,7 +425,11 @@ def collect(channel, timeout: float, label: str, argv, max_stdout: int | None = 
         while channel.recv_stderr_ready() and time.monotonic() <= deadline:
             err.add(channel.recv_stderr(1 << 16))
         if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
-            break
+            # sshd may send the exit status before the last output: wait for the channel's EOF, but not for a
+            # background process that keeps the command's output open (EXIT_GRACE_S).
+            exited = exited or time.monotonic()
+            if channel.eof_received or channel.closed or time.monotonic() - exited > EXIT_GRACE_S:
+                break
         if time.monotonic() > deadline:
             channel.close()
             raise RemoteTimeoutError(f"{label}: {what} did not finish within {timeout:g} s",
