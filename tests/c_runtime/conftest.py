@@ -106,22 +106,45 @@ def small_weights(tmp_path_factory) -> Path:
                         inter=INTER, seed=5)
 
 
+class _Lazy(dict):
+    """A dict whose values are made on first use by `make(key)` and kept: a test process builds only the bundles (and
+    emulation libraries) its tests read, not every one of them."""
+
+    def __init__(self, keys, make):
+        super().__init__()
+        self._keys, self._make = tuple(keys), make
+
+    def __missing__(self, key):
+        if key not in self._keys:
+            raise KeyError(key)
+        self[key] = value = self._make(key)
+        return value
+
+    def __contains__(self, key):
+        return key in self._keys
+
+
 @pytest.fixture(scope="session")
 def bundles(tmp_path_factory, small_weights) -> dict[str, Path]:
-    """Every shipped profile, plus "tiled": batch 2 x 8, fp32, atomic aggregation, the tiled (not GEMV) kernels."""
+    """Every shipped profile, plus "tiled": batch 2 x 8, fp32, atomic aggregation, the tiled (not GEMV) kernels; each
+    built when a test first reads it."""
     root = tmp_path_factory.mktemp("c_bundles")
-    made = {name: build_bundle_for(name, root / name, small_weights) for name in SHIPPED}
-    made["tiled"] = build_bundle_for("orin", root / "tiled", small_weights, dtype="fp32", aggregation="atomic",
-                                     shape={"batch": 2, "tokens": 8}, kernels={"small_batch": {"max_pairs": 1}})
-    return made
+
+    def make(name: str) -> Path:
+        if name == "tiled":
+            return build_bundle_for("orin", root / "tiled", small_weights, dtype="fp32", aggregation="atomic",
+                                    shape={"batch": 2, "tokens": 8}, kernels={"small_batch": {"max_pairs": 1}})
+        return build_bundle_for(name, root / name, small_weights)
+
+    return _Lazy((*SHIPPED, "tiled"), make)
 
 
 @pytest.fixture(scope="session")
 def emu_libs(bundles) -> dict[str, Path]:
-    """The kernel emulation library for each bundle's compile-time constants."""
+    """The kernel emulation library for each bundle's compile-time constants (built when first read)."""
     from emulator import build_library
 
-    return {name: build_library(manifest(path)["kernels"][0]["defines"]) for name, path in bundles.items()}
+    return _Lazy(tuple(bundles._keys), lambda name: build_library(manifest(bundles[name])["kernels"][0]["defines"]))
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@ comparison, graph vs eager, close, the Runtime self-test) is exercised where no 
 
 A subset: the cases whose emulated forward passes are fast. Left out (tens of seconds to minutes on the emulator):
 the 1000 replays, the concurrency test, the largest GEMV cases, every shipped profile on the demo model, the
-integrated-GPU memory test (a 400 MB model), and all but one (tiled, int4) of the quantized bundles."""
+integrated-GPU memory test (a 400 MB model), all but one (tiled, int4) of the quantized bundles, and two of the
+three tiled fp16 cases."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from timeout_support import guard
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")
 
-SLOW = ["1000", "concurrent", "peak_memory", "shipped_profile", "gemv-many", "gemv-atomic", "t4-int4", "t64-int"]
+SLOW = ["1000", "concurrent", "peak_memory", "shipped_profile", "gemv-many", "gemv-atomic", "t4-int4", "t64-int",
+        # two more tiled fp16 cases (odd sizes, block_m 32): tests/kernels emulates those kernels on their own
+        "t16-e64-k4-fp16-tiled-odd", "t33-e16-k2-fp16-tiled-bm32"]
 
 
 def test_gpu_tests_pass_on_the_fake_driver(run_fake, tmp_path):
