@@ -78,9 +78,22 @@ SAMPLE_BLOCKS = 24  # blocks emulated per expert-kernel launch (every k-th of th
 HOT_SHARE = 0.5  # a site is part of a hot loop when it has at least half the requests of its kernel's busiest site
 
 
-def profile_for(device: str, tokens: int) -> dict:
-    """The device's shipped profile with the smallest (batch, tokens) shape that holds `tokens` (batch 1 first)."""
+PATHS = ("profile", "gemv", "tc")  # the shipped profile's max_pairs, or the GEMV / tensor-core tile path forced
+
+
+def profile_path(device: str, tokens: int) -> str:
+    """"gemv" or "tc": the path the shipped profile's max_pairs takes at `tokens` (FULL's top-k pairs per token)."""
+    return "gemv" if tokens * FULL["top_k"] <= load_profile(DEVICES[device]["profile"], toolchain=False).data[
+        "kernels"]["small_batch"]["max_pairs"] else "tc"
+
+
+def profile_for(device: str, tokens: int, route: str = "profile") -> dict:
+    """The device's shipped profile with the smallest (batch, tokens) shape that holds `tokens` (batch 1 first);
+    route "gemv" / "tc" sets kernels.small_batch.max_pairs so that the layer takes that path (the crossover study),
+    "profile" keeps the shipped value."""
     data = copy.deepcopy(load_profile(DEVICES[device]["profile"], toolchain=False).data)
+    if route not in PATHS:
+        raise SystemExit(f"path {route!r}: expected one of {', '.join(PATHS)}")
     shape = data["shape"]
     batches = shape["batch"] if isinstance(shape["batch"], list) else [shape["batch"]]
     lengths = shape["tokens"] if isinstance(shape["tokens"], list) else [shape["tokens"]]
@@ -89,6 +102,11 @@ def profile_for(device: str, tokens: int) -> dict:
         raise SystemExit(f"{device}: no profile shape holds {tokens} tokens (batch {batches}, tokens {lengths})")
     _, b, t = fits[0]
     data["shape"] = {"batch": b, "tokens": t}
+    if route == "gemv":
+        data["kernels"]["small_batch"]["max_pairs"] = max(data["kernels"]["small_batch"]["max_pairs"],
+                                                          b * t * FULL["top_k"])
+    elif route == "tc":
+        data["kernels"]["small_batch"]["max_pairs"] = 1
     return Profile.from_dict(data, toolchain=False).data
 
 
@@ -108,14 +126,14 @@ def expert_bytes(dims: dict, storage: str) -> int:
     return 2 * 3 * h.hidden_size * h.intermediate_size
 
 
-def resources(device: str, tokens: int, storage: str, use_nvrtc: bool) -> dict:
+def resources(device: str, tokens: int, storage: str, use_nvrtc: bool, route: str = "profile") -> dict:
     """{symbol: {"registers", "shared_bytes"}} from ptxas for the full shape, or {} without NVRTC."""
     if not use_nvrtc:
         return {}
     from colibri_sdk.aot.cache import NvrtcCache
     from colibri_sdk.aot.kernels import compile_catalog
 
-    profile = Profile.from_dict(profile_for(device, tokens), toolchain=False)
+    profile = Profile.from_dict(profile_for(device, tokens, route), toolchain=False)
     out = {}
     for k in compile_catalog(profile, header_for(FULL, storage), workers=1, cache=NvrtcCache()):
         out.update(k.resources)
@@ -226,8 +244,10 @@ def fma_instr(symbol: str, storage: str, pairs_per_expert: dict, dims: dict) -> 
     return (elements * pairs + elements * used * DEQUANT_INSTR[storage]) / 32
 
 
-def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_nvrtc: bool) -> dict:
-    profile = profile_for(device, valid)
+def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_nvrtc: bool,
+             route: str = "profile") -> dict:
+    """One layer's estimate on `device`; route: PATHS ("profile": the shipped max_pairs, "gemv"/"tc": forced)."""
+    profile = profile_for(device, valid, route)
     path = tmp / f"{storage}-{dims['hidden']}x{dims['inter']}.colibri"
     if not path.exists():
         make_model(path, **dims, storage=KIT_STORAGE[storage])
@@ -236,7 +256,7 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
     dev = dict(DEVICES[device])
     hw = profile["hardware"]
     dev.update(sms=hw["sm_count"], bandwidth_gbs=hw["memory_bandwidth_gbs"])
-    res = resources(device, valid, storage, use_nvrtc)
+    res = resources(device, valid, storage, use_nvrtc, route)
     full_plan = {(l["symbol"]): l for l in catalog.launch_plan(profile, header_for(FULL, storage))}
     floor_s = experts_selected / expert_bytes(dims, storage) * expert_bytes(FULL, storage) / (dev["bandwidth_gbs"] * 1e9)
     experts_used = round(experts_selected / expert_bytes(dims, storage))
@@ -263,7 +283,9 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
                         "smem_wavefront_ratio": c["smem_wavefronts"] / c["smem_ideal"] if c["smem_ideal"] else None,
                         "sites": c["sites"], **est})
     layer_us = sum(k["time_us"] for k in kernels)
-    return {"device": device, "storage": storage, "tokens": valid, "kernels": kernels, "est_layer_us": layer_us,
+    taken = "tc" if any(k["symbol"] in TC_SYMBOLS for k in kernels) else "gemv"
+    return {"device": device, "storage": storage, "tokens": valid, "path": taken,
+            "profile_path": profile_path(device, valid), "kernels": kernels, "est_layer_us": layer_us,
             "floor_us": floor_s * 1e6, "est_floor_fraction": floor_s * 1e6 / layer_us, "scale": scale}
 
 
@@ -292,11 +314,17 @@ def hot_summary(cases: list[dict]) -> dict:
 
 def summary(cases: list[dict], dims: dict) -> dict:
     """The --json object of `cases` (every value an estimate)."""
-    hot = hot_summary(cases)
+    shipped = [c for c in cases if c.get("path", "gemv") == c.get("profile_path", c.get("path", "gemv"))]
+    hot = hot_summary(shipped)
     fraction: dict = {}
+    by_path: dict = {}
     for c in cases:
-        fraction.setdefault(c["device"], {}).setdefault(c["storage"], {})[str(c["tokens"])] = c["est_floor_fraction"]
-    layer = {(c["device"], c["storage"], c["tokens"]): c["est_layer_us"] for c in cases}
+        if c in shipped:
+            fraction.setdefault(c["device"], {}).setdefault(c["storage"], {})[str(c["tokens"])] = \
+                c["est_floor_fraction"]
+        by_path.setdefault(c["device"], {}).setdefault(c["storage"], {}).setdefault(str(c["tokens"]), {})[
+            c.get("path", "gemv")] = c["est_floor_fraction"]
+    layer = {(c["device"], c["storage"], c["tokens"]): c["est_layer_us"] for c in shipped}
     ratio = layer.get(("orin", "int4_g128", 1), 0) / layer[("orin", "fp16", 1)] \
         if ("orin", "fp16", 1) in layer and ("orin", "int4_g128", 1) in layer else None
     result = {
@@ -309,6 +337,9 @@ def summary(cases: list[dict], dims: dict) -> dict:
         "active_lane_fraction_min": hot["lanes"]["fraction"], "active_lane_min_site": hot["lanes"]["site"],
         "active_lane_fraction_weighted": hot["lanes_weighted"],
         "est_floor_fraction": fraction, "est_int4_over_fp16_time": ratio,
+        "est_floor_fraction_by_path": by_path,  # the GEMV and the tensor-core tile path at the same shape
+        "note_paths": "est_floor_fraction and the hot-loop figures: the path each shipped profile's max_pairs takes; "
+                      "est_floor_fraction_by_path: both paths where --paths ran both",
         "cases": [{k: v for k, v in c.items()} for c in cases],
     }
     return result
@@ -322,6 +353,9 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", nargs="*", choices=list(DEVICES))
     parser.add_argument("--storages", nargs="*", default=list(STORAGES), choices=list(STORAGES))
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS), choices=list(TOKENS))
+    parser.add_argument("--paths", nargs="*", default=["profile"], choices=list(PATHS),
+                        help="profile: the shipped max_pairs; gemv / tc: that path forced (the crossover study; "
+                             "at T=1 only the GEMV path is run)")
     parser.add_argument("--no-nvrtc", action="store_true", help="resident blocks from threads only (no ptxas)")
     parser.add_argument("--merge", nargs="*", type=Path, metavar="JSON",
                         help="no emulation: the summary of the cases of these --json-out files (runs split by storage)")
@@ -332,6 +366,9 @@ def main(argv=None) -> int:
     if args.merge:
         for f in args.merge:
             cases += json.loads(f.read_text())["cases"]
+        for c in cases:  # the profiles' max_pairs as they are now (a profile may have changed since the run)
+            c.setdefault("path", "tc" if any(k["symbol"] in TC_SYMBOLS for k in c["kernels"]) else "gemv")
+            c["profile_path"] = profile_path(c["device"], c["tokens"])
         devices, args.storages, args.tokens = [], [], []  # nothing to emulate
     if args.quick and not args.json:
         print("--quick: a smaller scaled shape than the committed results (bench/results/kernel_model.txt): its "
@@ -339,14 +376,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for storage in args.storages:
             for t in args.tokens:
-                for device in devices:
+                for device, route in [(d, p) for d in devices for p in args.paths]:
+                    if t == 1 and route == "tc" and "gemv" in args.paths:
+                        continue
                     shape = SCALED_INT4 if storage.startswith("int4") and dims is SCALED else dims
-                    case = run_case(device, storage, t, shape, Path(tmp), not args.no_nvrtc)
+                    case = run_case(device, storage, t, shape, Path(tmp), not args.no_nvrtc, route)
+                    if any((c["device"], c["storage"], c["tokens"], c["path"]) ==
+                           (device, storage, t, case["path"]) for c in cases):
+                        continue  # "profile" took the same path as a forced one
                     cases.append(case)
                     if args.json_out is not None:  # after every case: a run cut short keeps what it measured
                         args.json_out.write_text(json.dumps(summary(cases, dims), indent=1) + "\n")
                     if not args.json:
-                        print(f"{device:<8} {storage:<10} T={t:<3} est layer {case['est_layer_us']:9.1f} us  floor "
+                        print(f"{device:<8} {storage:<10} T={t:<3} {case['path']:<4} est layer {case['est_layer_us']:9.1f} us  floor "
                               f"{case['floor_us']:8.1f} us  est fraction of floor {case['est_floor_fraction']:.3f}",
                               flush=True)
                         for k in case["kernels"]:

@@ -94,6 +94,13 @@ __device__ __forceinline__ float rw_to_float(rw_t v) { return wt_to_float(v); }
 #define PART_N_ (RTOK_ * RQS_ > (VEC_ROUTER_ ? VTOK_ * VQS_ : 0) ? RTOK_ * RQS_ : VTOK_ * VQS_)
 #define EP_ (E_ + COLI_SHARED_GATE)  // columns of routing_partials: the experts, then the shared gate
 #define WARPS_ (RT_ / 32)
+// The row groups' sums of a round, when a pass's run of experts divides a warp (32 % run == 0: up to 32 experts,
+// one pass, groups x run = RT_): a warp per token reads the token's RT_ (vector path RT_ * RVEC_) partials of part
+// in order, 32 lanes at a time (lane l always holds expert l % run), then a butterfly over the lanes of one expert;
+// lanes 0 .. run - 1 write the logits. Every lane works (the per-expert loop over the groups used run of 32 lanes:
+// 8 at 8 experts). The order of the sum is fixed: the bits do not depend on scheduling. Else one thread per logit.
+#define RSHFL_ (32 % EPASS_ == 0)
+#define VSHFL_ (32 % (VPASS_ * RVEC_) == 0)
 
 // Selection: routing 0, and routing 1 without groups, select on the logits (softmax is monotonic: the same experts,
 // as v1); the others on the scores p (softmax or sigmoid), plus the correction bias (COLI_CORRECTION_BIAS).
@@ -340,7 +347,7 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int blocks, int* fl
 // router[h0 + r, e], for the TG_ tokens (zeros when `any` is false: no valid token, no router byte read).
 __device__ __forceinline__ void slice_logits(const rw_t* __restrict__ router, int h0, int rows, bool any,
                                              const float* xs, float* part, float* __restrict__ out) {
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     for (int e0 = 0; e0 < E_; e0 += EPASS_) {
         const int e = e0 + tid % EPASS_, g = tid / EPASS_;
         float acc[TG_];
@@ -365,12 +372,21 @@ __device__ __forceinline__ void slice_logits(const rw_t* __restrict__ router, in
             for (int q = 0; q < RTOK_; ++q)
                 if (t1 + q < TG_) part[q * RQS_ + tid] = acc[t1 + q];
             __syncthreads();
-            for (int i = tid; i < RTOK_ * EPASS_; i += RT_) {
-                const int q = i / EPASS_, c = i % EPASS_, t = t1 + q;
-                if (t < TG_ && e0 + c < E_) {
+            if (RSHFL_) {  // a warp per token: lane l sums part[l], [l + 32], .. (expert l % EPASS_), a butterfly
+                for (int q = warp; q < RTOK_ && t1 + q < TG_; q += WARPS_) {
                     float z = 0.0f;
-                    for (int gg = 0; gg < RGROUPS_; ++gg) z += part[q * RQS_ + gg * EPASS_ + c];
-                    out[t * EP_ + e0 + c] = z;
+                    for (int i = lane; i < RT_; i += 32) z += part[q * RQS_ + i];
+                    for (int off = 16; off >= EPASS_; off >>= 1) z += __shfl_xor_sync(FULL_MASK, z, off);
+                    if (lane < EPASS_ && e0 + lane < E_) out[(t1 + q) * EP_ + e0 + lane] = z;
+                }
+            } else {
+                for (int i = tid; i < RTOK_ * EPASS_; i += RT_) {
+                    const int q = i / EPASS_, c = i % EPASS_, t = t1 + q;
+                    if (t < TG_ && e0 + c < E_) {
+                        float z = 0.0f;
+                        for (int gg = 0; gg < RGROUPS_; ++gg) z += part[q * RQS_ + gg * EPASS_ + c];
+                        out[t * EP_ + e0 + c] = z;
+                    }
                 }
             }
             __syncthreads();
@@ -381,7 +397,7 @@ __device__ __forceinline__ void slice_logits(const rw_t* __restrict__ router, in
 // The same with 16-byte router loads (VEC_ROUTER_, the router 16-byte aligned): each thread holds 4 experts.
 __device__ __forceinline__ void slice_logits_vec(const rw_t* __restrict__ router, int h0, int rows, bool any,
                                                  const float* xs, float* part, float* __restrict__ out) {
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     for (int v0 = 0; v0 < VPR_; v0 += VPASS_) {
         const int v = v0 + tid % VPASS_, g = tid / VPASS_;
         float acc[TG_][RVEC_];
@@ -412,12 +428,21 @@ __device__ __forceinline__ void slice_logits_vec(const rw_t* __restrict__ router
 #pragma unroll
                     for (int k = 0; k < RVEC_; ++k) part[q * VQS_ + tid * RVEC_ + k] = acc[t1 + q][k];
             __syncthreads();
-            for (int i = tid; i < VTOK_ * VPASS_ * RVEC_; i += RT_) {
-                const int q = i / (VPASS_ * RVEC_), c = i % (VPASS_ * RVEC_) / RVEC_, k = i % RVEC_, t = t1 + q;
-                if (t < TG_ && v0 + c < VPR_) {
+            if (VSHFL_) {  // a warp per token: lane l sums part[l], [l + 32], .. (expert l % run), a butterfly
+                for (int q = warp; q < VTOK_ && t1 + q < TG_; q += WARPS_) {
                     float z = 0.0f;
-                    for (int gg = 0; gg < VGROUPS_; ++gg) z += part[q * VQS_ + (gg * VPASS_ + c) * RVEC_ + k];
-                    out[t * EP_ + (v0 + c) * RVEC_ + k] = z;
+                    for (int i = lane; i < RT_ * RVEC_; i += 32) z += part[q * VQS_ + i];
+                    for (int off = 16; off >= VPASS_ * RVEC_; off >>= 1) z += __shfl_xor_sync(FULL_MASK, z, off);
+                    if (lane < VPASS_ * RVEC_) out[(t1 + q) * EP_ + lane] = z;
+                }
+            } else {
+                for (int i = tid; i < VTOK_ * VPASS_ * RVEC_; i += RT_) {
+                    const int q = i / (VPASS_ * RVEC_), c = i % (VPASS_ * RVEC_) / RVEC_, k = i % RVEC_, t = t1 + q;
+                    if (t < TG_ && v0 + c < VPR_) {
+                        float z = 0.0f;
+                        for (int gg = 0; gg < VGROUPS_; ++gg) z += part[q * VQS_ + (gg * VPASS_ + c) * RVEC_ + k];
+                        out[t * EP_ + (v0 + c) * RVEC_ + k] = z;
+                    }
                 }
             }
             __syncthreads();

@@ -33,7 +33,7 @@ def test_int4_bundle_runs_on_the_fake_driver(run_fake, tmp_path):
 
 
 def test_int8_bundle_on_the_tiled_shape_runs_on_the_fake_driver_and_the_cpu_backend(run_fake, tmp_path):
-    """64 tokens x top-4 = 256 pairs > the Orin profile's small_batch.max_pairs 128: the tiled path, int8 weights
+    """64 tokens x top-4 = 256 pairs > the Orin profile's small_batch.max_pairs (32): the tiled path, int8 weights
     with zero points on the tensor-core kernels of kernels/expert_quant_tc.cu (emulated), and the CPU backend on the
     same bundle; both against the float64 reference."""
     from colibri_sdk.bundle import Bundle

@@ -183,6 +183,7 @@ def test_grids_cover_the_outputs(orin_profile, overrides, header_kwargs):
 def test_buffer_sizes(orin_profile):
     profile = copy.deepcopy(orin_profile)
     profile["shape"] = {"batch": 2, "tokens": 24}
+    profile["kernels"]["small_batch"]["max_pairs"] = 128  # the sizes of both paths, not the shipped crossover
     header = make_header(hidden=100, inter=75, experts=64, top_k=8)
     b = catalog.device_buffers(profile, header)  # 384 pairs > max_pairs: the tiled path
     tokens, pairs, block_m = 48, 48 * 8, profile["kernels"]["routing"]["block_m"]
