@@ -52,6 +52,23 @@ def _import_numba():
 
 njit = _import_numba().njit
 
+
+def _make_as_f32():
+    """A numba intrinsic: the float32 whose bits are the uint32 v (an LLVM bitcast; vectorises)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def as_f32(typingctx, v):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.uint32), codegen
+    return as_f32
+
+
+_as_f32 = _make_as_f32()
+
 STORE_F32, STORE_F16, STORE_Q8, STORE_Q4 = 0, 1, 2, 3
 ACT_SWIGLU, ACT_CLAMPED = 0, 1
 
@@ -149,10 +166,43 @@ def rows_into(store, codes, scales, scale_f16, zeros, has_zero, group, cols, sta
             dst[c] = w[c]
 
 
+_F16_X_LIMIT = np.float32(2.0**15)  # |x| below this: x * 2^112 stays finite
+
+
+@njit(**_JIT)
+def _f16_fused(codes, x, out, xs):
+    """out[0, r] = sum_c W[r, c] * x[c] for float16 bits W (rows, 2 · cols) uint8 read as stored: each value's
+    bits moved into a float32's place (its value times 2^-112, exact) meet x · 2^112 (xs (>= cols,) scratch), so
+    no widened row is written. Returns False (nothing written) where some |x| >= 2^15 (x · 2^112 would overflow);
+    a NaN or Inf weight makes that row's output NaN (the contract of `_f16_into`)."""
+    cols = x.shape[0]
+    big = np.float32(0.0)
+    for c in range(cols):
+        big = max(big, abs(x[c]))
+    if not big < _F16_X_LIMIT:
+        return False
+    for c in range(cols):
+        xs[c] = x[c] * _F16_SCALE
+    exponent = np.uint32(0x7C00)
+    for r in range(codes.shape[0]):
+        h16 = codes[r].view(np.uint16)
+        acc = np.float32(0.0)
+        finite = exponent
+        for c in range(cols):
+            h = np.uint32(h16[c])
+            bits = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
+            acc += _as_f32(bits) * xs[c]
+            finite = min(finite, (h & exponent) ^ exponent)
+        out[0, r] = acc if finite != 0 else np.float32(np.nan)
+    return True
+
+
 @njit(**_JIT)
 def _project(store, codes, scales, scale_f16, zeros, has_zero, group, x, rows_of_x, n, out, buf, sbuf):
     """out[t, r] = sum_c W[r, c] * x[rows_of_x[t], c] for t < n, every row r of W (rows, row bytes)."""
     cols = x.shape[1]
+    if store == STORE_F16 and n == 1 and _f16_fused(codes, x[rows_of_x[0]], out, buf):
+        return
     for r in range(codes.shape[0]):
         w = _decode_row(store, codes[r], scales[r], scale_f16, zeros[r], has_zero, group, cols, buf, sbuf)
         for t in range(n):
