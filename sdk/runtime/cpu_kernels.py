@@ -53,21 +53,37 @@ def _import_numba():
 njit = _import_numba().njit
 
 
-def _make_as_f32():
-    """A numba intrinsic: the float32 whose bits are the uint32 v (an LLVM bitcast; vectorises)."""
+def _make_f16_intrinsics():
+    """Two numba intrinsics on float16 bits h (uint16), in LLVM's 32-bit integers (numba's own integer operations
+    widen to 64 bits, which vectorises to half the float32 lanes): `f16_bits` gives the float32 whose bits are
+    h's sign << 16 | h's other bits << 13 (h's value times 2^-112, exact, for finite h); `f16_bad` gives 1.0 where
+    h's exponent bits are all ones (NaN, Inf), else 0.0."""
     from llvmlite import ir
     from numba import types
     from numba.core.extending import intrinsic
 
+    i32 = ir.IntType(32)
+
     @intrinsic
-    def as_f32(typingctx, v):
+    def f16_bits(typingctx, h):
         def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.FloatType())
-        return types.float32(types.uint32), codegen
-    return as_f32
+            v = builder.zext(args[0], i32)
+            sign = builder.shl(builder.and_(v, i32(0x8000)), i32(16))
+            rest = builder.shl(builder.and_(v, i32(0x7FFF)), i32(13))
+            return builder.bitcast(builder.or_(sign, rest), ir.FloatType())
+        return types.float32(types.uint16), codegen
+
+    @intrinsic
+    def f16_bad(typingctx, h):
+        def codegen(context, builder, sig, args):
+            v = builder.zext(args[0], i32)
+            e = builder.lshr(builder.add(builder.and_(v, i32(0x7C00)), i32(0x0400)), i32(15))
+            return builder.uitofp(e, ir.FloatType())
+        return types.float32(types.uint16), codegen
+    return f16_bits, f16_bad
 
 
-_as_f32 = _make_as_f32()
+_f16_bits, _f16_bad = _make_f16_intrinsics()
 
 STORE_F32, STORE_F16, STORE_Q8, STORE_Q4 = 0, 1, 2, 3
 ACT_SWIGLU, ACT_CLAMPED = 0, 1
@@ -183,17 +199,15 @@ def _f16_fused(codes, x, out, xs):
         return False
     for c in range(cols):
         xs[c] = x[c] * _F16_SCALE
-    exponent = np.uint32(0x7C00)
     for r in range(codes.shape[0]):
         h16 = codes[r].view(np.uint16)
         acc = np.float32(0.0)
-        finite = exponent
+        bad = np.float32(0.0)  # the number of NaN / Inf values
         for c in range(cols):
-            h = np.uint32(h16[c])
-            bits = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
-            acc += _as_f32(bits) * xs[c]
-            finite = min(finite, (h & exponent) ^ exponent)
-        out[0, r] = acc if finite != 0 else np.float32(np.nan)
+            h = h16[c]
+            acc += _f16_bits(h) * xs[c]
+            bad += _f16_bad(h)
+        out[0, r] = acc if bad == np.float32(0.0) else np.float32(np.nan)
     return True
 
 
