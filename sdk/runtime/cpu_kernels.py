@@ -4,7 +4,7 @@ Every expert matrix reaches these kernels as the raw bytes of the file's mmap'ed
 uint8, with a storage code:
 
     STORE_F32  float32 rows                       used in place
-    STORE_F16  float16 rows                       one token: read as stored (`_f16_fused`); else widened a row at a time into an L1 buffer
+    STORE_F16  float16 rows                       one token: read as stored (`_f16_fused`); else widened row by row
     STORE_Q8   int8 codes + scales (+ zero points) dequantized one row at a time (docs/format.md, "Dequantization")
     STORE_Q4   packed int4 codes + scales (+ zeros) the same, two columns per byte (colibri_sdk.format.quant)
 
