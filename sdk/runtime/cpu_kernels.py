@@ -4,7 +4,7 @@ Every expert matrix reaches these kernels as the raw bytes of the file's mmap'ed
 uint8, with a storage code:
 
     STORE_F32  float32 rows                       used in place
-    STORE_F16  float16 rows                       widened one row at a time into an L1-sized buffer
+    STORE_F16  float16 rows                       one token: read as stored (`_f16_fused`); else widened row by row
     STORE_Q8   int8 codes + scales (+ zero points) dequantized one row at a time (docs/format.md, "Dequantization")
     STORE_Q4   packed int4 codes + scales (+ zeros) the same, two columns per byte (colibri_sdk.format.quant)
 
@@ -51,6 +51,39 @@ def _import_numba():
 
 
 njit = _import_numba().njit
+
+
+def _make_f16_intrinsics():
+    """Two numba intrinsics on float16 bits h (uint16), in LLVM's 32-bit integers (numba's own integer operations
+    widen to 64 bits, which vectorises to half the float32 lanes): `f16_bits` gives the float32 whose bits are
+    h's sign << 16 | h's other bits << 13 (h's value times 2^-112, exact, for finite h); `f16_bad` gives 1.0 where
+    h's exponent bits are all ones (NaN, Inf), else 0.0."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    i32 = ir.IntType(32)
+
+    @intrinsic
+    def f16_bits(typingctx, h):
+        def codegen(context, builder, sig, args):
+            v = builder.zext(args[0], i32)
+            sign = builder.shl(builder.and_(v, i32(0x8000)), i32(16))
+            rest = builder.shl(builder.and_(v, i32(0x7FFF)), i32(13))
+            return builder.bitcast(builder.or_(sign, rest), ir.FloatType())
+        return types.float32(types.uint16), codegen
+
+    @intrinsic
+    def f16_bad(typingctx, h):
+        def codegen(context, builder, sig, args):
+            v = builder.zext(args[0], i32)
+            e = builder.lshr(builder.add(builder.and_(v, i32(0x7C00)), i32(0x0400)), i32(15))
+            return builder.uitofp(e, ir.FloatType())
+        return types.float32(types.uint16), codegen
+    return f16_bits, f16_bad
+
+
+_f16_bits, _f16_bad = _make_f16_intrinsics()
 
 STORE_F32, STORE_F16, STORE_Q8, STORE_Q4 = 0, 1, 2, 3
 ACT_SWIGLU, ACT_CLAMPED = 0, 1
@@ -149,10 +182,41 @@ def rows_into(store, codes, scales, scale_f16, zeros, has_zero, group, cols, sta
             dst[c] = w[c]
 
 
+_F16_X_LIMIT = np.float32(2.0**15)  # |x| below this: x * 2^112 stays finite
+
+
+@njit(**_JIT)
+def _f16_fused(codes, x, out, xs):
+    """out[0, r] = sum_c W[r, c] * x[c] for float16 bits W (rows, 2 · cols) uint8 read as stored: each value's
+    bits moved into a float32's place (its value times 2^-112, exact) meet x · 2^112 (xs (>= cols,) scratch), so
+    no widened row is written. Returns False (nothing written) where some |x| >= 2^15 (x · 2^112 would overflow);
+    a NaN or Inf weight makes that row's output NaN (the contract of `_f16_into`)."""
+    cols = x.shape[0]
+    big = np.float32(0.0)
+    for c in range(cols):
+        big = max(big, abs(x[c]))
+    if not big < _F16_X_LIMIT:
+        return False
+    for c in range(cols):
+        xs[c] = x[c] * _F16_SCALE
+    for r in range(codes.shape[0]):
+        h16 = codes[r].view(np.uint16)
+        acc = np.float32(0.0)
+        bad = np.float32(0.0)  # the number of NaN / Inf values
+        for c in range(cols):
+            h = h16[c]
+            acc += _f16_bits(h) * xs[c]
+            bad += _f16_bad(h)
+        out[0, r] = acc if bad == np.float32(0.0) else np.float32(np.nan)
+    return True
+
+
 @njit(**_JIT)
 def _project(store, codes, scales, scale_f16, zeros, has_zero, group, x, rows_of_x, n, out, buf, sbuf):
     """out[t, r] = sum_c W[r, c] * x[rows_of_x[t], c] for t < n, every row r of W (rows, row bytes)."""
     cols = x.shape[1]
+    if store == STORE_F16 and n == 1 and _f16_fused(codes, x[rows_of_x[0]], out, buf):
+        return
     for r in range(codes.shape[0]):
         w = _decode_row(store, codes[r], scales[r], scale_f16, zeros[r], has_zero, group, cols, buf, sbuf)
         for t in range(n):
