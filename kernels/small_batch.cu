@@ -754,24 +754,24 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                     const QRow* rows = nullptr;
 #endif
                     chunk_dot<DOWN_ROWS_, staged>(win, rows, raw, q, I_, MARGIN_(I_), stage, cnt, acc);
-                    float mine = 0.0f;  // one pass: the sum of lane L's (pair, row)
+                    float mine = 0.0f;  // the sum of lane L's (pair, row)
 #pragma unroll
                     for (int j = 0; j < PASS_; ++j) {
                         if (j < cnt) {
 #pragma unroll
                             for (int r = 0; r < DOWN_ROWS_; ++r) {
                                 const float v = warp_sum(acc[r][j]);
-                                if (one_pass) {
-                                    if (lane == j * DOWN_ROWS_ + r) mine = v;
-                                } else if (lane == 0 && n_first + r < H_) {
-                                    // the down bias once per pair (with the first chunk): w * (v_0 + b) + w * v_1 ...
-                                    const int p = pairs[j];
-                                    y[p / K_][warp * DOWN_ROWS_ + r] +=
-                                        q == 0 ? down_epilogue(v, wts[j], down_bias, e, n_first + r) : wts[j] * v;
-                                }
+                                if (lane == j * DOWN_ROWS_ + r) mine = v;
                             }
                         }
                     }
+                    // More passes: lane L adds its (pair, row) term into y, every lane a different element (the
+                    // pairs of one expert are distinct tokens), each element's terms in the same order as before
+                    // (experts, chunks); the down bias once per pair (with the first chunk): w * (v_0 + b) + w * v_1.
+                    // Was lane 0 alone, pair by pair (active lanes 1/32).
+                    if (!one_pass && lane < cnt * DOWN_ROWS_ && n_first + yr < H_)
+                        y[pairs[yj] / K_][warp * DOWN_ROWS_ + yr] +=
+                            q == 0 ? down_epilogue(mine, wts[yj], down_bias, e, n_first + yr) : wts[yj] * mine;
                     if (one_pass && lane < cnt * DOWN_ROWS_ && n_first + yr < H_) {  // the same sums, in lanes
                         if (q == 0) {
                             yw = wts[yj];
