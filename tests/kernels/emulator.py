@@ -18,6 +18,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -114,32 +115,62 @@ def _sources_digest(source_dir: Path) -> str:
     return digest.hexdigest()
 
 
+INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _unit_files(unit: Path, source_dir: Path) -> list[Path]:
+    """The unit and every file it includes with `#include "..."`, transitively, each resolved as g++ does: the
+    including file's folder, then the -I folders (the shim's, then `source_dir`). Names found in none of them (a
+    system header) are left out."""
+    seen, todo = [], [unit]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.append(path)
+        for name in INCLUDE.findall(path.read_text()):
+            for folder in (path.parent, EMU_DIR, source_dir):
+                if (folder / name).is_file():
+                    todo.append((folder / name).resolve())
+                    break
+    return seen
+
+
+def object_key(unit: Path, flags: list[str], source_dir: Path) -> str:
+    """The cache key of one object: the compiler, the flags other than -D, every byte of the unit and of the files
+    it includes (`_unit_files`), and the -D constants it can read — those whose name appears in one of those files
+    (a -D of another name than COLI_* counts always). So a unit that mentions none of the constants two define sets
+    differ in (runner.cpp none of the kernels' constants; routing.cu none of the intermediate size's) is compiled
+    once for both."""
+    files = _unit_files(unit.resolve(), source_dir)
+    texts = [path.read_bytes() for path in files]
+    names = set(IDENTIFIER.findall(b"\n".join(texts).decode(errors="replace")))
+    read = [f for f in flags if f.startswith("-D") and
+            (not f.startswith("-DCOLI_") or f[2:].split("=", 1)[0] in names)]
+    digest = hashlib.sha256("\n".join([_compiler_version(), *(f for f in flags if not f.startswith("-D")),
+                                        *read]).encode())
+    for path, text in zip(files, texts):
+        digest.update(b"\0" + path.name.encode() + b"\0" + text)
+    return digest.hexdigest()[:24]
+
+
 def _objects(flags: list[str], source_dir: Path, units: list[tuple[str, tuple[str, ...]]], work: Path) -> list[Path]:
     """Compile (in parallel) the objects of runner.cpp and each unit not yet in CACHE/objects; returns their paths
-    in link order.
-
-    An object is keyed by what g++ compiles: the compiler, the flags other than -D, and the unit's preprocessed text
-    (`g++ -E` with every flag, line markers included). A unit that reads none of the constants two define sets
-    differ in (runner.cpp reads none of the kernels' constants; routing.cu none of the intermediate size's) is
-    compiled once for both. The units compile with cuda_shim.h precompiled (`_shim_pch`): the same object bytes,
-    a quarter less g++ time."""
+    in link order. An object is keyed by `object_key`; runner.cpp, which holds the shim's definitions and reads
+    none of the kernels' constants, is compiled once for every library of the same flags. The units compile with
+    cuda_shim.h precompiled (`_shim_pch`): the same object bytes, less g++ time."""
     includes = [f"-I{EMU_DIR}", f"-I{source_dir}"]
     compiles = [EMU_DIR / "runner.cpp"]
     for source, symbols in units:
         unit = work / (Path(source).stem + ".cpp")
         unit.write_text(unit_text(source, symbols))
         compiles.append(unit)
-    preprocess = [(src, work / f"{src.stem}.ii") for src in compiles]
-    jobs = [subprocess.Popen([CXX, *flags, *includes, "-E", str(src), "-o", str(ii)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for src, ii in preprocess]
-    _check(compiles, jobs, "g++ -E failed")
-    compile_flags = [f for f in flags if not f.startswith("-D")]
     store = CACHE / "objects"
     store.mkdir(exist_ok=True)
     objects, pending = [], []
-    for src, ii in preprocess:
-        key = hashlib.sha256("\n".join([_compiler_version(), *compile_flags]).encode() + b"\n" + ii.read_bytes())
-        obj = store / f"{src.stem}-{key.hexdigest()[:24]}.o"
+    for src in compiles:
+        obj = store / f"{src.stem}-{object_key(src, flags, source_dir)}.o"
         objects.append(obj)
         if not obj.exists():
             pending.append((src, obj))

@@ -5,7 +5,7 @@
 // timing, the GPU memory model, occupancy or register use.
 //
 // Execution model: one launch runs its blocks one after another on the calling thread. The threads of a block are
-// fibers (ucontext) of that thread, switched only at the synchronisation points: __syncthreads, __syncwarp and the
+// fibers (ucontext, switched with _setjmp/_longjmp) of that thread, switched only at the synchronisation points: __syncthreads, __syncwarp and the
 // warp shuffles. So
 //   - `__shared__` variables are function statics, one copy shared by the block's fibers; they live in the ELF
 //     section `coli_shared`, which is filled with a NaN pattern before every block (a read before a write shows);
@@ -33,12 +33,17 @@
 // in order: emu_state.h (the launch state), emu_scheduler.h (fibers, barriers, warp exchanges), emu_access.h (the
 // access model of global loads), smem_model.h (its shared-memory counters), emu_launch.h (a grid launch),
 // emu_intrinsics.h (the CUDA intrinsics), emu_mma_cp_async.h (tensor cores and cp.async).
+// Two halves: a kernel unit compiles the kernels, the intrinsics (inline, as small as they can be) and the entry
+// points; everything they call (the scheduler, the launch, the access and shared-memory models, cp.async and mma)
+// is declared here and defined under COLI_EMU_RUNTIME, which only runner.cpp sets: g++ compiles it once per
+// library (and once for every library of the same flags, emulator.py `_objects`), not once per kernel unit.
 // An include guard rather than #pragma once: the guard also holds when the header came from its precompiled form
 // (emulator.py _shim_pch) and a unit includes it again.
 #ifndef COLI_EMU_CUDA_SHIM_H
 #define COLI_EMU_CUDA_SHIM_H
 
 #include <csetjmp>
+#include <setjmp.h>
 #include <csignal>
 #include <cstddef>
 #include <cstdint>

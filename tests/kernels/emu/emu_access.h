@@ -37,18 +37,27 @@ struct Access {
     std::unordered_map<uint64_t, uint32_t> seen;
     std::unordered_map<InstrKey, std::vector<std::pair<uintptr_t, uint32_t>>, InstrKeyHash> pending;
 };
-inline Access acc_model;
+extern Access acc_model;
 
-inline int access_class(uintptr_t a) {
+// One global load of `bytes` at p by the current thread, from the site that called (noinline: the return address
+// is the load site, __ldg being inlined into the kernel).
+void record_load(const void* p, uint32_t bytes);
+// One warp-level instruction per pending entry: sectors touched, the distinct bytes its lanes asked for.
+void flush_accesses();
+
+#if defined(COLI_EMU_RUNTIME)
+Access acc_model;
+
+static int access_class(uintptr_t a) {
     for (const AccessRegion& r : acc_model.regions)
         if (a >= r.lo && a < r.hi) return r.cls;
     return kClasses - 1;
 }
 
-// The site is this call's return address: __ldg is inlined, so each load site in a kernel calls from its own place.
-inline void note_load(uint32_t bytes);
+void note_load(uint32_t bytes);  // smem_model.h
 
-__attribute__((noinline)) inline void record_load(const void* p, uint32_t bytes) {
+// The site is this call's return address: __ldg is inlined, so each load site in a kernel calls from its own place.
+__attribute__((noinline)) void record_load(const void* p, uint32_t bytes) {
     const uintptr_t site = uintptr_t(__builtin_return_address(0));
     note_load(bytes);
     const uint64_t who = (uint64_t(site) << 11) ^ uint64_t(g.current);
@@ -56,10 +65,9 @@ __attribute__((noinline)) inline void record_load(const void* p, uint32_t bytes)
     acc_model.pending[InstrKey{site, uint32_t(g.current / 32), occurrence}].emplace_back(uintptr_t(p), bytes);
 }
 
-inline void note_global_request(uintptr_t site, size_t lanes, unsigned long long bytes);
+void note_global_request(uintptr_t site, size_t lanes, unsigned long long bytes);  // smem_model.h
 
-// One warp-level instruction per pending entry: sectors touched, the distinct bytes its lanes asked for.
-inline void flush_accesses() {
+void flush_accesses() {
     std::vector<uintptr_t> sectors;
     for (auto& [key, lanes] : acc_model.pending) {
         std::sort(lanes.begin(), lanes.end());
@@ -84,5 +92,7 @@ inline void flush_accesses() {
     acc_model.pending.clear();
     acc_model.seen.clear();
 }
+
+#endif  // COLI_EMU_RUNTIME
 
 }  // namespace coli_emu

@@ -5,13 +5,16 @@
 
 namespace coli_emu {
 
-inline void on_fault(int, siginfo_t* info, void*) {
+// Launch `thunk(params)` as a grid; 0 on success, 1 with coli_emu_error() set.
+int launch(const char* symbol, void (*thunk)(void**), const unsigned* grid, const unsigned* block, void** params);
+
+#if defined(COLI_EMU_RUNTIME)
+static void on_fault(int, siginfo_t* info, void*) {
     g.fault_addr = info->si_addr;
     siglongjmp(g.fault_jump, 1);
 }
 
-// Launch `thunk(params)` as a grid; 0 on success, 1 with coli_emu_error() set.
-inline int launch(const char* symbol, void (*thunk)(void**), const unsigned* grid, const unsigned* block,
+int launch(const char* symbol, void (*thunk)(void**), const unsigned* grid, const unsigned* block,
                   void** params) {
     g.failed = false;
     g.error[0] = 0;
@@ -72,6 +75,8 @@ inline int launch(const char* symbol, void (*thunk)(void**), const unsigned* gri
     sigaltstack(&old_ss, nullptr);
     return rc;
 }
+
+#endif  // COLI_EMU_RUNTIME
 
 // Call kernel F with the arguments cuLaunchKernel would pass: params[i] points at argument i.
 template <class... A, size_t... I>

@@ -9,11 +9,27 @@
 // precision are not specified, so results may differ in the last bits), the warp meets again before the slots are
 // reused.
 namespace coli_emu {
-inline uint32_t mma_a[kWarps][32][4], mma_b[kWarps][32][2];
+void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]);
+// The copy of 16 bytes `v` to shared `dst`, issued by the current thread (common.cuh cp_async16).
+void issue_copy(void* dst, const uint4& v);
+// The current thread's copies since its last commit become one group (cp_async_commit).
+void commit_copies();
+// The current thread's oldest groups land until at most `pending` remain (cp_async_wait).
+void wait_copies(int pending);
 
-inline float mma_half(uint32_t word, int high) { return half_bits_to_float(uint16_t(high ? word >> 16 : word & 0xffffu)); }
+#if defined(COLI_EMU_RUNTIME)
+static uint32_t mma_a[kWarps][32][4], mma_b[kWarps][32][2];
 
-inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
+// Every half as a float (half_bits_to_float), made when the library loads (a namespace-scope initialiser: no
+// guard variable, whose atomics the shared-memory model's instrumentation would want a runtime for).
+static float half_table[1 << 16];
+[[maybe_unused]] static const bool half_table_made = [] {
+    for (uint32_t h = 0; h < (1u << 16); ++h) half_table[h] = half_bits_to_float(uint16_t(h));
+    return true;
+}();
+static float mma_half(uint32_t word, int high) { return half_table[high ? word >> 16 : word & 0xffffu]; }
+
+void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
     const int warp = g.current / 32, lane = g.current % 32;
     for (int i = 0; i < 4; ++i) mma_a[warp][lane][i] = a[i];
     for (int i = 0; i < 2; ++i) mma_b[warp][lane][i] = b[i];
@@ -39,6 +55,33 @@ inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], c
     for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
+
+void issue_copy(void* dst, const uint4& v) {
+    AsyncCopy c{dst, {}};
+    std::memcpy(c.bytes, &v, 16);
+    if (g.mode >= 2 && next_random() % 4 == 0) {  // lands at once
+        land(c);
+        return;
+    }
+    async_copies[g.current].open.push_back(c);
+}
+
+void commit_copies() {
+    AsyncCopies& a = async_copies[g.current];
+    a.groups.push_back(std::move(a.open));
+    a.open.clear();
+}
+
+void wait_copies(int pending) {
+    AsyncCopies& a = async_copies[g.current];
+    note_copies_in_flight(a);
+    while ((int)a.groups.size() > pending) {
+        for (const AsyncCopy& c : a.groups.front()) land(c);
+        a.groups.pop_front();
+    }
+}
+#endif  // COLI_EMU_RUNTIME
+
 }  // namespace coli_emu
 
 inline void coli_emu_mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2], const float c[4]) {
@@ -52,25 +95,8 @@ __attribute__((always_inline)) inline void coli_emu_cp_async16(void* dst, const 
     coli_emu::smem.in_copy = true;  // its load is a copy's, in flight until the wait
     const uint4 v = __ldg(static_cast<const uint4*>(src));
     coli_emu::smem.in_copy = false;
-    coli_emu::AsyncCopy c{dst, {}};
-    std::memcpy(c.bytes, &v, 16);
-    if (coli_emu::g.mode >= 2 && coli_emu::next_random() % 4 == 0) {  // lands at once
-        coli_emu::land(c);
-        return;
-    }
-    coli_emu::async_copies[coli_emu::g.current].open.push_back(c);
+    coli_emu::issue_copy(dst, v);
 }
-inline void coli_emu_cp_async_commit() {
-    coli_emu::AsyncCopies& a = coli_emu::async_copies[coli_emu::g.current];
-    a.groups.push_back(std::move(a.open));
-    a.open.clear();
-}
+inline void coli_emu_cp_async_commit() { coli_emu::commit_copies(); }
 // Retire the oldest committed groups until at most `pending` remain (copies not yet committed stay in flight).
-inline void coli_emu_cp_async_wait(int pending) {
-    coli_emu::AsyncCopies& a = coli_emu::async_copies[coli_emu::g.current];
-    coli_emu::note_copies_in_flight(a);
-    while ((int)a.groups.size() > pending) {
-        for (const coli_emu::AsyncCopy& c : a.groups.front()) coli_emu::land(c);
-        a.groups.pop_front();
-    }
-}
+inline void coli_emu_cp_async_wait(int pending) { coli_emu::wait_copies(pending); }

@@ -6,14 +6,38 @@
 
 namespace coli_emu {
 
-inline int warp_size_of(int warp) {
+// __syncthreads: every thread of the block meets here.
+void block_barrier();
+// All lanes of the calling warp meet here; returns the generation at arrival (its parity picks exchange slots).
+unsigned warp_barrier(unsigned mask);
+// Run one block to completion; false on an error (g.error says which).
+bool run_block();
+
+// Lane `lane` gets the value of lane src(lane). Slots alternate by generation parity: a lane cannot write the next
+// exchange's slot before every lane has passed this exchange's barrier, i.e. has read.
+template <class T, class Src>
+inline T exchange(unsigned mask, T v, Src src) {
+    static_assert(sizeof(T) == 4, "shuffles of 4-byte values only");
+    const int warp = g.current / 32, lane = g.current % 32;
+    const unsigned parity = g.warp_gen[warp] & 1u;
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    g.exchange[warp][parity][lane] = bits;
+    warp_barrier(mask);
+    const int from = src(lane);
+    bits = g.exchange[warp][parity][(from >= 0 && from < 32) ? from : lane];
+    T out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+#if defined(COLI_EMU_RUNTIME)
+static int warp_size_of(int warp) {
     const int rest = g.nthreads - warp * 32;
     return rest < 32 ? rest : 32;
 }
 
-inline void land_some_copies();
-
-inline void block_barrier() {
+void block_barrier() {
     Fiber& f = g.fibers[g.current];
     ++g.events;
     model_arrive(false);  // global loads stay in flight across a barrier
@@ -34,7 +58,7 @@ inline void block_barrier() {
 }
 
 // All lanes of the calling warp meet here; returns the generation at arrival (its parity picks exchange slots).
-inline unsigned warp_barrier(unsigned mask) {
+unsigned warp_barrier(unsigned mask) {
     const int warp = g.current / 32;
     if (mask != 0xffffffffu || warp_size_of(warp) != 32) fail("warp operation without all 32 lanes (mask or block size)");
     if (g.exited[warp]) fail("warp operation with a full mask after a lane of the warp returned");
@@ -58,39 +82,42 @@ inline unsigned warp_barrier(unsigned mask) {
     return gen;
 }
 
-// Lane `lane` gets the value of lane src(lane). Slots alternate by generation parity: a lane cannot write the next
-// exchange's slot before every lane has passed this exchange's barrier, i.e. has read.
-template <class T, class Src>
-inline T exchange(unsigned mask, T v, Src src) {
-    static_assert(sizeof(T) == 4, "shuffles of 4-byte values only");
-    const int warp = g.current / 32, lane = g.current % 32;
-    const unsigned parity = g.warp_gen[warp] & 1u;
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    g.exchange[warp][parity][lane] = bits;
-    warp_barrier(mask);
-    const int from = src(lane);
-    bits = g.exchange[warp][parity][(from >= 0 && from < 32) ? from : lane];
-    T out;
-    std::memcpy(&out, &bits, 4);
-    return out;
-}
-
 extern "C" char __start_coli_shared[] __attribute__((weak));
 extern "C" char __stop_coli_shared[] __attribute__((weak));
 
-COLI_EMU_NOSAN inline void poison_shared() {
+COLI_EMU_NOSAN static void poison_shared() {
     for (char* p = __start_coli_shared; p + 4 <= __stop_coli_shared; p += 4) std::memcpy(p, &kSharedPoison, 4);
 }
 
-inline void fiber_main() {
-    g.thunk(g.params);
-    model_arrive(true);
-    g.fibers[g.current].wait = Wait::done;
-    --g.alive;
-    ++g.events;
-    ++g.exited[g.current / 32];
-    // returning resumes uc_link, the scheduler
+// A fiber's life: the current block's kernel, then a wait for the next block, as often as blocks run.
+static void fiber_main() {
+    for (;;) {
+        g.thunk(g.params);
+        model_arrive(true);
+        Fiber& f = g.fibers[g.current];
+        f.wait = Wait::done;
+        --g.alive;
+        ++g.events;
+        ++g.exited[g.current / 32];
+        f.ready = true;
+        yield();
+    }
+}
+
+// Switch to fiber t until it yields.
+static void resume(int t) {
+    Fiber& f = g.fibers[t];
+    if (_setjmp(g.sched)) return;
+    if (!f.live) {  // never started, or left inside a kernel by a failed launch: a fresh fiber on its stack
+        f.live = true;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = g.stacks + size_t(t) * kStackBytes;
+        f.ctx.uc_stack.ss_size = kStackBytes;
+        f.ctx.uc_link = nullptr;  // fiber_main never returns
+        makecontext(&f.ctx, fiber_main, 0);
+        setcontext(&f.ctx);
+    }
+    _longjmp(f.at, 1);
 }
 
 // Order of the fibers (or blocks) in round r: 0..n-1, n-1..0 or an affine pseudo-random permutation.
@@ -110,7 +137,7 @@ struct Order {
     }
 };
 
-inline void describe_deadlock() {
+static void describe_deadlock() {
     int at_block = 0, at_warp = 0, done = 0;
     for (int t = 0; t < g.nthreads; ++t) {
         const Wait w = g.fibers[t].wait;
@@ -126,7 +153,7 @@ inline void describe_deadlock() {
 }
 
 // Run one block to completion; false on an error (g.error says which).
-inline bool run_block() {
+bool run_block() {
     const int n = g.nthreads;
     g.alive = n;
     g.block_arrived = 0;
@@ -136,12 +163,9 @@ inline bool run_block() {
     poison_shared();
     for (int t = 0; t < n; ++t) {
         Fiber& f = g.fibers[t];
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = g.stacks + size_t(t) * kStackBytes;
-        f.ctx.uc_stack.ss_size = kStackBytes;
-        f.ctx.uc_link = &g.sched;
+        f.live = f.live && f.ready;  // one still inside a kernel (a failed launch) starts afresh
+        f.ready = false;
         f.wait = Wait::none;
-        makecontext(&f.ctx, fiber_main, 0);
     }
     while (g.alive > 0) {
         const unsigned long long before = g.events;
@@ -154,7 +178,7 @@ inline bool run_block() {
             if (f.wait == Wait::block && g.block_gen == f.gen && g.alive == n) continue;
             if (f.wait == Wait::warp && g.warp_gen[t / 32] == f.gen && !g.exited[t / 32]) continue;
             set_thread(t);
-            swapcontext(&g.sched, &g.fibers[t].ctx);
+            resume(t);
             if (g.failed) return false;
         }
         if (g.alive > 0 && g.events == before) {
@@ -164,5 +188,7 @@ inline bool run_block() {
     }
     return true;
 }
+
+#endif  // COLI_EMU_RUNTIME
 
 }  // namespace coli_emu

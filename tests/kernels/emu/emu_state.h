@@ -1,6 +1,8 @@
 // emu_state.h: the state of one emulated launch: the block's fibers and what they wait for, the schedule's
 // pseudo-random numbers, the launch's first error, and each thread's cp.async copies in flight.
 // Part of cuda_shim.h, which includes its parts in order (each uses the ones before it); not for use on its own.
+// What a kernel unit calls is declared here; the definitions under COLI_EMU_RUNTIME are compiled once per
+// library, in runner.cpp (cuda_shim.h, "Two halves").
 #pragma once
 
 namespace coli_emu {
@@ -13,8 +15,15 @@ constexpr uint32_t kSharedPoison = 0x7FC0BAD0u;  // a float32 NaN; as an int32 a
 
 enum class Wait { none, block, warp, done };
 
+// A thread's fiber: made once (makecontext) and then switched with _setjmp/_longjmp, which keep the signal mask
+// as it is (swapcontext saves and restores it with a system call at every switch). A fiber whose kernel returned
+// waits at the top of its loop for the next block (emu_scheduler.h fiber_main); one left inside a kernel (a failed
+// launch) is made afresh.
 struct Fiber {
     ucontext_t ctx;
+    jmp_buf at;  // where it yielded
+    bool live;   // `at` is valid: resumed, it goes on from there
+    bool ready;  // its kernel returned: it waits at the end of fiber_main's loop, to run the next block's
     Wait wait;
     unsigned gen;  // the barrier generation it waits to see change
 };
@@ -22,7 +31,7 @@ struct Fiber {
 struct State {
     Fiber fibers[kMaxThreads];
     char* stacks = nullptr;
-    ucontext_t sched;
+    jmp_buf sched;  // the scheduler, where a fiber yields to
     int nthreads = 0;
     int current = 0;
     int alive = 0;
@@ -49,9 +58,9 @@ struct State {
 
 inline State g;
 
-// Access-model hooks of the synchronisation points (defined with the access model below).
-inline void model_arrive(bool consume);
-inline void model_block_release();
+// Access-model hooks of the synchronisation points (defined with the access model, smem_model.h).
+void model_arrive(bool consume);
+void model_block_release();
 
 // cp.async (common.cuh cp_async16 / cp_async_commit / cp_async_wait): per thread, the copies issued since its last
 // commit and its committed groups, oldest first. A copy reads global memory when issued (a load the access model
@@ -65,7 +74,7 @@ struct AsyncCopies {
     std::vector<AsyncCopy> open;
     std::deque<std::vector<AsyncCopy>> groups;
 };
-inline AsyncCopies async_copies[kMaxThreads];
+extern AsyncCopies async_copies[kMaxThreads];
 
 inline uint64_t next_random() {
     uint64_t x = g.rng;
@@ -81,17 +90,10 @@ inline void set_thread(int tid) {
 }
 
 // Give control back to the scheduler; the fiber is resumed later at this point.
-inline void yield() { swapcontext(&g.fibers[g.current].ctx, &g.sched); }
+void yield();
 
 // Record the first error, then park the fiber for good; the scheduler ends the launch.
-[[noreturn]] inline void fail(const char* what) {
-    if (!g.failed) {
-        g.failed = true;
-        std::snprintf(g.error, sizeof g.error, "%s: block (%u, %u, %u) thread %d: %s", g.symbol, blockIdx.x,
-                      blockIdx.y, blockIdx.z, g.current, what);
-    }
-    for (;;) yield();
-}
+[[noreturn]] void fail(const char* what);
 
 // A misaligned vector access: the launch fails naming the access and the address.
 [[noreturn]] inline void misaligned(const char* what, const void* p) {
@@ -106,12 +108,31 @@ inline void yield() { swapcontext(&g.fibers[g.current].ctx, &g.sched); }
 #define COLI_EMU_NOSAN
 #endif
 
+// Under the random schedule, at a synchronisation point of the current thread, each of its copies in flight lands
+// with probability 1/2 (the rest stay in flight; their groups keep their order for the waits).
+void land_some_copies();
+
+#if defined(COLI_EMU_RUNTIME)
+AsyncCopies async_copies[kMaxThreads];
+
+void yield() {
+    if (!_setjmp(g.fibers[g.current].at)) _longjmp(g.sched, 1);
+}
+
+// Record the first error, then park the fiber for good; the scheduler ends the launch.
+[[noreturn]] void fail(const char* what) {
+    if (!g.failed) {
+        g.failed = true;
+        std::snprintf(g.error, sizeof g.error, "%s: block (%u, %u, %u) thread %d: %s", g.symbol, blockIdx.x,
+                      blockIdx.y, blockIdx.z, g.current, what);
+    }
+    for (;;) yield();
+}
+
 // A cp.async copy lands: its 16 bytes are written to shared memory (not a request of the kernel's own).
 COLI_EMU_NOSAN inline void land(const AsyncCopy& c) { std::memcpy(c.dst, c.bytes, 16); }
 
-// Under the random schedule, at a synchronisation point of the current thread, each of its copies in flight lands
-// with probability 1/2 (the rest stay in flight; their groups keep their order for the waits).
-inline void land_some_copies() {
+void land_some_copies() {
     if (g.mode < 2) return;
     AsyncCopies& a = async_copies[g.current];
     auto some = [](std::vector<AsyncCopy>& copies) {
@@ -125,5 +146,7 @@ inline void land_some_copies() {
     some(a.open);
     for (std::vector<AsyncCopy>& group : a.groups) some(group);
 }
+
+#endif  // COLI_EMU_RUNTIME
 
 }  // namespace coli_emu

@@ -3,6 +3,7 @@
 // `#include "cuda_shim.h"`, `#include "<source>.cu"` and COLI_EMU_EXPORT(symbol) for each entry point).
 #include <dlfcn.h>
 
+#define COLI_EMU_RUNTIME 1  // this unit holds the shim's definitions (cuda_shim.h, "Two halves")
 #include "cuda_shim.h"
 
 #ifndef COLI_EMU_SMEM_MODEL

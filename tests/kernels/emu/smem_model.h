@@ -61,9 +61,12 @@ struct SmemModel {
     uintptr_t extra_lo[kExtra] = {}, extra_hi[kExtra] = {};
     int extra_n = 0;
 };
-inline SmemModel smem;
+extern SmemModel smem;
 
-COLI_EMU_NOSAN inline void add_batch(unsigned long long b, bool async) {
+#if defined(COLI_EMU_RUNTIME)
+SmemModel smem;
+
+COLI_EMU_NOSAN static void add_batch(unsigned long long b, bool async) {
     if (async) {
         ++smem.async_batches;
         smem.async_bytes += b;
@@ -76,14 +79,14 @@ COLI_EMU_NOSAN inline void add_batch(unsigned long long b, bool async) {
 }
 
 // The loads of thread t are consumed here (a shared-memory access or warp exchange).
-COLI_EMU_NOSAN inline void consume_loads(int t) {
+COLI_EMU_NOSAN static void consume_loads(int t) {
     if (smem.outstanding[t]) {
         add_batch(smem.outstanding[t], false);
         smem.outstanding[t] = 0;
     }
 }
 
-COLI_EMU_NOSAN inline void emit_shared(int t, uintptr_t key, uintptr_t addr, uint32_t bytes, bool write) {
+COLI_EMU_NOSAN static void emit_shared(int t, uintptr_t key, uintptr_t addr, uint32_t bytes, bool write) {
     const uint64_t who = (uint64_t(key) << 11) ^ uint64_t(t);
     const uint32_t occurrence = smem.seen[who]++;
     smem.pending[InstrKey{key, uint32_t(t / 32), occurrence}].push_back({uint32_t(t % 32), addr, bytes});
@@ -92,7 +95,7 @@ COLI_EMU_NOSAN inline void emit_shared(int t, uintptr_t key, uintptr_t addr, uin
 }
 
 // Close thread t's open run: aligned pieces of 16, 8 or 4 bytes (or the element size), one request site each.
-COLI_EMU_NOSAN inline void close_run(int t) {
+COLI_EMU_NOSAN static void close_run(int t) {
     SmemRun& r = smem.run[t];
     if (!r.bytes) return;
     uintptr_t a = r.addr;
@@ -108,7 +111,7 @@ COLI_EMU_NOSAN inline void close_run(int t) {
     r.bytes = 0;
 }
 
-COLI_EMU_NOSAN inline bool is_shared(uintptr_t a) {
+COLI_EMU_NOSAN static bool is_shared(uintptr_t a) {
     if (a >= uintptr_t(__start_coli_shared) && a < uintptr_t(__stop_coli_shared)) return true;
     for (int i = 0; i < smem.extra_n; ++i)
         if (a >= smem.extra_lo[i] && a < smem.extra_hi[i]) return true;
@@ -116,7 +119,7 @@ COLI_EMU_NOSAN inline bool is_shared(uintptr_t a) {
 }
 
 // One access of the kernel code (from the instrumentation hooks): shared ones are merged into runs and recorded.
-COLI_EMU_NOSAN inline void on_access(uintptr_t a, uint32_t size, bool write, uintptr_t site) {
+COLI_EMU_NOSAN void on_access(uintptr_t a, uint32_t size, bool write, uintptr_t site) {
     if (!acc_model.on || !is_shared(a)) return;
     const int t = g.current;
     consume_loads(t);
@@ -134,7 +137,7 @@ COLI_EMU_NOSAN inline void on_access(uintptr_t a, uint32_t size, bool write, uin
 }
 
 // Wavefronts of one warp-level request (see the model above).
-COLI_EMU_NOSAN inline unsigned long long wavefronts(const std::vector<LaneAccess>& lanes, unsigned long long* distinct_bytes) {
+COLI_EMU_NOSAN static unsigned long long wavefronts(const std::vector<LaneAccess>& lanes, unsigned long long* distinct_bytes) {
     uint32_t width = 0;
     for (const LaneAccess& l : lanes) width = std::max(width, l.bytes);
     const uint32_t phase = width >= 16 ? 8 : width >= 8 ? 16 : 32;
@@ -170,7 +173,7 @@ COLI_EMU_NOSAN inline unsigned long long wavefronts(const std::vector<LaneAccess
 
 // Turn the pending shared requests into per-site totals; called where no lane can still add to them (every thread
 // at a __syncthreads, or the block's end).
-COLI_EMU_NOSAN inline void flush_shared() {
+COLI_EMU_NOSAN static void flush_shared() {
     for (auto& [key, lanes] : smem.pending) {
         unsigned long long bytes = 0;
         const unsigned long long wf = wavefronts(lanes, &bytes);
@@ -186,7 +189,7 @@ COLI_EMU_NOSAN inline void flush_shared() {
 }
 
 // A global load of `lanes` lanes at `site` (flush_accesses), for the active-lane counts.
-COLI_EMU_NOSAN inline void add_global_request(uintptr_t site, size_t lanes, unsigned long long bytes) {
+COLI_EMU_NOSAN static void add_global_request(uintptr_t site, size_t lanes, unsigned long long bytes) {
     SiteStats& s = smem.sites[site << 4];
     s.kind = kGlobalLoad;
     s.requests += 1;
@@ -195,30 +198,32 @@ COLI_EMU_NOSAN inline void add_global_request(uintptr_t site, size_t lanes, unsi
 }
 
 // ---- the shim's hooks (synchronisation points, loads, copies); nothing happens while the access model is off --------
-COLI_EMU_NOSAN inline void model_arrive(bool consume) {
+COLI_EMU_NOSAN void model_arrive(bool consume) {
     if (!acc_model.on) return;
     close_run(g.current);
     if (consume) consume_loads(g.current);
 }
 
-COLI_EMU_NOSAN inline void model_block_release() {
+COLI_EMU_NOSAN void model_block_release() {
     if (acc_model.on) flush_shared();
 }
 
-COLI_EMU_NOSAN inline void note_load(uint32_t bytes) {
+COLI_EMU_NOSAN void note_load(uint32_t bytes) {
     if (!smem.in_copy) smem.outstanding[g.current] += bytes;
 }
 
-COLI_EMU_NOSAN inline void note_global_request(uintptr_t site, size_t lanes, unsigned long long bytes) {
+COLI_EMU_NOSAN void note_global_request(uintptr_t site, size_t lanes, unsigned long long bytes) {
     add_global_request(site, lanes, bytes);
 }
 
 // At a cp.async wait: the bytes of every copy the thread has in flight are one batch.
-COLI_EMU_NOSAN inline void note_copies_in_flight(const AsyncCopies& a) {
+COLI_EMU_NOSAN void note_copies_in_flight(const AsyncCopies& a) {
     if (!acc_model.on) return;
     size_t copies = a.open.size();
     for (const std::vector<AsyncCopy>& group : a.groups) copies += group.size();
     if (copies) add_batch(16ull * copies, true);
 }
+
+#endif  // COLI_EMU_RUNTIME
 
 }  // namespace coli_emu
