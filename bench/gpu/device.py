@@ -261,13 +261,26 @@ def pointer_args(values: list[tuple[np.dtype, int | float]]) -> tuple[np.ndarray
     return params, holders
 
 
+def fake_nvrtc_cache():
+    """On the fake driver, the NVRTC cache (`colibri_sdk.aot.cache.NvrtcCache`, COLIBRI_CACHE_DIR or the user's
+    cache folder), so the phases' processes compile each kernel once; on a GPU None (NVRTC runs every time, and
+    `compile_s` is NVRTC's own time)."""
+    if not FAKE:
+        return None
+    from colibri_sdk.aot.cache import NvrtcCache
+
+    return NvrtcCache()
+
+
 def compile_bench_kernels(device: Device):
     """NVRTC-compile bench_kernels.cu for the device's arch and load it; returns {symbol: function}."""
     from colibri_sdk.aot.nvrtc import compile_source
 
     symbols = ("colibri_bench_fill", "colibri_bench_read", "colibri_bench_spin")
     source = (BENCH_DIR / "bench_kernels.cu").read_text()
-    compiled = compile_source(source, "bench_kernels.cu", device.arch, {}, [BENCH_DIR])
+    cache = fake_nvrtc_cache()
+    compiled = (cache.compile_source if cache else compile_source)(source, "bench_kernels.cu", device.arch, {},
+                                                                    [BENCH_DIR])
     module = device.load(compiled.cubin, (BENCH_DIR, [("bench_kernels.cu", symbols)], {}))
     return {s: device.function(module, s) for s in symbols}
 

@@ -143,8 +143,9 @@ def test_kernel_sources_that_differ_from_the_recorded_ones_are_refused(honest, t
     else:
         assert f"{kernels}: header(s) ['common.cuh'] differ from the ones the bundle was built from" in err
     assert "--kernels DIR" in err and err.count("\n") == 1
-    shutil.copy(catalog.kernel_dir() / edited, kernels / edited)
-    assert verify(capsys, bundle, "--kernels", kernels)[0] == 0  # the same sources from another folder
+    if edited == "routing.cu":  # once: with the edit undone both cases hold the same folder (a full NVRTC rebuild)
+        shutil.copy(catalog.kernel_dir() / edited, kernels / edited)
+        assert verify(capsys, bundle, "--kernels", kernels)[0] == 0  # the same sources from another folder
 
 
 @pytest.mark.parametrize("name", ["missing", "a_file"])

@@ -27,7 +27,7 @@ from c_runtime_support import SHIPPED, build_bundle_for, manifest  # noqa: E402,
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakecuda"))
 # One run of colibri_test: exit code, output, the JSON of its last stdout line, the fake driver's call log.
 from fakecuda_support import FakeRun as CRun  # noqa: E402
-from fakecuda_support import fake_env  # noqa: E402
+from fakecuda_support import emulation_library, fake_env  # noqa: E402
 
 HERE = Path(__file__).parent
 TESTS = HERE.parent
@@ -142,9 +142,7 @@ def bundles(tmp_path_factory, small_weights) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def emu_libs(bundles) -> dict[str, Path]:
     """The kernel emulation library for each bundle's compile-time constants (built when first read)."""
-    from emulator import build_library
-
-    return _Lazy(tuple(bundles._keys), lambda name: build_library(manifest(bundles[name])["kernels"][0]["defines"]))
+    return _Lazy(tuple(bundles._keys), lambda name: emulation_library(manifest(bundles[name])["kernels"]))
 
 
 @pytest.fixture

@@ -29,14 +29,14 @@ assert GPT_OSS["activation"] == 1  # the clamp constants above are gpt-oss's act
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_v2_bundle_runs_against_the_reference(run_c, tmp_path, name):
-    from emulator import build_library
+    from fakecuda_support import emulation_library
 
     model, profile = CASES[name]
     weights = make_v2_model(tmp_path / "model.colibri", **model)
     bundle = build_bundle_for("orin", tmp_path / "bundle", weights, **profile)
     m = manifest(bundle)
     assert m["weights"]["header"]["version"] == 0x0200
-    run = run_c(["run", bundle, "calls=2"], kernels=build_library(m["kernels"][0]["defines"]))
+    run = run_c(["run", bundle, "calls=2"], kernels=emulation_library(m["kernels"]))
     assert run.rc == 0, run
     assert "ERROR: AddressSanitizer" not in run.stderr and "runtime error:" not in run.stderr, run
     assert run.result["passed"] is True and run.result["launches"] == len(m["launch"]), run

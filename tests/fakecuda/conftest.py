@@ -21,14 +21,13 @@ from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fakecuda_support import (  # noqa: E402,F401
-    DRIVER_SOURCES, HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun, fake_env)
+    DRIVER_SOURCES, HERE, HIDDEN, INTER, ROOT, TESTS, TOKENS, FakeRun, emulation_library, fake_env)
 
 CXX = shutil.which("g++")
 
 sys.path.insert(0, str(TESTS / "kernels"))
 sys.path.insert(0, str(TESTS / "gpu"))
 
-from emulator import build_library
 from gpu_support import random_model
 
 
@@ -63,7 +62,7 @@ def kernels_lib(tiny_bundle) -> Path:
     """The kernel emulation library (tests/kernels/emulator.py) for the tiny bundle's compile-time constants."""
     from colibri_sdk.bundle import Bundle
 
-    return build_library(Bundle.open(tiny_bundle).manifest["kernels"][0]["defines"])
+    return emulation_library(Bundle.open(tiny_bundle).manifest["kernels"])
 
 
 PRELUDE = """

@@ -53,6 +53,19 @@ class FakeRun:
         return f"rc={self.rc}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
 
 
+def emulation_library(kernels: list[dict]) -> Path:
+    """The kernel emulation library (tests/kernels/emulator.py, cached) for a manifest's `kernels` list (the top
+    level's or one shape's): its compile-time constants, and the units of the kernels it lists only (a bundle without
+    the capacity kernel costs no capacity.cu compile)."""
+    from emulator import build_library
+
+    from colibri_sdk import catalog
+
+    names = {kernel["name"] for kernel in kernels}
+    units = [(spec.source, spec.symbols) for spec in catalog.KERNELS if spec.name in names]
+    return build_library(kernels[0]["defines"], units=units)
+
+
 def orin_profile_data(tokens: int, batch: int = 1) -> dict:
     """The shipped Orin profile as a dict (a copy), at batch x tokens."""
     import copy

@@ -29,7 +29,7 @@ def test_converted_family_bundle_runs_on_the_fake_driver_and_the_cpu(run_fake, t
     from colibri_sdk import cli
     from colibri_sdk.bundle import Bundle
     from colibri_sdk.runtime import Runtime
-    from emulator import build_library
+    from fakecuda_support import emulation_library
     from test_emulated_families import assert_close, reference_v2
 
     model = hf_models.make_family(family, seed=1)
@@ -48,7 +48,7 @@ def test_converted_family_bundle_runs_on_the_fake_driver_and_the_cpu(run_fake, t
     else:
         assert recorded["expert_bias"] == 1 and recorded["activation"] == 1 and recorded["router_bias"] == 1
     assert recorded["version"] == 0x0200
-    lib = build_library(opened.manifest["kernels"][0]["defines"])
+    lib = emulation_library(opened.manifest["kernels"])
     x, y = run_bundle_on_fake(run_fake, bundle, lib, TOKENS, recorded["hidden_size"], seed=5)
     ref, _, stable, _ = reference_v2(weights, x)
     assert_close(y, ref, stable)

@@ -17,7 +17,7 @@ def test_int4_bundle_runs_on_the_fake_driver(run_fake, tmp_path):
     from colibri_sdk.bundle import Bundle
     from colibri_sdk.bundle.writer import build_bundle
     from colibri_sdk.profile import Profile
-    from emulator import build_library
+    from fakecuda_support import emulation_library
     from test_emulated import assert_close, reference
     from test_emulated_quant import make_quant_model
 
@@ -26,7 +26,7 @@ def test_int4_bundle_runs_on_the_fake_driver(run_fake, tmp_path):
     bundle = build_bundle(Profile.from_dict(orin_profile_data(TOKENS)), tmp_path / "bundle", weights, workers=2).path
     manifest = Bundle.open(bundle).manifest
     assert manifest["weights"]["header"]["quant"] == 2 and manifest["weights"]["header"]["group_size"] == 32
-    lib = build_library(manifest["kernels"][0]["defines"])
+    lib = emulation_library(manifest["kernels"])
     x, y = run_bundle_on_fake(run_fake, bundle, lib, TOKENS, HIDDEN, seed=5)
     ref, _, stable = reference(weights, x)
     assert_close(y, ref, stable)
@@ -40,7 +40,7 @@ def test_int8_bundle_on_the_tiled_shape_runs_on_the_fake_driver_and_the_cpu_back
     from colibri_sdk.bundle.writer import build_bundle
     from colibri_sdk.profile import Profile
     from colibri_sdk.runtime import Runtime
-    from emulator import build_library
+    from fakecuda_support import emulation_library
     from test_emulated import assert_close, reference
     from test_emulated_quant import make_quant_model
 
@@ -52,7 +52,7 @@ def test_int8_bundle_on_the_tiled_shape_runs_on_the_fake_driver_and_the_cpu_back
     assert manifest["weights"]["header"]["quant"] == 1 and manifest["weights"]["header"]["zero_points"] == 1
     assert [launch["symbol"] for launch in manifest["launch"] if launch["kernel"] == "expert_quant"] == [
         "colibri_gate_up_qtc", "colibri_down_qtc"] * 2
-    lib = build_library(manifest["kernels"][0]["defines"])
+    lib = emulation_library(manifest["kernels"])
     x, y = run_bundle_on_fake(run_fake, bundle, lib, tokens, HIDDEN, seed=6)
     ref, _, stable = reference(weights, x)
     assert_close(y, ref, stable)

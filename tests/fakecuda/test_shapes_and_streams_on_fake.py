@@ -88,13 +88,13 @@ def shapes_bundle(tiny_bundle, tmp_path_factory):
 
 
 def test_shapes_and_pipelined_calls_on_the_fake_driver(shapes_bundle, tiny_bundle, kernels_lib, run_fake):
-    from emulator import build_library
+    from fakecuda_support import emulation_library
 
     bundle = Bundle.open(shapes_bundle)
     assert bundle.shapes == [(1, 2), (1, 4)]
     # The largest shape's constants are tiny_bundle's: its emulation library is the session's one.
     assert bundle.kernels[0]["defines"] == Bundle.open(tiny_bundle).kernels[0]["defines"]
-    libs = {"1x4": str(kernels_lib), "1x2": str(build_library(bundle.for_shape(1, 2).kernels[0]["defines"]))}
+    libs = {"1x4": str(kernels_lib), "1x2": str(emulation_library(bundle.for_shape(1, 2).kernels))}
     code = CODE.format(libs=libs, bundle=str(shapes_bundle), hidden=HIDDEN, submitted=SUBMITTED,
                        wait=guard(600))
     run = run_fake(code, timeout=guard(960))
