@@ -32,8 +32,9 @@ def known_hosts(tmp_path, sshd):
     return path
 
 
-@pytest.fixture
-def target(sshd, known_hosts):
+def loopback_target(sshd, known_hosts: Path):
+    """The Target of the loopback sshd, trusting its host key through `known_hosts`; timeouts that only guard
+    against hangs."""
     from colibri_sdk.deploy import Target
 
     return Target(host="127.0.0.1", user=sshd.user, port=sshd.port, identity=str(sshd.user_key),
@@ -41,10 +42,21 @@ def target(sshd, known_hosts):
 
 
 @pytest.fixture
+def target(sshd, known_hosts):
+    return loopback_target(sshd, known_hosts)
+
+
+@pytest.fixture(scope="session")
+def shared_target(sshd, tmp_path_factory):
+    """`target` with a known_hosts file of its own, for module fixtures that prepare device stores once."""
+    path = tmp_path_factory.mktemp("shared_known_hosts") / "known_hosts"
+    path.write_text(sshd.known_hosts_line())
+    return loopback_target(sshd, path)
+
+
+@pytest.fixture
 def bundle(tmp_path):
     return write_bundle(tmp_path / "bundle_a")
-
-
 
 
 @pytest.fixture

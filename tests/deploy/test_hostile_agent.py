@@ -1,6 +1,9 @@
 """A device whose agent answers badly (fake_agent.py, over the real loopback sshd): each operation in turn is
 garbled, truncated, delayed, flooded and dropped. Every case ends in a typed, one-line DeployError naming the host
-and the operation, and the device's `current` bundle is left as it was, byte for byte."""
+and the operation, and the device's `current` bundle is left as it was, byte for byte.
+
+Each case starts from a copy of a store the real agent made (bundle a deployed; for `rollback`, a then b), deployed
+once per module with the case's options."""
 
 from __future__ import annotations
 
@@ -12,16 +15,23 @@ from pathlib import Path
 
 import pytest
 from timeout_support import guard
-from deploy_bundles import remote_tree, write_bundle
+from deploy_bundles import HOSTILE, copy_store, remote_tree, write_bundle
 
-from colibri_sdk.deploy import DeployError, RemoteAnswerError, RemoteTimeoutError, deploy, rollback, status
+from colibri_sdk.deploy import DeployError, DeployOptions, RemoteAnswerError, RemoteTimeoutError, deploy, rollback, \
+    status
 
 pytestmark = pytest.mark.ssh
 
 FAKE = Path(__file__).with_name("fake_agent.py")
 FAULTS = ("garble", "truncate", "delay", "flood", "drop")
 OPERATIONS = ("plan", "receive", "stage", "switch", "rollback", "status")
-FAULT_TIMEOUT_S = 3.0  # the command timeout with a delaying agent (scaled by guard; the agent waits 4x as long)
+# The command timeout with a delaying agent (scaled by guard). Where real agent operations run before the delayed
+# one under the same timeout (receive, stage, switch: plan, receive, stage first), it leaves a busy machine's agent
+# starts time; where the delayed operation is the first command of its call (plan, status, rollback), nothing but
+# the delayed agent runs under it.
+FAULT_TIMEOUT_S = 3.0
+FIRST_FAULT_TIMEOUT_S = 0.5
+FIRST = ("plan", "status", "rollback")
 SELFTEST = f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} --selftest"
 
 
@@ -31,20 +41,46 @@ def current_of(device_dir: Path) -> tuple:
     return os.readlink(link), remote_tree(link)
 
 
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile_bundles")
+    return write_bundle(root / "a"), write_bundle(root / "b", model_seed=1, kernel_seed=1)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, shared_target, bundles):
+    """store(verify, rollback): a store holding bundle a deployed with `verify` (and then b, for a rollback to step
+    back from), made by the real agent on the first call and returned as it was on later ones."""
+    made = {}
+
+    def store(verify: bool, for_rollback: bool) -> Path:
+        key = (verify, for_rollback)
+        if key not in made:
+            root = tmp_path_factory.mktemp("hostile_store") / HOSTILE
+            options = DeployOptions(remote_dir=str(root), keep=3, remote_python=sys.executable, verify=verify,
+                                    remote_colibri=SELFTEST)
+            for bundle in bundles[:2 if for_rollback else 1]:
+                deploy(bundle, shared_target, options)
+            made[key] = root
+        return made[key]
+
+    return store
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("op", OPERATIONS)
-def test_a_misbehaving_agent_is_a_typed_error_and_current_is_untouched(tmp_path, target, options, device_dir, op,
-                                                                       fault):
-    a, b = write_bundle(tmp_path / "a"), write_bundle(tmp_path / "b", model_seed=1, kernel_seed=1)
+def test_a_misbehaving_agent_is_a_typed_error_and_current_is_untouched(target, options, device_dir, bundles, stores,
+                                                                       op, fault):
+    b = bundles[1]
     options = replace(options, verify=op == "switch", remote_colibri=SELFTEST)
-    deploy(a, target, options)
-    if op == "rollback":
-        deploy(b, target, options)  # something to roll back from
+    copy_store(stores(options.verify, op == "rollback"), device_dir)
     before = current_of(device_dir)
     # Only the delaying agent needs a short command timeout; the other faults keep the ordinary one, so that a busy
-    # machine's slow agent start is never mistaken for the fault.
-    wait = guard(FAULT_TIMEOUT_S)
-    agent_fault = f"delay={4 * wait}" if fault == "delay" else fault
+    # machine's slow agent start is never mistaken for the fault. The agent stays silent 4 x FAULT_TIMEOUT_S, far
+    # past the client's timeout; rollback's client waits longer (hashing time is allowed) than any delay a test can
+    # afford, so its agent ends its silence, without an answer, at 4 x its own (short) timeout.
+    wait = guard(FIRST_FAULT_TIMEOUT_S if op in FIRST else FAULT_TIMEOUT_S)
+    agent_fault = f"delay={4 * (wait if op == 'rollback' else guard(FAULT_TIMEOUT_S))}" if fault == "delay" else fault
     hostile = replace(options, remote_python=shlex.join([sys.executable, str(FAKE), op, agent_fault]))
     slow = target.with_(command_timeout=wait) if fault == "delay" else target
     with pytest.raises(DeployError) as caught:
