@@ -3,7 +3,7 @@ garbled, truncated, delayed, flooded and dropped. Every case ends in a typed, on
 and the operation, and the device's `current` bundle is left as it was, byte for byte.
 
 Each case starts from a copy of a store the real agent made (bundle a deployed; for `rollback`, a then b), deployed
-once per module with the case's options."""
+once per session with the case's options (conftest.start_from)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 from timeout_support import guard
-from deploy_bundles import HOSTILE, copy_store, remote_tree, write_bundle
+from deploy_bundles import remote_tree
 
-from colibri_sdk.deploy import DeployError, DeployOptions, RemoteAnswerError, RemoteTimeoutError, deploy, rollback, \
-    status
+from colibri_sdk.deploy import DeployError, RemoteAnswerError, RemoteTimeoutError, deploy, rollback, status
 
 pytestmark = pytest.mark.ssh
 
@@ -41,39 +40,13 @@ def current_of(device_dir: Path) -> tuple:
     return os.readlink(link), remote_tree(link)
 
 
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hostile_bundles")
-    return write_bundle(root / "a"), write_bundle(root / "b", model_seed=1, kernel_seed=1)
-
-
-@pytest.fixture(scope="module")
-def stores(tmp_path_factory, shared_target, bundles):
-    """store(verify, rollback): a store holding bundle a deployed with `verify` (and then b, for a rollback to step
-    back from), made by the real agent on the first call and returned as it was on later ones."""
-    made = {}
-
-    def store(verify: bool, for_rollback: bool) -> Path:
-        key = (verify, for_rollback)
-        if key not in made:
-            root = tmp_path_factory.mktemp("hostile_store") / HOSTILE
-            options = DeployOptions(remote_dir=str(root), keep=3, remote_python=sys.executable, verify=verify,
-                                    remote_colibri=SELFTEST)
-            for bundle in bundles[:2 if for_rollback else 1]:
-                deploy(bundle, shared_target, options)
-            made[key] = root
-        return made[key]
-
-    return store
-
-
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("op", OPERATIONS)
-def test_a_misbehaving_agent_is_a_typed_error_and_current_is_untouched(target, options, device_dir, bundles, stores,
-                                                                       op, fault):
-    b = bundles[1]
+def test_a_misbehaving_agent_is_a_typed_error_and_current_is_untouched(target, options, device_dir, shared_bundle,
+                                                                       start_from, op, fault):
+    a, b = shared_bundle(), shared_bundle(model_seed=1, kernel_seed=1)
     options = replace(options, verify=op == "switch", remote_colibri=SELFTEST)
-    copy_store(stores(options.verify, op == "rollback"), device_dir)
+    start_from([a, b] if op == "rollback" else [a], verify=options.verify, remote_colibri=SELFTEST)
     before = current_of(device_dir)
     # Only the delaying agent needs a short command timeout; the other faults keep the ordinary one, so that a busy
     # machine's slow agent start is never mistaken for the fault. The agent stays silent 4 x FAULT_TIMEOUT_S, far
