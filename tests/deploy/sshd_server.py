@@ -2,7 +2,8 @@
 
 `SshServer.start(workdir)` writes an ed25519 host key, an ed25519 user key, an authorized_keys file and an
 sshd_config into `workdir`, starts `/usr/sbin/sshd -D -e -f CONFIG` on a free loopback port and waits until it
-answers. Its commands run in the login user's shell without that user's ~/.bashrc, on sshd's default PATH. Needs root (sshd switches to the logged-in user) and the `openssh-server` package.
+answers. Its commands run in the login user's shell without that user's ~/.bashrc, on sshd's default PATH. Needs
+root (sshd switches to the logged-in user) and the `openssh-server` package.
 """
 
 from __future__ import annotations
