@@ -10,7 +10,7 @@ import pytest
 from timeout_support import guard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from deploy_bundles import HOSTILE, write_bundle  # noqa: E402
+from deploy_bundles import HOSTILE, copy_store, write_bundle  # noqa: E402
 from sshd_server import SshServer, sshd_unavailable_reason  # noqa: E402
 
 
@@ -32,8 +32,9 @@ def known_hosts(tmp_path, sshd):
     return path
 
 
-@pytest.fixture
-def target(sshd, known_hosts):
+def loopback_target(sshd, known_hosts: Path):
+    """The Target of the loopback sshd, trusting its host key through `known_hosts`; timeouts that only guard
+    against hangs."""
     from colibri_sdk.deploy import Target
 
     return Target(host="127.0.0.1", user=sshd.user, port=sshd.port, identity=str(sshd.user_key),
@@ -41,10 +42,21 @@ def target(sshd, known_hosts):
 
 
 @pytest.fixture
+def target(sshd, known_hosts):
+    return loopback_target(sshd, known_hosts)
+
+
+@pytest.fixture(scope="session")
+def shared_target(sshd, tmp_path_factory):
+    """`target` with a known_hosts file of its own, for module fixtures that prepare device stores once."""
+    path = tmp_path_factory.mktemp("shared_known_hosts") / "known_hosts"
+    path.write_text(sshd.known_hosts_line())
+    return loopback_target(sshd, path)
+
+
+@pytest.fixture
 def bundle(tmp_path):
     return write_bundle(tmp_path / "bundle_a")
-
-
 
 
 @pytest.fixture
@@ -59,6 +71,54 @@ def options(device_dir):
 
     # The device's Python: this interpreter (sshd's PATH may not have a python3 with a working stdlib in CI).
     return DeployOptions(remote_dir=str(device_dir), keep=3, remote_python=sys.executable)
+
+
+@pytest.fixture(scope="session")
+def shared_bundle(tmp_path_factory):
+    """shared_bundle(**write_bundle arguments): that bundle, written once per session (tests leave it as it is)."""
+    made = {}
+
+    def get(**kwargs) -> Path:
+        key = tuple(sorted(kwargs.items()))
+        if key not in made:
+            made[key] = write_bundle(tmp_path_factory.mktemp("shared_bundle") / "bundle", **kwargs)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def deployed_stores(tmp_path_factory, shared_target):
+    """deployed_stores(bundles, **DeployOptions fields) -> (store, [DeployResult of each bundle]): the store the
+    real agent made by deploying `bundles` in turn (remote_python: this interpreter; keep 3 unless given), made once
+    per session; tests start from a copy of it (`start_from`)."""
+    from colibri_sdk.deploy import DeployOptions, deploy
+
+    made = {}
+
+    def get(bundles, **fields) -> tuple:
+        key = (tuple(str(b) for b in bundles), tuple(sorted(fields.items())))
+        if key not in made:
+            root = tmp_path_factory.mktemp("deployed_store") / HOSTILE
+            options = DeployOptions(remote_dir=str(root), **{"keep": 3, "remote_python": sys.executable, **fields})
+            made[key] = root, [deploy(b, shared_target, options) for b in bundles]
+        return made[key]
+
+    return get
+
+
+@pytest.fixture
+def start_from(deployed_stores, device_dir):
+    """start_from(bundles, **DeployOptions fields) -> [DeployResult of each bundle]: `device_dir` becomes a copy of
+    the store those deploys made (deployed_stores), as if they had been made to it (a store records no path of its
+    own; the results' remote_path names the original)."""
+
+    def start(bundles, **fields) -> list:
+        store, results = deployed_stores(bundles, **fields)
+        copy_store(store, device_dir)
+        return results
+
+    return start
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -112,3 +113,12 @@ def remote_tree(root: Path) -> dict:
             if p.is_file() and not p.is_symlink():
                 out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
+
+
+def copy_store(src: Path, dst: Path) -> Path:
+    """Copy the device store `src` to `dst` (which must not exist) as the agent left it: the hard links between a
+    bundle's files and the store objects, the relative symlinks `current` / `previous`, modes and times (`cp -a`).
+    A store records no path of its own, so the copy is the store a deploy to `dst` would have made."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-a", "--", str(src), str(dst)], check=True)
+    return dst

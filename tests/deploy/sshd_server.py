@@ -2,7 +2,8 @@
 
 `SshServer.start(workdir)` writes an ed25519 host key, an ed25519 user key, an authorized_keys file and an
 sshd_config into `workdir`, starts `/usr/sbin/sshd -D -e -f CONFIG` on a free loopback port and waits until it
-answers. Needs root (sshd switches to the logged-in user) and the `openssh-server` package.
+answers. Its commands run in the login user's shell without that user's ~/.bashrc, on sshd's default PATH. Needs
+root (sshd switches to the logged-in user) and the `openssh-server` package.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ class SshServer:
             "MaxStartups 64:30:128",
             "MaxSessions 64",
             "LogLevel ERROR",
+            # bash reads ~/.bashrc for a command sshd runs only as a top-level shell (SHLVL < 2 once it counts
+            # itself): from SHLVL=1 it does not, so every remote command starts without the login user's shell
+            # setup (on a developer machine, e.g. `pyenv init`, ~0.4 s of each command).
+            "SetEnv SHLVL=1",
         ]
         config.write_text("\n".join(lines) + "\n")
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)

@@ -56,8 +56,8 @@ def test_on_activate_and_health_check_pass(tmp_path, target, device_dir, trace):
 
 
 def test_failing_health_check_restores_the_previous_bundle_and_reruns_on_activate(tmp_path, target, device_dir,
-                                                                                  trace):
-    a = deploy(write_bundle(tmp_path / "a"), target, base(device_dir))
+                                                                                  trace, shared_bundle, start_from):
+    (a,) = start_from([shared_bundle()])
     b = write_bundle(tmp_path / "b", kernel_seed=1)
     options = replace(base(device_dir), on_activate=restart(trace), health_cmd="echo 'no frames for 10 s' >&2; exit 4")
     with pytest.raises(HealthCheckError) as info:
@@ -66,13 +66,14 @@ def test_failing_health_check_restores_the_previous_bundle_and_reruns_on_activat
     assert str(info.value) == (f"{target.label}: bundle {b_id} was activated, but health check {options.health_cmd!r} "
                                f"failed (exit status 4: no frames for 10 s); rolled back: bundle {a.bundle_id} is "
                                f"current again; --on-activate re-run for it ok")
-    assert active(device_dir) == a.bundle_id and remote_tree(device_dir / "current") == remote_tree(tmp_path / "a")
+    assert active(device_dir) == a.bundle_id and remote_tree(device_dir / "current") == remote_tree(shared_bundle())
     assert trace.read_text().split() == [b_id, a.bundle_id]  # restarted on b, then on a again
     assert not (device_dir / "previous").exists()  # a is the only bundle in the history again
 
 
-def test_failing_on_activate_restores_the_previous_bundle(tmp_path, target, device_dir, trace):
-    a = deploy(write_bundle(tmp_path / "a"), target, base(device_dir))
+def test_failing_on_activate_restores_the_previous_bundle(tmp_path, target, device_dir, trace, shared_bundle,
+                                                         start_from):
+    (a,) = start_from([shared_bundle()])
     b = write_bundle(tmp_path / "b", kernel_seed=1)
     b_id = bundle_id(b)
     options = replace(base(device_dir), on_activate=restart(trace, fail_for=b_id), health_cmd="true")
@@ -84,13 +85,14 @@ def test_failing_on_activate_restores_the_previous_bundle(tmp_path, target, devi
     assert trace.read_text().split() == [b_id, a.bundle_id]
 
 
-def test_failing_health_of_an_unchanged_bundle_is_reported_not_rolled_back(tmp_path, target, device_dir, trace):
-    a = deploy(write_bundle(tmp_path / "a"), target, base(device_dir))
-    b = deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, base(device_dir))
+def test_failing_health_of_an_unchanged_bundle_is_reported_not_rolled_back(target, device_dir, trace, shared_bundle,
+                                                                           start_from):
+    bundles = [shared_bundle(), shared_bundle(kernel_seed=1)]
+    a, b = start_from(bundles)
     with pytest.raises(HealthCheckError, match=rf"bundle {b.bundle_id} was already the active bundle, and health "
                                                rf"check 'false' failed \(exit status 1: \(no output\)\); nothing "
                                                rf"was rolled back"):
-        deploy(tmp_path / "b", target, replace(base(device_dir), health_cmd="false"))
+        deploy(bundles[1], target, replace(base(device_dir), health_cmd="false"))
     assert active(device_dir) == b.bundle_id and os.readlink(device_dir / "previous") == f"bundles/{a.bundle_id}"
 
 
@@ -128,17 +130,18 @@ def test_cli_exits_1_and_says_it_rolled_back(tmp_path, sshd, known_hosts, device
     assert active(device_dir) == first
 
 
-def test_status_keeps_the_last_good_activation_time_after_a_rolled_back_one(tmp_path, target, device_dir):
+def test_status_keeps_the_last_good_activation_time_after_a_rolled_back_one(target, device_dir, shared_bundle,
+                                                                             start_from):
     """An older bundle deployed again, whose health check fails: rolled back, `--status` still shows for it the
     time of its last good activation, and for the bundle made current again its own."""
-    a = deploy(write_bundle(tmp_path / "a"), target, base(device_dir))
-    b = deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, base(device_dir))
+    bundles = [shared_bundle(), shared_bundle(kernel_seed=1)]
+    a, b = start_from(bundles)
     good = {e.bundle_id: e.activated for e in status(target, base(device_dir)).bundles}
     os.utime(device_dir / "bundles" / a.bundle_id, (good[a.bundle_id] - 3600,) * 2)  # an hour ago
     os.utime(device_dir / "bundles" / b.bundle_id, (good[b.bundle_id] - 60,) * 2)
     good = {e.bundle_id: e.activated for e in status(target, base(device_dir)).bundles}
     with pytest.raises(HealthCheckError, match=f"rolled back: bundle {b.bundle_id} is current again"):
-        deploy(tmp_path / "a", target, replace(base(device_dir), health_cmd="false"))
+        deploy(bundles[0], target, replace(base(device_dir), health_cmd="false"))
     st = status(target, base(device_dir))
     assert (st.current, st.previous) == (b.bundle_id, a.bundle_id)
     assert {e.bundle_id: e.activated for e in st.bundles} == pytest.approx(good, abs=1e-3)

@@ -101,8 +101,13 @@ def test_identical_files_are_one_store_object(tmp_path, target, options, device_
     assert remote_tree(device_dir / "current") == remote_tree(b)
 
 
-def test_rollback_steps_back_through_the_history(tmp_path, target, options, device_dir):
-    a, b, c = (deploy(write_bundle(tmp_path / n, kernel_seed=i), target, options) for i, n in enumerate("abc"))
+def three_bundles(shared_bundle) -> list:
+    return [shared_bundle(kernel_seed=i) for i in range(3)]
+
+
+def test_rollback_steps_back_through_the_history(target, options, device_dir, shared_bundle, start_from):
+    bundles = three_bundles(shared_bundle)
+    a, b, c = start_from(bundles)
     assert (b.previous, c.previous) == (a.bundle_id, b.bundle_id)
     assert rollback(target, options) == {"current": b.bundle_id, "previous": c.bundle_id,
                                          "history": [a.bundle_id, b.bundle_id]}
@@ -110,7 +115,7 @@ def test_rollback_steps_back_through_the_history(tmp_path, target, options, devi
     assert os.readlink(device_dir / "previous") == f"bundles/{a.bundle_id}"
     assert rollback(target, options)["current"] == a.bundle_id  # one further back, not back to c
     assert active(device_dir) == f"bundles/{a.bundle_id}" and not os.path.lexists(device_dir / "previous")
-    assert remote_tree(device_dir / "current") == remote_tree(tmp_path / "a")
+    assert remote_tree(device_dir / "current") == remote_tree(bundles[0])
     with pytest.raises(RemoteCommandError, match=f"nothing to roll back to: .* has no bundle activated before "
                                                  f"{a.bundle_id}"):
         rollback(target, options)
@@ -123,8 +128,8 @@ def test_rollback_steps_back_through_the_history(tmp_path, target, options, devi
         rollback(target, options, to=a.bundle_id)
 
 
-def test_a_switch_by_hand_on_the_device_counts_as_a_rollback(tmp_path, target, options, device_dir):
-    a, b, c = (deploy(write_bundle(tmp_path / n, kernel_seed=i), target, options) for i, n in enumerate("abc"))
+def test_a_switch_by_hand_on_the_device_counts_as_a_rollback(target, options, device_dir, shared_bundle, start_from):
+    a, b, c = start_from(three_bundles(shared_bundle))
     # deploy/README.md's recipe without the deploying machine: current := previous
     os.symlink(os.readlink(device_dir / "previous"), device_dir / ".current.tmp")
     os.replace(device_dir / ".current.tmp", device_dir / "current")
@@ -132,9 +137,8 @@ def test_a_switch_by_hand_on_the_device_counts_as_a_rollback(tmp_path, target, o
     assert rollback(target, options)["current"] == a.bundle_id
 
 
-def test_rollback_refuses_a_corrupt_bundle(tmp_path, target, options, device_dir):
-    a = deploy(write_bundle(tmp_path / "a", kernel_seed=0), target, options)
-    deploy(write_bundle(tmp_path / "b", kernel_seed=1), target, options)
+def test_rollback_refuses_a_corrupt_bundle(target, options, device_dir, shared_bundle, start_from):
+    a, _ = start_from(three_bundles(shared_bundle)[:2])
     victim = device_dir / "bundles" / a.bundle_id / "kernels" / "router.ptx"
     victim.chmod(0o644)
     victim.write_bytes(b"tampered")
@@ -143,8 +147,8 @@ def test_rollback_refuses_a_corrupt_bundle(tmp_path, target, options, device_dir
     assert active(device_dir) != f"bundles/{a.bundle_id}"
 
 
-def test_rollback_without_previous_is_refused(bundle, target, options):
-    deploy(bundle, target, options)
+def test_rollback_without_previous_is_refused(target, options, shared_bundle, start_from):
+    start_from([shared_bundle()])
     with pytest.raises(RemoteCommandError, match="nothing to roll back to"):
         rollback(target, options)
 

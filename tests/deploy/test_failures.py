@@ -63,9 +63,10 @@ def wait_unlocked(path: Path, timeout: float | None = None) -> None:
 
 
 def test_killed_deploy_keeps_previous_bundle_and_resume_sends_only_the_rest(tmp_path, sshd, target, known_hosts,
-                                                                             options, device_dir):
-    a = write_bundle(tmp_path / "a")
-    first = deploy(a, target, options)
+                                                                             options, device_dir, shared_bundle,
+                                                                             start_from):
+    a = shared_bundle()
+    (first,) = start_from([a])
     b = write_bundle(tmp_path / "b", model_bytes=96 << 20, model_seed=7)
     partial = device_dir / "store" / (sha_of(b / "model.colibri") + ".partial")
     cli = [sys.executable, "-m", "colibri_sdk", "deploy", str(b), "--host", f"{sshd.user}@127.0.0.1",
@@ -109,9 +110,9 @@ def test_corrupt_partial_upload_is_detected_and_sent_again(tmp_path, target, opt
     assert remote_tree(device_dir / "current") == remote_tree(b)
 
 
-def test_corrupt_store_object_is_detected_and_replaced(tmp_path, target, options, device_dir):
-    a = write_bundle(tmp_path / "a")
-    first = deploy(a, target, options)
+def test_corrupt_store_object_is_detected_and_replaced(target, options, device_dir, shared_bundle, start_from):
+    a = shared_bundle()
+    (first,) = start_from([a])
     stored = device_dir / "store" / sha_of(a / "model.colibri")
     stored.chmod(0o644)
     data = bytearray(stored.read_bytes())
@@ -124,11 +125,12 @@ def test_corrupt_store_object_is_detected_and_replaced(tmp_path, target, options
     assert remote_tree(device_dir / "current") == remote_tree(a)
 
 
-def test_corruption_in_transit_fails_with_checksum_mismatch(tmp_path, target, options, device_dir, monkeypatch):
+def test_corruption_in_transit_fails_with_checksum_mismatch(tmp_path, target, options, device_dir, monkeypatch,
+                                                            shared_bundle, start_from):
     from colibri_sdk.deploy import transfer
 
-    a = write_bundle(tmp_path / "a")
-    first = deploy(a, target, options)
+    a = shared_bundle()
+    (first,) = start_from([a])
     b = write_bundle(tmp_path / "b", kernel_seed=3)
     real = transfer.HashingReader.__iter__
 
@@ -146,9 +148,9 @@ def test_corruption_in_transit_fails_with_checksum_mismatch(tmp_path, target, op
     assert remote_tree(device_dir / "current") == remote_tree(a)
 
 
-def test_local_file_changed_after_build_is_refused_before_staging(tmp_path, target, options, device_dir):
-    a = write_bundle(tmp_path / "a")
-    first = deploy(a, target, options)
+def test_local_file_changed_after_build_is_refused_before_staging(tmp_path, target, options, device_dir,
+                                                                   shared_bundle, start_from):
+    (first,) = start_from([shared_bundle()])
     b = write_bundle(tmp_path / "b", kernel_seed=3)
     path = b / "kernels" / "router.ptx"
     path.write_bytes(b"Y" + path.read_bytes()[1:])  # same size, other content
@@ -163,9 +165,9 @@ def test_local_file_changed_after_build_is_refused_before_staging(tmp_path, targ
     assert os.readlink(device_dir / "current") == f"bundles/{first.bundle_id}"
 
 
-def test_a_changed_file_the_device_already_holds_is_refused_too(tmp_path, target, options, device_dir):
-    a = write_bundle(tmp_path / "a")
-    first = deploy(a, target, options)
+def test_a_changed_file_the_device_already_holds_is_refused_too(tmp_path, target, options, device_dir,
+                                                                 shared_bundle, start_from):
+    (first,) = start_from([shared_bundle()])
     b = write_bundle(tmp_path / "b", kernel_seed=3)  # the same weights (already on the device), other kernels
     weights = b / "model.colibri"
     data = bytearray(weights.read_bytes())

@@ -1,6 +1,9 @@
 """A device whose agent answers badly (fake_agent.py, over the real loopback sshd): each operation in turn is
 garbled, truncated, delayed, flooded and dropped. Every case ends in a typed, one-line DeployError naming the host
-and the operation, and the device's `current` bundle is left as it was, byte for byte."""
+and the operation, and the device's `current` bundle is left as it was, byte for byte.
+
+Each case starts from a copy of a store the real agent made (bundle a deployed; for `rollback`, a then b), deployed
+once per session with the case's options (conftest.start_from)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from timeout_support import guard
-from deploy_bundles import remote_tree, write_bundle
+from deploy_bundles import remote_tree
 
 from colibri_sdk.deploy import DeployError, RemoteAnswerError, RemoteTimeoutError, deploy, rollback, status
 
@@ -21,7 +24,13 @@ pytestmark = pytest.mark.ssh
 FAKE = Path(__file__).with_name("fake_agent.py")
 FAULTS = ("garble", "truncate", "delay", "flood", "drop")
 OPERATIONS = ("plan", "receive", "stage", "switch", "rollback", "status")
-FAULT_TIMEOUT_S = 3.0  # the command timeout with a delaying agent (scaled by guard; the agent waits 4x as long)
+# The command timeout with a delaying agent (scaled by guard). Where real agent operations run before the delayed
+# one under the same timeout (receive, stage, switch: plan, receive, stage first), it leaves a busy machine's agent
+# starts time; where the delayed operation is the first command of its call (plan, status, rollback), nothing but
+# the delayed agent runs under it.
+FAULT_TIMEOUT_S = 3.0
+FIRST_FAULT_TIMEOUT_S = 0.5
+FIRST = ("plan", "status", "rollback")
 SELFTEST = f"{shlex.quote(sys.executable)} {shlex.quote(str(FAKE))} --selftest"
 
 
@@ -33,18 +42,18 @@ def current_of(device_dir: Path) -> tuple:
 
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("op", OPERATIONS)
-def test_a_misbehaving_agent_is_a_typed_error_and_current_is_untouched(tmp_path, target, options, device_dir, op,
-                                                                       fault):
-    a, b = write_bundle(tmp_path / "a"), write_bundle(tmp_path / "b", model_seed=1, kernel_seed=1)
+def test_a_misbehaving_agent_is_a_typed_error_and_current_is_untouched(target, options, device_dir, shared_bundle,
+                                                                       start_from, op, fault):
+    a, b = shared_bundle(), shared_bundle(model_seed=1, kernel_seed=1)
     options = replace(options, verify=op == "switch", remote_colibri=SELFTEST)
-    deploy(a, target, options)
-    if op == "rollback":
-        deploy(b, target, options)  # something to roll back from
+    start_from([a, b] if op == "rollback" else [a], verify=options.verify, remote_colibri=SELFTEST)
     before = current_of(device_dir)
     # Only the delaying agent needs a short command timeout; the other faults keep the ordinary one, so that a busy
-    # machine's slow agent start is never mistaken for the fault.
-    wait = guard(FAULT_TIMEOUT_S)
-    agent_fault = f"delay={4 * wait}" if fault == "delay" else fault
+    # machine's slow agent start is never mistaken for the fault. The agent stays silent 4 x FAULT_TIMEOUT_S, far
+    # past the client's timeout; rollback's client waits longer (hashing time is allowed) than any delay a test can
+    # afford, so its agent ends its silence, without an answer, at 4 x its own (short) timeout.
+    wait = guard(FIRST_FAULT_TIMEOUT_S if op in FIRST else FAULT_TIMEOUT_S)
+    agent_fault = f"delay={4 * (wait if op == 'rollback' else guard(FAULT_TIMEOUT_S))}" if fault == "delay" else fault
     hostile = replace(options, remote_python=shlex.join([sys.executable, str(FAKE), op, agent_fault]))
     slow = target.with_(command_timeout=wait) if fault == "delay" else target
     with pytest.raises(DeployError) as caught:

@@ -60,12 +60,11 @@ CHANGES = {
 
 @pytest.mark.parametrize("case", list(CHANGES))
 def test_a_file_changed_before_it_is_read_is_a_bundle_error(tmp_path, target, options, device_dir, monkeypatch,
-                                                            case):
+                                                            shared_bundle, start_from, case):
     from colibri_sdk.deploy import transfer
 
     name, model_bytes, change, message = CHANGES[case]
-    a = write_bundle(tmp_path / "a")
-    deploy(a, target, options)
+    start_from([shared_bundle()])
     before = os.readlink(device_dir / "current")
     b = write_bundle(tmp_path / "b", model_bytes=model_bytes, model_seed=1, kernel_seed=1)
     real, changed = transfer.read_chunks, []

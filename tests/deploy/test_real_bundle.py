@@ -22,12 +22,13 @@ def files_of(bundle: Path) -> dict:
     return {e["path"]: e for e in json.loads((bundle / "manifest.json").read_text())["files"]}
 
 
-def test_real_bundle_verified_on_device_then_kernel_only_rebuild(real_bundles, target, device_dir):
+VERIFIED = dict(verify=True, remote_colibri=f"{sys.executable} -m colibri_sdk", verify_backend="cpu")
+
+
+def test_real_bundle_verified_on_device_then_kernel_only_rebuild(real_bundles, target, device_dir, start_from):
     first, rebuilt = real_bundles
-    colibri = f"{sys.executable} -m colibri_sdk"
-    options = DeployOptions(remote_dir=str(device_dir), verify=True, remote_colibri=colibri,
-                            remote_python=sys.executable, verify_backend="cpu")
-    result = deploy(first, target, options)
+    options = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, **VERIFIED)
+    (result,) = start_from([first], **VERIFIED)  # the deploy of `first`, verified on the device
     assert remote_tree(device_dir / "current") == remote_tree(first)
     # The device's own self-test line comes back, naming the backend that ran it.
     assert result.selftest.startswith("self-test passed on cpu: max abs err ") and result.selftest_backend == "cpu"
@@ -48,11 +49,10 @@ def test_real_bundle_verified_on_device_then_kernel_only_rebuild(real_bundles, t
     assert remote_tree(device_dir / "current") == remote_tree(rebuilt)
 
 
-def test_real_verify_failure_keeps_previous(real_bundles, tmp_path, target, device_dir):
+def test_real_verify_failure_keeps_previous(real_bundles, tmp_path, target, device_dir, start_from):
     first, rebuilt = real_bundles
-    options = DeployOptions(remote_dir=str(device_dir), verify=True, remote_python=sys.executable,
-                            remote_colibri=f"{sys.executable} -m colibri_sdk", verify_backend="cpu")
-    ok = deploy(first, target, options)
+    options = DeployOptions(remote_dir=str(device_dir), remote_python=sys.executable, **VERIFIED)
+    (ok,) = start_from([first], **VERIFIED)
     # A bundle whose self-test expectation is wrong but whose manifest is consistent (resealed as a build would):
     # the local loader accepts it, the device's `colibri-sdk verify` must fail it and the pointer must stay.
     bad = shutil.copytree(rebuilt, tmp_path / "bad")
