@@ -59,6 +59,10 @@
 // spills (checked for the Mixtral shape, the test shapes and odd sizes with and without zero points; 3 blocks of
 // 256, 80 registers, spilled). Above 512 threads and for float weights: 1 (float weights fit in 128 as they are).
 #define QMINB_ (COLI_QUANT && THREADS_ < 512 ? 512 / THREADS_ : 1)
+// colibri_down_gemv: 512 / threads for every storage. Its multi-pass y terms (every lane adds its pair's) took the
+// float kernel to 138 registers at 256 threads, one block per SM; bounded, ptxas keeps it at 122 (fp16) and 96
+// (fp32) without spills at sm_80-90, two blocks per SM and twice the bytes in flight.
+#define DMINB_ (THREADS_ < 512 ? 512 / THREADS_ : 1)
 #define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");
@@ -667,7 +671,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
 #undef GU_ROWS_
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS_, QMINB_)
+extern "C" __global__ void __launch_bounds__(THREADS_, DMINB_)
 colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, const ws_t* __restrict__ down,
                   const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
                   float* __restrict__ x_next
