@@ -67,8 +67,9 @@ SHAPES = {
     "odd": dict(hidden=2050, inter=770, experts=8, top_k=2),
 }
 ODD_STORAGES = ("fp16", "int8", "int4-g128")  # the odd shape is 8x larger per expert: three storages keep the run short
-# (valid tokens, bundle tokens, small_batch.max_pairs: None = the h200 profile's 128); 64/64 with max_pairs 64 puts
-# the Mixtral shape (128 pairs) on the tiled path too
+# (valid tokens, bundle tokens, small_batch.max_pairs: None = the h200 profile's crossover: max_pairs, and
+# max_pairs_quantized for int8/int4); 64/64 with max_pairs 64 (every storage) puts the Mixtral shape (128 pairs) on the
+# tiled path too
 CASES = ((1, 16, None), (4, 16, None), (16, 16, None), (64, 64, None), (64, 64, 64))
 WEIGHTS, ACTIVATIONS = 0, 1
 INSTR, SECTORS, MIN_SECTORS, BYTES = range(4)
@@ -79,6 +80,7 @@ def profile_for(tokens: int, max_pairs: int | None = None) -> dict:
     data["shape"] = {"batch": 1, "tokens": tokens}
     if max_pairs is not None:
         data["kernels"]["small_batch"]["max_pairs"] = max_pairs
+        data["kernels"]["small_batch"].pop("max_pairs_quantized", None)  # the forced value for every storage
     return Profile.from_dict(data, toolchain=False).data
 
 

@@ -52,9 +52,10 @@ from model_estimate import resident_blocks  # noqa: E402
 
 FULL = dict(hidden=4096, inter=14336, experts=8, top_k=2)  # Mixtral-8x7B, one layer
 SCALED = dict(hidden=512, inter=1536, experts=8, top_k=2)  # whole 512-column chunks in both reductions
-# int4 chunks are 1024 columns (32 lanes x 32 codes): its scaled shape keeps whole ones, so that every lane of the
-# hot loops has a vector as at the full shape (512 columns left half the lanes of gate/up idle)
-SCALED_INT4 = dict(hidden=1024, inter=1536, experts=8, top_k=2)
+# int4 chunks are 1024 columns (32 lanes x 32 codes): its scaled shape keeps whole ones in both reductions, so that
+# every lane of the hot loops has a vector as at the full shape (hidden 512 left half the lanes of gate/up idle,
+# intermediate 1536 half of down's in its second chunk); 3072 rows are also a grid the 24 sampled blocks divide
+SCALED_INT4 = dict(hidden=1024, inter=3072, experts=8, top_k=2)
 QUICK = dict(hidden=512, inter=1024, experts=8, top_k=2)
 STORAGES = {"fp16": None, "int8": (QUANT_INT8, 0), "int4_g128": (QUANT_INT4, 128)}
 KIT_STORAGE = {"fp16": "fp16", "int8": "int8", "int4_g128": "int4-g128"}  # kernel_access.make_model names
@@ -81,10 +82,13 @@ HOT_SHARE = 0.5  # a site is part of a hot loop when it has at least half the re
 PATHS = ("profile", "gemv", "tc")  # the shipped profile's max_pairs, or the GEMV / tensor-core tile path forced
 
 
-def profile_path(device: str, tokens: int) -> str:
-    """"gemv" or "tc": the path the shipped profile's max_pairs takes at `tokens` (FULL's top-k pairs per token)."""
-    return "gemv" if tokens * FULL["top_k"] <= load_profile(DEVICES[device]["profile"], toolchain=False).data[
-        "kernels"]["small_batch"]["max_pairs"] else "tc"
+def profile_path(device: str, tokens: int, storage: str) -> str:
+    """"gemv" or "tc": the path the shipped profile's crossover takes at `tokens` (FULL's top-k pairs per token) for
+    `storage` (max_pairs, or max_pairs_quantized for int8/int4 where the profile sets it)."""
+    small_batch = load_profile(DEVICES[device]["profile"], toolchain=False).data["kernels"]["small_batch"]
+    limit = small_batch.get("max_pairs_quantized", small_batch["max_pairs"]) if STORAGES[storage] else \
+        small_batch["max_pairs"]
+    return "gemv" if tokens * FULL["top_k"] <= limit else "tc"
 
 
 def profile_for(device: str, tokens: int, route: str = "profile") -> dict:
@@ -102,6 +106,8 @@ def profile_for(device: str, tokens: int, route: str = "profile") -> dict:
         raise SystemExit(f"{device}: no profile shape holds {tokens} tokens (batch {batches}, tokens {lengths})")
     _, b, t = fits[0]
     data["shape"] = {"batch": b, "tokens": t}
+    if route != "profile":  # one forced value for every storage
+        data["kernels"]["small_batch"].pop("max_pairs_quantized", None)
     if route == "gemv":
         data["kernels"]["small_batch"]["max_pairs"] = max(data["kernels"]["small_batch"]["max_pairs"],
                                                           b * t * FULL["top_k"])
@@ -285,7 +291,7 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
     layer_us = sum(k["time_us"] for k in kernels)
     taken = "tc" if any(k["symbol"] in TC_SYMBOLS for k in kernels) else "gemv"
     return {"device": device, "storage": storage, "tokens": valid, "path": taken,
-            "profile_path": profile_path(device, valid), "kernels": kernels, "est_layer_us": layer_us,
+            "profile_path": profile_path(device, valid, storage), "kernels": kernels, "est_layer_us": layer_us,
             "floor_us": floor_s * 1e6, "est_floor_fraction": floor_s * 1e6 / layer_us, "scale": scale}
 
 
@@ -312,8 +318,9 @@ def hot_summary(cases: list[dict]) -> dict:
     return {"worst": worst, "lanes": lanes, "lanes_weighted": weighted[0] / weighted[1] if weighted[1] else None}
 
 
-def summary(cases: list[dict], dims: dict) -> dict:
-    """The --json object of `cases` (every value an estimate)."""
+def summary(cases: list[dict], dims: dict, sites: str = "all") -> dict:
+    """The --json object of `cases` (every value an estimate); sites "hot": each kernel's access sites of its hot
+    loops only (what the hot-loop figures read; a --merge of such a file gives the same summary)."""
     shipped = [c for c in cases if c.get("path", "gemv") == c.get("profile_path", c.get("path", "gemv"))]
     hot = hot_summary(shipped)
     fraction: dict = {}
@@ -340,7 +347,8 @@ def summary(cases: list[dict], dims: dict) -> dict:
         "est_floor_fraction_by_path": by_path,  # the GEMV and the tensor-core tile path at the same shape
         "note_paths": "est_floor_fraction and the hot-loop figures: the path each shipped profile's max_pairs takes; "
                       "est_floor_fraction_by_path: both paths where --paths ran both",
-        "cases": [{k: v for k, v in c.items()} for c in cases],
+        "cases": [{**c, "kernels": [{**k, "sites": [s for s in k["sites"] if sites == "all" or s["hot"]]}
+                                     for k in c["kernels"]]} for c in cases],
     }
     return result
 
@@ -359,6 +367,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-nvrtc", action="store_true", help="resident blocks from threads only (no ptxas)")
     parser.add_argument("--merge", nargs="*", type=Path, metavar="JSON",
                         help="no emulation: the summary of the cases of these --json-out files (runs split by storage)")
+    parser.add_argument("--sites", choices=("all", "hot"), default="all",
+                        help="access sites in the JSON's cases: all, or the hot loops' only (bench/results)")
     args = parser.parse_args(argv)
     devices = args.devices or (["orin", "h200"] if args.quick else list(DEVICES))
     dims = QUICK if args.quick else SCALED
@@ -368,7 +378,7 @@ def main(argv=None) -> int:
             cases += json.loads(f.read_text())["cases"]
         for c in cases:  # the profiles' max_pairs as they are now (a profile may have changed since the run)
             c.setdefault("path", "tc" if any(k["symbol"] in TC_SYMBOLS for k in c["kernels"]) else "gemv")
-            c["profile_path"] = profile_path(c["device"], c["tokens"])
+            c["profile_path"] = profile_path(c["device"], c["tokens"], c["storage"])
         devices, args.storages, args.tokens = [], [], []  # nothing to emulate
     if args.quick and not args.json:
         print("--quick: a smaller scaled shape than the committed results (bench/results/kernel_model.txt): its "
@@ -386,7 +396,7 @@ def main(argv=None) -> int:
                         continue  # "profile" took the same path as a forced one
                     cases.append(case)
                     if args.json_out is not None:  # after every case: a run cut short keeps what it measured
-                        args.json_out.write_text(json.dumps(summary(cases, dims), indent=1) + "\n")
+                        args.json_out.write_text(json.dumps(summary(cases, dims, args.sites), indent=1) + "\n")
                     if not args.json:
                         print(f"{device:<8} {storage:<10} T={t:<3} {case['path']:<4} est layer {case['est_layer_us']:9.1f} us  floor "
                               f"{case['floor_us']:8.1f} us  est fraction of floor {case['est_floor_fraction']:.3f}",
@@ -399,7 +409,7 @@ def main(argv=None) -> int:
                                   f"{'-' if ratio is None else f'{ratio:.2f}'}  blocks/SM {k['resident_blocks']}"
                                   f" regs {k['registers']} smem {k['shared_bytes']} in flight/SM "
                                   f"{k['bytes_in_flight_sm'] / 1024:.1f} KiB", flush=True)
-    result = summary(cases, dims)
+    result = summary(cases, dims, args.sites)
     hot = hot_summary(cases)
     ratio = result["est_int4_over_fp16_time"]
     text = json.dumps(result, indent=1)

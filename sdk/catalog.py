@@ -50,6 +50,7 @@ from .launch_plan import (  # noqa: F401  (re-exported: the catalogue's public n
     device_buffers,
     down_column_blocks,
     down_gemv_rows,
+    gemv_max_pairs,
     gemv_max_tokens,
     io_buffers,
     is_counter_buffer,

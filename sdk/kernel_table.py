@@ -22,6 +22,7 @@ class Param:
         multiple_of: the value must be a multiple of this (32 for thread counts: whole warps).
         power_of_two: the value must be a power of two.
         doc: one line for error messages and docs.
+        required: False where a profile may leave it out (its meaning without it is in `doc`).
     """
 
     name: str
@@ -30,6 +31,7 @@ class Param:
     multiple_of: int = 1
     power_of_two: bool = False
     doc: str = ""
+    required: bool = True
 
     def check(self, value) -> str | None:
         """None if `value` is allowed, else the reason (the caller names the key)."""
@@ -122,7 +124,9 @@ KERNELS: tuple[KernelSpec, ...] = (
         "small_batch.cu",
         ("colibri_gate_up_gemv", "colibri_down_gemv", "colibri_shared_gate_up", "colibri_shared_down"),
         (THREADS, Param("max_pairs", 1, 4096, doc="tokens*top_k at or below this take the GEMV path (the GEMV / "
-                        "tiled crossover)")),
+                        "tiled crossover)"),
+         Param("max_pairs_quantized", 1, 4096, required=False, doc="max_pairs for int8/int4 experts (optional; "
+               "without it, max_pairs holds for every storage)")),
     ),
     # int8/int4 weights on the tiled path (tensor cores): a fixed tile, no profile section (no params).
     KernelSpec("expert_quant", "expert_quant_tc.cu", ("colibri_gate_up_qtc", "colibri_down_qtc"), ()),

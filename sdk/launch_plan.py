@@ -29,7 +29,8 @@ class Sizes:
         block_m: rows per tile of the padded expert order (profile `kernels.routing.block_m`).
         padded: tokens * top_k + experts * (block_m - 1), the most rows the padded expert order can need.
         blocks: padded // block_m, the most tiles of block_m rows it can need.
-        small_batch: True when pairs <= `kernels.small_batch.max_pairs`: the GEMV kernels replace the tiled ones.
+        small_batch: True when pairs <= `gemv_max_pairs` (kernels.small_batch.max_pairs, or max_pairs_quantized
+            for int8/int4 experts): the GEMV kernels replace the tiled ones.
         tensor_core: tiled path with fp16 (never quantized) weights, any block_m and sizes: the tensor-core kernels
             (colibri_gate_up_tc, colibri_down_tc) replace colibri_gate_up and colibri_down, which remain for fp32
             weights.
@@ -47,13 +48,23 @@ class Sizes:
     quant_tensor_core: bool = False
 
 
+def gemv_max_pairs(profile: dict, header) -> int:
+    """The most pairs (tokens * top_k) that take the GEMV path for this header's expert storage:
+    `kernels.small_batch.max_pairs_quantized` for int8/int4 experts where the profile sets it, else
+    `kernels.small_batch.max_pairs` (docs/profiles.md)."""
+    small_batch = profile["kernels"]["small_batch"]
+    if quant(header) and "max_pairs_quantized" in small_batch:
+        return small_batch["max_pairs_quantized"]
+    return small_batch["max_pairs"]
+
+
 def sizes(profile: dict, header) -> Sizes:
     """The fixed-shape sizes for a validated profile dict and a weights header."""
     tokens = profile["shape"]["batch"] * profile["shape"]["tokens"]
     pairs = tokens * header.top_k
     block_m = profile["kernels"]["routing"]["block_m"]
     padded = pairs + header.num_experts * (block_m - 1)
-    small = pairs <= profile["kernels"]["small_batch"]["max_pairs"]
+    small = pairs <= gemv_max_pairs(profile, header)
     # sum_e ceil(c_e / block_m) <= (pairs + experts*(block_m-1)) / block_m, and the left side is an integer.
     return Sizes(
         tokens=tokens,

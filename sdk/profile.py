@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .catalog import KERNELS, MAX_TOP_K, gemv_max_tokens
+from .kernel_table import Param
 from .errors import ProfileError
 
 DTYPES = ("fp16", "fp32")
@@ -180,7 +181,7 @@ def _validate(data, schema: dict, path: str, source: str) -> None:
     for key, rule in schema.items():
         full = f"{path}.{key}" if path else key
         if key not in data:
-            if isinstance(rule, Leaf) and not rule.required:
+            if isinstance(rule, (Leaf, Param)) and not rule.required:
                 continue
             raise ProfileError(f"{source}: missing key {full!r}")
         value = data[key]

@@ -143,6 +143,7 @@ def path_profiles(base: dict, tokens: int, header, variant: str | None = None) -
         for name, value in (("max", param.maximum), ("min", param.minimum)):
             v = copy.deepcopy(data)
             v["kernels"][kernel][param.name] = value
+            v["kernels"][kernel].pop("max_pairs_quantized", None)  # optional: the forced value then holds for all
             variants[name] = v
     out, seen = [], set()
     for name, v in variants.items():

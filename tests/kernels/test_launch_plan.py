@@ -313,3 +313,36 @@ def test_v2_feature_plan_binds_every_parameter(orin_profile, quant, tokens):
     shared = [launch for launch in plan if launch["symbol"].startswith("colibri_shared")]
     assert shared[0]["grid"] == [-(-2 * 48 // (profile["kernels"]["small_batch"]["threads"] // 32)), 1, 1]
     assert shared[1]["grid"] == [-(-64 // rows), 1, 1]
+
+
+@pytest.mark.parametrize("quant,expect_gemv", [(0, False), (1, True), (2, True)], ids=["fp16", "int8", "int4"])
+def test_max_pairs_quantized_moves_only_int8_int4_experts(orin_profile, quant, expect_gemv):
+    """32 pairs with max_pairs 16 and max_pairs_quantized 32: fp16 experts take the tiles (tensor cores), int8 and
+    int4 the GEMV; without max_pairs_quantized every storage follows max_pairs."""
+    from colibri_sdk.format import HeaderV2
+    from colibri_sdk.profile import Profile
+
+    data = copy.deepcopy(orin_profile)
+    data["shape"] = {"batch": 1, "tokens": 16}
+    data["kernels"]["small_batch"].update(max_pairs=16, max_pairs_quantized=32)
+    profile = Profile.from_dict(data, toolchain=False).data
+    header = HeaderV2(1, 8, 2, 256, 512, dtype=1, quant=quant, group_size=128 if quant == 2 else 0)
+    s = catalog.sizes(profile, header)
+    assert s.pairs == 32 and s.small_batch is expect_gemv
+    assert catalog.gemv_max_pairs(profile, header) == (32 if quant else 16)
+    symbols = {launch["symbol"] for launch in catalog.launch_plan(profile, header)}
+    assert ("colibri_gate_up_gemv" in symbols) is expect_gemv
+    del profile["kernels"]["small_batch"]["max_pairs_quantized"]
+    assert catalog.sizes(profile, header).small_batch is False  # max_pairs 16 for every storage
+
+
+def test_the_h200_profile_takes_the_tiles_for_fp16_and_the_gemv_for_int4_at_16_tokens():
+    """The shipped crossover (profiles/h200.yaml, from the kernel model's estimates): Mixtral's 16 tokens x top-2."""
+    from colibri_sdk.format import HeaderV2
+    from colibri_sdk.profile import load_profile
+
+    profile = load_profile("h200", toolchain=False).for_shape(1, 16).data
+    fp16 = HeaderV2(1, 8, 2, 4096, 14336, dtype=1)
+    int4 = HeaderV2(1, 8, 2, 4096, 14336, dtype=1, quant=2, group_size=128)
+    assert catalog.sizes(profile, fp16).tensor_core and not catalog.sizes(profile, fp16).small_batch
+    assert catalog.sizes(profile, int4).small_batch
