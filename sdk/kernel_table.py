@@ -171,10 +171,13 @@ def capacity_flags(spec: dict) -> int:
 
 
 def kernel_dir() -> Path:
-    """The folder holding the .cu sources: inside the installed package, or kernels/ of a source checkout."""
+    """The folder holding the .cu sources: colibri_sdk/kernels of the installed package (kernels/ of the checkout).
+
+    kernels/ has no __init__.py on purpose: it is a namespace package, so a checkout's kernels/ on sys.path (the
+    working directory of `python -m pytest`) never shadows the `kernels` distribution that transformers imports."""
     from . import kernels
 
-    return Path(kernels.__file__).parent
+    return Path(next(iter(kernels.__path__)))
 
 
 def kernel_routing(header) -> int:

@@ -169,3 +169,20 @@ def test_cuda13_encoding_reads_the_second_byte():
     struct.pack_into("<H", header, 18, EM_CUDA)
     struct.pack_into("<I", header, 48, (87 << 8) | 0x05)
     assert cubin_sm(bytes(header)) == 87
+
+
+def test_each_compilation_runs_in_a_child_process_that_blocks_sigterm(monkeypatch):
+    # NVRTC's own SIGINT/SIGTERM handler ends the process it runs in (status 4 or SIGSEGV, no cleanup), so NVRTC runs
+    # in a child: the child's image is the same as this process's would be, and its signal mask blocks both signals.
+    from colibri_sdk.aot import nvrtc
+
+    out = compile_routing("sm_87")
+    in_process = nvrtc._nvrtc_compile(routing_source(), "routing.cu", "sm_87", list(out.options))
+    assert out.cubin == in_process[0] and out.ptx == in_process[1].rstrip(b"\x00")
+    probe = ("import signal, sys\nblocked = signal.pthread_sigmask(signal.SIG_BLOCK, set())\n"
+             "sys.stderr.write(f'mask {sorted(int(s) for s in blocked)}\\n')\nsys.exit(3)\n")
+    monkeypatch.setattr(nvrtc, "_CHILD", nvrtc._CHILD.replace("import pickle", probe + "import pickle"))
+    with pytest.raises(CompileError) as err:
+        compile_routing("sm_87")
+    assert str(err.value) == ("routing.cu (sm_87): the NVRTC child process ended with status 3 and no result (its "
+                              "last line: mask [2, 15])")

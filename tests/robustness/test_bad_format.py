@@ -12,7 +12,7 @@ from colibri_sdk.format import ColibriFile, ColibriWriter, Header
 from robustness_helpers import cli_error
 
 HEADER = Header(num_layers=1, num_experts=2, top_k=1, hidden_size=4, intermediate_size=8)
-ALARM_S = 5  # the `alarm` fixture (conftest.py): a hang fails the test after this many seconds
+ALARM_S = 120  # the `alarm` fixture (conftest.py): a hang fails the test after this many seconds
 
 
 def test_opening_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path, alarm):
