@@ -355,6 +355,40 @@ __device__ __forceinline__ unsigned half_pair(const unsigned short* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
+// Stage the activations of one reduction stage for the tensor-core tiles: a_hi[r][kk] and a_lo[r][kk] = the fp16 hi
+// and lo parts of src[rows[r]][k0 + kk] (hi = fp16(a), lo = fp16(a - hi); 0 past KLEN and for a row -1), for
+// r < nrows and kk < TC_BK_. A thread takes two neighbouring elements: one 8-byte load (two 4-byte loads when KLEN is
+// odd, rows then being only 4-byte aligned) and one 32-bit store each of the hi and lo pairs, so a warp fills one
+// row with a row index broadcast and two store wavefronts (one each element: six). Every thread of the block calls it.
+template <int KLEN>
+__device__ __forceinline__ void tc_stage_activations(const float* __restrict__ src, const int* rows, int nrows, int k0,
+                                                     unsigned short (*a_hi)[TC_PITCH_],
+                                                     unsigned short (*a_lo)[TC_PITCH_]) {
+    static_assert(TC_BK_ % 2 == 0, "stages of whole element pairs");
+    for (int i = threadIdx.x; i < nrows * (TC_BK_ / 2); i += TC_THREADS_) {
+        const int r = i / (TC_BK_ / 2), kk = 2 * (i % (TC_BK_ / 2)), k = k0 + kk, row = rows[r];
+        float a0 = 0.0f, a1 = 0.0f;
+        if (row >= 0) {
+            const float* p = src + (size_t)row * KLEN + k;
+            if (KLEN % 2 == 0) {
+                if (k < KLEN) {  // then k + 1 < KLEN too
+                    const float2 v = __ldg(reinterpret_cast<const float2*>(p));
+                    a0 = v.x;
+                    a1 = v.y;
+                }
+            } else {
+                if (k < KLEN) a0 = __ldg(p);
+                if (k + 1 < KLEN) a1 = __ldg(p + 1);
+            }
+        }
+        const unsigned short h0 = float_to_half_bits(a0), h1 = float_to_half_bits(a1);
+        const unsigned short l0 = float_to_half_bits(a0 - half_to_float(h0));
+        const unsigned short l1 = float_to_half_bits(a1 - half_to_float(h1));
+        *reinterpret_cast<unsigned*>(&a_hi[r][kk]) = (unsigned)h0 | ((unsigned)h1 << 16);
+        *reinterpret_cast<unsigned*>(&a_lo[r][kk]) = (unsigned)l0 | ((unsigned)l1 << 16);
+    }
+}
+
 #define TC_STAGES_ 3  // weight stages in flight: cp.async groups issued TC_STAGES_ - 1 stages ahead of the mma
 #define TC_MT_ 4      // 16-row tiles per pass of the fp16 tensor-core kernels: weights streamed once per 64 rows
 #define TC_ROWS_ (TC_MT_ * 16)
@@ -462,13 +496,7 @@ __device__ __forceinline__ void tc_pass(const float* __restrict__ src, const wt*
         __syncthreads();  // row stage kt - 1 fully used: its buffers and a_hi / a_lo may be overwritten
         if (kt + TC_STAGES_ - 1 < L::STAGES) tc_issue_stage<NMAT, KLEN, NTOT>(w, n0, kt + TC_STAGES_ - 1, sh.ws);
         cp_async_commit();
-        for (int i = tid; i < ntiles * 16 * TC_BK_; i += TC_THREADS_) {
-            const int r = i / TC_BK_, kk = i % TC_BK_, k = k0 + kk;
-            const float a = (sh.rows[r] >= 0 && k < KLEN) ? __ldg(src + (size_t)sh.rows[r] * KLEN + k) : 0.0f;
-            const unsigned short hi = float_to_half_bits(a);
-            sh.a_hi[r][kk] = hi;
-            sh.a_lo[r][kk] = float_to_half_bits(a - half_to_float(hi));
-        }
+        tc_stage_activations<KLEN>(src, sh.rows, ntiles * 16, k0, sh.a_hi, sh.a_lo);
         if (L::WINDOWED) {
             cp_async_wait<TC_STAGES_ - 2>();  // this thread's copies of window stages kt and kt + 1 have landed
         } else {

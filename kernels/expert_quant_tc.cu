@@ -188,13 +188,7 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
         for (int m = 0; m < NMAT; ++m)  // m unrolled: w[m] stays in registers
             qtc_stage_codes<ROWB>(w[m].codes + (size_t)n0 * ROWB, nrows, s, &sh.codes[m][0][0]);
         cp_async_commit();
-        for (int i = tid; i < ntiles * 16 * TC_BK_; i += TC_THREADS_) {
-            const int r = i / TC_BK_, kk = i % TC_BK_, k = k0 + kk;
-            const float a = (sh.rows[r] >= 0 && k < KLEN) ? __ldg(src + (size_t)sh.rows[r] * KLEN + k) : 0.0f;
-            const unsigned short hi = float_to_half_bits(a);
-            sh.a_hi[r][kk] = hi;
-            sh.a_lo[r][kk] = float_to_half_bits(a - half_to_float(hi));
-        }
+        tc_stage_activations<KLEN>(src, sh.rows, ntiles * 16, k0, sh.a_hi, sh.a_lo);
         cp_async_wait<0>();
         __syncthreads();
         // This lane's row: the shared copies of the window sectors the stage reads (stage byte x is window byte

@@ -18,11 +18,11 @@
 //     requested bytes are summed per address class (bench/kernel_access.py, docs/kernels.md "Access model");
 //   - with COLI_EMU_SMEM_MODEL (a library built for bench/kernel_model.py), shared-memory accesses too: the
 //     wavefronts of each warp-level request, the active lanes and the global bytes in flight (emu/smem_model.h);
-//   - alignment: a 16-byte __ldg and both addresses of a 16-byte cp.async must be 16-byte aligned (an error of the
-//     launch otherwise, as the GPU raises a misaligned-address fault); under the random schedule a cp.async copy
-//     lands at a random synchronisation point of its thread between issue and the wait that retires it (at the
-//     issue itself included), so a stage refilled before every thread is done with it, or read before its wait,
-//     shows up as a wrong result;
+//   - alignment: an 8- or 16-byte __ldg must be aligned to its size, both addresses of a 16-byte cp.async to 16
+//     bytes (an error of the launch otherwise, as the GPU raises a misaligned-address fault); under the random
+//     schedule a cp.async copy lands at a random synchronisation point of its thread between issue and the wait
+//     that retires it (at the issue itself included), so a stage refilled before every thread is done with it, or
+//     read before its wait, shows up as a wrong result;
 //   - strict rules, each an error of the launch rather than a hang: a __syncthreads must be reached by every
 //     thread of the block, a full-mask warp operation by all 32 lanes (a thread that exited before counts as
 //     missing), and a state where no fiber can move is a deadlock. A segmentation fault inside a kernel is
@@ -73,6 +73,7 @@
 struct uint3 { unsigned int x, y, z; };
 struct dim3 { unsigned int x, y, z; };
 struct __attribute__((aligned(16))) uint4 { unsigned int x, y, z, w; };
+struct __attribute__((aligned(8))) float2 { float x, y; };
 struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
 struct __attribute__((aligned(16))) int4 { int x, y, z, w; };
 inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }

@@ -67,7 +67,8 @@ inline int atomicMax(int* p, int v) { const int old = *p; *p = old > v ? old : v
 // calls record_load from its own address).
 template <class T>
 __attribute__((always_inline)) inline T __ldg(const T* p) {
-    if (sizeof(T) == 16 && uintptr_t(p) % 16) coli_emu::misaligned("16-byte __ldg", p);
+    if (sizeof(T) >= 8 && uintptr_t(p) % sizeof(T))
+        coli_emu::misaligned(sizeof(T) == 16 ? "16-byte __ldg" : "8-byte __ldg", p);
     if (coli_emu::acc_model.on) coli_emu::record_load(p, sizeof(T));
     return *p;
 }
