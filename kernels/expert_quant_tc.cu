@@ -39,27 +39,40 @@
 #include "common.cuh"
 
 #if COLI_QUANT
-#define MT_ 4                                   // 16-row tiles per pass over the weights
+#define MT_ 2                                   // 16-row tiles per pass over the weights
+#define QNT_ 2                                  // n8 tiles per warp: 16 output columns
 #define QSB_ (COLI_QUANT == 2 ? TC_BK_ / 2 : TC_BK_)  // code bytes of one row per stage
 #define QN32_ (QSB_ / 32)                       // 32-byte sectors of one row per stage (int8 2, int4 1)
-#define QRING_ (QN32_ + 1)                      // ring slots of a row: the sectors one stage reads
-#define QSP_ (32 * (1 + QRING_) + 16)           // shared pitch: head sector, ring, 16 bytes to spread rows over banks
+#define QSTAGES_ 3                              // code stages in the ring: two copied while one is multiplied
+#define QRING_ (QSTAGES_ * QN32_ + 1)           // ring slots of a row: the sectors of QSTAGES_ stages
+#define QSP_ (32 * (1 + QRING_) + (COLI_QUANT == 2 ? 16 : 32))  // shared pitch: head, ring, a pad (bank spread)
 #define QOFF_ (COLI_QUANT == 2 ? 8 : 128)       // unsigned code u = q + QOFF_
+#define QSPAN_ 32                               // reduction elements of one warp's span (two mma steps)
+#define QLB_ (COLI_QUANT == 2 ? 4 : 8)          // code bytes of one lane per span: elements 8c .. 8c + 7
+#define QA_PITCH_ (TC_BK_ + 4)                  // words per activation row: 16 chunks of 4 words, 4 to spread banks
+#define QRED_ (MT_ * QNT_ * NMAT * 4)           // accumulators of one lane
+#define QSR_ (TC_BN_ + 1)                       // staged scales and zero points per group: the block's rows, 1 pad
 #ifdef COLI_QUANT_STAGE_MAX  // tests set it to 0 to run the global-scale path
 #define QS_MAX_ COLI_QUANT_STAGE_MAX
 #else
 #define QS_MAX_ 2048
 #endif
-static_assert(GS_ % 16 == 0, "a group holds whole 16-element mma steps");
+static_assert(GS_ % QSPAN_ == 0, "a group holds whole spans");
 static_assert(QSB_ % 32 == 0, "a stage holds whole 32-byte sectors of a row");
+static_assert(TC_BK_ == 2 * QSPAN_ && TC_THREADS_ == 128 && TC_BN_ == 32, "4 warps: 2 column halves x 2 spans");
 
-// The shared memory of one block: activation rows of a pass, the code stage of NMAT matrices, their scales.
-// codes[m][r]: sector 0 of row r's window (its head, kept for the whole pass), then QRING_ ring slots that hold
-// the window's sectors j >= 1 at slot 1 + (j - 1) % QRING_.
+// The shared memory of one block: activation rows of a pass, the code stages of NMAT matrices, their scales, and
+// in the same bytes as the activations (after the pass) the accumulators the span-1 warps hand over.
+// a[r][4q .. 4q + 3]: chunk q (stage elements 4q .. 4q + 3) of row r as
+// {hi 4q | 4q+1, hi 4q+2 | 4q+3, lo 4q | 4q+1, lo 4q+2 | 4q+3} (fp16 pairs, low half first). codes[m][r]: sector 0
+// of row r's window (its head, kept for the whole pass), then QRING_ ring slots that hold the window's sectors
+// j >= 1 at slot 1 + (j - 1) % QRING_.
 template <int NMAT, int QSN>
 struct QtcShared {
-    unsigned short a_hi[MT_ * 16][TC_PITCH_];
-    unsigned short a_lo[MT_ * 16][TC_PITCH_];
+    union {
+        unsigned a[MT_ * 16][QA_PITCH_];
+        float red[2][QRED_][32];
+    };
     unsigned char codes[NMAT][TC_BN_][QSP_];
     float scales[NMAT][QSN];
     signed char zeros[NMAT][COLI_ZERO_POINTS ? QSN : 1];
@@ -138,7 +151,10 @@ __device__ __forceinline__ void qtc_stage_codes(const unsigned char* first, int 
 }
 
 // Copy the scales (and zero points) of rows n0 .. n0 + nrows - 1 of every matrix to shared memory: one contiguous
-// run of each block, 16-byte loads (common.cuh stage_run). The caller's next barrier makes them visible.
+// run of each block, 16-byte loads (common.cuh stage_run), stored group-major, QSR_ entries per group (block row r
+// of group g at g * QSR_ + qtc_srow(r)): the lanes reading one group's scales of their rows 2c and 2c + 1 (qtc_pass)
+// read 4 consecutive words each time, one wavefront. The caller's next barrier makes them visible.
+__device__ __forceinline__ int qtc_srow(int r) { return 16 * (r & 1) + (r >> 1); }
 template <int NMAT, int QSN, int KLEN>
 __device__ __forceinline__ void qtc_stage_scales(const QtcMatrix (&w)[NMAT], int n0, int nrows,
                                                  QtcShared<NMAT, QSN>& sh) {
@@ -148,146 +164,246 @@ __device__ __forceinline__ void qtc_stage_scales(const QtcMatrix (&w)[NMAT], int
         float* s_sh = sh.scales[m];
         stage_run<TC_THREADS_>(w[m].scales + (size_t)n0 * G, nrows * G, [&](int i, const unsigned* v, int k) {
 #if COLI_SCALE_FP16
-            s_sh[i] = st_to_float((st)((v[k / 2] >> (16 * (k % 2))) & 0xffffu));
+            s_sh[(i % G) * QSR_ + qtc_srow(i / G)] = st_to_float((st)((v[k / 2] >> (16 * (k % 2))) & 0xffffu));
 #else
-            s_sh[i] = __uint_as_float(v[k]);
+            s_sh[(i % G) * QSR_ + qtc_srow(i / G)] = __uint_as_float(v[k]);
 #endif
         });
         if (COLI_ZERO_POINTS) {
             signed char* z_sh = sh.zeros[m];
             stage_run<TC_THREADS_>(w[m].zeros + (size_t)n0 * G, nrows * G, [&](int i, const unsigned* v, int k) {
-                z_sh[i] = (signed char)((v[k / 4] >> (8 * (k % 4))) & 255u);
+                z_sh[(i % G) * QSR_ + qtc_srow(i / G)] = (signed char)((v[k / 4] >> (8 * (k % 4))) & 255u);
             });
         }
     }
 }
 
-// acc[t][m] (t < ntiles) += A_t · W_m^T over the whole reduction dimension KLEN, for the rows sh.rows[t*16 ..] of
-// src (row length KLEN, -1: a zero row) and output columns n0 .. n0 + 31 of NTOT. acc[t][m][i] is D[g + 8*(i/2)]
-// [2c + i%2] of warp w's 16x8 tile (common.cuh mma_m16n8k16). Every thread of the block calls it (barriers).
+// Stage the activations of one reduction stage: a[r][4q ..] (QtcShared) from src[rows[r]][k0 + 4q .. + 3], split
+// into hi = fp16(a) and lo = fp16(a - hi) (common.cuh tc_pass: close to fp32; |a| must stay below 65504), 0 past
+// KLEN and for a row -1, for r < nrows. A thread takes one chunk: one 16-byte load (four 4-byte loads when KLEN is
+// not a multiple of 4, rows then being only 4-byte aligned) and one 16-byte store, so a warp fills two rows, 8
+// lanes (one store phase) 128 consecutive bytes. Every thread of the block calls it.
+template <int KLEN>
+__device__ __forceinline__ void qtc_stage_activations(const float* __restrict__ src, const int* rows, int nrows,
+                                                      int k0, unsigned (*a)[QA_PITCH_]) {
+    for (int i = threadIdx.x; i < nrows * (TC_BK_ / 4); i += TC_THREADS_) {
+        const int r = i / (TC_BK_ / 4), q = i % (TC_BK_ / 4), k = k0 + 4 * q, row = rows[r];
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (row >= 0) {
+            const float* p = src + (size_t)row * KLEN + k;
+            if (KLEN % 4 == 0) {
+                if (k < KLEN) {  // then k + 3 < KLEN too
+                    const float4 f = __ldg(reinterpret_cast<const float4*>(p));
+                    v[0] = f.x;
+                    v[1] = f.y;
+                    v[2] = f.z;
+                    v[3] = f.w;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (k + e < KLEN) v[e] = __ldg(p + e);
+            }
+        }
+        unsigned hi[2], lo[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned short h0 = float_to_half_bits(v[2 * h]), h1 = float_to_half_bits(v[2 * h + 1]);
+            const unsigned short l0 = float_to_half_bits(v[2 * h] - half_to_float(h0));
+            const unsigned short l1 = float_to_half_bits(v[2 * h + 1] - half_to_float(h1));
+            hi[h] = (unsigned)h0 | ((unsigned)h1 << 16);
+            lo[h] = (unsigned)l0 | ((unsigned)l1 << 16);
+        }
+        *reinterpret_cast<uint4*>(&a[r][4 * q]) = make_uint4(hi[0], hi[1], lo[0], lo[1]);
+    }
+}
+
+// The 4 (int4) or 8 (int8) code bytes of this lane in one span, little-endian from window byte t0 of row r (shared
+// copies through qtc_slot): one aligned 4- or 8-byte read when t0 is aligned to it (then inside one sector), else
+// byte by byte (a row at an odd start).
+__device__ __forceinline__ void qtc_lane_codes(const unsigned char* codes, const QtcRow& row, int r, int t0,
+                                               unsigned (&cw)[QLB_ / 4]) {
+    if (t0 % QLB_ == 0) {
+        const unsigned char* p = codes + qtc_slot(row, r, t0 >> 5) + (t0 & 31);
+#if COLI_QUANT == 2
+        cw[0] = *reinterpret_cast<const unsigned*>(p);
+#else
+        const unsigned long long v = *reinterpret_cast<const unsigned long long*>(p);
+        cw[0] = (unsigned)v;
+        cw[1] = (unsigned)(v >> 32);
+#endif
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < QLB_ / 4; ++h) {
+        unsigned v = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int t = t0 + 4 * h + e;
+            v |= (unsigned)codes[qtc_slot(row, r, t >> 5) + (t & 31)] << (8 * e);
+        }
+        cw[h] = v;
+    }
+}
+
+// acc[t][j][m] (t < ntiles) += A_t · W_m^T over this warp's spans of the reduction dimension KLEN, for the rows
+// sh.rows[t*16 ..] of src (row length KLEN, -1: a zero row) and output columns n0 + 16h + 8j .. + 7 (h = warp & 1,
+// n8 tile j) of NTOT: warp w takes span w >> 1 (elements 32(w >> 1) .. + 31) of every 64-element stage, so each
+// A fragment is read by two warps and used for both of a warp's n8 tiles; qtc_expert adds the two spans' sums.
+// Within a span, mma step st (0, 1) gives lane c (mma_m16n8k16's k indices 2c, 2c+1, 2c+8, 2c+9) the elements
+// 4q .. 4q + 3 of chunk q = 8·span + 2c + st (k index 2c + i: element 4q + i; 2c + 8 + i: 4q + 2 + i): the sum over
+// a step is over a permutation of 16 elements, as the A and B fragments agree on it, so a lane's A fragment is
+// one 16-byte read per row (hi and lo) and its codes for the span one 4- or 8-byte read (elements 8c .. 8c + 7).
+// acc[t][j][m][i] is D[g + 8*(i/2)][2c + i%2] of the 16x8 tile (common.cuh mma_m16n8k16). Every thread of the
+// block calls it (barriers).
 template <int NMAT, int QSN, int KLEN, int NTOT, bool STAGED>
 __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const QtcMatrix (&w)[NMAT], int n0,
-                                         int ntiles, QtcShared<NMAT, QSN>& sh, float acc[MT_][NMAT][4]) {
-    constexpr int ROWB = QROW_BYTES_(KLEN), G = QGROUPS_(KLEN);
+                                         int ntiles, QtcShared<NMAT, QSN>& sh, float acc[MT_][QNT_][NMAT][4]) {
+    constexpr int ROWB = QROW_BYTES_(KLEN), G = QGROUPS_(KLEN), GDIV = GS_ == 0 ? 1 : GS_;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, g = lane / 4, c = lane % 4;
-    const int brow = warp * 8 + g;          // B fragment: the block's row of this lane (output column n0 + brow)
-    const int srow = warp * 8 + 2 * c;      // accumulators: the block's rows srow, srow + 1
+    const int nh = warp & 1, span = warp >> 1;
     const int nrows = NTOT - n0 < TC_BN_ ? NTOT - n0 : TC_BN_;
-    float part[MT_][NMAT][4];
+    float part[MT_][QNT_][NMAT][4];
 #pragma unroll
     for (int t = 0; t < MT_; ++t)
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m)
+        for (int j = 0; j < QNT_; ++j)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) part[t][m][i] = 0.0f;
+            for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) part[t][j][m][i] = 0.0f;
 
-    for (int k0 = 0; k0 < KLEN; k0 += TC_BK_) {
-        __syncthreads();  // the previous stage fully used (first stage: rows[] and the staged scales written)
-        const int s = k0 / TC_BK_, b0 = s * QSB_;  // the stage and its first code byte in a row
+    constexpr int STAGES = (KLEN + TC_BK_ - 1) / TC_BK_;
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m)  // m unrolled: w[m] stays in registers
-            qtc_stage_codes<ROWB>(w[m].codes + (size_t)n0 * ROWB, nrows, s, &sh.codes[m][0][0]);
+    for (int s = 0; s < QSTAGES_ - 1; ++s) {  // the codes of stages 0 .. QSTAGES_ - 2
+        if (s < STAGES) {
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m)  // m unrolled: w[m] stays in registers
+                qtc_stage_codes<ROWB>(w[m].codes + (size_t)n0 * ROWB, nrows, s, &sh.codes[m][0][0]);
+        }
         cp_async_commit();
-        tc_stage_activations<KLEN>(src, sh.rows, ntiles * 16, k0, sh.a_hi, sh.a_lo);
-        cp_async_wait<0>();
+    }
+    for (int k0 = 0; k0 < KLEN; k0 += TC_BK_) {
+        // The previous stage fully used (the first: rows[] and the staged scales written): a[] and the ring slots
+        // of stage s - 1 may be overwritten. The codes of stage s + QSTAGES_ - 1 are copied while stage s is
+        // multiplied (the ring holds QSTAGES_ stages' sectors); one commit group per stage, empty past the last, so
+        // that the wait retires exactly stage s.
         __syncthreads();
-        // This lane's row: the shared copies of the window sectors the stage reads (stage byte x is window byte
-        // lo + x of sector (lo + x) / 32 of them). Bytes past the row meet zero activations (finite codes).
-        int lo[NMAT], off[NMAT][QN32_ + 1];
+        const int s = k0 / TC_BK_, b0 = s * QSB_;  // the stage and its first code byte in a row
+        if (s + QSTAGES_ - 1 < STAGES) {
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m)
+                qtc_stage_codes<ROWB>(w[m].codes + (size_t)n0 * ROWB, nrows, s + QSTAGES_ - 1, &sh.codes[m][0][0]);
+        }
+        cp_async_commit();
+        qtc_stage_activations<KLEN>(src, sh.rows, ntiles * 16, k0, sh.a);
+        cp_async_wait<QSTAGES_ - 1>();  // this thread's copies of stage s have landed
+        __syncthreads();     // everyone's, and a[]
+        const int ks = k0 + QSPAN_ * span;  // this warp's span: elements ks .. ks + 31
+        if (ks >= KLEN) continue;           // uniform per warp (the next barrier is reached by every warp)
+        const int grp = GS_ == 0 ? 0 : ks / GDIV;
+        // This lane's code words for the span, and its rows' bias: B rows 16h + 8j + g. Bytes past the row meet
+        // zero activations (finite codes).
+        unsigned cw[NMAT][QNT_][QLB_ / 4], bias[NMAT][QNT_];
 #pragma unroll
         for (int m = 0; m < NMAT; ++m) {
-            const QtcRow row = qtc_row<ROWB>(w[m].codes + (size_t)n0 * ROWB, brow, nrows);
-            const int o = row.shift + b0;
-            lo[m] = o & 31;
 #pragma unroll
-            for (int d = 0; d <= QN32_; ++d) off[m][d] = qtc_slot(row, brow, (o >> 5) + d);
-        }
-#pragma unroll
-        for (int kb = 0; kb < TC_BK_; kb += 16) {
-            const int k = k0 + kb;
-            if (k >= KLEN) break;  // uniform
-            const int grp = GS_ == 0 ? 0 : k / (GS_ == 0 ? 1 : GS_);
-            unsigned b[NMAT][2];
-#pragma unroll
-            for (int m = 0; m < NMAT; ++m) {
+            for (int j = 0; j < QNT_; ++j) {
+                const int brow = 16 * nh + 8 * j + g;
+                const QtcRow row = qtc_row<ROWB>(w[m].codes + (size_t)n0 * ROWB, brow, nrows);
+                qtc_lane_codes(&sh.codes[m][0][0], row, brow, row.shift + b0 + (QSB_ / 2) * span + QLB_ * c,
+                               cw[m][j]);
                 int z = 0;
                 if (COLI_ZERO_POINTS && n0 + brow < NTOT)
-                    z = STAGED ? (int)sh.zeros[m][brow * G + grp]
+                    z = STAGED ? (int)sh.zeros[m][grp * QSR_ + qtc_srow(brow)]
                                : (int)__ldg(w[m].zeros + (size_t)(n0 + brow) * G + grp);
-                const unsigned bias = bias_pair(1024 + QOFF_ + z);
-                const unsigned char* codes = &sh.codes[m][0][0];
-                const auto byte = [&](int x) -> unsigned {  // stage byte x of this lane's row
-                    const int t = lo[m] + x, d = t >> 5;
-                    return codes[(d == 0 ? off[m][0] : QN32_ == 1 || d == 1 ? off[m][1] : off[m][QN32_]) + (t & 31)];
-                };
-#if COLI_QUANT == 2  // byte j of the stage: columns 2j (low nibble), 2j + 1
-                const unsigned lo4 = byte(kb / 2 + c), hi4 = byte(kb / 2 + c + 4);
-                b[m][0] = codes_pair_sub(lo4 & 15u, lo4 >> 4, bias);
-                b[m][1] = codes_pair_sub(hi4 & 15u, hi4 >> 4, bias);
-#else  // two's complement bytes; u = q + 128 = byte ^ 0x80
-                const unsigned lo8 = byte(kb + 2 * c) ^ 0x80u, lo1 = byte(kb + 2 * c + 1) ^ 0x80u;
-                const unsigned hi8 = byte(kb + 2 * c + 8) ^ 0x80u, hi1 = byte(kb + 2 * c + 9) ^ 0x80u;
-                b[m][0] = codes_pair_sub(lo8, lo1, bias);
-                b[m][1] = codes_pair_sub(hi8, hi1, bias);
-#endif
+                bias[m][j] = bias_pair(1024 + QOFF_ + z);
             }
+        }
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+            unsigned b[NMAT][QNT_][2];
+#pragma unroll
+            for (int m = 0; m < NMAT; ++m) {
+#pragma unroll
+                for (int j = 0; j < QNT_; ++j) {
+#if COLI_QUANT == 2  // bytes 2q, 2q + 1 of the chunk: elements 4q (low nibble), 4q + 1 | 4q + 2, 4q + 3
+                    const unsigned word = cw[m][j][0] >> (16 * st), y0 = word & 255u, y1 = (word >> 8) & 255u;
+                    b[m][j][0] = codes_pair_sub(y0 & 15u, y0 >> 4, bias[m][j]);
+                    b[m][j][1] = codes_pair_sub(y1 & 15u, y1 >> 4, bias[m][j]);
+#else  // bytes 4q .. 4q + 3, two's complement: u = q + 128 = byte ^ 0x80
+                    const unsigned word = cw[m][j][st] ^ 0x80808080u;
+                    b[m][j][0] = codes_pair_sub(word & 255u, (word >> 8) & 255u, bias[m][j]);
+                    b[m][j][1] = codes_pair_sub((word >> 16) & 255u, word >> 24, bias[m][j]);
+#endif
+                }
+            }
+            const int q = (QSPAN_ / 4) * span + 2 * c + st;  // the chunk of the stage
 #pragma unroll
             for (int t = 0; t < MT_; ++t) {
                 if (t < ntiles) {  // uniform
-                    const int r = t * 16 + g, col = kb + 2 * c;  // A fragment (common.cuh mma_m16n8k16)
-                    const unsigned ahi[4] = {half_pair(&sh.a_hi[r][col]), half_pair(&sh.a_hi[r + 8][col]),
-                                             half_pair(&sh.a_hi[r][col + 8]), half_pair(&sh.a_hi[r + 8][col + 8])};
-                    const unsigned alo[4] = {half_pair(&sh.a_lo[r][col]), half_pair(&sh.a_lo[r + 8][col]),
-                                             half_pair(&sh.a_lo[r][col + 8]), half_pair(&sh.a_lo[r + 8][col + 8])};
+                    const uint4 u0 = *reinterpret_cast<const uint4*>(&sh.a[t * 16 + g][4 * q]);
+                    const uint4 u1 = *reinterpret_cast<const uint4*>(&sh.a[t * 16 + g + 8][4 * q]);
+                    const unsigned ahi[4] = {u0.x, u1.x, u0.y, u1.y}, alo[4] = {u0.z, u1.z, u0.w, u1.w};
 #pragma unroll
                     for (int m = 0; m < NMAT; ++m) {
-                        mma_m16n8k16(part[t][m], ahi, b[m], part[t][m]);
-                        mma_m16n8k16(part[t][m], alo, b[m], part[t][m]);
+#pragma unroll
+                        for (int j = 0; j < QNT_; ++j) {
+                            mma_m16n8k16(part[t][j][m], ahi, b[m][j], part[t][j][m]);
+                            mma_m16n8k16(part[t][j][m], alo, b[m][j], part[t][j][m]);
+                        }
                     }
                 }
             }
-            const bool group_end = k + 16 >= KLEN || (GS_ != 0 && (k + 16) % (GS_ == 0 ? 1 : GS_) == 0);
-            if (group_end) {  // uniform: acc += scale * partial, then a new partial
+        }
+        // The group ends for this warp when its next span (two spans on) is in another group or past the row.
+        const bool group_end = ks + 2 * QSPAN_ >= KLEN || (GS_ != 0 && (ks + 2 * QSPAN_) / GDIV != grp);
+        if (group_end) {  // uniform: acc += scale * partial, then a new partial
 #pragma unroll
-                for (int m = 0; m < NMAT; ++m) {
+            for (int m = 0; m < NMAT; ++m) {
+#pragma unroll
+                for (int j = 0; j < QNT_; ++j) {
                     float sc[2];
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        const int r = srow + j;
-                        sc[j] = n0 + r >= NTOT ? 0.0f
-                                : STAGED ? sh.scales[m][r * G + grp]
+                    for (int e = 0; e < 2; ++e) {
+                        const int r = 16 * nh + 8 * j + 2 * c + e;
+                        sc[e] = n0 + r >= NTOT ? 0.0f
+                                : STAGED ? sh.scales[m][grp * QSR_ + qtc_srow(r)]
                                          : st_to_float(__ldg(w[m].scales + (size_t)(n0 + r) * G + grp));
                     }
 #pragma unroll
                     for (int t = 0; t < MT_; ++t) {
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
-                            acc[t][m][i] += sc[i % 2] * part[t][m][i];
-                            part[t][m][i] = 0.0f;
+                            acc[t][j][m][i] += sc[i % 2] * part[t][j][m][i];
+                            part[t][j][m][i] = 0.0f;
                         }
                     }
                 }
             }
         }
     }
+    cp_async_wait<0>();  // no copy outlives the pass (the last groups are empty)
 }
 
 // Rows of the padded order of expert e, MT_*16 at a time: pairs[] (pair index, -1 padding) and rows[] (the src row
-// of each: pair / k for x, the pair for act); then qtc_pass and the epilogue `store(t, m_row, col, acc[t])`.
+// of each: pair / k for x, the pair for act); then qtc_pass, the span-1 warps' sums added to the span-0 warps'
+// (through shared memory), and the epilogue `store(p, col, acc, i)` by the span-0 warps (acc = acc[t][j]).
 template <int NMAT, int KLEN, int NTOT, bool X_ROWS, class Store>
 __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const QtcMatrix (&w)[NMAT],
                                            const int* __restrict__ sorted_pairs, int start, int end, int n0,
                                            Store store) {
     constexpr int G = QGROUPS_(KLEN);
     constexpr bool STAGED = TC_BN_ * G <= QS_MAX_;
-    constexpr int QSN = STAGED ? TC_BN_ * G : 1;
+    constexpr int QSN = STAGED ? QSR_ * G : 1;
     static_assert(sizeof(QtcShared<NMAT, QSN>) <= 48 * 1024,
                   "expert_quant_tc.cu: static shared memory above 48 KiB (activation, code and scale stages)");
     __shared__ __align__(16) QtcShared<NMAT, QSN> sh;
     if (STAGED) qtc_stage_scales<NMAT, QSN, KLEN>(w, n0, NTOT - n0 < TC_BN_ ? NTOT - n0 : TC_BN_, sh);
     const int lane = threadIdx.x & 31, g = lane / 4, c = lane % 4, warp = threadIdx.x / 32;
+    const int nh = warp & 1, span = warp >> 1;
     for (int r0 = start; r0 < end; r0 += MT_ * 16) {
-        __syncthreads();  // pairs[] and rows[] of the previous pass fully used
+        __syncthreads();  // pairs[], rows[] and red[] of the previous pass fully used
         for (int i = threadIdx.x; i < MT_ * 16; i += TC_THREADS_) {
             const int p = r0 + i < end ? __ldg(sorted_pairs + r0 + i) : -1;
             sh.pairs[i] = p;
@@ -295,26 +411,51 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
         }
         __syncthreads();  // pairs[] written
         // The tiles of the pass that hold a pair: the expert's pairs come first, its padding rows (-1) last
-        // (routing.cu align_pairs), so a pass of padding rows only (block_m > 64) ends the expert.
+        // (routing.cu align_pairs), so a pass of padding rows only (block_m > 32) ends the expert.
         int ntiles = 0;
 #pragma unroll
         for (int t = 0; t < MT_; ++t) ntiles += sh.pairs[16 * t] >= 0 ? 1 : 0;
         if (ntiles == 0) break;  // uniform
-        float acc[MT_][NMAT][4];
+        float acc[MT_][QNT_][NMAT][4];
 #pragma unroll
         for (int t = 0; t < MT_; ++t)
 #pragma unroll
-            for (int m = 0; m < NMAT; ++m)
+            for (int j = 0; j < QNT_; ++j)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[t][m][i] = 0.0f;
+                for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[t][j][m][i] = 0.0f;
         qtc_pass<NMAT, QSN, KLEN, NTOT, STAGED>(src, w, n0, ntiles, sh, acc);  // its barriers order rows[]
+        __syncthreads();  // every warp done with a[], which red[] overwrites
+        if (span == 1) {  // uniform per warp: hand the sums over, lane-major (each write one wavefront)
+#pragma unroll
+            for (int t = 0; t < MT_; ++t)
+#pragma unroll
+                for (int j = 0; j < QNT_; ++j)
+#pragma unroll
+                    for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i)
+                            if (t < ntiles) sh.red[nh][((t * QNT_ + j) * NMAT + m) * 4 + i][lane] = acc[t][j][m][i];
+        }
+        __syncthreads();  // red[] written
+        if (span == 1) continue;  // uniform per warp; the span-0 warps store (the next barrier: the pass's first)
 #pragma unroll
         for (int t = 0; t < MT_; ++t) {
             if (t < ntiles) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int m = t * 16 + g + 8 * (i / 2), col = n0 + warp * 8 + 2 * c + i % 2, p = sh.pairs[m];
-                    if (p >= 0 && col < NTOT) store(p, col, acc[t], i);
+                for (int j = 0; j < QNT_; ++j) {
+#pragma unroll
+                    for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i)
+                            acc[t][j][m][i] += sh.red[nh][((t * QNT_ + j) * NMAT + m) * 4 + i][lane];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int mr = t * 16 + g + 8 * (i / 2), col = n0 + 16 * nh + 8 * j + 2 * c + i % 2;
+                        const int p = sh.pairs[mr];
+                        if (p >= 0 && col < NTOT) store(p, col, acc[t][j], i);
+                    }
                 }
             }
         }
