@@ -13,30 +13,44 @@
 //   completes a token's kept pairs for its 32 columns writes x_next[t] = (x[t] +) the slots' sum in slot order;
 //   blocks (0, j) write the rows of tokens without a kept pair, fold_unrouted_rows).
 //   with W[e, n, c] = scale[e, n, g] * (q[e, n, c] - zero[e, n, g]), g = c / COLI_GROUP_SIZE (0: one per row).
-//   Block (e, j) takes expert e (no rows: it exits) and output columns n0 = 32j .. n0 + 31; warp w owns columns
-//   n0 + 8w .. + 7 (one n8 tile of mma.sync m16n8k16). The expert's rows of the padded order (routing.cu
-//   colibri_align: sorted_pairs[expert_offsets[e] .. expert_offsets[e+1]), any routing.block_m) are taken MT_ tiles
-//   of 16 rows per pass (tiles of padding rows only left out), so the weights of a block are streamed once per
-//   MT_*16 of the expert's pairs (once for experts with at most 64 pairs, at any block_m): weight bytes read ~ the
-//   selected experts' stored bytes.
+//   Block (e, j) takes expert e (no rows: it exits) and output columns n0 = 32j .. n0 + 31. Warp w owns columns
+//   n0 + 16(w & 1) .. + 15 (two n8 tiles of mma.sync m16n8k16) and span w >> 1 (elements 32(w >> 1) .. + 31) of
+//   every 64-element stage: each A fragment is read by the two warps of its span and used for both of their n8
+//   tiles (with one n8 tile per warp, all four warps read each: twice the shared-memory bytes); at the end of a
+//   pass the span-1 warps hand their sums to the span-0 warps through shared memory. The expert's rows of the
+//   padded order (routing.cu colibri_align: sorted_pairs[expert_offsets[e] .. expert_offsets[e+1]), any
+//   routing.block_m) are taken MT_ tiles of 16 rows per pass (tiles of padding rows only left out), so the weights
+//   of a block are streamed once per MT_*16 = 32 of the expert's pairs (the access model's 64 tokens x top-2 over 8
+//   experts: at most 21 per expert): weight bytes read ~ the selected experts' stored bytes at such shapes.
 //   Per stage of 64 reduction elements: the codes of the block's 32 rows and the activation rows (split into fp16
 //   hi + lo, as common.cuh tc_pass: close to fp32; |a| must stay below 65504) go to shared memory. Code rows of any
 //   length and start are read through their 32-byte-aligned windows with 16-byte cp.async copies, each window
-//   sector once per pass (qtc_stage_codes: a head sector and a ring of QRING_ sectors per row; the sector a row
-//   shares with the next row, its last, is read from the next row's head), so an odd row costs the sectors its
-//   bytes span, not two per stage (as the GEMV's windows, small_batch.cu; the bytes outside the row meet zero
-//   activations). A lane builds its B fragment from its row's codes with Marlin's magic-number step (common.cuh
-//   codes_pair_sub): fp16 (q - zero), exact. The mma sums a * (q - zero) over one group into a partial, and the
-//   partial times the row's scale (fp32) is added to the accumulator at the group's end (the scale factors out of
-//   a group's sum: the same w = scale * (q - zero), one rounding less on w). Group sizes 32/64/128 are multiples of
-//   the 16-element mma step, so a step never straddles two groups; a partial last group ends with the reduction
-//   dimension.
+//   sector once per pass (qtc_stage_codes: a head sector and a ring of QRING_ sectors per row, which holds QSTAGES_
+//   = 3 stages: stages s + 1 and s + 2 are in flight while stage s is multiplied; the sector a row shares with the
+//   next row, its last, is read from the next row's head), so an odd row costs the sectors its bytes span, not two
+//   per stage (as the GEMV's windows, small_batch.cu; the bytes outside the row meet zero activations). Within a
+//   span, an mma step sums a permutation of 16 of its elements that the A and B fragments agree on (qtc_pass), so a
+//   lane reads its A fragment as one 16-byte word per row (hi and lo interleaved) and its codes for the span as one
+//   4-byte (int4) or 8-byte (int8) word. A lane builds its B fragment from its row's codes with Marlin's
+//   magic-number step (common.cuh codes_pair_sub): fp16 (q - zero), exact. The mma sums a * (q - zero) over one
+//   group into a partial, and the partial times the row's scale (fp32) is added to the accumulator at the group's
+//   end (the scale factors out of a group's sum: the same w = scale * (q - zero), one rounding less on w). Group
+//   sizes 32/64/128 are multiples of the 32-element span, so a span never straddles two groups; a partial last
+//   group ends with the reduction dimension.
 //   Scales (and zero points): the block's 32 rows are one contiguous run of each scale block, copied once per block
-//   to shared memory with 16-byte loads over the run's aligned window (stage_run) when 32 * groups <= QS_MAX_
-//   entries per matrix; else each lane reads the scales of its two columns at a group's end (the same values, less
-//   coalesced).
+//   to shared memory (group-major) with 16-byte loads over the run's aligned window (stage_run) when 32 * groups
+//   <= QS_MAX_ entries per matrix; else each lane reads the scales of its columns at a group's end (the same
+//   values, less coalesced).
 // Limits: common.cuh; int4 needs a group size; static shared memory (sizes below) <= 48 KiB.
 #include "common.cuh"
+
+// Blocks per SM colibri_gate_up_qtc is compiled for (__launch_bounds__ min blocks): int4 4 (ptxas keeps it within
+// 128 registers, 117-122 without spills at sm_80-90 for the Mixtral, Qwen3 and odd shapes of
+// tests/kernels/test_compile_quant_tc.py, where 1 left it at 130-146: three blocks per SM), int8 1 (bounded, it
+// spilled: at 4 blocks, 128 registers, for the int8 layer of scripts/gpu_check.sh; at 3, 168, for the tiled shape
+// of tests/fakecuda/test_quantized_bundle_on_fake.py; float weights: empty entry points). More resident blocks
+// put more code stages in flight per SM (the latency limit of the time model, docs/kernels.md).
+#define QMINB_ (COLI_QUANT == 2 ? 4 : 1)
 
 #if COLI_QUANT
 #define MT_ 2                                   // 16-row tiles per pass over the weights
@@ -180,14 +194,19 @@ __device__ __forceinline__ void qtc_stage_scales(const QtcMatrix (&w)[NMAT], int
 
 // Stage the activations of one reduction stage: a[r][4q ..] (QtcShared) from src[rows[r]][k0 + 4q .. + 3], split
 // into hi = fp16(a) and lo = fp16(a - hi) (common.cuh tc_pass: close to fp32; |a| must stay below 65504), 0 past
-// KLEN and for a row -1, for r < nrows. A thread takes one chunk: one 16-byte load (four 4-byte loads when KLEN is
-// not a multiple of 4, rows then being only 4-byte aligned) and one 16-byte store, so a warp fills two rows, 8
-// lanes (one store phase) 128 consecutive bytes. Every thread of the block calls it.
+// KLEN and for a row -1, for the rows r < 8 * nhalf. Thread i takes chunk q = i % 16 of rows r = i / 16 + 8n
+// (n < nhalf; src_rows[n] = rows[r], read once per pass by qtc_pass): one 16-byte load (four 4-byte loads when KLEN
+// is not a multiple of 4, rows then being only 4-byte aligned) and one 16-byte store each, so a warp fills two rows,
+// 8 lanes (one store phase) 128 consecutive bytes. Every thread of the block calls it.
 template <int KLEN>
-__device__ __forceinline__ void qtc_stage_activations(const float* __restrict__ src, const int* rows, int nrows,
-                                                      int k0, unsigned (*a)[QA_PITCH_]) {
-    for (int i = threadIdx.x; i < nrows * (TC_BK_ / 4); i += TC_THREADS_) {
-        const int r = i / (TC_BK_ / 4), q = i % (TC_BK_ / 4), k = k0 + 4 * q, row = rows[r];
+__device__ __forceinline__ void qtc_stage_activations(const float* __restrict__ src, const int (&src_rows)[2 * MT_],
+                                                      int nhalf, int k0, unsigned (*a)[QA_PITCH_]) {
+    static_assert(TC_THREADS_ == 8 * (TC_BK_ / 4), "a block stages 8 rows at a time");
+#pragma unroll
+    for (int n = 0; n < 2 * MT_; ++n) {
+        if (n >= nhalf) break;  // uniform
+        const int r = threadIdx.x / (TC_BK_ / 4) + 8 * n, q = threadIdx.x % (TC_BK_ / 4), k = k0 + 4 * q;
+        const int row = src_rows[n];
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (row >= 0) {
             const float* p = src + (size_t)row * KLEN + k;
@@ -247,7 +266,9 @@ __device__ __forceinline__ void qtc_lane_codes(const unsigned char* codes, const
 }
 
 // acc[t][j][m] (t < ntiles) += A_t · W_m^T over this warp's spans of the reduction dimension KLEN, for the rows
-// sh.rows[t*16 ..] of src (row length KLEN, -1: a zero row) and output columns n0 + 16h + 8j .. + 7 (h = warp & 1,
+// sh.rows[t*16 ..] of src (row length KLEN, -1: a zero row; rows from 8 * nhalf on are neither staged nor read:
+// they are padding, the A fragment's rows g + 8 of a tile half of padding are zero registers; ntiles = the tiles
+// of the nhalf halves) and output columns n0 + 16h + 8j .. + 7 (h = warp & 1,
 // n8 tile j) of NTOT: warp w takes span w >> 1 (elements 32(w >> 1) .. + 31) of every 64-element stage, so each
 // A fragment is read by two warps and used for both of a warp's n8 tiles; qtc_expert adds the two spans' sums.
 // Within a span, mma step st (0, 1) gives lane c (mma_m16n8k16's k indices 2c, 2c+1, 2c+8, 2c+9) the elements
@@ -258,11 +279,14 @@ __device__ __forceinline__ void qtc_lane_codes(const unsigned char* codes, const
 // block calls it (barriers).
 template <int NMAT, int QSN, int KLEN, int NTOT, bool STAGED>
 __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const QtcMatrix (&w)[NMAT], int n0,
-                                         int ntiles, QtcShared<NMAT, QSN>& sh, float acc[MT_][QNT_][NMAT][4]) {
+                                         int nhalf, QtcShared<NMAT, QSN>& sh, float acc[MT_][QNT_][NMAT][4]) {
     constexpr int ROWB = QROW_BYTES_(KLEN), G = QGROUPS_(KLEN), GDIV = GS_ == 0 ? 1 : GS_;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31, g = lane / 4, c = lane % 4;
-    const int nh = warp & 1, span = warp >> 1;
+    const int nh = warp & 1, span = warp >> 1, ntiles = (nhalf + 1) / 2;
     const int nrows = NTOT - n0 < TC_BN_ ? NTOT - n0 : TC_BN_;
+    int src_rows[2 * MT_];  // the source rows this thread stages (qtc_stage_activations)
+#pragma unroll
+    for (int n = 0; n < 2 * MT_; ++n) src_rows[n] = sh.rows[tid / (TC_BK_ / 4) + 8 * n];
     float part[MT_][QNT_][NMAT][4];
 #pragma unroll
     for (int t = 0; t < MT_; ++t)
@@ -296,7 +320,7 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
                 qtc_stage_codes<ROWB>(w[m].codes + (size_t)n0 * ROWB, nrows, s + QSTAGES_ - 1, &sh.codes[m][0][0]);
         }
         cp_async_commit();
-        qtc_stage_activations<KLEN>(src, sh.rows, ntiles * 16, k0, sh.a);
+        qtc_stage_activations<KLEN>(src, src_rows, nhalf, k0, sh.a);
         cp_async_wait<QSTAGES_ - 1>();  // this thread's copies of stage s have landed
         __syncthreads();     // everyone's, and a[]
         const int ks = k0 + QSPAN_ * span;  // this warp's span: elements ks .. ks + 31
@@ -343,7 +367,8 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
             for (int t = 0; t < MT_; ++t) {
                 if (t < ntiles) {  // uniform
                     const uint4 u0 = *reinterpret_cast<const uint4*>(&sh.a[t * 16 + g][4 * q]);
-                    const uint4 u1 = *reinterpret_cast<const uint4*>(&sh.a[t * 16 + g + 8][4 * q]);
+                    const uint4 u1 = 2 * t + 1 < nhalf ? *reinterpret_cast<const uint4*>(&sh.a[t * 16 + g + 8][4 * q])
+                                                       : make_uint4(0u, 0u, 0u, 0u);  // uniform
                     const unsigned ahi[4] = {u0.x, u1.x, u0.y, u1.y}, alo[4] = {u0.z, u1.z, u0.w, u1.w};
 #pragma unroll
                     for (int m = 0; m < NMAT; ++m) {
@@ -410,12 +435,13 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
             sh.rows[i] = p < 0 ? -1 : X_ROWS ? p / K_ : p;
         }
         __syncthreads();  // pairs[] written
-        // The tiles of the pass that hold a pair: the expert's pairs come first, its padding rows (-1) last
+        // The 8-row halves of the pass that hold a pair: the expert's pairs come first, its padding rows (-1) last
         // (routing.cu align_pairs), so a pass of padding rows only (block_m > 32) ends the expert.
-        int ntiles = 0;
+        int nhalf = 0;
 #pragma unroll
-        for (int t = 0; t < MT_; ++t) ntiles += sh.pairs[16 * t] >= 0 ? 1 : 0;
-        if (ntiles == 0) break;  // uniform
+        for (int h = 0; h < 2 * MT_; ++h) nhalf += sh.pairs[8 * h] >= 0 ? 1 : 0;
+        if (nhalf == 0) break;  // uniform
+        const int ntiles = (nhalf + 1) / 2;
         float acc[MT_][QNT_][NMAT][4];
 #pragma unroll
         for (int t = 0; t < MT_; ++t)
@@ -425,7 +451,7 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
                 for (int m = 0; m < NMAT; ++m)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) acc[t][j][m][i] = 0.0f;
-        qtc_pass<NMAT, QSN, KLEN, NTOT, STAGED>(src, w, n0, ntiles, sh, acc);  // its barriers order rows[]
+        qtc_pass<NMAT, QSN, KLEN, NTOT, STAGED>(src, w, n0, nhalf, sh, acc);  // its barriers order rows[]
         __syncthreads();  // every warp done with a[], which red[] overwrites
         if (span == 1) {  // uniform per warp: hand the sums over, lane-major (each write one wavefront)
 #pragma unroll
@@ -467,7 +493,7 @@ __device__ __forceinline__ void qtc_expert(const float* __restrict__ src, const 
 // blocks of gate and up and their zero-point blocks (null without zero points), as the GEMV kernels take them, then
 // the gate and up biases (COLI_EXPERT_BIAS; absent from the launch otherwise). The epilogue (biases, SwiGLU or
 // clamped SwiGLU) is common.cuh gate_up_epilogue, as in every expert kernel.
-extern "C" __global__ void __launch_bounds__(TC_THREADS_, 1)
+extern "C" __global__ void __launch_bounds__(TC_THREADS_, QMINB_)
 colibri_gate_up_qtc(const float* __restrict__ x, const unsigned char* __restrict__ gate,
                     const unsigned char* __restrict__ up, const int* __restrict__ sorted_pairs,
                     const int* __restrict__ expert_offsets, float* __restrict__ act,

@@ -174,10 +174,26 @@ def kernel_dir() -> Path:
     """The folder holding the .cu sources: colibri_sdk/kernels of the installed package (kernels/ of the checkout).
 
     kernels/ has no __init__.py on purpose: it is a namespace package, so a checkout's kernels/ on sys.path (the
-    working directory of `python -m pytest`) never shadows the `kernels` distribution that transformers imports."""
-    from . import kernels
+    working directory of `python -m pytest`) never shadows the `kernels` distribution that transformers imports.
+    A setuptools editable install (`pip install -e .`, as scripts/gpu_check.sh does where it can) does not map a
+    namespace subpackage of a package it maps (colibri_sdk -> sdk/), so there the checkout's kernels/ beside sdk/
+    is the folder. Raises FileNotFoundError (naming where it looked) when neither holds common.cuh."""
+    try:
+        from . import kernels
 
-    return Path(next(iter(kernels.__path__)))
+        return Path(next(iter(kernels.__path__)))
+    except ImportError:
+        return checkout_kernel_dir(Path(__file__).resolve().parent)
+
+
+def checkout_kernel_dir(sdk: Path) -> Path:
+    """kernels/ beside a checkout's sdk/ folder `sdk` (kernel_dir under an editable install); FileNotFoundError
+    when it holds no common.cuh."""
+    folder = sdk.parent / "kernels"
+    if not (folder / "common.cuh").is_file():
+        raise FileNotFoundError(f"kernel sources: colibri_sdk.kernels is not importable and {folder} holds no "
+                                "common.cuh; allowed: an installed colibri-sdk or a checkout (sdk/ beside kernels/)")
+    return folder
 
 
 def kernel_routing(header) -> int:
