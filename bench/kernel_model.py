@@ -75,7 +75,7 @@ SCHEDULERS = 4  # warp schedulers per SM, one instruction per clock each
 # unpack (1 conversion), int8 (byte extract, convert, scale), int4 (shift/mask, offset, convert, scale).
 DEQUANT_INSTR = {"fp16": 1.0, "int8": 3.0, "int4_g128": 4.0}
 TC_SYMBOLS = ("colibri_gate_up_tc", "colibri_down_tc", "colibri_gate_up_qtc", "colibri_down_qtc")
-SAMPLE_BLOCKS = 24  # blocks emulated per expert-kernel launch (every k-th of the grid; counts scaled by k)
+SAMPLE_BLOCKS = 24  # blocks emulated per expert-kernel launch (every k-th, k coprime to grid.x; counts scaled by k)
 HOT_SHARE = 0.5  # a site is part of a hot loop when it has at least half the requests of its kernel's busiest site
 
 
@@ -83,12 +83,15 @@ PATHS = ("profile", "gemv", "tc")  # the shipped profile's max_pairs, or the GEM
 
 
 def profile_path(device: str, tokens: int, storage: str) -> str:
-    """"gemv" or "tc": the path the shipped profile's crossover takes at `tokens` (FULL's top-k pairs per token) for
-    `storage` (max_pairs, or max_pairs_quantized for int8/int4 where the profile sets it)."""
-    small_batch = load_profile(DEVICES[device]["profile"], toolchain=False).data["kernels"]["small_batch"]
+    """"gemv" or "tc": the path the shipped profile's crossover takes for `tokens` valid tokens: the pairs of the
+    smallest shape that holds them (profile_for: the path is fixed per compiled shape; FULL's top-k pairs per token)
+    against max_pairs, or max_pairs_quantized for int8/int4 where the profile sets it. Orin's one token runs in its
+    16-token shape."""
+    data = profile_for(device, tokens)
+    small_batch = data["kernels"]["small_batch"]
     limit = small_batch.get("max_pairs_quantized", small_batch["max_pairs"]) if STORAGES[storage] else \
         small_batch["max_pairs"]
-    return "gemv" if tokens * FULL["top_k"] <= limit else "tc"
+    return "gemv" if data["shape"]["batch"] * data["shape"]["tokens"] * FULL["top_k"] <= limit else "tc"
 
 
 def profile_for(device: str, tokens: int, route: str = "profile") -> dict:

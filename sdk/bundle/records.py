@@ -68,7 +68,8 @@ def check_buffer_records(manifest: dict, header, where: str = MANIFEST, only: tu
         only: check the records of this (batch, tokens) only (a backend built for one shape).
 
     Raises:
-        BundleError: naming the first differing key (e.g. "shapes[0].buffers"), the recorded and expected values.
+        BundleError: naming the first differing key (e.g. "shapes[0].buffers"), the recorded and expected values,
+            or the key whose plan the manifest's profile does not allow (a value of the wrong type).
     """
     entries = _entries(manifest)
     if only is not None:  # a view (`Bundle.for_shape`): its `shapes` entry names the key, else the top level
@@ -80,7 +81,13 @@ def check_buffer_records(manifest: dict, header, where: str = MANIFEST, only: tu
         for key, compute in expected.items():
             if key not in record:  # a bundle without a launch plan (CPU only, or built before these keys)
                 continue
-            want = compute()
+            try:
+                want = compute()
+            except (TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:  # a profile edited badly
+                raise BundleError(
+                    f"{where}: {prefix}{key}: the catalogue cannot plan the manifest's profile at batch {bt[0]} x "
+                    f"tokens {bt[1]} ({type(exc).__name__}: {_short(str(exc))}); allowed: the profile colibri-sdk "
+                    "build writes (rebuild the bundle)") from None
             if record[key] != json.loads(json.dumps(want)):
                 raise BundleError(
                     f"{where}: {prefix}{key} = {_short(record[key])} differs from the catalogue's "

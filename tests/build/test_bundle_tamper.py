@@ -101,6 +101,23 @@ def test_weights_swapped_with_recomputed_manifest_entry_but_stale_digest(bundle_
         wpath.write_bytes(w_orig)
 
 
+def test_an_invalid_profile_in_a_consistent_manifest_is_a_bundle_error(bundle_copy):
+    """A manifest edited consistently (digest recomputed) whose profile the catalogue cannot plan: a typed error
+    naming the key, not a TypeError from the launch plan (found by bench/fuzz.py)."""
+    mpath = bundle_copy / "manifest.json"
+    original = mpath.read_bytes()
+    try:
+        manifest = json.loads(original)
+        manifest["profile"]["kernels"]["small_batch"] = ""
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        mpath.write_bytes(canonical_json(manifest))
+        with pytest.raises(BundleError, match=r"manifest.json: buffers: the catalogue cannot plan the manifest's "
+                                              r"profile at batch \d+ x tokens 16 \(TypeError: .*rebuild the bundle"):
+            Bundle.open(bundle_copy)
+    finally:
+        mpath.write_bytes(original)
+
+
 def test_missing_truncated_and_extra_files(bundle_copy):
     cubin = bundle_copy / "kernels" / "gate_up.sm_87.cubin"
     original = cubin.read_bytes()

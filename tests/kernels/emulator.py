@@ -17,6 +17,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -525,8 +526,11 @@ class ModelDevice(EmulatedDevice):
         order.
 
         sample_blocks: for the launches of the catalogue kernels in `sampled`, run about this many of the grid's
-            blocks (every k-th by linear index; the others write nothing, so later kernels read unwritten data:
-            counts only, no results); block_scale = grid blocks / blocks run (1.0 for a launch run whole)."""
+            blocks (every k-th by linear index, k the first stride >= blocks / sample_blocks that is coprime to
+            grid.x, so that the samples take every x: the expert of an experts grid (the quantized tiles), where a
+            k divisible by the experts ran one expert's blocks only; the others write nothing, so later kernels
+            read unwritten data: counts only, no results); block_scale = grid blocks / blocks run (1.0 for a launch
+            run whole)."""
         self._prepare_access(x, valid_tokens)
         out = []
         self.lib.access_read()
@@ -536,6 +540,8 @@ class ModelDevice(EmulatedDevice):
             for launch, (function, grid, block, _shared, params, _values) in zip(self.plan, self._launches):
                 blocks = int(np.prod(grid))
                 stride = max(blocks // sample_blocks, 1) if sample_blocks and launch["kernel"] in sampled else 1
+                while stride > 1 and math.gcd(stride, int(grid[0])) != 1:
+                    stride += 1
                 self.lib.model_sample(stride)
                 self.lib.launch(function, grid, block, params.ctypes.data)
                 ran = self.lib.model_sample(1)

@@ -32,11 +32,12 @@ RTOL = 1e-4  # of the largest |reference| value of the token: fp32 accumulation 
 
 
 def make_profile(orin: dict, *, batch=1, tokens=16, dtype="fp16", aggregation="ordered", kernels=None) -> dict:
-    """The Orin profile with another shape, dtype, aggregation and kernel parameters (small_batch.max_pairs 32
-    unless given), validated."""
+    """The Orin profile with another shape, dtype, aggregation and kernel parameters (small_batch.max_pairs 32 for
+    every storage unless given: the profile's max_pairs_quantized is dropped), validated."""
     data = copy.deepcopy(orin)
     data.update(dtype=dtype, aggregation=aggregation, shape={"batch": batch, "tokens": tokens})
     data["kernels"]["small_batch"]["max_pairs"] = 32
+    data["kernels"]["small_batch"].pop("max_pairs_quantized", None)
     for name, params in (kernels or {}).items():
         data["kernels"][name].update(params)
     return Profile.from_dict(data, toolchain=False).data

@@ -179,7 +179,7 @@ def test_down_gemv_hot_loops_use_every_lane(tmp_path):
     from kernel_model import emulate, kernel_counts, profile_for
 
     path = make_model(tmp_path / "int8.colibri", hidden=512, inter=1024, experts=8, top_k=2, storage="int8")
-    records, _, _ = emulate(path, profile_for("orin", 1), 1)
+    records, _, _ = emulate(path, profile_for("orin", 1, "gemv"), 1)  # int8 at orin's 16-token shape: the tiles
     down = [r for r in records if r["launch"]["symbol"] == "colibri_down_gemv"]
     hot = [s for s in kernel_counts(down[0])["sites"] if s["hot"]]
     assert hot and min(s["lanes"] for s in hot) >= 0.95, [s for s in hot if s["lanes"] < 0.95]

@@ -336,13 +336,22 @@ def test_max_pairs_quantized_moves_only_int8_int4_experts(orin_profile, quant, e
     assert catalog.sizes(profile, header).small_batch is False  # max_pairs 16 for every storage
 
 
-def test_the_h200_profile_takes_the_tiles_for_fp16_and_the_gemv_for_int4_at_16_tokens():
-    """The shipped crossover (profiles/h200.yaml, from the kernel model's estimates): Mixtral's 16 tokens x top-2."""
+@pytest.mark.parametrize("device, fp16_gemv, int4_gemv", [("h200", False, False), ("orin", True, False),
+                                                       ("rtx4090", True, True)])
+def test_the_shipped_crossover_at_16_tokens(device, fp16_gemv, int4_gemv):
+    """The shipped crossovers (profiles/*.yaml, from the kernel model's estimates) at Mixtral's 16 tokens x top-2:
+    h200 every storage on the tiles; orin fp16 on the GEMV (max_pairs 32), int4 on the tiles (max_pairs_quantized
+    16); rtx4090 both on the GEMV (128, 32); one token stays on the GEMV on h200 (its 1-token shape)."""
     from colibri_sdk.format import HeaderV2
     from colibri_sdk.profile import load_profile
 
-    profile = load_profile("h200", toolchain=False).for_shape(1, 16).data
+    profile = load_profile(device, toolchain=False).for_shape(1, 16).data
     fp16 = HeaderV2(1, 8, 2, 4096, 14336, dtype=1)
     int4 = HeaderV2(1, 8, 2, 4096, 14336, dtype=1, quant=2, group_size=128)
-    assert catalog.sizes(profile, fp16).tensor_core and not catalog.sizes(profile, fp16).small_batch
-    assert catalog.sizes(profile, int4).small_batch
+    assert catalog.sizes(profile, fp16).small_batch is fp16_gemv
+    assert catalog.sizes(profile, fp16).tensor_core is not fp16_gemv
+    assert catalog.sizes(profile, int4).small_batch is int4_gemv
+    assert catalog.sizes(profile, int4).quant_tensor_core is not int4_gemv
+    if device == "h200":
+        one = load_profile(device, toolchain=False).for_shape(1, 1).data
+        assert catalog.sizes(one, fp16).small_batch and catalog.sizes(one, int4).small_batch
