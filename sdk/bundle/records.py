@@ -60,6 +60,18 @@ def check_profile_shape(manifest: dict, where: str = MANIFEST) -> None:
                           f"allowed: the compiled shapes {compiled} (shapes / shape)")
 
 
+def planned(compute, what: str, bt: tuple[int, int]):
+    """compute() (a catalogue call on a manifest's profile at shape `bt`), with the errors a profile edited badly
+    makes it raise (a wrong type, a missing key, a zero divisor) turned into a BundleError naming `what`."""
+    try:
+        return compute()
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError, ArithmeticError) as exc:
+        raise BundleError(
+            f"{what}: the catalogue cannot plan the manifest's profile at batch {bt[0]} x tokens {bt[1]} "
+            f"({type(exc).__name__}: {_short(str(exc))}); allowed: the profile colibri-sdk build writes (rebuild the "
+            "bundle)") from None
+
+
 def check_buffer_records(manifest: dict, header, where: str = MANIFEST, only: tuple[int, int] | None = None) -> None:
     """Every compiled shape's `buffers` and `io_buffers` (when recorded) must be the catalogue's for the profile at
     that shape and the weights' `header` (a `colibri_sdk.format` Header).
@@ -81,13 +93,7 @@ def check_buffer_records(manifest: dict, header, where: str = MANIFEST, only: tu
         for key, compute in expected.items():
             if key not in record:  # a bundle without a launch plan (CPU only, or built before these keys)
                 continue
-            try:
-                want = compute()
-            except (TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:  # a profile edited badly
-                raise BundleError(
-                    f"{where}: {prefix}{key}: the catalogue cannot plan the manifest's profile at batch {bt[0]} x "
-                    f"tokens {bt[1]} ({type(exc).__name__}: {_short(str(exc))}); allowed: the profile colibri-sdk "
-                    "build writes (rebuild the bundle)") from None
+            want = planned(compute, f"{where}: {prefix}{key}", bt)
             if record[key] != json.loads(json.dumps(want)):
                 raise BundleError(
                     f"{where}: {prefix}{key} = {_short(record[key])} differs from the catalogue's "

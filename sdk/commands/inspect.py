@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..bundle.manifest import HEADER_V2_KEYS
+from ..bundle.manifest import HEADER_V2_KEYS, control_character
 from ..bundle.reader import HEADER_FIELDS, Bundle, bundle_summary
 from ..driver_version import format_driver_version
 from ..errors import BundleError, FormatError
@@ -166,6 +166,15 @@ def stored_form(header: dict, dtype: str) -> str:
     return dtype if record["text"] == dtype else f"{record['text']} experts, {dtype} activations"
 
 
+def _shown(value, limit: int = 200) -> str:
+    """A manifest string for the terminal: with a control character (an escape sequence, say) as its ascii() form,
+    and cut at `limit` characters (the length said)."""
+    text = str(value)
+    if control_character(text) is not None:
+        text = ascii(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def inspect_bundle(path: Path, as_json: bool = False) -> int:
     """Print a bundle's manifest summary (schema checked; checksums are `colibri-sdk verify`'s job). Returns 0.
 
@@ -186,7 +195,7 @@ def inspect_bundle(path: Path, as_json: bool = False) -> int:
     m = bundle.manifest
     print(f"{bundle.path}  (bundle schema {m['schema_version']}, colibri-sdk {m['sdk_version']})")
     rows = [
-        ("profile", info["profile"]),
+        ("profile", _shown(info["profile"])),
         ("arch", f"{m['arch']} (compute capability {m['compute_capability'][0]}.{m['compute_capability'][1]})"),
         ("dtype", m["dtype"]),
         ("shape", f"batch {m['shape']['batch']} x tokens {m['shape']['tokens']}"

@@ -124,7 +124,8 @@ class Checkpoint:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         if not self.folder.is_dir():
-            raise ConvertError(f"{self.folder}: not a folder; expected a Hugging Face checkpoint folder")
+            what = "not a folder" if self.folder.exists() else "no such folder"
+            raise ConvertError(f"{self.folder}: {what}; expected a Hugging Face checkpoint folder (or a .gguf file)")
         self.config = self._read_config()
         self.tensors: dict[str, TensorInfo] = self._index()
         self._open_path: Path | None = None

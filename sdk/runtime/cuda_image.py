@@ -64,9 +64,13 @@ def checked_launch_plan(manifest: dict, header) -> list[dict]:
     weights offset of its own, or kernels compiled for another shape, would run the kernels outside their buffers.
 
     Raises:
-        BundleError: naming the first kernel or launch that differs.
+        BundleError: naming the first kernel or launch that differs, or the plan the profile does not allow.
     """
-    defines = json.loads(json.dumps(catalog.compile_defines(manifest["profile"], header)))
+    from ..bundle.records import check_buffer_records, planned
+
+    bt = (manifest["shape"]["batch"], manifest["shape"]["tokens"])
+    defines = json.loads(json.dumps(planned(lambda: catalog.compile_defines(manifest["profile"], header),
+                                            "manifest.json: kernels[].defines", bt)))
     for i, kernel in enumerate(manifest["kernels"]):
         if kernel.get("defines") != defines:  # e.g. another shape's kernels: they would index past this one's buffers
             raise BundleError(
@@ -75,10 +79,8 @@ def checked_launch_plan(manifest: dict, header) -> list[dict]:
                 f"tokens {manifest['shape']['tokens']}; allowed: the kernels colibri-sdk build compiled for it "
                 "(rebuild the bundle)"
             )
-    from ..bundle.records import check_buffer_records
-
-    check_buffer_records(manifest, header, only=(manifest["shape"]["batch"], manifest["shape"]["tokens"]))  # what a C runtime allocates
-    plan = catalog.launch_plan(manifest["profile"], header)
+    check_buffer_records(manifest, header, only=bt)  # what a C runtime allocates
+    plan = planned(lambda: catalog.launch_plan(manifest["profile"], header), "manifest.json: launch", bt)
     recorded = manifest.get("launch")
     expected = json.loads(json.dumps(plan))
     if recorded is not None and recorded != expected:

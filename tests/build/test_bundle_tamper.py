@@ -101,19 +101,57 @@ def test_weights_swapped_with_recomputed_manifest_entry_but_stale_digest(bundle_
         wpath.write_bytes(w_orig)
 
 
-def test_an_invalid_profile_in_a_consistent_manifest_is_a_bundle_error(bundle_copy):
-    """A manifest edited consistently (digest recomputed) whose profile the catalogue cannot plan: a typed error
-    naming the key, not a TypeError from the launch plan (found by bench/fuzz.py)."""
+@pytest.mark.parametrize("section, key, value", [("small_batch", None, ""), ("routing", "block_m", 0)],
+                         ids=["small_batch-str", "block_m-0"])
+def test_an_invalid_profile_in_a_consistent_manifest_is_a_bundle_error(bundle_copy, section, key, value):
+    """A manifest edited consistently (digest recomputed) whose profile the catalogue cannot plan (a string for a
+    mapping: TypeError; block_m 0: ZeroDivisionError): a typed error naming the record and the shape, not a
+    traceback from the launch plan (found by bench/fuzz.py and by hand)."""
     mpath = bundle_copy / "manifest.json"
     original = mpath.read_bytes()
     try:
         manifest = json.loads(original)
-        manifest["profile"]["kernels"]["small_batch"] = ""
+        if key is None:
+            manifest["profile"]["kernels"][section] = value
+        else:
+            manifest["profile"]["kernels"][section][key] = value
         manifest["manifest_sha256"] = manifest_digest(manifest)
         mpath.write_bytes(canonical_json(manifest))
         with pytest.raises(BundleError, match=r"manifest.json: buffers: the catalogue cannot plan the manifest's "
-                                              r"profile at batch \d+ x tokens 16 \(TypeError: .*rebuild the bundle"):
+                                              r"profile at batch \d+ x tokens 16 \((TypeError|ZeroDivisionError): "
+                                              r".*rebuild the bundle"):
             Bundle.open(bundle_copy)
+    finally:
+        mpath.write_bytes(original)
+
+
+def test_the_cuda_plan_check_of_an_unplannable_profile_is_a_bundle_error(bundle_copy):
+    """The CUDA backend's first check (cuda_image.checked_launch_plan) on a shape's manifest whose profile has a
+    null max_pairs: a BundleError, not int()'s TypeError (it runs without a GPU)."""
+    from colibri_sdk.runtime.cuda_image import checked_launch_plan
+
+    bundle = Bundle.open(bundle_copy, verify=False)
+    view = bundle.for_shape(1, 16)
+    manifest = json.loads(json.dumps(view.manifest))
+    manifest["profile"]["kernels"]["small_batch"]["max_pairs"] = None
+    with bundle.open_weights() as opened:
+        with pytest.raises(BundleError, match=r"manifest.json: kernels\[\].defines: the catalogue cannot plan the "
+                                              r"manifest's profile at batch 1 x tokens 16 \(TypeError"):
+            checked_launch_plan(manifest, opened.header)
+
+
+def test_inspect_shows_a_profile_name_with_an_escape_sequence_escaped(bundle_copy, capsys):
+    """A consistent manifest whose profile name holds a terminal escape: `inspect` prints its ascii() form."""
+    mpath = bundle_copy / "manifest.json"
+    original = mpath.read_bytes()
+    try:
+        manifest = json.loads(original)
+        manifest["profile"]["name"] = "a\x1b[2Jb"
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        mpath.write_bytes(canonical_json(manifest))
+        assert cli.main(["inspect", str(bundle_copy)]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "'a\\x1b[2Jb'" in out
     finally:
         mpath.write_bytes(original)
 

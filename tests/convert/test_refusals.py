@@ -298,3 +298,11 @@ def test_an_index_not_written_as_nn_modulelist_writes_it_is_refused_naming_the_t
     shown = new.replace(".", r"\.")
     refused(mixtral_copy, tmp_path, rf"^tensor '{shown}[^']+': {what} {problem}; allowed: the index as "
             rf"nn\.ModuleList writes it \('{what}s\.\d\.'\)$")
+
+
+def test_a_missing_source_and_a_file_are_named_apart(tmp_path):
+    """No such path, and a file that is not a .gguf: each said as it is, with what convert takes."""
+    refused(tmp_path / "nowhere", tmp_path, r"nowhere: no such folder; expected a Hugging Face checkpoint folder "
+                                            r"\(or a \.gguf file\)")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 8)
+    refused(tmp_path / "weights.bin", tmp_path, r"weights.bin: not a folder; expected a Hugging Face checkpoint folder")
