@@ -346,7 +346,7 @@ __device__ __forceinline__ unsigned short float_to_half_bits(float f) {
 }
 
 #define TC_THREADS_ 128  // 4 warps
-#define TC_BN_ 32        // output columns per block: 8 per warp (one n8 tile)
+#define TC_BN_ 32        // output columns per block: 8 per warp (one n8 tile; the int8/int4 tiles: 16, two)
 #define TC_BK_ 64        // reduction elements per shared-memory stage
 #define TC_PITCH_ (TC_BK_ + 8)  // halves per shared row: 16-byte rows, rows spread over banks
 
