@@ -18,7 +18,7 @@ bytes its lanes asked for. Per kernel and in total this prints:
 Storages: fp16 (v1), and as .colibri v2 with round-to-nearest codes and fp16 scales: int8 per row, int4 group 128,
 int4 group 32 (docs/format.md "Matrix storage"). On the tiled path quantized weights run on the tensor-core kernels
 of kernels/expert_quant_tc.cu (colibri_gate_up_qtc, colibri_down_qtc), which stream each selected expert's codes,
-scales and zero points once per 64 of its pairs; the last line prints their worst x-bytes and weight sector
+scales and zero points once per 32 of its pairs; the last line prints their worst x-bytes and weight sector
 efficiency.
 
 Shapes (fp16, the shipped h200 profile with `shape.tokens` 16 or 64):

@@ -194,35 +194,39 @@ __device__ __forceinline__ void qtc_stage_scales(const QtcMatrix (&w)[NMAT], int
 
 // Stage the activations of one reduction stage: a[r][4q ..] (QtcShared) from src[rows[r]][k0 + 4q .. + 3], split
 // into hi = fp16(a) and lo = fp16(a - hi) (common.cuh tc_pass: close to fp32; |a| must stay below 65504), 0 past
-// KLEN and for a row -1, for the rows r < 8 * nhalf. Thread i takes chunk q = i % 16 of rows r = i / 16 + 8n
-// (n < nhalf; src_rows[n] = rows[r], read once per pass by qtc_pass): one 16-byte load (four 4-byte loads when KLEN
-// is not a multiple of 4, rows then being only 4-byte aligned) and one 16-byte store each, so a warp fills two rows,
-// 8 lanes (one store phase) 128 consecutive bytes. Every thread of the block calls it.
+// KLEN and for a row -1, for the rows r < 8 * nhalf. KLEN a multiple of 4: thread i takes chunk q = i % 16 of rows
+// r = i / 16 + 8n (n < nhalf; src_rows[n] = rows[r], read once per pass by qtc_pass), one 16-byte load and one
+// 16-byte store each, so a warp fills two rows, 8 lanes (one store phase) 128 consecutive bytes. Else (rows only
+// 4-byte aligned) one element per thread and load, 32 consecutive elements per warp (whole sectors), its hi and lo
+// halves stored into their chunk's entry. Every thread of the block calls it.
 template <int KLEN>
-__device__ __forceinline__ void qtc_stage_activations(const float* __restrict__ src, const int (&src_rows)[2 * MT_],
-                                                      int nhalf, int k0, unsigned (*a)[QA_PITCH_]) {
+__device__ __forceinline__ void qtc_stage_activations(const float* __restrict__ src, const int* rows,
+                                                      const int (&src_rows)[2 * MT_], int nhalf, int k0,
+                                                      unsigned (*a)[QA_PITCH_]) {
     static_assert(TC_THREADS_ == 8 * (TC_BK_ / 4), "a block stages 8 rows at a time");
+    if (KLEN % 4 != 0) {
+        for (int i = threadIdx.x; i < 8 * nhalf * TC_BK_; i += TC_THREADS_) {
+            const int r = i / TC_BK_, kk = i % TC_BK_, k = k0 + kk, row = rows[r];
+            const float v = row >= 0 && k < KLEN ? __ldg(src + (size_t)row * KLEN + k) : 0.0f;
+            const unsigned short hi = float_to_half_bits(v);
+            unsigned short* entry = reinterpret_cast<unsigned short*>(&a[r][4 * (kk / 4)]);
+            entry[kk % 4] = hi;
+            entry[4 + kk % 4] = float_to_half_bits(v - half_to_float(hi));
+        }
+        return;
+    }
 #pragma unroll
     for (int n = 0; n < 2 * MT_; ++n) {
         if (n >= nhalf) break;  // uniform
         const int r = threadIdx.x / (TC_BK_ / 4) + 8 * n, q = threadIdx.x % (TC_BK_ / 4), k = k0 + 4 * q;
         const int row = src_rows[n];
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (row >= 0) {
-            const float* p = src + (size_t)row * KLEN + k;
-            if (KLEN % 4 == 0) {
-                if (k < KLEN) {  // then k + 3 < KLEN too
-                    const float4 f = __ldg(reinterpret_cast<const float4*>(p));
-                    v[0] = f.x;
-                    v[1] = f.y;
-                    v[2] = f.z;
-                    v[3] = f.w;
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (k + e < KLEN) v[e] = __ldg(p + e);
-            }
+        if (row >= 0 && k < KLEN) {  // then k + 3 < KLEN too
+            const float4 f = __ldg(reinterpret_cast<const float4*>(src + (size_t)row * KLEN + k));
+            v[0] = f.x;
+            v[1] = f.y;
+            v[2] = f.z;
+            v[3] = f.w;
         }
         unsigned hi[2], lo[2];
 #pragma unroll
@@ -320,7 +324,7 @@ __device__ __forceinline__ void qtc_pass(const float* __restrict__ src, const Qt
                 qtc_stage_codes<ROWB>(w[m].codes + (size_t)n0 * ROWB, nrows, s + QSTAGES_ - 1, &sh.codes[m][0][0]);
         }
         cp_async_commit();
-        qtc_stage_activations<KLEN>(src, src_rows, nhalf, k0, sh.a);
+        qtc_stage_activations<KLEN>(src, sh.rows, src_rows, nhalf, k0, sh.a);
         cp_async_wait<QSTAGES_ - 1>();  // this thread's copies of stage s have landed
         __syncthreads();     // everyone's, and a[]
         const int ks = k0 + QSPAN_ * span;  // this warp's span: elements ks .. ks + 31
