@@ -237,6 +237,7 @@ def moe_section(tmp: Path, args, say) -> dict:
     import torch
 
     folder = Path(args.moe_files) if args.moe_files else tmp
+    folder.mkdir(parents=True, exist_ok=True)
     shapes = args.moe_shapes.split(",")
     paths = {}
     for shape in shapes:
@@ -292,6 +293,7 @@ def overhead_section(tmp: Path, args, say) -> dict:
     from colibri_sdk.runtime import Runtime
 
     folder = Path(args.moe_files) if args.moe_files else tmp
+    folder.mkdir(parents=True, exist_ok=True)
     weights = folder / "A-fp32.colibri"
     if not weights.exists():
         write_moe_files(folder, "A")

@@ -125,8 +125,8 @@ KERNELS: tuple[KernelSpec, ...] = (
         ("colibri_gate_up_gemv", "colibri_down_gemv", "colibri_shared_gate_up", "colibri_shared_down"),
         (THREADS, Param("max_pairs", 1, 4096, doc="tokens*top_k at or below this take the GEMV path (the GEMV / "
                         "tiled crossover)"),
-         Param("max_pairs_quantized", 1, 4096, required=False, doc="max_pairs for int8/int4 experts (optional; "
-               "without it, max_pairs holds for every storage)")),
+         Param("max_pairs_quantized", 0, 4096, required=False, doc="max_pairs for int8/int4 experts (optional; "
+               "without it, max_pairs holds for every storage; 0: int8/int4 always take the tensor-core tiles)")),
     ),
     # int8/int4 weights on the tiled path (tensor cores): a fixed tile, no profile section (no params).
     KernelSpec("expert_quant", "expert_quant_tc.cu", ("colibri_gate_up_qtc", "colibri_down_qtc"), ()),

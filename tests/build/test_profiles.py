@@ -109,7 +109,7 @@ CASES = [
     ("kernels.routing.block_m", 256, r"kernels.routing.block_m = 256: must be in 1\.\.128"),
     ("kernels.small_batch.max_pairs", 0, r"kernels.small_batch.max_pairs = 0: must be in 1\.\.4096"),
     ("kernels.small_batch.max_pairs_quantized", 5000,
-     r"kernels.small_batch.max_pairs_quantized = 5000: must be in 1\.\.4096; allowed: 1\.\.4096 \(max_pairs for int8/int4"),
+     r"kernels.small_batch.max_pairs_quantized = 5000: must be in 0\.\.4096; allowed: 0\.\.4096 \(max_pairs for int8/int4"),
     ("dtype", "bf16", r"dtype = 'bf16'; allowed: one of \['fp16', 'fp32'\]"),
     ("aggregation", "sum", r"aggregation = 'sum'; allowed: one of \['ordered', 'atomic'\]"),
     ("target.arch", "ampere", r"target.arch = 'ampere'; allowed: sm_XY, e.g. 'sm_87'"),

@@ -28,7 +28,8 @@ from test_launch_plan import expected_parameter, kernel_parameters  # noqa: E402
 
 QTC_SYMBOLS = ["colibri_gate_up_qtc", "colibri_down_qtc"]
 
-# (id, profile kwargs, model kwargs, valid tokens); every case has tokens*k > max_pairs 32: the tiled path.
+# (id, profile kwargs, model kwargs, valid tokens); every case has tokens*k > max_pairs 32 (or max_pairs_quantized 0):
+# the tiled path.
 # "odd": rows not 16-byte aligned (shifted windows); "partial": a reduction size not a multiple of the group.
 CASES = [
     ("int8-per-row-fp16-aligned", dict(tokens=32), dict(quant="int8", group=0, hidden=128, inter=64), None),
@@ -44,6 +45,9 @@ CASES = [
      dict(quant="int4", group=64, scales="fp32", hidden=101, inter=75, seed=5), [17, 9]),
     ("int4-g128-partial-fp16", dict(tokens=32), dict(quant="int4", group=128, hidden=160, inter=96, layers=2,
                                                      seed=6), None),
+    # a one-token shape on the tiles (h200 and a100 ship max_pairs_quantized 0): 2 pairs, one per expert
+    ("int4-g128-one-token", dict(tokens=1, kernels={"small_batch": {"max_pairs_quantized": 0}}),
+     dict(quant="int4", group=128, hidden=256, inter=128, seed=7), None),
 ]
 
 

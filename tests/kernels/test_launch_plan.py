@@ -341,7 +341,8 @@ def test_max_pairs_quantized_moves_only_int8_int4_experts(orin_profile, quant, e
 def test_the_shipped_crossover_at_16_tokens(device, fp16_gemv, int4_gemv):
     """The shipped crossovers (profiles/*.yaml, from the kernel model's estimates) at Mixtral's 16 tokens x top-2:
     h200 every storage on the tiles; orin fp16 on the GEMV (max_pairs 32), int4 on the tiles (max_pairs_quantized
-    16); rtx4090 both on the GEMV (128, 32); one token stays on the GEMV on h200 (its 1-token shape)."""
+    16); rtx4090 both on the GEMV (128, 32). One token on h200 and a100 (their 1-token shape): fp16 on the GEMV, int8
+    and int4 on the tiles (max_pairs_quantized 0)."""
     from colibri_sdk.format import HeaderV2
     from colibri_sdk.profile import load_profile
 
@@ -353,5 +354,9 @@ def test_the_shipped_crossover_at_16_tokens(device, fp16_gemv, int4_gemv):
     assert catalog.sizes(profile, int4).small_batch is int4_gemv
     assert catalog.sizes(profile, int4).quant_tensor_core is not int4_gemv
     if device == "h200":
-        one = load_profile(device, toolchain=False).for_shape(1, 1).data
-        assert catalog.sizes(one, fp16).small_batch and catalog.sizes(one, int4).small_batch
+        for name in ("h200", "a100"):
+            one = load_profile(name, toolchain=False).for_shape(1, 1).data
+            assert catalog.sizes(one, fp16).small_batch
+            assert not catalog.sizes(one, int4).small_batch and catalog.sizes(one, int4).quant_tensor_core
+            int8 = HeaderV2(1, 8, 2, 4096, 14336, dtype=1, quant=1)
+            assert catalog.launch_plan(one, int8)[1]["symbol"] == "colibri_gate_up_qtc"
