@@ -11,9 +11,12 @@ for a failed compilation, the full log (file and line of each diagnostic).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
 import re
 import signal
+import threading
 from importlib import metadata
 from pathlib import Path
 
@@ -223,10 +226,15 @@ def _nvrtc_compile(source: str, name: str, arch: str, options: list[str]) -> tup
 # While nvrtcCompileProgram runs, NVRTC puts its own SIGINT and SIGTERM handlers in place of the process's; a
 # Ctrl-C or SIGTERM then reaching any thread (the main one, an OpenBLAS one) runs that handler, which calls exit(4)
 # while the compilation goes on: the process ends with status 4 or SIGSEGV, with no message and no cleanup (a
-# build's .NAME.partial-* folder stays behind). Measured: 6 of 12 SIGTERMs in a build's first 100 ms. So each
-# compilation runs in a child Python process of its own (about 0.15 s of start-up against seconds of NVRTC), in a
-# session of its own (a terminal's Ctrl-C does not reach it) and with both signals blocked; the calling process
-# keeps Python's handlers, so a Ctrl-C or SIGTERM is a KeyboardInterrupt there and its cleanup runs.
+# build's .NAME.partial-* folder stays behind). Measured: 6 of 12 SIGTERMs in a build's first 100 ms. So the
+# compilations run in child Python processes, in a session of their own (a terminal's Ctrl-C does not reach them)
+# and with both signals blocked; the calling process keeps Python's handlers, so a Ctrl-C or SIGTERM is a
+# KeyboardInterrupt there and its cleanup runs (the child it was waiting on is killed). A child serves one
+# compilation after another over its standard input and output (pickled arguments, pickled result) and stays for
+# the next: starting one costs about 0.15 s (Python, then NVRTC's library), a compilation of a small kernel 0.07 s.
+# Idle children wait in `_IDLE`, one per compilation that ran at once (the build's thread pool); a child whose
+# exchange broke or was interrupted is killed, never reused; at exit (or when their stdin closes, the parent
+# gone) they end.
 _CHILD = """
 import signal, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -234,43 +242,115 @@ sys.path[:] = [p for p in sys.path if p != ""] + ([sys.argv[1]] if sys.argv[1] n
 import pickle
 from colibri_sdk.aot.nvrtc import _nvrtc_compile
 from colibri_sdk.errors import CompileError
-try:
-    result = (True, _nvrtc_compile(*pickle.load(sys.stdin.buffer)))
-except CompileError as exc:
-    result = (False, str(exc))
-pickle.dump(result, sys.stdout.buffer)
+stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+while True:
+    try:
+        args = pickle.load(stdin)
+    except EOFError:
+        break
+    try:
+        result = (True, _nvrtc_compile(*args))
+    except CompileError as exc:
+        result = (False, str(exc))
+    pickle.dump(result, stdout)
+    stdout.flush()
 """
+
+_IDLE: list = []  # (pid of the process that started it, Popen, stderr file) of the idle children
+_IDLE_LOCK = threading.Lock()
+
+
+def _start_child():
+    """A new NVRTC child process (`python -c _CHILD`), its stderr in an unnamed temporary file. Raises OSError."""
+    import subprocess
+    import sys
+    import tempfile
+
+    root = str(Path(__file__).resolve().parents[2])  # the folder that holds the colibri_sdk package
+    err = tempfile.TemporaryFile()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, start_new_session=True)
+    except BaseException:
+        err.close()
+        raise
+    return os.getpid(), proc, err
+
+
+def _stop_child(child, wait: float = 5.0) -> tuple[int, str]:
+    """End a child (stdin closed, then killed if it has not ended within `wait` seconds); its exit status and the
+    last line it wrote to stderr ("nothing" if none)."""
+    import subprocess
+
+    _, proc, err = child
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        status = proc.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        status = proc.wait()
+    proc.stdout.close()
+    err.seek(0)
+    last = (err.read().decode(errors="replace").strip().splitlines() or ["nothing"])[-1]
+    err.close()
+    return status, last
+
+
+def _stop_idle_children() -> None:
+    with _IDLE_LOCK:
+        children, _IDLE[:] = list(_IDLE), []
+    for child in children:
+        if child[0] == os.getpid():
+            _stop_child(child)
+
+
+atexit.register(_stop_idle_children)
+if hasattr(os, "register_at_fork"):  # a forked process must not share this one's children (their pipes)
+    os.register_at_fork(after_in_child=lambda: _IDLE.clear())
 
 
 def _compile_isolated(source: str, name: str, arch: str, options: list[str]) -> tuple[bytes, bytes, str]:
-    """`_nvrtc_compile` in a child process (`python -c _CHILD`, the arguments and result pickled over its
-    standard input and output); in this process where no child can be started (pthread_sigmask missing, or the
-    interpreter cannot be run).
+    """`_nvrtc_compile` in a child process (an idle one, or a new one: `_CHILD`, the arguments and result pickled
+    over its standard input and output); in this process where no child can be started (pthread_sigmask missing,
+    or the interpreter cannot be run).
 
     Raises:
         CompileError: NVRTC's (the same message as in this process), or the child ended without a result
             (naming the source, the arch, its exit status and the last line it wrote).
     """
     import pickle
-    import subprocess
     import sys
 
     if not hasattr(signal, "pthread_sigmask") or not sys.executable:
         return _nvrtc_compile(source, name, arch, options)
-    root = str(Path(__file__).resolve().parents[2])  # the folder that holds the colibri_sdk package
+    child = None
+    with _IDLE_LOCK:
+        while _IDLE and child is None:
+            candidate = _IDLE.pop()
+            if candidate[0] == os.getpid() and candidate[1].poll() is None:
+                child = candidate
+    if child is None:
+        try:
+            child = _start_child()
+        except OSError:
+            return _nvrtc_compile(source, name, arch, options)
+    proc = child[1]
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, root], capture_output=True,
-                              input=pickle.dumps((source, name, arch, list(options))), start_new_session=True)
-    except OSError:
-        return _nvrtc_compile(source, name, arch, options)
-    try:
-        ok, value = pickle.loads(done.stdout) if done.returncode == 0 else (None, None)
-    except Exception:  # noqa: BLE001 - whatever the child wrote that is not a result
-        ok, value = None, None
-    if ok is None:
-        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["nothing"])[-1]
-        raise CompileError(f"{name} ({arch}): the NVRTC child process ended with status {done.returncode} and no "
-                           f"result (its last line: {last})")
+        pickle.dump((source, name, arch, list(options)), proc.stdin)
+        proc.stdin.flush()
+        ok, value = pickle.load(proc.stdout)
+    except (EOFError, OSError, pickle.UnpicklingError, ValueError, TypeError):  # the child ended without a result
+        status, last = _stop_child(child)
+        raise CompileError(f"{name} ({arch}): the NVRTC child process ended with status {status} and no result "
+                           f"(its last line: {last})") from None
+    except BaseException:  # KeyboardInterrupt, SIGTERM: the exchange is broken, the child is not reused
+        _stop_child(child, wait=0)
+        raise
+    with _IDLE_LOCK:
+        _IDLE.append(child)
     if not ok:
         raise CompileError(value)
     return value

@@ -4,7 +4,7 @@ Every expert matrix reaches these kernels as the raw bytes of the file's mmap'ed
 uint8, with a storage code:
 
     STORE_F32  float32 rows                       used in place
-    STORE_F16  float16 rows                       one token: read as stored (`_f16_fused`); else widened row by row
+    STORE_F16  float16 rows                       one token: widened in registers (`_f16_fused`); else row by row
     STORE_Q8   int8 codes + scales (+ zero points) dequantized one row at a time (docs/format.md, "Dequantization")
     STORE_Q4   packed int4 codes + scales (+ zeros) the same, two columns per byte (colibri_sdk.format.quant)
 
@@ -16,8 +16,8 @@ with `fastmath` reassociation only: no flush of subnormals, no finite-math assum
 
 An int8 / int4 expert with at most DIRECT_TOKENS tokens is not decoded: `_project_direct` multiplies its codes as
 stored against the input laid out once per call (int4: its even and odd columns, to meet a byte's low and high
-nibble), each group's scale applied once to the group's sum (after llama.cpp's ggml-cpu quantized dot products;
-docs/runtime.md, "int8 / int4 codes multiplied as stored").
+nibble), one loop per row with the row's group scales expanded to one per byte (after llama.cpp's ggml-cpu quantized
+dot products; docs/runtime.md, "int8 / int4 codes multiplied as stored").
 
 `experts_into` runs one layer's routed experts (or a layer's shared experts) for the pairs grouped per expert
 (`group_pairs`), adding `weight * expert(x)` to each token's output row in increasing expert order, as the
@@ -53,37 +53,51 @@ def _import_numba():
 njit = _import_numba().njit
 
 
-def _make_f16_intrinsics():
-    """Two numba intrinsics on float16 bits h (uint16), in LLVM's 32-bit integers (numba's own integer operations
-    widen to 64 bits, which vectorises to half the float32 lanes): `f16_bits` gives the float32 whose bits are
-    h's sign << 16 | h's other bits << 13 (h's value times 2^-112, exact, for finite h); `f16_bad` gives 1.0 where
-    h's exponent bits are all ones (NaN, Inf), else 0.0."""
+def f16_hardware() -> bool:
+    """True where LLVM converts float16 to float32 in hardware: every aarch64 CPU (FCVT, the Jetson's Cortex-A78AE
+    included) and x86 with F16C (VCVTPH2PS; Intel since 2012, AMD since 2012). Elsewhere LLVM would call
+    compiler-rt's __extendhfsf2, which numba's JIT does not link, so the conversion is written in integer operations."""
+    import platform
+
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("f16c", False))
+
+
+def make_f16_value(hardware: bool):
+    """A numba intrinsic f16_value(h) -> float32: the exact value of the float16 whose bits are h (uint16), IEEE
+    754 widening (subnormals exact, signed zeros, Inf and NaN kept), as NumPy's float16 → float32 cast.
+
+    hardware: LLVM's `fpext half to float` (one vector instruction per 8 or 16 values, F16C / aarch64); else integer
+    operations on 32-bit LLVM integers (numba's own integer operations widen to 64 bits, halving the vector width):
+    the sign to bit 31, exponent and mantissa shifted by 13 and the float32 times 2^112 (exact, subnormals
+    included), an all-ones exponent (Inf, NaN) moved to float32's all-ones exponent instead."""
     from llvmlite import ir
     from numba import types
     from numba.core.extending import intrinsic
 
-    i32 = ir.IntType(32)
+    i32, f32 = ir.IntType(32), ir.FloatType()
 
     @intrinsic
-    def f16_bits(typingctx, h):
+    def f16_value(typingctx, h):
         def codegen(context, builder, sig, args):
+            if hardware:
+                return builder.fpext(builder.bitcast(args[0], ir.HalfType()), f32)
             v = builder.zext(args[0], i32)
-            sign = builder.shl(builder.and_(v, i32(0x8000)), i32(16))
             rest = builder.shl(builder.and_(v, i32(0x7FFF)), i32(13))
-            return builder.bitcast(builder.or_(sign, rest), ir.FloatType())
+            finite = builder.bitcast(builder.fmul(builder.bitcast(rest, f32), f32(2.0**112)), i32)
+            special = builder.or_(rest, i32(0x70000000))  # exponent 31 -> 255, the mantissa kept (NaN stays NaN)
+            is_special = builder.icmp_unsigned("==", builder.and_(v, i32(0x7C00)), i32(0x7C00))
+            magnitude = builder.select(is_special, special, finite)
+            sign = builder.shl(builder.and_(v, i32(0x8000)), i32(16))
+            return builder.bitcast(builder.or_(sign, magnitude), f32)
         return types.float32(types.uint16), codegen
-
-    @intrinsic
-    def f16_bad(typingctx, h):
-        def codegen(context, builder, sig, args):
-            v = builder.zext(args[0], i32)
-            e = builder.lshr(builder.add(builder.and_(v, i32(0x7C00)), i32(0x0400)), i32(15))
-            return builder.uitofp(e, ir.FloatType())
-        return types.float32(types.uint16), codegen
-    return f16_bits, f16_bad
+    return f16_value
 
 
-_f16_bits, _f16_bad = _make_f16_intrinsics()
+_f16_value = make_f16_value(f16_hardware())
 
 STORE_F32, STORE_F16, STORE_Q8, STORE_Q4 = 0, 1, 2, 3
 ACT_SWIGLU, ACT_CLAMPED = 0, 1
@@ -94,25 +108,15 @@ _FASTMATH = {"reassoc", "contract", "nsz"}
 _JIT = dict(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")
 
 U = np.uint64
-_F16_SCALE = np.float32(2.0**112)  # float16 bits shifted into a float32's place, times 2^112, are the same value
 
 
 @njit(**_JIT)
 def _f16_into(src, buf):
-    """buf[c] = float32(src[c]) for float16 bits src (n,) uint16, finite values (subnormals exact). Where src
-    holds a NaN or Inf, buf[0] is NaN: the product the values go into is then NaN, which makes the CPU engine
-    check the stored tensors and name the bad one (cpu_engine, "checked finite")."""
-    bits = buf.view(np.uint32)
-    exponent = np.uint32(0x7C00)
-    finite = exponent  # min over the values of (exponent bits ^ all ones): 0 where one is NaN or Inf
+    """buf[c] = float32(src[c]) for float16 bits src (n,) uint16 (`_f16_value`: exact, Inf and NaN kept, so a
+    product with a non-finite stored value is non-finite and the CPU engine names the tensor: cpu_engine, "checked
+    finite")."""
     for c in range(src.shape[0]):
-        h = np.uint32(src[c])
-        bits[c] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
-        finite = min(finite, (h & exponent) ^ exponent)
-    for c in range(src.shape[0]):
-        buf[c] = buf[c] * _F16_SCALE
-    if finite == 0 and src.shape[0] > 0:
-        buf[0] = np.float32(np.nan)
+        buf[c] = _f16_value(src[c])
 
 
 @njit(**_JIT)
@@ -182,40 +186,25 @@ def rows_into(store, codes, scales, scale_f16, zeros, has_zero, group, cols, sta
             dst[c] = w[c]
 
 
-_F16_X_LIMIT = np.float32(2.0**15)  # |x| below this: x * 2^112 stays finite
-
-
 @njit(**_JIT)
-def _f16_fused(codes, x, out, xs):
-    """out[0, r] = sum_c W[r, c] * x[c] for float16 bits W (rows, 2 · cols) uint8 read as stored: each value's
-    bits moved into a float32's place (its value times 2^-112, exact) meet x · 2^112 (xs (>= cols,) scratch), so
-    no widened row is written. Returns False (nothing written) where some |x| >= 2^15 (x · 2^112 would overflow);
-    a NaN or Inf weight makes that row's output NaN (the contract of `_f16_into`)."""
+def _f16_fused(codes, x, out):
+    """out[0, r] = sum_c W[r, c] * x[c] for float16 bits W (rows, 2 · cols) uint8 read as stored: each value widened
+    in registers (`_f16_value`), no widened row written."""
     cols = x.shape[0]
-    big = np.float32(0.0)
-    for c in range(cols):
-        big = max(big, abs(x[c]))
-    if not big < _F16_X_LIMIT:
-        return False
-    for c in range(cols):
-        xs[c] = x[c] * _F16_SCALE
     for r in range(codes.shape[0]):
         h16 = codes[r].view(np.uint16)
         acc = np.float32(0.0)
-        bad = np.float32(0.0)  # the number of NaN / Inf values
         for c in range(cols):
-            h = h16[c]
-            acc += _f16_bits(h) * xs[c]
-            bad += _f16_bad(h)
-        out[0, r] = acc if bad == np.float32(0.0) else np.float32(np.nan)
-    return True
+            acc += _f16_value(h16[c]) * x[c]
+        out[0, r] = acc
 
 
 @njit(**_JIT)
 def _project(store, codes, scales, scale_f16, zeros, has_zero, group, x, rows_of_x, n, out, buf, sbuf):
     """out[t, r] = sum_c W[r, c] * x[rows_of_x[t], c] for t < n, every row r of W (rows, row bytes)."""
     cols = x.shape[1]
-    if store == STORE_F16 and n == 1 and _f16_fused(codes, x[rows_of_x[0]], out, buf):
+    if store == STORE_F16 and n == 1:
+        _f16_fused(codes, x[rows_of_x[0]], out)
         return
     for r in range(codes.shape[0]):
         w = _decode_row(store, codes[r], scales[r], scale_f16, zeros[r], has_zero, group, cols, buf, sbuf)
@@ -238,7 +227,8 @@ def _prepare_direct(store, src, rows_of_src, n, cols, size, xq, xsum):
     xq (n, 2, half) float32: int8, xq[t, 0, :cols] = the row; int4, the row's even columns in xq[t, 0] and its odd
     ones in xq[t, 1] (half = ceil(cols / 2); an odd row's last odd entry 0), so that byte j's low and high nibbles
     meet xq[t, 0, j] and xq[t, 1, j] in one contiguous loop. xsum (n, groups) float32: the sum of each group's
-    columns of the row (int8: the zero point's term, applied once per group)."""
+    columns of the row (int8: the zero point's term; int4 without zero points: the offset of 8's; each applied once
+    per group)."""
     half = xq.shape[2]
     groups = xsum.shape[1]
     for t in range(n):
@@ -272,50 +262,71 @@ def _span_q8(q, x, start, count):
 
 
 @njit(**_JIT)
-def _span_q4(row, even, odd, start, count, zero):
-    """sum_j lo_c * even[c] + hi_c * odd[c], c = start + j for j < count: lo_c, hi_c the int4 codes of packed byte
-    row[c] (its nibbles 0..15 as stored, less 8), less the group's zero point `zero`, against the prepared
-    columns."""
+def _dot_q8(q, s, z, has_zero, size, x, xsum, expanded):
+    """sum_c W[r, c] * x[c] for one int8 row r: per group g, s_g * (sum_c q_c x_c - z_g X_g), X_g = xsum[g]. One
+    group (per-row scales): s_0 applied once to one long sum; groups: sum_c s_c q_c x_c with `expanded` the row's
+    scales one per code (`_expand`), one loop over the row (a sum per group ends each group's few vector
+    iterations with a horizontal reduction), the zero points' terms apart."""
+    cols = U(q.shape[0])
+    if s.shape[0] == 1:
+        acc = _span_q8(q, x, U(0), cols)
+        if has_zero:
+            acc -= np.float32(z[0]) * xsum[0]
+        return s[0] * acc
     acc = np.float32(0.0)
-    for j in range(count):
-        c = start + U(j)
-        # The nibbles in float32 arithmetic (exact for 0..255): numba types integer operations as int64, which
-        # vectorises to a quarter of the float32 lanes (measured 2x slower). t = byte - 128 = 16 hi + lo + 8.
-        t = np.float32(row[c]) - np.float32(128.0)
-        high = np.floor(t * np.float32(0.0625))
-        low = t - np.float32(16.0) * high - np.float32(8.0)
-        acc += (low - zero) * even[c] + (high - zero) * odd[c]
+    for c in range(cols):
+        acc += expanded[c] * (np.float32(q[c]) * x[c])
+    if has_zero:
+        for g in range(s.shape[0]):
+            acc -= s[g] * (np.float32(z[g]) * xsum[g])
     return acc
 
 
+@njit(inline="always", **_JIT)
+def _expand(values, per, size, expanded, add):
+    """expanded[c] = values[c // per] + add for c < size: a row's group scales (or offsets), one per packed byte
+    (int4) or code (int8); per: bytes or codes a group."""
+    for g in range(values.shape[0]):
+        v = np.float32(values[g]) + add
+        start = U(g) * per
+        for j in range(min(per, size - start)):
+            expanded[start + U(j)] = v
 
-@njit(**_JIT)
-def _dot_q8(q, s, z, has_zero, size, x, xsum):
-    """sum_c W[r, c] * x[c] for one int8 row r: per group g, s_g * (sum_c q_c x_c - z_g X_g), X_g = xsum[g]."""
-    total = np.float32(0.0)
-    cols = U(q.shape[0])
+
+@njit(inline="always", **_JIT)
+def _dot_q4_exact(row, expanded, offsets, even, odd):
+    """sum_c W[r, c] * x[c] for one packed int4 row r with zero points: sum_c s_c ((u_c - o_c) x_c), u_c the stored
+    nibble 0..15, o_c = 8 + z_g its group's offset (`offsets`, one per byte), s_c its group's scale: each code made
+    exact in float32 before its product (folding the offset, up to 15, into a group sum of x next to codes near
+    z_g cancelled beyond the float32 tolerance of the reference tests: 2e-5 of the token's largest value)."""
+    acc = np.float32(0.0)
+    for c in range(U(row.shape[0])):
+        t = np.float32(row[c])
+        high = np.floor(t * np.float32(0.0625))
+        low = t - np.float32(16.0) * high
+        o = offsets[c]
+        acc += expanded[c] * ((low - o) * even[c] + (high - o) * odd[c])
+    return acc
+
+
+@njit(inline="always", **_JIT)
+def _dot_q4_folded(row, expanded, s, even, odd, xsum):
+    """sum_c W[r, c] * x[c] for one packed int4 row r without zero points: sum_c s_c u_c x_c - 8 sum_g s_g X_g, u_c
+    the stored nibble 0..15, s_c its group's scale (`expanded`, one per byte: `_expand`), X_g = xsum[g] the
+    sum of x over group g (`_prepare_direct`).
+
+    One loop over the whole row: it vectorises with several accumulators, where a sum per group ends each group's
+    few vector iterations with a horizontal reduction (measured 2.7x slower at g128)."""
+    acc = np.float32(0.0)
+    for c in range(U(row.shape[0])):
+        t = np.float32(row[c])  # byte = 16 hi + lo; in float32 arithmetic (numba's integers are int64)
+        high = np.floor(t * np.float32(0.0625))
+        low = t - np.float32(16.0) * high
+        acc += expanded[c] * (low * even[c] + high * odd[c])
+    offset = np.float32(0.0)
     for g in range(s.shape[0]):
-        start = U(g) * size
-        acc = _span_q8(q, x, start, min(size, cols - start))
-        if has_zero:
-            acc -= np.float32(z[g]) * xsum[g]
-        total += s[g] * acc
-    return total
-
-
-@njit(**_JIT)
-def _dot_q4(row, s, z, has_zero, half, even, odd):
-    """sum_c W[r, c] * x[c] for one packed int4 row r (half = group size / 2 bytes a group): per group g,
-    s_g * sum_c (q_c - z_g) x_c, each code exact in float32 before its product (the zero point is not folded
-    into a group sum of x: with nibbles 0..15 that sum's cancellation exceeds the float32 tolerance of the
-    reference tests)."""
-    total = np.float32(0.0)
-    size = U(row.shape[0])
-    for g in range(s.shape[0]):
-        start = U(g) * half
-        zero = np.float32(z[g]) if has_zero else np.float32(0.0)
-        total += s[g] * _span_q4(row, even, odd, start, min(half, size - start), zero)
-    return total
+        offset += s[g] * xsum[g]
+    return acc - np.float32(8.0) * offset
 
 
 @njit(**_JIT)
@@ -334,26 +345,40 @@ def _matrix_scales(scales, scale_f16, out):
 
 @njit(inline="always", **_JIT)
 def _rows_q4(codes, s2, zeros, has_zero, half, xq3, xs2, n, out):
-    """out[t, r] = _dot_q4 of every row r and prepared input t < n (half: bytes a group)."""
+    """out[t, r] = W[r] . x_t for every row r and prepared input t < n (half: bytes a group): `_dot_q4_exact` with
+    zero points, `_dot_q4_folded` without; a row's scales (and offsets) expanded to one per byte once per row."""
+    size = U(codes.shape[1])
+    expanded = np.empty(codes.shape[1], np.float32)
+    offsets = np.empty(codes.shape[1], np.float32)
     for r in range(codes.shape[0]):
-        for t in range(n):
-            out[t, r] = _dot_q4(codes[r], s2[r], zeros[r], has_zero, half, xq3[t, 0], xq3[t, 1])
+        _expand(s2[r], half, size, expanded, np.float32(0.0))
+        if has_zero:
+            _expand(zeros[r], half, size, offsets, np.float32(8.0))
+            for t in range(n):
+                out[t, r] = _dot_q4_exact(codes[r], expanded, offsets, xq3[t, 0], xq3[t, 1])
+        else:
+            for t in range(n):
+                out[t, r] = _dot_q4_folded(codes[r], expanded, s2[r], xq3[t, 0], xq3[t, 1], xs2[t])
 
 
 @njit(inline="always", **_JIT)
 def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
     """out[t, r] = _dot_q8 of every row r and prepared input t < n (size: columns a group)."""
+    cols = U(codes.shape[1])
+    expanded = np.empty(codes.shape[1], np.float32)
     for r in range(codes.shape[0]):
         q = codes[r].view(np.int8)
+        if s2.shape[1] > 1:
+            _expand(s2[r], size, cols, expanded, np.float32(0.0))
         for t in range(n):
-            out[t, r] = _dot_q8(q, s2[r], zeros[r], has_zero, size, xq3[t, 0], xs2[t])
+            out[t, r] = _dot_q8(q, s2[r], zeros[r], has_zero, size, xq3[t, 0], xs2[t], expanded)
 
 
 @njit(**_JIT)
 def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src, rows_of_src, n, out, xq, xsum,
                     s32):
     """out[t, r] = sum_c W[r, c] * src[rows_of_src[t], c] for t < n, every row r of an int8 / int4 matrix (rows,
-    row bytes): the codes multiplied as stored, each group's scale applied once; no decoded row.
+    row bytes): the codes multiplied as stored (`_rows_q4`, `_rows_q8`); no decoded row.
 
     xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch."""
     rows, cols = codes.shape[0], src.shape[1]

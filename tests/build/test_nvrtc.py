@@ -182,7 +182,29 @@ def test_each_compilation_runs_in_a_child_process_that_blocks_sigterm(monkeypatc
     probe = ("import signal, sys\nblocked = signal.pthread_sigmask(signal.SIG_BLOCK, set())\n"
              "sys.stderr.write(f'mask {sorted(int(s) for s in blocked)}\\n')\nsys.exit(3)\n")
     monkeypatch.setattr(nvrtc, "_CHILD", nvrtc._CHILD.replace("import pickle", probe + "import pickle"))
+    nvrtc._stop_idle_children()  # the next compilation starts a child of the probing _CHILD
     with pytest.raises(CompileError) as err:
         compile_routing("sm_87")
     assert str(err.value) == ("routing.cu (sm_87): the NVRTC child process ended with status 3 and no result (its "
                               "last line: mask [2, 15])")
+    assert not nvrtc._IDLE  # a child that failed is not kept
+
+
+def test_a_child_serves_the_next_compilation_and_a_dead_one_is_replaced():
+    import os
+    import signal
+
+    from colibri_sdk.aot import nvrtc
+
+    nvrtc._stop_idle_children()
+    first = compile_routing("sm_87")
+    assert [child[1].pid for child in nvrtc._IDLE] and len(nvrtc._IDLE) == 1
+    pid = nvrtc._IDLE[0][1].pid
+    assert compile_routing("sm_87").cubin == first.cubin
+    assert [child[1].pid for child in nvrtc._IDLE] == [pid]  # the same child, not a new one
+    os.kill(pid, signal.SIGKILL)
+    nvrtc._IDLE[0][1].wait()
+    assert compile_routing("sm_87").cubin == first.cubin  # a dead idle child is replaced, not used
+    assert [child[1].pid for child in nvrtc._IDLE] != [pid]
+    nvrtc._stop_idle_children()
+    assert not nvrtc._IDLE

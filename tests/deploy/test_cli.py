@@ -132,6 +132,16 @@ def test_bundle_required_without_rollback_or_status(sshd, known_hosts, device_di
     assert "deploy needs a BUNDLE folder (or --rollback / --status / --install-runtime)" in capsys.readouterr().err
 
 
+@pytest.fixture
+def ctrl_c_delivered():
+    """SIGINT raises KeyboardInterrupt here, as in a program started from a terminal, whatever this process
+    inherited: a shell that starts a job in the background (`cmd &`, nohup) hands it SIGINT ignored, and so does a
+    Python process to its children."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def interrupt_when(path, timeout: float = 60.0) -> threading.Thread:
     """A thread that sends SIGINT to this process (Ctrl-C) as soon as `path` exists."""
     def run():
@@ -144,7 +154,8 @@ def interrupt_when(path, timeout: float = 60.0) -> threading.Thread:
     return thread
 
 
-def test_ctrl_c_after_the_switch_says_the_new_bundle_is_active(tmp_path, sshd, known_hosts, device_dir, capsys):
+def test_ctrl_c_after_the_switch_says_the_new_bundle_is_active(tmp_path, sshd, known_hosts, device_dir, capsys,
+                                                               ctrl_c_delivered):
     common = ["--host", f"{sshd.user}@127.0.0.1:{sshd.port}", *flags(sshd, known_hosts, device_dir)]
     assert main(["deploy", str(write_bundle(tmp_path / "a")), *common]) == 0
     b = write_bundle(tmp_path / "b", kernel_seed=1)
@@ -179,6 +190,7 @@ def test_ctrl_c_during_the_upload_stops_before_the_switch(tmp_path, sshd, known_
     sending = tmp_path / "sending"
     child = (
         "import signal, sys, threading, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as from a terminal (see ctrl_c_delivered)
         "from pathlib import Path\n"
         "from colibri_sdk.cli import main\n"
         "from colibri_sdk.deploy import transfer\n"
