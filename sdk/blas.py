@@ -39,6 +39,16 @@ def threads_for(rows: int) -> int | None:
     return 1 if rows <= SMALL_ROWS else None
 
 
+def one_thread(rows: int) -> bool:
+    """True when a call on `rows` token rows runs one BLAS thread: the rule's limit of 1, or thread variables in
+    the environment that all say 1."""
+    limit = threads_for(rows)
+    if limit is not None:
+        return limit == 1
+    values = [os.environ[name].strip() for name in ENV_VARS if os.environ.get(name)]
+    return bool(values) and all(v == "1" for v in values)
+
+
 @contextlib.contextmanager
 def blas_threads(rows: int) -> Iterator[int | None]:
     """Run the body with `threads_for(rows)` BLAS threads; yields that count (None: unchanged).

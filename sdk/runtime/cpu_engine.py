@@ -13,9 +13,10 @@ Per layer, on rows x (tokens, hidden) float32:
     out      = sum over pairs of w * expert(x[token])         experts_into (cpu_kernels), or BLAS (below)
     out     += shared experts (gated)                         experts_into on every token
 
-An expert with fewer than BLAS_PAIRS pairs runs in `cpu_kernels.experts_into`: each stored row is decoded once
-(float16 widened, int8/int4 dequantized exactly) into an L1-sized buffer and multiplied with all of that expert's
-tokens, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call (an int8 /
+An expert with fewer than `blas_pairs` pairs (BLAS_PAIRS; BLAS_PAIRS_THREADED for float32 weights where BLAS runs
+more than one thread) runs in `cpu_kernels.experts_into`: each stored row is decoded once (float16 widened, int8/int4 dequantized
+exactly) into an L1-sized buffer and multiplied with all of that expert's tokens, two rows times four tokens per
+pass, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call (an int8 /
 int4 expert of at most cpu_kernels.DIRECT_TOKENS tokens multiplies its codes as stored, no decoded row). An expert
 with more pairs is compute-bound: its tokens are gathered and multiplied by BLAS (NumPy matmul), float32 weights in
 place, other storages through tiles of TILE_ROWS decoded rows (never a whole widened matrix).
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..blas import one_thread as one_blas_thread
 from ..errors import FormatError
 from ..format import HeaderV2
 from ..format.constants import (
@@ -62,7 +64,15 @@ from ..format.constants import (
 from ..reference import route_v2, topk_route
 from . import cpu_kernels as K
 
-BLAS_PAIRS = 16  # an expert with at least this many pairs in a call runs through BLAS (bench/runtime_cpu_bench.py)
+# An expert with at least `blas_pairs` pairs in a call runs through BLAS. The compiled kernel's two rows times four
+# tokens per pass beat single-threaded BLAS (which packs the weights first) up to about 48 pairs, for every storage
+# (one expert of shape A, bench/runtime_cpu_bench.py, 1 thread, kernel / BLAS ms: fp32 6.9 / 9.2 at 16 pairs,
+# 11.3 / 12.2 at 32, 15.6 / 16.9 at 48, 20.8 / 18.4 at 64; int4 g128 6.5 / 12.8, 10.4 / 15.2, 14.7 / 16.8, 19.1 /
+# 19.2). Where BLAS has threads, float32 weights (used in place) go to BLAS from 16 pairs; decoded storages keep the
+# kernel (their tiles are decoded on one thread: shape A fp16 at 64 tokens, 2 threads, 65 ms through BLAS, 48 ms on
+# the kernel).
+BLAS_PAIRS = 48
+BLAS_PAIRS_THREADED = 16  # float32 weights where BLAS runs more than one thread
 TILE_ROWS = 128  # decoded rows per BLAS tile for fp16 / int8 / int4 weights
 
 
@@ -110,7 +120,8 @@ class CpuEngine:
 
     Attributes:
         capacity: colibri_sdk.capacity.Capacity or None (dropless); valid: (rows,) bool real-token rows or None;
-        dropped: pairs dropped by capacity since the last run_into.
+        dropped: pairs dropped by capacity since the last run_into; blas_pairs: the fewest pairs of an expert
+        that go through BLAS (BLAS_PAIRS, or BLAS_PAIRS_THREADED: float32 weights, more than one BLAS thread).
     """
 
     def __init__(self, model, rows: int, capacity=None):
@@ -133,6 +144,8 @@ class CpuEngine:
         self.shared_count = int(h.num_shared_experts) if self.v2 else 0
         SI = int(h.shared_intermediate_size) if self.shared_count else 0
         self.rows = n = int(rows)
+        threaded = self.store == K.STORE_F32 and not one_blas_thread(n)
+        self.blas_pairs = BLAS_PAIRS_THREADED if threaded else BLAS_PAIRS
         f32 = np.float32
         self.h = (np.zeros((n, H), f32), np.zeros((n, H), f32))
         self.logits = np.zeros((n, E), f32)
@@ -300,8 +313,8 @@ class CpuEngine:
         if self.clamped:
             self._check_experts(layer, w, used)
         out.fill(0.0)
-        big = used[counts[used] >= BLAS_PAIRS]
-        small = used if big.size == 0 else used[counts[used] < BLAS_PAIRS]
+        big = used[counts[used] >= self.blas_pairs]
+        small = used if big.size == 0 else used[counts[used] < self.blas_pairs]
         if small.size:
             self._experts(x, order, starts, pair_w, k, small, w, out)
         for e in big.tolist():

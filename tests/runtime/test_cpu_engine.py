@@ -2,7 +2,7 @@
 engine, the oracle: every storage (fp32, fp16, int8 per row and grouped, int4 grouped, zero points) with and
 without every v2 feature (routing variants, group-limited selection, router / correction / expert biases, shared
 experts with their gate, clamped SwiGLU, routed scaling, a layer map), at token counts on both paths (the
-compiled per-expert kernel and BLAS, BLAS_PAIRS); v1 files with a float16 router; the exact float16 widening;
+compiled per-expert kernel and BLAS, BLAS_PAIRS_THREADED); v1 files with a float16 router; the exact float16 widening;
 a corrupted tensor named by a FormatError.
 """
 
@@ -17,7 +17,7 @@ from colibri_sdk.format.quant import QuantizedTensor, quantize_rtn
 from colibri_sdk.format.writer import write_arrays
 from colibri_sdk.reference import ReferenceEngine
 from colibri_sdk.runtime import cpu_kernels
-from colibri_sdk.runtime.cpu_engine import BLAS_PAIRS, CpuEngine
+from colibri_sdk.runtime.cpu_engine import BLAS_PAIRS_THREADED, CpuEngine
 
 BASE = dict(num_layers=2, num_experts=4, top_k=2, hidden_size=70, intermediate_size=45, routing=0, composition=1)
 FEATURES = dict(
@@ -28,7 +28,7 @@ FEATURES = dict(
 # (dtype, quant, group size, zero points): the float dtype is the scales' for int8 / int4
 STORAGES = [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (0, 1, 32, 0), (1, 1, 64, 1), (1, 1, 128, 0),
             (1, 2, 32, 0), (0, 2, 64, 1), (1, 2, 128, 1)]
-TOKENS = (1, 5, 3 * BLAS_PAIRS)  # the last gives some experts BLAS_PAIRS pairs or more (the BLAS path)
+TOKENS = (1, 5, 3 * BLAS_PAIRS_THREADED)  # the last, at BLAS_PAIRS_THREADED, gives some experts the BLAS path
 
 
 def write_v2(path, fields, rng):
@@ -54,9 +54,11 @@ def write_v2(path, fields, rng):
     return path
 
 
-def run_engine(path, x):
+def run_engine(path, x, blas_pairs=None):
     with ColibriFile(path) as model:
         engine = CpuEngine(model, x.shape[0])
+        if blas_pairs is not None:
+            engine.blas_pairs = blas_pairs
         engine.warm_up()
         out = np.full_like(x, np.nan)
         engine.run_into(x, out, 0, model.header.num_layers)
@@ -65,10 +67,13 @@ def run_engine(path, x):
 
 
 def assert_matches_reference(path, x):
+    """The engine at its own BLAS limit (the compiled kernel up to BLAS_PAIRS pairs) and, at 3 * BLAS_PAIRS_THREADED
+    tokens, at BLAS_PAIRS_THREADED (some experts through BLAS) against the reference."""
     want = ReferenceEngine(path, compute_dtype=np.float64)(x)
-    got = run_engine(path, x)
-    assert got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
+    for blas_pairs in (None, BLAS_PAIRS_THREADED) if x.shape[0] >= 3 * BLAS_PAIRS_THREADED else (None,):
+        got = run_engine(path, x, blas_pairs)
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
 
 
 @pytest.mark.parametrize("features", [False, True], ids=["plain", "v2-features"])
