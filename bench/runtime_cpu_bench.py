@@ -7,7 +7,7 @@ transformers block at random initialisation and the .colibri file written from i
 fp16 / int8 per row / int4 g128: files of random codes and scales of the same shape. Per point (shape, storage,
 tokens 1/4/16/64, threads 1 and 2) the fastest call of interleaved rounds (the machine is shared: each round runs
 every point once, in alternating order): `CpuBackend.run_layers` (threads: BLAS threads through threadpoolctl; the
-compiled kernels run on the calling thread), torch (torch.set_num_threads), and at T=1 a NumPy copy of as many bytes
+compiled kernels split the layer's experts between as many threads), torch (torch.set_num_threads), and at T=1 a NumPy copy of as many bytes
 as the selected experts store, from a pool of the layer's size (the same cache footprint). Before each timed call
 of these three, 1 GiB of other memory is read (untimed): every call starts with its weights out of the cache (a
 layer of shape A fits the 480 MiB L3 here, and torch, timed right after colibri on the same inputs, found the

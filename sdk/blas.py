@@ -39,14 +39,30 @@ def threads_for(rows: int) -> int | None:
     return 1 if rows <= SMALL_ROWS else None
 
 
-def one_thread(rows: int) -> bool:
-    """True when a call on `rows` token rows runs one BLAS thread: the rule's limit of 1, or thread variables in
-    the environment that all say 1."""
+def threads(rows: int) -> int:
+    """The threads a call on `rows` token rows may use: 1 under the rule (`threads_for`); else the smallest
+    positive integer among the thread variables set in the environment; else the CPUs this process may run on.
+    The CPU backend runs its compiled kernels on as many threads (colibri_sdk.runtime.cpu_engine)."""
     limit = threads_for(rows)
     if limit is not None:
-        return limit == 1
-    values = [os.environ[name].strip() for name in ENV_VARS if os.environ.get(name)]
-    return bool(values) and all(v == "1" for v in values)
+        return limit
+    values = []
+    for name in ENV_VARS:
+        try:
+            values.append(int(os.environ.get(name, "")))
+        except ValueError:
+            continue
+    if any(v > 0 for v in values):
+        return min(v for v in values if v > 0)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def one_thread(rows: int) -> bool:
+    """True when a call on `rows` token rows runs one thread (`threads(rows) == 1`)."""
+    return threads(rows) == 1
 
 
 @contextlib.contextmanager

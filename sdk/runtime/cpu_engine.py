@@ -13,8 +13,7 @@ Per layer, on rows x (tokens, hidden) float32:
     out      = sum over pairs of w * expert(x[token])         experts_into (cpu_kernels), or BLAS (below)
     out     += shared experts (gated)                         experts_into on every token
 
-An expert with fewer than `blas_pairs` pairs (BLAS_PAIRS; BLAS_PAIRS_THREADED for float32 weights where BLAS runs
-more than one thread) runs in `cpu_kernels.experts_into`: each stored row is decoded once (float16 widened, int8/int4 dequantized
+An expert with fewer than BLAS_PAIRS pairs runs in `cpu_kernels.experts_into`: each stored row is decoded once (float16 widened, int8/int4 dequantized
 exactly) into an L1-sized buffer and multiplied with all of that expert's tokens, two rows times four tokens per
 pass, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call (an int8 /
 int4 expert of at most cpu_kernels.DIRECT_TOKENS tokens multiplies its codes as stored, no decoded row). An expert
@@ -48,9 +47,12 @@ each expert is checked on first use.
 
 from __future__ import annotations
 
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
-from ..blas import one_thread as one_blas_thread
+from ..blas import threads as call_threads
 from ..errors import FormatError
 from ..format import HeaderV2
 from ..format.constants import (
@@ -64,15 +66,14 @@ from ..format.constants import (
 from ..reference import route_v2, topk_route
 from . import cpu_kernels as K
 
-# An expert with at least `blas_pairs` pairs in a call runs through BLAS. The compiled kernel's two rows times four
+# An expert with at least BLAS_PAIRS pairs in a call runs through BLAS. The compiled kernel's two rows times four
 # tokens per pass beat single-threaded BLAS (which packs the weights first) up to about 48 pairs, for every storage
 # (one expert of shape A, bench/runtime_cpu_bench.py, 1 thread, kernel / BLAS ms: fp32 6.9 / 9.2 at 16 pairs,
 # 11.3 / 12.2 at 32, 15.6 / 16.9 at 48, 20.8 / 18.4 at 64; int4 g128 6.5 / 12.8, 10.4 / 15.2, 14.7 / 16.8, 19.1 /
-# 19.2). Where BLAS has threads, float32 weights (used in place) go to BLAS from 16 pairs; decoded storages keep the
-# kernel (their tiles are decoded on one thread: shape A fp16 at 64 tokens, 2 threads, 65 ms through BLAS, 48 ms on
-# the kernel).
+# 19.2); with more threads the kernel path splits the experts between them (shape A at 64 tokens, 2 threads: fp16
+# 25 ms on the kernels, fp32 41 ms with the experts from 16 pairs on 2-thread BLAS).
 BLAS_PAIRS = 48
-BLAS_PAIRS_THREADED = 16  # float32 weights where BLAS runs more than one thread
+EXPERT_COST_PAIRS = 4  # splitting experts between threads: an expert's fixed cost (reading its weights), in pairs
 TILE_ROWS = 128  # decoded rows per BLAS tile for fp16 / int8 / int4 weights
 
 
@@ -121,7 +122,8 @@ class CpuEngine:
     Attributes:
         capacity: colibri_sdk.capacity.Capacity or None (dropless); valid: (rows,) bool real-token rows or None;
         dropped: pairs dropped by capacity since the last run_into; blas_pairs: the fewest pairs of an expert
-        that go through BLAS (BLAS_PAIRS, or BLAS_PAIRS_THREADED: float32 weights, more than one BLAS thread).
+        that go through BLAS (BLAS_PAIRS); threads: the threads the compiled path's experts are split between
+        (`colibri_sdk.blas.threads(rows)`).
     """
 
     def __init__(self, model, rows: int, capacity=None):
@@ -144,8 +146,10 @@ class CpuEngine:
         self.shared_count = int(h.num_shared_experts) if self.v2 else 0
         SI = int(h.shared_intermediate_size) if self.shared_count else 0
         self.rows = n = int(rows)
-        threaded = self.store == K.STORE_F32 and not one_blas_thread(n)
-        self.blas_pairs = BLAS_PAIRS_THREADED if threaded else BLAS_PAIRS
+        self.threads = call_threads(n)
+        self.blas_pairs = BLAS_PAIRS
+        self._helpers: list = []  # (engine sharing this one's weights, its own output rows), one per extra thread
+        self._pool = None
         f32 = np.float32
         self.h = (np.zeros((n, H), f32), np.zeros((n, H), f32))
         self.logits = np.zeros((n, E), f32)
@@ -315,7 +319,9 @@ class CpuEngine:
         out.fill(0.0)
         big = used[counts[used] >= self.blas_pairs]
         small = used if big.size == 0 else used[counts[used] < self.blas_pairs]
-        if small.size:
+        if small.size > 1 and self.threads > 1:
+            self._experts_threaded(x, order, starts, pair_w, k, small, counts, w, out)
+        elif small.size:
             self._experts(x, order, starts, pair_w, k, small, w, out)
         for e in big.tolist():
             self._expert_blas(x, int(e), w, out)
@@ -337,6 +343,55 @@ class CpuEngine:
             self.buf[:hidden], self.buf[: g.rows], self._sbuf(hidden), self._sbuf(g.rows),
             self.shared_order, self.y, self.xq, self.xsum, self.s32,
         )
+
+    def _experts_threaded(self, x, order, starts, pair_w, k, chosen, counts, w, out) -> None:
+        """`_experts` with the chosen experts split between `threads` threads (the kernels release the GIL): each
+        part by an engine of its own scratch into rows of its own, added to `out` in part order once all are done
+        (so the sum over experts is grouped by part: the same values as one thread within float32 rounding, and the
+        same bits from run to run). Parts are balanced by pairs plus a fixed cost per expert (its weights' bytes)."""
+        parts = min(self.threads, chosen.size)
+        load, groups = [0] * parts, [[] for _ in range(parts)]
+        for e in sorted(chosen.tolist(), key=lambda e: (-int(counts[e]), e)):
+            i = load.index(min(load))
+            groups[i].append(e)
+            load[i] += int(counts[e]) + EXPERT_COST_PAIRS
+        groups = [np.asarray(sorted(g), np.int64) for g in groups]
+        helpers = self._helper_engines(parts - 1)
+        n = x.shape[0]
+        futures = []
+        for group, (engine, rows) in zip(groups[1:], helpers):
+            part = rows[:n]
+            part.fill(0.0)
+            futures.append((part, self._pool.submit(engine._experts, x, order, starts, pair_w, k, group, w, part)))
+        error = None
+        try:
+            self._experts(x, order, starts, pair_w, k, groups[0], w, out)
+        except BaseException as exc:  # noqa: BLE001 - re-raised once no helper still writes
+            error = exc
+        for part, future in futures:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001
+                error = error or exc
+            if error is None:
+                out += part
+        if error is not None:
+            raise error
+
+    def _helper_engines(self, count: int) -> list:
+        """`count` engines that share this one's file, weights and routing buffers but own the scratch of
+        `_experts`, each with output rows of its own; and the thread pool they run on (made on first use)."""
+        while len(self._helpers) < count:
+            e = copy.copy(self)
+            e.tok = np.zeros_like(self.tok)
+            e._gate_flat, e._up_flat = np.zeros_like(self._gate_flat), np.zeros_like(self._up_flat)
+            e.y, e.buf = np.zeros_like(self.y), np.zeros_like(self.buf)
+            e.xq, e.xsum, e.s32 = np.zeros_like(self.xq), np.zeros_like(self.xsum), np.zeros_like(self.s32)
+            e._sbufs, e._helpers, e._pool, e.threads = {}, [], None, 1
+            self._helpers.append((e, np.zeros_like(self.y)))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="colibri-cpu")
+        return self._helpers[:count]
 
     def _project_blas(self, m: _Matrix, expert: int, xs: np.ndarray, dst: np.ndarray) -> None:
         """dst (n, rows) = xs (n, cols) @ W.T by BLAS: float32 weights in place, others by decoded tiles."""

@@ -3,6 +3,7 @@ around each call with threadpoolctl, never for the rest of the process; an expli
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -40,33 +41,28 @@ def test_rule(no_thread_variables, monkeypatch):
     assert blas.threads_for(1) == 1
     assert blas.threads_for(blas.SMALL_ROWS) == 1
     assert blas.threads_for(blas.SMALL_ROWS + 1) is None
-    assert blas.one_thread(1) and not blas.one_thread(blas.SMALL_ROWS + 1)
+    assert blas.threads(1) == 1 and blas.threads(blas.SMALL_ROWS + 1) == len(os.sched_getaffinity(0))
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert blas.threads_for(1) is None  # the user's explicit choice is kept
-    assert not blas.one_thread(1)
+    assert blas.threads(1) == 2 and not blas.one_thread(1)
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     assert blas.one_thread(blas.SMALL_ROWS + 1)  # the user's one thread, at any size
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "many")
+    assert blas.threads(1) == len(os.sched_getaffinity(0))  # not a number: as if unset
 
 
-def test_the_cpu_engine_takes_blas_from_fewer_pairs_where_blas_has_threads(no_thread_variables, monkeypatch,
-                                                                           tmp_path):
-    """float32 weights go to BLAS from BLAS_PAIRS_THREADED pairs where BLAS runs threads; otherwise, and for
-    decoded storages, from BLAS_PAIRS."""
+def test_the_cpu_engine_splits_its_experts_between_the_call_threads(no_thread_variables, monkeypatch, tmp_path):
+    """CpuEngine.threads is blas.threads(rows): 1 by the rule, the user's thread variable where set."""
     from colibri_sdk.format import ColibriFile, Header, write_model
-    from colibri_sdk.runtime.cpu_engine import BLAS_PAIRS, BLAS_PAIRS_THREADED, CpuEngine
+    from colibri_sdk.runtime.cpu_engine import CpuEngine
 
-    limits = {}
-    for dtype in ("fp32", "fp16"):
-        h = Header(num_layers=1, num_experts=2, top_k=1, hidden_size=8, intermediate_size=8, dtype=int(dtype == "fp16"))
-        w = np.zeros((1, 2, 8, 8), np.float32)
-        path = write_model(tmp_path / f"{dtype}.colibri", h, w, w, w, np.zeros((1, 8, 2), np.float32))
-        with ColibriFile(path) as model:
-            limits[dtype, "default"] = CpuEngine(model, 16).blas_pairs
-            monkeypatch.setenv("OMP_NUM_THREADS", "2")
-            limits[dtype, "threads"] = CpuEngine(model, 16).blas_pairs
-            monkeypatch.delenv("OMP_NUM_THREADS")
-    assert limits == {("fp32", "default"): BLAS_PAIRS, ("fp32", "threads"): BLAS_PAIRS_THREADED,
-                      ("fp16", "default"): BLAS_PAIRS, ("fp16", "threads"): BLAS_PAIRS}
+    h = Header(num_layers=1, num_experts=2, top_k=1, hidden_size=8, intermediate_size=8, dtype=0)
+    w = np.zeros((1, 2, 8, 8), np.float32)
+    path = write_model(tmp_path / "m.colibri", h, w, w, w, np.zeros((1, 8, 2), np.float32))
+    with ColibriFile(path) as model:
+        assert CpuEngine(model, 16).threads == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert CpuEngine(model, 16).threads == 3
 
 
 def test_limit_holds_inside_the_call_only(no_thread_variables, two_threads):

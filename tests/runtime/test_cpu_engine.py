@@ -2,7 +2,7 @@
 engine, the oracle: every storage (fp32, fp16, int8 per row and grouped, int4 grouped, zero points) with and
 without every v2 feature (routing variants, group-limited selection, router / correction / expert biases, shared
 experts with their gate, clamped SwiGLU, routed scaling, a layer map), at token counts on both paths (the
-compiled per-expert kernel and BLAS, BLAS_PAIRS_THREADED); v1 files with a float16 router; the exact float16 widening;
+compiled per-expert kernel and BLAS); v1 files with a float16 router; the exact float16 widening;
 a corrupted tensor named by a FormatError.
 """
 
@@ -17,7 +17,7 @@ from colibri_sdk.format.quant import QuantizedTensor, quantize_rtn
 from colibri_sdk.format.writer import write_arrays
 from colibri_sdk.reference import ReferenceEngine
 from colibri_sdk.runtime import cpu_kernels
-from colibri_sdk.runtime.cpu_engine import BLAS_PAIRS_THREADED, CpuEngine
+from colibri_sdk.runtime.cpu_engine import CpuEngine
 
 BASE = dict(num_layers=2, num_experts=4, top_k=2, hidden_size=70, intermediate_size=45, routing=0, composition=1)
 FEATURES = dict(
@@ -28,7 +28,8 @@ FEATURES = dict(
 # (dtype, quant, group size, zero points): the float dtype is the scales' for int8 / int4
 STORAGES = [(0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (0, 1, 32, 0), (1, 1, 64, 1), (1, 1, 128, 0),
             (1, 2, 32, 0), (0, 2, 64, 1), (1, 2, 128, 1)]
-TOKENS = (1, 5, 3 * BLAS_PAIRS_THREADED)  # the last, at BLAS_PAIRS_THREADED, gives some experts the BLAS path
+BLAS_TEST_PAIRS = 16  # blas_pairs set this low: some experts of the last token count take the BLAS path
+TOKENS = (1, 5, 3 * BLAS_TEST_PAIRS)
 
 
 def write_v2(path, fields, rng):
@@ -54,9 +55,10 @@ def write_v2(path, fields, rng):
     return path
 
 
-def run_engine(path, x, blas_pairs=None):
+def run_engine(path, x, blas_pairs=None, threads=1):
     with ColibriFile(path) as model:
         engine = CpuEngine(model, x.shape[0])
+        engine.threads = threads
         if blas_pairs is not None:
             engine.blas_pairs = blas_pairs
         engine.warm_up()
@@ -67,11 +69,13 @@ def run_engine(path, x, blas_pairs=None):
 
 
 def assert_matches_reference(path, x):
-    """The engine at its own BLAS limit (the compiled kernel up to BLAS_PAIRS pairs) and, at 3 * BLAS_PAIRS_THREADED
-    tokens, at BLAS_PAIRS_THREADED (some experts through BLAS) against the reference."""
+    """The engine on one thread at its own BLAS limit (the compiled kernel up to BLAS_PAIRS pairs), on three
+    threads (the experts split between them), and, at 3 * BLAS_TEST_PAIRS tokens, with blas_pairs BLAS_TEST_PAIRS
+    (some experts through BLAS), against the reference."""
     want = ReferenceEngine(path, compute_dtype=np.float64)(x)
-    for blas_pairs in (None, BLAS_PAIRS_THREADED) if x.shape[0] >= 3 * BLAS_PAIRS_THREADED else (None,):
-        got = run_engine(path, x, blas_pairs)
+    runs = [(None, 1), (None, 3)] + ([(BLAS_TEST_PAIRS, 1)] if x.shape[0] >= 3 * BLAS_TEST_PAIRS else [])
+    for blas_pairs, threads in runs:
+        got = run_engine(path, x, blas_pairs, threads)
         assert got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
 
