@@ -64,7 +64,10 @@ class ColibriFile:
             head = os.pread(fd, HEADER_SIZE, 0)
             if len(head) == HEADER_SIZE:
                 head = os.pread(fd, max(HEADER_SIZE, Header.prefix_size_of(head)), 0)
-            self.header = Header.unpack(head)
+            try:
+                self.header = Header.unpack(head)
+            except FormatError as exc:  # the header's own message, with the file it was read from
+                raise FormatError(f"{self.path}: {exc}") from None
             expected = self.header.file_size
             if size < expected:
                 raise FormatError(

@@ -42,7 +42,7 @@ def test_inspect_bad_file(tmp_path, capsys):
     bad = tmp_path / "bad.colibri"
     bad.write_bytes(b"GGUF" + bytes(60))
     assert cli.main(["inspect", str(bad)]) == 1
-    assert capsys.readouterr().err.strip() == "colibri-sdk inspect: error: bad magic b'GGUF'; expected b'COLI'"
+    assert capsys.readouterr().err.strip() == f"colibri-sdk inspect: error: {bad}: bad magic b'GGUF'; expected b'COLI'"
 
 
 def test_inspect_v2_shows_the_layer_map_and_every_block(tmp_path, capsys):
