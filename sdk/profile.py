@@ -369,18 +369,22 @@ def resolve(ref: str | os.PathLike) -> Path:
     shipped profile; anything else is a path used as it is.
 
     Raises:
-        ProfileError: no shipped profile of that name, or no such file.
+        ProfileError: no shipped profile of that name, no such file, a folder, or not a regular file.
     """
     text = os.fspath(ref)
     try:
         is_path = os.sep in text or "/" in text or text.endswith((".yaml", ".yml")) or Path(text).is_file()
         path = Path(text) if is_path else packaged_dir() / f"{text}.yaml"
         is_file, is_dir = path.is_file(), is_path and path.is_dir()
+        exists = is_path and path.exists()
     except OSError as exc:  # e.g. EACCES on a folder above it: Path.is_file raises what is not "no such file"
         raise ProfileError(f"profile {text!r}: cannot examine it: {exc.strerror}") from None
     if not is_file:
         if is_dir:
             raise ProfileError(f"profile {text!r} is a folder; allowed: a .yaml file or a shipped profile name")
+        if exists:  # a device, FIFO or socket: reading it could block or never end
+            raise ProfileError(f"profile {text!r} is not a regular file; allowed: a .yaml file or a shipped profile "
+                               "name")
         if is_path:
             raise ProfileError(f"profile file {text!r} not found")
         raise ProfileError(f"no shipped profile named {text!r}; allowed: {packaged_names()} or a path to a .yaml file")

@@ -62,6 +62,18 @@ def test_profile_that_breaks_the_parser_or_the_arch_pattern(tmp_path, edit, mess
         load_profile(_profile(tmp_path, ORIN.replace(old, new, 1)), toolchain=False)
 
 
+def test_profile_path_that_is_not_a_regular_file(tmp_path, capsys):
+    """A FIFO (reading it would wait for a writer) and /dev/zero (it never ends) are refused as what they are."""
+    import os
+
+    fifo = tmp_path / "board.yaml"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        err = cli_error(capsys, "build", "--profile", str(path), "--demo", "-o", str(tmp_path / "out"))
+        assert err.endswith(f"profile '{path}' is not a regular file; allowed: a .yaml file or a shipped profile name")
+    assert not (tmp_path / "out").exists()
+
+
 def test_profile_path_that_is_a_folder(tmp_path, capsys):
     folder = tmp_path / "board.yaml"
     folder.mkdir()
