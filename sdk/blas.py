@@ -31,29 +31,38 @@ _depth = 0  # nested or concurrent blas_threads(1) contexts; the first sets the 
 _restore = None
 
 
+def _thread_variables() -> list[int]:
+    """The positive integers among the thread variables set in the environment; a value that is not one (0, -3,
+    "abc", "1,2") counts as unset, as the BLAS libraries fall back to their own count for it."""
+    values = []
+    for name in ENV_VARS:
+        try:
+            value = int(os.environ.get(name, ""))
+        except ValueError:
+            continue
+        if value > 0:
+            values.append(value)
+    return values
+
+
 def threads_for(rows: int) -> int | None:
     """The BLAS thread count for a call on `rows` token rows: 1 when rows <= SMALL_ROWS and no thread variable is
-    set in the environment, else None (the library's own count)."""
-    if any(os.environ.get(name) for name in ENV_VARS):
+    set in the environment (to a positive integer), else None (the library's own count)."""
+    if _thread_variables():
         return None
     return 1 if rows <= SMALL_ROWS else None
 
 
 def threads(rows: int) -> int:
-    """The threads a call on `rows` token rows may use: 1 under the rule (`threads_for`); else the smallest
-    positive integer among the thread variables set in the environment; else the CPUs this process may run on.
+    """The threads a call on `rows` token rows may use: 1 under the rule (`threads_for`); else the smallest of the
+    thread variables set in the environment to a positive integer; else the CPUs this process may run on.
     The CPU backend runs its compiled kernels on as many threads (colibri_sdk.runtime.cpu_engine)."""
     limit = threads_for(rows)
     if limit is not None:
         return limit
-    values = []
-    for name in ENV_VARS:
-        try:
-            values.append(int(os.environ.get(name, "")))
-        except ValueError:
-            continue
-    if any(v > 0 for v in values):
-        return min(v for v in values if v > 0)
+    values = _thread_variables()
+    if values:
+        return min(values)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):

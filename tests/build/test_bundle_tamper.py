@@ -4,6 +4,7 @@ with the file's name, by `Bundle.open` and by `colibri-sdk verify`."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -185,6 +186,10 @@ def test_schema_faults(bundle_copy, tmp_path):
     with pytest.raises(BundleError, match=r"model.colibri is not a bundle folder \(a file; `colibri-sdk build` makes"):
         Bundle.open(tmp_path / "model.colibri")
     (tmp_path / "model.colibri").unlink()
+    os.mkfifo(tmp_path / "fifo")  # neither a file nor a folder
+    with pytest.raises(BundleError, match=r"fifo is not a bundle folder \(not a directory\)$"):
+        Bundle.open(tmp_path / "fifo")
+    (tmp_path / "fifo").unlink()
     with pytest.raises(BundleError, match="manifest.json: cannot read the manifest"):
         Bundle.open(tmp_path)
     path = bundle_copy / "manifest.json"

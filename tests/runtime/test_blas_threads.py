@@ -47,8 +47,10 @@ def test_rule(no_thread_variables, monkeypatch):
     assert blas.threads(1) == 2 and not blas.one_thread(1)
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     assert blas.one_thread(blas.SMALL_ROWS + 1)  # the user's one thread, at any size
-    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "many")
-    assert blas.threads(1) == len(os.sched_getaffinity(0))  # not a number: as if unset
+    for bad in ("many", "0", "-3", "1,2"):  # not a positive integer: as if unset (the rule holds)
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", bad)
+        assert blas.threads_for(1) == 1 and blas.threads(1) == 1, bad
+        assert blas.threads(blas.SMALL_ROWS + 1) == len(os.sched_getaffinity(0)), bad
 
 
 def test_the_cpu_engine_splits_its_experts_between_the_call_threads(no_thread_variables, monkeypatch, tmp_path):
