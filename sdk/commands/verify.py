@@ -68,7 +68,8 @@ def run(args) -> int:
         raise BundleError(f"the self-test needs colibri_sdk.runtime, which cannot be imported here ({exc})") from exc
     with Runtime.load(bundle.path, backend=args.backend, verify=False) as runtime:
         result = runtime.self_test()
-    print(f"  self-test: {result}")
+    shapes = len(runtime.shapes)
+    print(f"  self-test: {result}" + (f" (every shape: {shapes})" if shapes > 1 else ""))
     if not result.passed:
         raise BundleError(f"{bundle.path}: self-test failed on the {runtime.backend_name} backend: {result}")
     return 0

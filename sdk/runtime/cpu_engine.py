@@ -14,7 +14,7 @@ Per layer, on rows x (tokens, hidden) float32:
     out     += shared experts (gated)                         experts_into on every token
 
 An expert with fewer than BLAS_PAIRS pairs runs in `cpu_kernels.experts_into`: each stored row is decoded once (float16 widened, int8/int4 dequantized
-exactly) into an L1-sized buffer and multiplied with all of that expert's tokens, two rows times four tokens per
+exactly) into an L1-sized buffer and multiplied with all of that expert's tokens, four rows times four tokens per
 pass, fused with the SwiGLU and the weighted sum; all such experts of a layer in one compiled call (an int8 /
 int4 expert of at most cpu_kernels.DIRECT_TOKENS tokens multiplies its codes as stored, no decoded row). An expert
 with more pairs is compute-bound: its tokens are gathered and multiplied by BLAS (NumPy matmul), float32 weights in
@@ -66,13 +66,13 @@ from ..format.constants import (
 from ..reference import route_v2, topk_route
 from . import cpu_kernels as K
 
-# An expert with at least BLAS_PAIRS pairs in a call runs through BLAS. The compiled kernel's two rows times four
-# tokens per pass beat single-threaded BLAS (which packs the weights first) up to about 48 pairs, for every storage
-# (one expert of shape A, bench/runtime_cpu_bench.py, 1 thread, kernel / BLAS ms: fp32 6.9 / 9.2 at 16 pairs,
-# 11.3 / 12.2 at 32, 15.6 / 16.9 at 48, 20.8 / 18.4 at 64; int4 g128 6.5 / 12.8, 10.4 / 15.2, 14.7 / 16.8, 19.1 /
-# 19.2); with more threads the kernel path splits the experts between them (shape A at 64 tokens, 2 threads: fp16
-# 25 ms on the kernels, fp32 41 ms with the experts from 16 pairs on 2-thread BLAS).
-BLAS_PAIRS = 48
+# An expert with at least BLAS_PAIRS pairs in a call runs through BLAS. The compiled kernel's four rows times four
+# tokens per pass beat single-threaded BLAS (which packs the weights first) up to at least 64 pairs, for every
+# storage (one expert of shape A, bench/runtime_cpu_bench.py's files, 1 thread, kernel / BLAS ms, 2026-12-06: fp32
+# 6.7 / 11.8 at 16 pairs, 9.1 / 14.0 at 32, 12.6 / 17.0 at 48, 17.8 / 20.4 at 64; int4 g128 5.6 / 13.3, 8.7 / 16.5,
+# 12.2 / 19.9, 15.0 / 22.8); with more threads the kernel path splits the experts between them (shape A at 64 tokens,
+# 2 threads: fp16 25 ms on the kernels, fp32 41 ms with the experts from 16 pairs on 2-thread BLAS).
+BLAS_PAIRS = 64
 EXPERT_COST_PAIRS = 4  # splitting experts between threads: an expert's fixed cost (reading its weights), in pairs
 TILE_ROWS = 128  # decoded rows per BLAS tile for fp16 / int8 / int4 weights
 

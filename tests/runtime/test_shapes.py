@@ -116,6 +116,12 @@ def test_self_test_runs_every_shape(shapes_bundle, tmp_path):
         assert not rt.self_test().passed
 
 
+def test_verify_says_every_shape_was_self_tested(shapes_bundle, capsys):
+    assert main(["verify", str(shapes_bundle), "--backend", "cpu"]) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if "self-test:" in l]
+    assert len(line) == 1 and line[0].endswith(f" (every shape: {len(SHAPES)})"), line
+
+
 def test_submit_picks_the_shape_per_call_in_order(shapes_bundle):
     rng = np.random.default_rng(9)
     xs = [rng.standard_normal(shape + (HIDDEN,)).astype(np.float32) for shape in [(1, 1), (2, 8), (1, 3), (2, 2)]]
