@@ -134,7 +134,7 @@ def _project(store, codes, scales, scale_f16, zeros, has_zero, group, x, rows_of
                         buf, b1, b2, b3, sbuf)
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)  # not inlined: compiled once for both callers (it holds the largest loops)
 def _row_block(store, codes, scales, scale_f16, zeros, has_zero, group, cols, r, x, rows_of_x, n, out, col, b0, b1,
                b2, b3, sbuf):
     """Rows r, r + 1, ... of W decoded (into b0..b3) and multiplied with the n tokens into out[:, col], out[:, col
