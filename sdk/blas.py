@@ -69,11 +69,6 @@ def threads(rows: int) -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def one_thread(rows: int) -> bool:
-    """True when a call on `rows` token rows runs one thread (`threads(rows) == 1`)."""
-    return threads(rows) == 1
-
-
 @contextlib.contextmanager
 def blas_threads(rows: int) -> Iterator[int | None]:
     """Run the body with `threads_for(rows)` BLAS threads; yields that count (None: unchanged).

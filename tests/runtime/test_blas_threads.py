@@ -44,9 +44,9 @@ def test_rule(no_thread_variables, monkeypatch):
     assert blas.threads(1) == 1 and blas.threads(blas.SMALL_ROWS + 1) == len(os.sched_getaffinity(0))
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert blas.threads_for(1) is None  # the user's explicit choice is kept
-    assert blas.threads(1) == 2 and not blas.one_thread(1)
+    assert blas.threads(1) == 2
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    assert blas.one_thread(blas.SMALL_ROWS + 1)  # the user's one thread, at any size
+    assert blas.threads(blas.SMALL_ROWS + 1) == 1  # the user's one thread, at any size
     for bad in ("many", "0", "-3", "1,2"):  # not a positive integer: as if unset (the rule holds)
         monkeypatch.setenv("OPENBLAS_NUM_THREADS", bad)
         assert blas.threads_for(1) == 1 and blas.threads(1) == 1, bad
