@@ -197,6 +197,37 @@ def _validate(data, schema: dict, path: str, source: str) -> None:
                 )
 
 
+# Keys of the profile a bundle's manifest records that check_recorded leaves to the manifest's own rules: free text
+# (checked there as printable) and `shape` (it must give exactly the compiled shapes: bundle.records).
+_RECORDED_ELSEWHERE = ("name", "description", "shape")
+
+
+def check_recorded(data: dict, source: str) -> None:
+    """Validate the profile a bundle's manifest records (`manifest["profile"]`): every known key it holds by the
+    schema's rule (type, range, choices), as a profile file is checked. Keys may be missing (a bundle built before a
+    key existed records a partial profile; a key the catalogue needs is refused when it plans) and keys this SDK does not know are left
+    to the manifest's schema_version; `name` and `description` are free text there.
+
+    Raises:
+        ProfileError: the first value the schema refuses, naming its key path, the value and what is allowed.
+    """
+    _validate_present(data, SCHEMA, "", source)
+
+
+def _validate_present(data, schema: dict, path: str, source: str) -> None:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: {path or 'the profile'} is {type(data).__name__} {_show(data)}; "
+                           f"allowed: a mapping of {sorted(schema)}")
+    for key, rule in schema.items():
+        if key not in data or (not path and key in _RECORDED_ELSEWHERE):
+            continue
+        full = f"{path}.{key}" if path else key
+        if isinstance(rule, dict):
+            _validate_present(data[key], rule, full, source)
+        else:
+            _validate({key: data[key]}, {key: rule}, path, source)
+
+
 def _check_limits(data: dict, source: str) -> None:
     """Cross-key checks: the shape's size, shared memory against the arch's hardware limits, expert capacity."""
     if "capacity" in data:

@@ -14,9 +14,9 @@ import math
 import unicodedata
 from pathlib import PurePosixPath
 
-from ..errors import BundleError
+from ..errors import BundleError, ProfileError
 from ..format import Header, HeaderV2
-from ..profile import AGGREGATIONS, DTYPES, MAX_TOKENS
+from ..profile import AGGREGATIONS, DTYPES, MAX_TOKENS, check_recorded
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -203,6 +203,10 @@ def check_schema(manifest: dict, where: str = MANIFEST) -> None:
     for key, t in OPTIONAL_KEYS.items():
         if key in manifest:
             _expect(manifest[key], t, key, where)
+    try:  # the recorded profile's values by the profile schema (the catalogue plans launches from them)
+        check_recorded(manifest["profile"], f"{where}: profile")
+    except ProfileError as exc:
+        raise BundleError(str(exc)) from None
     unknown = sorted(set(manifest) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
     if unknown:
         raise BundleError(f"{where}: unknown keys {unknown}; allowed: {sorted({**REQUIRED_KEYS, **OPTIONAL_KEYS})}")

@@ -204,12 +204,8 @@ class Bundle:
 
         Args:
             raw_manifest: manifest.json's bytes as `open` read them (None: read them again, by the same rules).
-            progress: optional `progress(step, done_bytes, total_bytes)`, called with step "sha256" after each
-                chunk while the files are hashed.
-
-        Args:
             progress: optional `progress(step, done_bytes, total_bytes)` (colibri_sdk.bundle.writer.Progress),
-                called with step "sha256" while the files are hashed.
+                called with step "sha256" after each chunk while the files are hashed.
 
         Raises:
             BundleError: naming the first file that differs, is missing, is a link, is not listed, or holds NaN/Inf.

@@ -102,12 +102,21 @@ def test_weights_swapped_with_recomputed_manifest_entry_but_stale_digest(bundle_
         wpath.write_bytes(w_orig)
 
 
-@pytest.mark.parametrize("section, key, value", [("small_batch", None, ""), ("routing", "block_m", 0)],
-                         ids=["small_batch-str", "block_m-0"])
-def test_an_invalid_profile_in_a_consistent_manifest_is_a_bundle_error(bundle_copy, section, key, value):
-    """A manifest edited consistently (digest recomputed) whose profile the catalogue cannot plan (a string for a
-    mapping: TypeError; block_m 0: ZeroDivisionError): a typed error naming the record and the shape, not a
-    traceback from the launch plan (found by bench/fuzz.py and by hand)."""
+@pytest.mark.parametrize("section, key, value, message", [
+    ("small_batch", None, "", r"kernels\.small_batch is str ''; allowed: a mapping of \["),
+    ("routing", "block_m", 0, r"kernels\.routing\.block_m = 0: must be in 1\.\.128"),
+    ("small_batch", "max_pairs_quantized", -1, r"kernels\.small_batch\.max_pairs_quantized = -1: must be in 0\.\.4096"),
+    ("small_batch", "max_pairs_quantized", 1.5, r"kernels\.small_batch\.max_pairs_quantized = 1\.5: must be an integer, got float"),
+    ("small_batch", "max_pairs_quantized", True, r"kernels\.small_batch\.max_pairs_quantized = True: must be an integer, got bool"),
+    ("small_batch", "max_pairs", None, r"kernels\.small_batch\.max_pairs = None: must be an integer, got NoneType"),
+    ("small_batch", "max_pairs", [16], r"kernels\.small_batch\.max_pairs = \[16\]: must be an integer, got list"),
+], ids=["small_batch-str", "block_m-0", "max_pairs_quantized--1", "max_pairs_quantized-1.5",
+        "max_pairs_quantized-true", "max_pairs-null", "max_pairs-list"])
+def test_an_invalid_profile_in_a_consistent_manifest_is_a_bundle_error(bundle_copy, section, key, value, message):
+    """A manifest edited consistently (digest recomputed: an integrity check, not a signature) whose recorded
+    profile holds a value the profile schema refuses: a BundleError naming the key, the value and what is allowed,
+    whether or not the catalogue could still plan it (a string for a mapping and block_m 0 had been a TypeError and
+    a ZeroDivisionError; max_pairs_quantized -1, 1.5 or true had been accepted)."""
     mpath = bundle_copy / "manifest.json"
     original = mpath.read_bytes()
     try:
@@ -118,10 +127,26 @@ def test_an_invalid_profile_in_a_consistent_manifest_is_a_bundle_error(bundle_co
             manifest["profile"]["kernels"][section][key] = value
         manifest["manifest_sha256"] = manifest_digest(manifest)
         mpath.write_bytes(canonical_json(manifest))
-        with pytest.raises(BundleError, match=r"manifest.json: buffers: the catalogue cannot plan the manifest's "
-                                              r"profile at batch \d+ x tokens 16 \((TypeError|ZeroDivisionError): "
-                                              r".*rebuild the bundle"):
+        with pytest.raises(BundleError, match=r"manifest\.json: profile: " + message):
             Bundle.open(bundle_copy)
+        with pytest.raises(BundleError, match=message):
+            Bundle.open(bundle_copy, verify=False)
+    finally:
+        mpath.write_bytes(original)
+
+
+def test_a_partial_recorded_profile_is_read(bundle_copy):
+    """A recorded profile without keys added after its bundle was built (here the optional max_pairs_quantized and
+    description) opens: missing keys take the catalogue's defaults; only values present are checked."""
+    mpath = bundle_copy / "manifest.json"
+    original = mpath.read_bytes()
+    try:
+        manifest = json.loads(original)
+        manifest["profile"]["kernels"]["small_batch"].pop("max_pairs_quantized", None)
+        manifest["profile"].pop("description", None)
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        mpath.write_bytes(canonical_json(manifest))
+        assert Bundle.open(bundle_copy, verify=False).manifest["profile"]["kernels"]["small_batch"]
     finally:
         mpath.write_bytes(original)
 
