@@ -63,6 +63,7 @@ __device__ __forceinline__ bool capacity_before(int q, int p, const float* __res
 extern "C" __global__ void __launch_bounds__(CT_)
 colibri_capacity(const int* __restrict__ valid_tokens, int* __restrict__ topk_ids, float* __restrict__ topk_weights,
                  int* __restrict__ rank, int* __restrict__ dropped, int layer, int flags) {
+    pdl_entry();
     __shared__ int s_valid;
     __shared__ int s_dropped;
     const int tid = threadIdx.x;

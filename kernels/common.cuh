@@ -305,6 +305,23 @@ __device__ __forceinline__ void mma_m16n8k16(float d[4], const unsigned a[4], co
 #endif
 }
 
+// Programmatic dependent launch (COLI_PDL 1: the profile's `programmatic_dependent_launch`, sm_90 and newer). A
+// launch with the programmatic stream serialization attribute (launch plan "pdl") may be scheduled while the launch
+// before it on the stream finishes, so its start-up overlaps that launch's tail instead of following its end. Every
+// kernel calls pdl_entry() before it touches global memory: griddepcontrol.wait returns once the previous grid has
+// completed and its writes are visible (at once for a launch without the attribute), then
+// griddepcontrol.launch_dependents lets the next launch be scheduled once every block of this one has issued it
+// (PTX ISA 7.8, "griddepcontrol"). Without COLI_PDL, and in the CPU emulation (one launch after another), nothing.
+#ifndef COLI_PDL
+#define COLI_PDL 0
+#endif
+__device__ __forceinline__ void pdl_entry() {
+#if COLI_PDL && !defined(COLI_CPU_EMULATION)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // cp_async16: copy 16 bytes global → shared without going through registers (PTX `cp.async.cg.shared.global`, L1
 // bypassed); both addresses 16-byte aligned. cp_async_commit closes a group of copies; cp_async_wait<N>() waits
 // until at most N groups are pending (then a __syncthreads makes the data visible to the block).

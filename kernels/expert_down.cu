@@ -45,6 +45,7 @@ colibri_down(const float* __restrict__ act, const wt* __restrict__ down, const f
              float* __restrict__ x_next, const float* __restrict__ x, const int* __restrict__ topk_ids,
              int* __restrict__ down_counters
                      DOWN_BIAS_PARAMS) {
+    pdl_entry();
     DOWN_BIAS_NONE
     __shared__ float as[BM_][BK_ + 1];
     __shared__ float ds[BN_][BK_ + 1];
@@ -110,6 +111,7 @@ colibri_down_tc(const float* __restrict__ act, const wt* __restrict__ down, cons
                 float* __restrict__ pair_out, float* __restrict__ x_next, const float* __restrict__ x,
                 const int* __restrict__ topk_ids, int* __restrict__ down_counters
                      DOWN_BIAS_PARAMS) {
+    pdl_entry();
     DOWN_BIAS_NONE
 #if COLI_FP16 && !COLI_QUANT
     const int b = blockIdx.x;

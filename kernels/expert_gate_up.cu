@@ -41,6 +41,7 @@ extern "C" __global__ void __launch_bounds__(THREADS_)
 colibri_gate_up(const float* __restrict__ x, const wt* __restrict__ gate, const wt* __restrict__ up,
                 const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts, float* __restrict__ act
                      GATE_UP_BIAS_PARAMS) {
+    pdl_entry();
     GATE_UP_BIAS_NONE
     __shared__ float xs[BM_][BK_ + 1];  // +1: rows start in different banks
     __shared__ float gs[BN_][BK_ + 1];
@@ -110,6 +111,7 @@ colibri_gate_up_tc(const float* __restrict__ x, const wt* __restrict__ gate, con
                    const int* __restrict__ sorted_pairs, const int* __restrict__ block_experts,
                    float* __restrict__ act
                      GATE_UP_BIAS_PARAMS) {
+    pdl_entry();
     GATE_UP_BIAS_NONE
 #if COLI_FP16 && !COLI_QUANT
     const int b = blockIdx.x;

@@ -504,6 +504,7 @@ colibri_gate_up_qtc(const float* __restrict__ x, const unsigned char* __restrict
                     const void* __restrict__ gate_scales, const void* __restrict__ up_scales,
                     const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
                      GATE_UP_BIAS_PARAMS) {
+    pdl_entry();
     GATE_UP_BIAS_NONE
 #if COLI_QUANT
     const int e = blockIdx.x, start = __ldg(expert_offsets + e), end = __ldg(expert_offsets + e + 1);
@@ -533,6 +534,7 @@ colibri_down_qtc(const float* __restrict__ act, const unsigned char* __restrict_
                  const float* __restrict__ x, const int* __restrict__ topk_ids, int* __restrict__ down_counters,
                  const void* __restrict__ down_scales, const signed char* __restrict__ down_zeros
                      DOWN_BIAS_PARAMS) {
+    pdl_entry();
     DOWN_BIAS_NONE
 #if COLI_QUANT
     const int n0 = blockIdx.y * TC_BN_;

@@ -474,6 +474,7 @@ colibri_routing(const float* __restrict__ x, const rw_t* __restrict__ router, co
                 , const float* __restrict__ shared_expert_gate, float* __restrict__ shared_scale
 #endif
 ) {
+    pdl_entry();
     __shared__ RoutingShared sm;
     __shared__ int flag;
     __shared__ int any_valid;
@@ -585,6 +586,7 @@ colibri_routing(const float* __restrict__ x, const rw_t* __restrict__ router, co
 extern "C" __global__ void __launch_bounds__(RT_)
 colibri_align(const int* __restrict__ topk_ids, int* __restrict__ expert_counts, int* __restrict__ expert_offsets,
               int* __restrict__ sorted_pairs, int* __restrict__ block_experts) {
+    pdl_entry();
     __shared__ int counts[E_];
     __shared__ int offsets[E_ + 1];
     align_pairs<false>(topk_ids, expert_counts, expert_offsets, sorted_pairs, block_experts, counts, offsets);

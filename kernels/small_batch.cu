@@ -596,6 +596,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
                      const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
 #endif
                      GATE_UP_BIAS_PARAMS) {
+    pdl_entry();
     GATE_UP_BIAS_NONE
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][SWR_];
@@ -679,6 +680,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
                   , const st* __restrict__ down_scales, const signed char* __restrict__ down_zeros
 #endif
                      DOWN_BIAS_PARAMS) {
+    pdl_entry();
     DOWN_BIAS_NONE
     __shared__ PairOrder order;
     __shared__ __align__(16) float stage[PASS_][SWR_];
@@ -838,6 +840,7 @@ colibri_shared_gate_up(const float* __restrict__ x, const ws_t* __restrict__ sha
                        const signed char* __restrict__ shared_gate_zeros, const signed char* __restrict__ shared_up_zeros
 #endif
 ) {
+    pdl_entry();
 #if COLI_SHARED_EXPERTS
     __shared__ __align__(16) float stage[PASS_][SWR_];
     __shared__ int tokens[T_];
@@ -894,6 +897,7 @@ colibri_shared_down(const float* __restrict__ shared_act, const ws_t* __restrict
                     , const st* __restrict__ shared_down_scales, const signed char* __restrict__ shared_down_zeros
 #endif
 ) {
+    pdl_entry();
 #if COLI_SHARED_EXPERTS
     __shared__ __align__(16) float stage[PASS_][SWR_];
     __shared__ int tokens[T_];

@@ -91,7 +91,8 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         weights"); its router is float32 (COLI_ROUTER_F32).
         plus "COLI_<KERNEL>_<PARAM>" for every `kernels.<kernel>.<param>` of the profile, upper-cased
         (e.g. COLI_GATE_UP_BLOCK_M),
-        plus, for a profile with `capacity`, the constants of `capacity_defines`.
+        plus, for a profile with `capacity`, the constants of `capacity_defines`,
+        plus "COLI_PDL" 1 where the profile sets `programmatic_dependent_launch` (absent otherwise).
     """
     shape = profile["shape"]
     defines = {
@@ -122,6 +123,8 @@ def compile_defines(profile: dict, header) -> dict[str, int]:
         for param, value in sorted(params.items()):
             defines[f"COLI_{kernel.upper()}_{param.upper()}"] = int(value)
     defines.update(capacity_defines(profile.get("capacity")))
+    if profile.get("programmatic_dependent_launch"):  # absent otherwise: the kernels' default is 0 (common.cuh)
+        defines["COLI_PDL"] = 1
     return defines
 
 

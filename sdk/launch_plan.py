@@ -322,6 +322,11 @@ def launch_plan(profile: dict, header) -> list[dict]:
     (experts, ceil(columns / 32)), 128 threads), which take expert_offsets in place of block_experts. With expert
     capacity (profile `capacity`) colibri_capacity follows each routing launch (grid 1, kernels.routing.threads);
     without it the plan has no capacity launch.
+    With the profile's `programmatic_dependent_launch` every launch after the first has "pdl": true: the backends
+    launch it with the programmatic stream serialization attribute (cuLaunchKernelEx) when the operation before it
+    on the stream is a launch of the same call, so its blocks may be scheduled while that launch finishes; its
+    kernels wait for it at their start (`griddepcontrol.wait`, COLI_PDL; docs/kernels.md "Programmatic dependent
+    launch"). Without it no launch has the key.
     """
     s = sizes(profile, header)
     k = profile["kernels"]
@@ -403,6 +408,9 @@ def launch_plan(profile: dict, header) -> list[dict]:
                                           *down_bias])
         )
         plan.extend(_shared_launches(profile, header, layer, s))
+    if profile.get("programmatic_dependent_launch"):
+        for launch in plan[1:]:  # each may start while the launch before it finishes (its kernels wait: COLI_PDL)
+            launch["pdl"] = True
     return plan
 
 

@@ -164,7 +164,11 @@ SCHEMA: dict = {
                   required=False),
     "capacity": Leaf((dict,), allowed="a mapping {factor, mode: hard|soft, policy: score|position, min_capacity, order: policy|choice}", required=False),
     "streams": _int(1, 64, "calls Runtime.submit keeps in flight (default 1)", required=False),
+    "programmatic_dependent_launch": Leaf((bool,), allowed="true or false (default false; sm_90 and newer with "
+                                          "target.min_driver >= 12030: docs/profiles.md)", required=False),
 }
+PDL_MIN_CC = 90  # griddepcontrol (PTX ISA 7.8): sm_90 and newer
+PDL_MIN_DRIVER = 12030  # stream capture keeps a programmatic edge in the graph (CUgraphEdgeData) from CUDA 12.3
 
 
 def _validate(data, schema: dict, path: str, source: str) -> None:
@@ -264,6 +268,12 @@ def _check_limits(data: dict, source: str) -> None:
         if not lo <= hw[key] <= hi:
             raise ProfileError(f"{source}: hardware.{key} = {hw[key]}; allowed: {allowed}")
     toolkit, driver = data["target"]["toolkit"], data["target"]["min_driver"]
+    if data.get("programmatic_dependent_launch") and (cc < PDL_MIN_CC or driver < PDL_MIN_DRIVER):
+        raise ProfileError(
+            f"{source}: programmatic_dependent_launch = true with target.arch = {arch!r}, target.min_driver = "
+            f"{driver}; allowed: sm_90 or newer (griddepcontrol) and min_driver >= {PDL_MIN_DRIVER} (CUDA 12.3: "
+            "graphs keep the programmatic edge), else false"
+        )
     if driver < toolkit * 1000:
         raise ProfileError(
             f"{source}: target.min_driver = {driver} is a CUDA {driver // 1000}.x driver; allowed: at least "

@@ -35,7 +35,7 @@ from ..errors import BackendError, InputError
 from .cuda_calls import POISON_WORD, DeviceCalls
 from .cuda_image import checked_launch_plan, parse_version, select_image
 from .cuda_upload import UPLOAD_CHUNK, WeightUpload
-from .driver import check
+from .driver import check, launch_kernel
 from .padding import check_valid_tokens
 
 # Re-exported: the names this module held before the image check, the upload and the call paths moved out.
@@ -181,6 +181,7 @@ class CudaBackend(WeightUpload, DeviceCalls):
         self._io = catalog.io_buffers(self.header)
         self._launches = [self._prepare(launch) for launch in plan]
         self._launch_layers = [int(launch["layer"]) for launch in plan]  # per-layer calls run a sub-range
+        self._launch_pdl = [bool(launch.get("pdl")) for launch in plan]  # programmatic dependent launch (sm_90)
         self._capacity_launch = [launch["symbol"] == "colibri_capacity" for launch in plan]
         if self.capacity is not None:  # the per-layer dropped-pair counts, read back after each call
             self._dropped_ptr, pinned = self._pinned(self.header.num_layers * 4)
@@ -259,8 +260,8 @@ class CudaBackend(WeightUpload, DeviceCalls):
         if "valid_tokens" in self._io and self._io["valid_tokens"] in self._buffers:
             check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self._buffers[self._io["valid_tokens"]]),
                                        self._in_ptr + self._io_bytes, self._valid.nbytes, stream), "cuMemcpyHtoDAsync")
-        for function, grid, block, shared, params, _ in self._launches:
-            check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0), "cuLaunchKernel")
+        for i, entry in enumerate(self._launches):  # the first follows the input copy: no programmatic edge
+            launch_kernel(cu, entry, stream, pdl=i > 0 and self._launch_pdl[i])
         check(cu.cuMemcpyDtoHAsync(self._out_ptr, cu.CUdeviceptr(self._buffers[self._io["output"]]), self._io_bytes,
                                    stream), "cuMemcpyDtoHAsync")
 

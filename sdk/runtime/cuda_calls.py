@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import catalog
 from ..errors import BackendError, InputError
-from .driver import check
+from .driver import check, launch_kernel
 from .padding import check_valid_tokens
 
 POISON_WORD = 0x7FC00000  # a float32 quiet NaN; as int32 a large positive value no kernel accepts as an index
@@ -21,12 +21,12 @@ class DeviceCalls:
     def _enqueue_layers(self, start: int, stop: int, stream, skip=()) -> None:
         """The launches of layers start..stop-1 on `stream`; they read x{start%2} and leave x{stop%2}. `skip`: per
         launch of the plan, True to leave it out (the capacity launches of a dropless run)."""
-        cu = self._cu
-        launches = zip(self._launches, self._launch_layers)
-        for i, ((function, grid, block, shared, params, _), layer) in enumerate(launches):
+        cu, after_launch = self._cu, False
+        for i, (entry, layer) in enumerate(zip(self._launches, self._launch_layers)):
             if start <= layer < stop and not (skip and skip[i]):
-                check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0),
-                      "cuLaunchKernel")
+                # a programmatic edge only to a launch of this call (not to the caller's work on its stream)
+                launch_kernel(cu, entry, stream, pdl=after_launch and self._launch_pdl[i])
+                after_launch = True
 
     def _read_dropped(self, start: int, stop: int, stream) -> None:
         """`last_dropped` = the pairs dropped by layers start..stop-1 (the capacity_dropped buffer, one int32 per

@@ -167,3 +167,26 @@ def check(result, call: str):
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def launch_kernel(cu, entry: tuple, stream, pdl: bool = False) -> None:
+    """Enqueue one prepared launch on `stream`: `entry` = (function, grid (x, y, z), block (x, y, z), dynamic shared
+    bytes, kernelParams uint64 array, ...) as the backends prepare it from the launch plan. pdl: set the programmatic
+    stream serialization attribute (cuLaunchKernelEx, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): the
+    launch may start while the one before it on the stream finishes, its kernels waiting for it with
+    `griddepcontrol.wait` (a plan entry's "pdl"; colibri_sdk.launch_plan). Raises CudaError as `check`."""
+    function, grid, block, shared, params = entry[:5]
+    if not pdl:
+        check(cu.cuLaunchKernel(function, *grid, *block, shared, stream, params.ctypes.data, 0), "cuLaunchKernel")
+        return
+    attribute = cu.CUlaunchAttribute()
+    attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared
+    config.hStream = stream
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    check(cu.cuLaunchKernelEx(config, function, params.ctypes.data, 0), "cuLaunchKernelEx")

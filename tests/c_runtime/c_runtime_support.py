@@ -27,9 +27,12 @@ def build_bundle_for(profile: str, out: Path, weights: Path, **changes) -> Path:
 
     data = copy.deepcopy(load_profile(profile, toolchain=False).data)
     for key, value in changes.items():
-        if key == "kernels":
+        if key in ("kernels", "target"):
             for name, params in value.items():
-                data["kernels"][name].update(params)
+                if isinstance(params, dict):
+                    data[key][name].update(params)
+                else:
+                    data[key][name] = params
         else:
             data[key] = value
     return build_bundle(Profile.from_dict(data), out, weights, workers=2).path

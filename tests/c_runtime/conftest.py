@@ -126,17 +126,20 @@ class _Lazy(dict):
 
 @pytest.fixture(scope="session")
 def bundles(tmp_path_factory, small_weights) -> dict[str, Path]:
-    """Every shipped profile, plus "tiled": batch 2 x 8, fp32, atomic aggregation, the tiled (not GEMV) kernels; each
-    built when a test first reads it."""
+    """Every shipped profile, plus "tiled": batch 2 x 8, fp32, atomic aggregation, the tiled (not GEMV) kernels, and
+    "pdl": h200 with programmatic dependent launch; each built when a test first reads it."""
     root = tmp_path_factory.mktemp("c_bundles")
 
     def make(name: str) -> Path:
         if name == "tiled":
             return build_bundle_for("orin", root / "tiled", small_weights, dtype="fp32", aggregation="atomic",
                                     shape={"batch": 2, "tokens": 8}, kernels={"small_batch": {"max_pairs": 1}})
+        if name == "pdl":  # h200 with programmatic dependent launch (a CUDA 12.3 driver)
+            return build_bundle_for("h200", root / "pdl", small_weights, programmatic_dependent_launch=True,
+                                    target={"min_driver": 12030}, shape={"batch": 1, "tokens": 16})
         return build_bundle_for(name, root / name, small_weights)
 
-    return _Lazy((*SHIPPED, "tiled"), make)
+    return _Lazy((*SHIPPED, "tiled", "pdl"), make)
 
 
 @pytest.fixture(scope="session")

@@ -85,6 +85,23 @@ def test_end_to_end_under_address_sanitizer(run_c, bundles):
     check_graph_run(run, len(manifest(bundles["tiled"])["launch"]), 5)
 
 
+def test_programmatic_dependent_launch_on_sm_90(run_c, bundles):
+    """h200 (1 x 16, the tensor-core tiles) with `programmatic_dependent_launch`: the captured plan's first launch
+    goes through cuLaunchKernel (it follows the input copy), every later one through cuLaunchKernelEx with the
+    programmatic stream serialization attribute; the self-test output is met. Under the sanitizers. (The fake
+    driver runs launches in order: this checks the calls, not an overlap.)"""
+    m = manifest(bundles["pdl"])
+    assert all(launch.get("pdl") for launch in m["launch"][1:]) and "pdl" not in m["launch"][0]
+    run = run_c(["run", bundles["pdl"], "calls=2"], kernels="pdl", cc="9.0", driver=12060)
+    assert run.rc == 0 and run.result["passed"], run
+    clean(run)
+    ex, plain = run.calls("cuLaunchKernelEx"), run.calls("cuLaunchKernel")
+    assert len(plain) == 1 and len(ex) == len(m["launch"]) - 1, run.log[:20]
+    assert all(line.endswith("captured=1 pdl=1") for line in ex), ex[:3]
+    assert "pdl=1" not in plain[0]
+    assert len(run.calls("cuGraphLaunch")) == 2
+
+
 def test_input_lengths_zero_the_padding_and_ignore_what_lies_there(run_c, bundles):
     run = run_c(["run", bundles["tiled"], "lengths"])  # NaN past each length in the input
     assert run.rc == 0 and run.result["passed"], run

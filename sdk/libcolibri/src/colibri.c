@@ -76,8 +76,17 @@ static int enqueue(colibri_ctx *c, const shape_plan *p, CUstream s) {
         CU(c, cuMemcpyHtoDAsync, in, c->in_host, p->io_bytes, s);
     for (size_t i = 0; i < p->n_launches; i++) {
         const launch *L = &p->launches[i];
-        CU(c, cuLaunchKernel, L->fn, L->grid[0], L->grid[1], L->grid[2], L->block[0], L->block[1], L->block[2],
-           L->shared, s, L->nargs ? &p->arg_params[L->first_arg] : NULL, NULL);
+        void **params = L->nargs ? &p->arg_params[L->first_arg] : NULL;
+        if (L->pdl && i > 0) { /* the first follows the input copy: no programmatic edge */
+            cu_launch_attribute attr = {.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION_};
+            attr.value.programmatic_stream_serialization_allowed = 1;
+            const cu_launch_config cfg = {L->grid[0], L->grid[1], L->grid[2], L->block[0], L->block[1], L->block[2],
+                                          L->shared, s, &attr, 1};
+            CU(c, cuLaunchKernelEx, &cfg, L->fn, params, NULL);
+        } else {
+            CU(c, cuLaunchKernel, L->fn, L->grid[0], L->grid[1], L->grid[2], L->block[0], L->block[1], L->block[2],
+               L->shared, s, params, NULL);
+        }
     }
     if (bound && c->bound_out)
         CU(c, cuMemcpyDtoDAsync, c->bound_out, out, p->io_bytes, s);

@@ -24,6 +24,7 @@ typedef struct buffer {
 typedef struct launch {
     CUfunction fn;
     unsigned grid[3], block[3], shared;
+    int pdl; /* the plan's "pdl": programmatic stream serialization after a launch of the same call */
     size_t first_arg, nargs; /* into the shape's arg_values / arg_params */
 } launch;
 

@@ -74,6 +74,8 @@ int cu_api_load(cu_api *cu, const char *library, cb_err *err) {
         }
         memcpy((char *)cu + symbols[i].offset, &f, sizeof f);
     }
+    void *ex = dlsym(cu->lib, "cuLaunchKernelEx"); /* optional: a plan with "pdl" launches checks for it */
+    memcpy(&cu->cuLaunchKernelEx, &ex, sizeof ex);
     return COLIBRI_OK;
 }
 

@@ -25,7 +25,25 @@ enum {
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR_ = 76,
     CU_STREAM_NON_BLOCKING_ = 1,
     CU_STREAM_CAPTURE_MODE_THREAD_LOCAL_ = 1,
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION_ = 6,
 };
+
+/* cuLaunchKernelEx's configuration, laid out as cuda.h (CUDA 12) has it: the attribute value is a 64-byte union whose
+ * first int is programmaticStreamSerializationAllowed. */
+typedef struct cu_launch_attribute {
+    unsigned id;
+    char pad[4];
+    union {
+        char bytes[64];
+        int programmatic_stream_serialization_allowed;
+    } value;
+} cu_launch_attribute;
+typedef struct cu_launch_config {
+    unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
+    CUstream stream;
+    cu_launch_attribute *attrs;
+    unsigned num_attrs;
+} cu_launch_config;
 
 typedef struct cu_api {
     void *lib;
@@ -60,6 +78,8 @@ typedef struct cu_api {
     CUresult (*cuEventSynchronize)(CUevent);
     CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                CUstream, void **, void **);
+    /* optional (CUDA >= 11.8 drivers): resolved when present, needed only by a plan with "pdl" launches */
+    CUresult (*cuLaunchKernelEx)(const cu_launch_config *, CUfunction, void **, void **);
     CUresult (*cuStreamBeginCapture)(CUstream, int);
     CUresult (*cuStreamEndCapture)(CUstream, CUgraph *);
     CUresult (*cuGraphInstantiateWithFlags)(CUgraphExec *, CUgraph, unsigned long long);

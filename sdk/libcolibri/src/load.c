@@ -262,6 +262,15 @@ int cb_walk_plan(colibri_ctx *c, const cb_bundle *b, shape_plan *s, int fill) {
                            "block (3 positive integers), shared_bytes (integer >= 0) and args (list)", w, li);
         L->shared = (unsigned)shared;
         L->first_arg = ai;
+        const cJSON *pdl = cJSON_GetObjectItemCaseSensitive(l, "pdl");
+        if (pdl && !cJSON_IsBool(pdl))
+            return cb_fail(&c->err, COLIBRI_ERR_BUNDLE, "manifest.json: %slaunch[%zu].pdl; allowed: true or false "
+                           "(programmatic dependent launch)", w, li);
+        L->pdl = cJSON_IsTrue(pdl);
+        if (fill && L->pdl && !c->cu.cuLaunchKernelEx)
+            return cb_fail(&c->err, COLIBRI_ERR_NO_DRIVER, "manifest.json: %slaunch[%zu] uses programmatic dependent "
+                           "launch; the CUDA driver has no cuLaunchKernelEx (a driver for CUDA >= 12.3 is needed)",
+                           w, li);
         if (fill) {
             L->fn = NULL;
             for (size_t f = 0; f < s->n_functions; f++)

@@ -279,6 +279,20 @@ API CUresult cuEventElapsedTime(float* ms, void* start, void* end);
 API CUresult cuEventSynchronize(void* ev);
 API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                             unsigned shared, void* stream, void** params, void** extra);
+// cuLaunchKernelEx's structures, laid out as cuda.h (12.x) has them (the attribute value is a 64-byte union).
+enum { CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION_ = 6 };
+struct CUlaunchAttribute {
+    unsigned id;
+    char pad[4];
+    char value[64];
+};
+struct CUlaunchConfig {
+    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void* hStream;
+    CUlaunchAttribute* attrs;
+    unsigned numAttrs;
+};
+API CUresult cuLaunchKernelEx(const CUlaunchConfig* config, void* f, void** params, void** extra);
 API CUresult cuStreamBeginCapture_v2(void* h, int mode);
 API CUresult cuStreamEndCapture(void* h, void** graph);
 API CUresult cuGraphInstantiateWithFlags(void** pexec, void* graph, unsigned long long flags);

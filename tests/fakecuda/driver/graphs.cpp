@@ -7,33 +7,34 @@
 using namespace fake;
 
 // ---- launches and graphs --------------------------------------------------------------------------------------------
-API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                            unsigned shared, void* stream, void** params, void** extra) {
-    ENTER("cuLaunchKernel", true);
-    if (CUresult r = need_context("cuLaunchKernel")) return r;
+// One launch of cuLaunchKernel or cuLaunchKernelEx (`api` names it in messages); pdl: the programmatic stream
+// serialization attribute was set (recorded in the log line; the emulated launch runs after the one before it, as
+// every launch here does).
+static CUresult launch(const char* api, void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                       unsigned bz, unsigned shared, void* stream, void** params, void** extra, int pdl) {
     auto it = g_functions.find(f);
     if (it == g_functions.end()) {
-        complain("cuLaunchKernel", "unknown function %p", f);
+        complain(api, "unknown function %p", f);
         return CUDA_ERROR_INVALID_HANDLE;
     }
     Function* fn = it->second.get();
     if (extra) {
-        complain("cuLaunchKernel", "`extra` launch arguments are not emulated; pass kernelParams");
+        complain(api, "`extra` launch arguments are not emulated; pass kernelParams");
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     if (!fn->params.empty() && !params) {
-        complain("cuLaunchKernel", "%s takes %zu parameters; kernelParams is NULL", fn->name.c_str(),
+        complain(api, "%s takes %zu parameters; kernelParams is NULL", fn->name.c_str(),
                  fn->params.size());
         return CUDA_ERROR_INVALID_VALUE;
     }
     const unsigned long long threads = 1ull * bx * by * bz;
     if (!gx || !gy || !gz || !bx || !by || !bz || threads > 1024 || bz > 64 || gy > 65535 || gz > 65535) {
-        complain("cuLaunchKernel", "%s: grid %ux%ux%u block %ux%ux%u out of range", fn->name.c_str(), gx, gy, gz,
+        complain(api, "%s: grid %ux%ux%u block %ux%ux%u out of range", fn->name.c_str(), gx, gy, gz,
                  bx, by, bz);
         return CUDA_ERROR_INVALID_VALUE;
     }
     if (shared > 49152) {
-        complain("cuLaunchKernel", "%s: %u bytes of dynamic shared memory (limit 49152 without opt-in)",
+        complain(api, "%s: %u bytes of dynamic shared memory (limit 49152 without opt-in)",
                  fn->name.c_str(), shared);
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -45,11 +46,45 @@ API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsi
     for (size_t i = 0; i < fn->params.size(); ++i)
         std::memcpy(n.args.data() + fn->params[i].offset, params[i], fn->params[i].size);
     bool bad;
-    Stream* s = stream_of(stream, "cuLaunchKernel", &bad);
+    Stream* s = stream_of(stream, api, &bad);
     if (bad) return CUDA_ERROR_INVALID_HANDLE;
-    log_line("cuLaunchKernel %s grid=%u,%u,%u block=%u,%u,%u captured=%d", fn->name.c_str(), gx, gy, gz, bx, by, bz,
-             int(s && s->capture));
-    return submit(std::move(n), stream, "cuLaunchKernel");
+    log_line("%s %s grid=%u,%u,%u block=%u,%u,%u captured=%d%s", api, fn->name.c_str(), gx, gy, gz, bx, by, bz,
+             int(s && s->capture), pdl ? " pdl=1" : "");
+    return submit(std::move(n), stream, api);
+}
+
+API CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                            unsigned shared, void* stream, void** params, void** extra) {
+    ENTER("cuLaunchKernel", true);
+    if (CUresult r = need_context("cuLaunchKernel")) return r;
+    return launch("cuLaunchKernel", f, gx, gy, gz, bx, by, bz, shared, stream, params, extra, 0);
+}
+
+// cuLaunchKernelEx: CUlaunchConfig and CUlaunchAttribute as cuda.h (12.x) lays them out. Attributes: IGNORE (0) and
+// PROGRAMMATIC_STREAM_SERIALIZATION (6, value.programmaticStreamSerializationAllowed, an int); others are refused.
+API CUresult cuLaunchKernelEx(const CUlaunchConfig* config, void* f, void** params, void** extra) {
+    ENTER("cuLaunchKernelEx", true);
+    if (CUresult r = need_context("cuLaunchKernelEx")) return r;
+    if (!config || (config->numAttrs && !config->attrs)) {
+        complain("cuLaunchKernelEx", "config %p, attrs %p with numAttrs %u", (const void*)config,
+                 config ? (const void*)config->attrs : nullptr, config ? config->numAttrs : 0u);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    int pdl = 0;
+    for (unsigned i = 0; i < config->numAttrs; ++i) {
+        const CUlaunchAttribute& a = config->attrs[i];
+        if (a.id == CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION_) {
+            int allowed;
+            std::memcpy(&allowed, a.value, sizeof allowed);
+            pdl = allowed != 0;
+        } else if (a.id != 0) {
+            complain("cuLaunchKernelEx", "launch attribute %u is not emulated (only 6, programmatic stream "
+                     "serialization)", a.id);
+            return CUDA_ERROR_NOT_SUPPORTED;
+        }
+    }
+    return launch("cuLaunchKernelEx", f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
+                  config->blockDimY, config->blockDimZ, config->sharedMemBytes, config->hStream, params, extra, pdl);
 }
 
 API CUresult cuStreamBeginCapture_v2(void* h, int mode) {

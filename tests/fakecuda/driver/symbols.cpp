@@ -71,6 +71,7 @@ const Proc kProcs[] = {
     {"cuEventSynchronize", (void*)cuEventSynchronize, 0, 0},
     {"cuEventElapsedTime", (void*)cuEventElapsedTime, 0, 0},
     {"cuLaunchKernel", (void*)cuLaunchKernel, 0, 0},
+    {"cuLaunchKernelEx", (void*)cuLaunchKernelEx, 0, 0},
     {"cuGraphInstantiateWithFlags", (void*)cuGraphInstantiateWithFlags, 0, 0},
     {"cuGraphLaunch", (void*)cuGraphLaunch, 0, 0},
     {"cuGraphExecDestroy", (void*)cuGraphExecDestroy, 0, 0},
