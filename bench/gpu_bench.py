@@ -25,6 +25,7 @@ CPU emulation of the kernels; nothing it prints is a GPU measurement.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -338,8 +339,39 @@ def phase_layers(results: Results, out: Path) -> None:
                   eager_median_us=eager["median_us"], eager_wall_us=eager["wall_median_us"],
                   eager_over_graph=ratio(eager["median_us"], graph["median_us"]), selected_bytes=nbytes,
                   floor_us=ratio(floor_us, 1), floor_fraction=ratio(floor_us, graph["median_us"], 4))
+    x = rng_input(1, header.hidden_size, SEED)
+    y_off = run.run(x)
     run.close()
+    measure_pdl(results, device, data, header, weights, x, y_off, graph, label, layers)
     device.close()
+
+
+def measure_pdl(results: Results, device, data: dict, header, weights: int, x, y_off, graph_off: dict, label: str,
+                layers: int) -> None:
+    """The same layers with programmatic dependent launch (the profile's `programmatic_dependent_launch`, sm_90
+    and a CUDA 12.3 driver): the graph's time beside the one without, and its output, which must be the same bits."""
+    from layer import LayerRun
+
+    cfg = config()
+    if device.compute_capability < (9, 0) or device.driver_version < 12030:
+        results.write("forward_pdl", "skip", reason=f"programmatic dependent launch needs sm_90 and a CUDA 12.3 "
+                                                   f"driver; this is {device.arch}, driver {device.driver_version}")
+        return
+    on = copy.deepcopy(data)
+    on["programmatic_dependent_launch"] = True
+    on["target"]["min_driver"] = max(on["target"]["min_driver"], 12030)
+    run = LayerRun(device, on, header, weights)
+    try:
+        y_on = run.run(x)
+        graph = run.time_graph(cfg["layers_iters"], cfg["warm"])
+        results.write("forward_pdl", layers=layers, tokens=1, path=label, launches=len(run.plan),
+                      pdl_launches=sum(1 for launch in run.plan if launch.get("pdl")),
+                      graph_median_us=graph["median_us"], graph_off_median_us=graph_off["median_us"],
+                      off_over_on=ratio(graph_off["median_us"], graph["median_us"], 4),
+                      saved_us_per_layer=ratio(graph_off["median_us"] - graph["median_us"], layers, 3),
+                      bitwise_equal=bool(np.array_equal(y_on.view(np.uint32), y_off.view(np.uint32))))
+    finally:
+        run.close()
 
 
 def phase_correctness(results: Results, out: Path) -> None:

@@ -195,9 +195,12 @@ class Device:
         attr = self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.check(self.cu.cuFuncSetAttribute(function, attr, int(nbytes)), "cuFuncSetAttribute")
 
-    def launch(self, function, grid, block, shared: int, params: np.ndarray) -> None:
-        self.check(self.cu.cuLaunchKernel(function, *grid, *block, int(shared), self.stream, params.ctypes.data, 0),
-                   "cuLaunchKernel")
+    def launch(self, function, grid, block, shared: int, params: np.ndarray, pdl: bool = False) -> None:
+        """One launch on the stream; pdl: with the programmatic stream serialization attribute (the runtime's
+        `launch_kernel`, a launch plan's "pdl")."""
+        from colibri_sdk.runtime.driver import launch_kernel
+
+        launch_kernel(self.cu, (function, tuple(grid), tuple(block), int(shared), params), self.stream, pdl)
 
     def event(self):
         ev = self.check(self.cu.cuEventCreate(0), "cuEventCreate")

@@ -281,9 +281,9 @@ class LayerRun:
         if "valid_tokens" in self.io:
             d.check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(self.buffers[self.io["valid_tokens"]]), self.valid_ptr, 4,
                                          d.stream), "cuMemcpyHtoDAsync")
-        if launches:
-            for function, grid, block, shared, params, _ in self.launches:
-                d.launch(function, grid, block, shared, params)
+        if launches:  # the plan's "pdl" launches after the first (it follows the input copy) with the attribute
+            for i, (function, grid, block, shared, params, _) in enumerate(self.launches):
+                d.launch(function, grid, block, shared, params, pdl=i > 0 and bool(self.plan[i].get("pdl")))
         d.check(cu.cuMemcpyDtoHAsync(self.out_ptr, cu.CUdeviceptr(self.buffers[self.io["output"]]), self.io_bytes,
                                      d.stream), "cuMemcpyDtoHAsync")
 

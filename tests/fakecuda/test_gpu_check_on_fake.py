@@ -124,6 +124,12 @@ def test_layer_on_every_path_with_per_kernel_times(check_run):
         assert all(k["median_us"] > 0 for k in kernels)
     stack = [l for l in lines if l["phase"] == "layers" and l["name"] == "forward"]
     assert len(stack) == 1 and stack[0]["layers"] == 2 and stack[0]["launches"] == 2 * forward[0]["launches"]
+    # the fake device is sm_90 with a 12.8 driver: the same layers with programmatic dependent launch, every launch
+    # but the first with the attribute, the same output bits
+    (pdl,) = [l for l in lines if l["phase"] == "layers" and l["name"] == "forward_pdl"]
+    assert pdl["status"] == "ok" and pdl["bitwise_equal"] is True, pdl
+    assert pdl["launches"] == stack[0]["launches"] and pdl["pdl_launches"] == pdl["launches"] - 1, pdl
+    assert pdl["graph_median_us"] > 0 and pdl["off_over_on"] > 0, pdl
 
 
 def test_correctness_cases_and_transformers(check_run):
