@@ -53,6 +53,19 @@ class FakeRun:
         return f"rc={self.rc}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
 
 
+def log_sections(run: FakeRun) -> dict[str, list[str]]:
+    """The fake's call log split at the test's '# name' marks (written into the same file); "load" before the
+    first."""
+    sections, name = {"load": []}, "load"
+    for line in run.log:
+        if line.startswith("# "):
+            name = line[2:]
+            sections[name] = []
+        else:
+            sections[name].append(line)
+    return sections
+
+
 def emulation_library(kernels: list[dict]) -> Path:
     """The kernel emulation library (tests/kernels/emulator.py, cached) for a manifest's `kernels` list (the top
     level's or one shape's): its compile-time constants, and the units of the kernels it lists only (a bundle without

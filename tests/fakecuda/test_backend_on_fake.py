@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fakecuda_support import HIDDEN, TOKENS
+from fakecuda_support import HIDDEN, TOKENS, log_sections
 
 from colibri_sdk import catalog
 
@@ -56,18 +56,6 @@ def forward(run_fake, tiny_bundle, **settings):
     run = run_fake(code, **settings)
     assert run.rc == 0 and run.result, run
     return run
-
-
-def log_sections(run) -> dict[str, list[str]]:
-    """The fake's call log split at the test's '#' marks (written into the same file)."""
-    sections, name = {"load": []}, "load"
-    for line in run.log:
-        if line.startswith("# "):
-            name = line[2:]
-            sections[name] = []
-        else:
-            sections[name].append(line)
-    return sections
 
 
 def bits(values) -> np.ndarray:

@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from fakecuda_support import HIDDEN, INTER, TOKENS, emulation_library
+from fakecuda_support import HIDDEN, INTER, TOKENS, emulation_library, log_sections
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to build the fake CUDA driver")
 
@@ -49,17 +49,6 @@ def pdl_bundle(tmp_path_factory):
     return build_bundle(Profile.from_dict(data), root / "bundle", weights, workers=2).path
 
 
-def sections(log: list[str]) -> dict[str, list[str]]:
-    out, name = {"load": []}, "load"
-    for line in log:
-        if line.startswith("# "):
-            name = line[2:]
-            out[name] = []
-        else:
-            out[name].append(line)
-    return out
-
-
 def test_launches_after_the_first_carry_the_attribute_and_the_output_is_the_references(run_fake, pdl_bundle):
     from colibri_sdk.bundle import Bundle
     from colibri_sdk.reference import ReferenceEngine
@@ -72,7 +61,7 @@ def test_launches_after_the_first_carry_the_attribute_and_the_output_is_the_refe
                    kernels=emulation_library(manifest["kernels"]), cc="9.0", driver=12060)
     assert run.rc == 0 and run.result and run.result["backend"] == "cuda", run
     assert not [line for line in run.log if line.startswith("!")], run.log[:20]
-    parts = sections(run.log)
+    parts = log_sections(run)
     # The graph is captured at load: the first launch plain (after the input copy), every later one with the
     # attribute; the replay launches the graph only.
     captured = [line for line in parts["load"] if line.startswith("cuLaunchKernel")]
