@@ -86,7 +86,7 @@ def test_end_to_end_under_address_sanitizer(run_c, bundles):
 
 
 def test_programmatic_dependent_launch_on_sm_90(run_c, bundles):
-    """h200 (1 x 16, the tensor-core tiles) with `programmatic_dependent_launch`: the captured plan's first launch
+    """h200 (1 x 4, the GEMV path) with `programmatic_dependent_launch`: the captured plan's first launch
     goes through cuLaunchKernel (it follows the input copy), every later one through cuLaunchKernelEx with the
     programmatic stream serialization attribute; the self-test output is met. Under the sanitizers. (The fake
     driver runs launches in order: this checks the calls, not an overlap.)"""

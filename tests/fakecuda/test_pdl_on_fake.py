@@ -34,7 +34,8 @@ emit(y=y.tolist(), h=h.tolist(), backend=backend)
 
 @pytest.fixture(scope="module")
 def pdl_bundle(tmp_path_factory):
-    """The h200 profile at 1 x TOKENS (the GEMV path) with programmatic dependent launch, on a random model."""
+    """The h200 profile at 1 x TOKENS (the GEMV path) with programmatic dependent launch, on a random model (the
+    compile constants of tests/c_runtime's "pdl" bundle: one NVRTC build and one emulation serve both)."""
     from gpu_support import random_model
 
     from colibri_sdk.bundle.writer import build_bundle
