@@ -76,6 +76,69 @@ def make_f16_value(hardware: bool):
 
 _f16_value = make_f16_value(f16_hardware())
 
+
+def make_nibbles():
+    """Two numba intrinsics nibble_low(b), nibble_high(b) -> float32: the low / high four bits of a uint8 b as a
+    float32 0..15, split in 32-bit LLVM integers (`and 15`, `lshr 4`, then `uitofp`). numba's own integer
+    operations widen to 64 bits, which vectorises to a quarter of the float32 lanes; these stay one 8-lane (AVX2)
+    or 4-lane (NEON) operation each."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    i32, f32 = ir.IntType(32), ir.FloatType()
+
+    @intrinsic
+    def nibble_low(typingctx, b):
+        def codegen(context, builder, sig, args):
+            return builder.uitofp(builder.and_(builder.zext(args[0], i32), i32(15)), f32)
+        return types.float32(types.uint8), codegen
+
+    @intrinsic
+    def nibble_high(typingctx, b):
+        def codegen(context, builder, sig, args):
+            return builder.uitofp(builder.lshr(builder.zext(args[0], i32), i32(4)), f32)
+        return types.float32(types.uint8), codegen
+
+    return nibble_low, nibble_high
+
+
+_nibble_low, _nibble_high = make_nibbles()
+
+
+def make_prefetch():
+    """A numba intrinsic prefetch(matrix, row, offset): LLVM's `llvm.prefetch` (read, keep in every cache level) of
+    byte `offset` of row `row` of a 2-D array (any dtype; no bounds check: a prefetch never faults). x86 PREFETCHT0,
+    aarch64 PRFM PLDL1KEEP. The hardware prefetchers stop at each 4 KiB page and look only as far ahead as the
+    out-of-order window; a loop that spends many instructions on each byte (the int8 / int4 products) asks for
+    the rows it reads next itself."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+
+    @intrinsic
+    def prefetch(typingctx, matrix, row, offset):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            stride = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
+            row = context.cast(builder, args[1], sig.args[1], types.intp)
+            offset = context.cast(builder, args[2], sig.args[2], types.intp)
+            where = builder.add(builder.mul(row, stride), offset)
+            ptr = builder.gep(builder.bitcast(ary.data, i8p), [where])
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
+            builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return types.void(matrix, row, offset), codegen
+
+    return prefetch
+
+
+_prefetch = make_prefetch()
+
 STORE_F32, STORE_F16, STORE_Q8, STORE_Q4 = 0, 1, 2, 3
 ACT_SWIGLU, ACT_CLAMPED = 0, 1
 
