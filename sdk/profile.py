@@ -216,6 +216,10 @@ def check_recorded(data: dict, source: str) -> None:
         ProfileError: the first value the schema refuses, naming its key path, the value and what is allowed.
     """
     _validate_present(data, SCHEMA, "", source)
+    if "capacity" in data:  # its keys and values, as a profile file's (inspect describes it from these)
+        from .capacity import Capacity
+
+        Capacity.from_dict(data["capacity"], f"{source}: capacity")
 
 
 def _validate_present(data, schema: dict, path: str, source: str) -> None:

@@ -54,8 +54,20 @@ def _load_cuda(bundle, eager: bool, hint: str = "; use the cpu or auto backend")
 
 
 def _load_cpu(bundle, eager: bool):
-    from .cpu_backend import CpuBackend
-
+    """The CPU backend; BackendError in one line where its kernels' compiler (numba) cannot run: not installed, a
+    NUMBA_* variable it refuses (e.g. NUMBA_NUM_THREADS=0), or NUMBA_DISABLE_JIT set (the kernels are numba
+    intrinsics and machine-code loops, not Python)."""
+    try:
+        from .cpu_backend import CpuBackend
+        from numba import config
+    except ImportError as exc:
+        raise BackendError(f"backend 'cpu' needs numba, which cannot be imported ({exc}); pip install "
+                           "'numba>=0.59' (a dependency of colibri-sdk)") from None
+    except ValueError as exc:  # numba's configuration rejects a NUMBA_* environment variable at import
+        raise BackendError(f"backend 'cpu': numba refuses its environment ({exc}); fix or unset that NUMBA_* "
+                           "variable") from None
+    if config.DISABLE_JIT:
+        raise BackendError("backend 'cpu': NUMBA_DISABLE_JIT is set; the CPU kernels run compiled only: unset it")
     return CpuBackend(bundle, eager=eager)
 
 

@@ -202,7 +202,8 @@ class CpuEngine:
         K.experts_into(x, one, pairs, np.ones(1, f32), 1, one, K.STORE_F32, False, False, 0, codes, scales, zeros,
                        codes, scales, zeros, codes, scales, zeros, False, bias, bias, bias, K.ACT_SWIGLU, f32(0),
                        f32(0), out, np.zeros(1, i64), gate, up, buf, buf, sbuf, sbuf, one, out, buf, buf, buf)
-        K.rows_into(K.STORE_F32, codes[0], scales[0], False, zeros[0], False, 0, 2, 0, 2, gate, buf, sbuf)
+        K.rows_into(K.STORE_F32, codes[0], scales[0], False, zeros[0], False, 0, 2, 0, 2, np.zeros((2, 2), f32), buf,
+                    sbuf)  # rows 0..1 into a (2, 2) tile
         K._activate(gate, up, 1, K.ACT_SWIGLU, f32(0), f32(0))
         K.scatter_add(out, np.zeros(1, i64), np.ones(1, f32), gate, 1, bias[0], False)
         K.group_pairs(np.zeros((1, 1), i64), 1, pairs, one)

@@ -106,7 +106,6 @@ class Runtime:
         default_streams = bundle.manifest["profile"].get("streams", 1)
         self.streams: int = check_depth(streams if streams is not None else default_streams)
         self._pipeline = None
-        self._dropless = False  # True while self_test runs: the stored reference output is dropless
         spec = bundle.manifest["profile"].get("capacity")
         self.capacity = None if spec is None else dict(spec)  # expert capacity the bundle sets (None: dropless)
         # The finalizer does what close() does: the pipeline first (its queued calls keep this Runtime alive, so by
@@ -281,7 +280,9 @@ class Runtime:
         with self._lock:
             return self._stats.snapshot()
 
-    def _call(self, x, input_lengths, out, start: int, stop: int, stream):
+    def _call(self, x, input_lengths, out, start: int, stop: int, stream, dropless: bool = False):
+        """One call of layers start..stop-1. dropless: without expert capacity (the self-test's: its stored
+        reference output is dropless), for this call only; other threads' calls keep the bundle's capacity."""
         from .device_io import is_device_array
 
         if is_device_array(x):
@@ -302,7 +303,7 @@ class Runtime:
             result = run.result
             if getattr(backend, "capacity", None) is not None:
                 backend.run_layers(padded, result, start, stop, valid_rows=run.valid_rows(x3, lengths),
-                                   capacity=not self._dropless)
+                                   capacity=not dropless)
             elif self.backend_name == "cuda" and hasattr(backend, "run_layers"):
                 backend.run_layers(padded, result, start, stop, valid_tokens=run.valid_counts(x3, lengths))
             elif hasattr(backend, "run_layers"):
@@ -399,14 +400,12 @@ class Runtime:
         fixed = tuple(view.shape) + (self.hidden_size,)
         if x.shape != fixed:
             raise BundleError(f"self-test input shape {x.shape}; the bundle's fixed shape is {fixed}")
-        self._dropless = True  # the stored reference output is dropless; expert capacity applies on top of it
-        try:
-            actual = self.infer(np.ascontiguousarray(x, dtype=np.float32))
+        try:  # dropless: the stored reference output is; expert capacity applies on top of it
+            actual = self._call(np.ascontiguousarray(x, dtype=np.float32), None, None, 0, self.num_layers, None,
+                                dropless=True)
         except NonFiniteOutputError:  # a failed self-test is returned, not raised
             inf = float("inf")
             return SelfTestResult(False, inf, inf, float(rtol), float(atol), self.backend_name)
-        finally:
-            self._dropless = False
         return compare(actual, np.asarray(expected, dtype=np.float32), rtol, atol, self.backend_name)
 
     # ---- lifetime -------------------------------------------------------------------------------------------

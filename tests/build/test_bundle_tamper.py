@@ -135,6 +135,29 @@ def test_an_invalid_profile_in_a_consistent_manifest_is_a_bundle_error(bundle_co
         mpath.write_bytes(original)
 
 
+@pytest.mark.parametrize("capacity, message", [
+    ({"mode": "hard"}, r"capacity.*factor"),
+    ({"factor": "1"}, r"capacity.*factor"),
+])
+def test_an_invalid_recorded_capacity_is_a_bundle_error(bundle_copy, capsys, capacity, message):
+    """A re-digested manifest whose recorded capacity the capacity rule refuses: a BundleError from open (and a
+    one-line `inspect` error), not inspect's KeyError / ValueError while describing it."""
+    mpath = bundle_copy / "manifest.json"
+    original = mpath.read_bytes()
+    try:
+        manifest = json.loads(original)
+        manifest["profile"]["capacity"] = capacity
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        mpath.write_bytes(canonical_json(manifest))
+        with pytest.raises(BundleError, match=r"manifest\.json: profile: " + message):
+            Bundle.open(bundle_copy, verify=False)
+        assert cli.main(["inspect", str(bundle_copy)]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    finally:
+        mpath.write_bytes(original)
+
+
 def test_a_partial_recorded_profile_is_read(bundle_copy):
     """A recorded profile without keys added after its bundle was built (here the optional max_pairs_quantized and
     description) opens: missing keys take the catalogue's defaults; only values present are checked."""

@@ -117,3 +117,26 @@ def test_cpu_backend_runs_with_one_thread_and_restores(small_bundle, no_thread_v
     assert y.shape == (2, 8, rt.hidden_size)
     assert seen and set(seen[0]) == {1}
     assert set(blas_threads_now()) == {2}
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("NUMBA_NUM_THREADS", "0", r"backend 'cpu': numba refuses its environment \(.*\); fix or unset that NUMBA_\* variable"),
+    ("NUMBA_DISABLE_JIT", "1", r"backend 'cpu': NUMBA_DISABLE_JIT is set; the CPU kernels run compiled only"),
+])
+def test_a_numba_variable_the_cpu_kernels_cannot_run_with_is_one_line(small_bundle, variable, value, message):
+    """NUMBA_NUM_THREADS=0 had raised numba's ValueError from its import, NUMBA_DISABLE_JIT=1 an IndexError (or
+    worse) from a kernel run as Python: a BackendError naming the variable instead, from the API and the CLI."""
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, variable: value}
+    code = ("from colibri_sdk.errors import BackendError\nfrom colibri_sdk.runtime import Runtime\n"
+            f"try:\n    Runtime.load({str(small_bundle)!r}, backend='cpu')\nexcept BackendError as exc:\n"
+            "    print('BackendError:', exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=guard(300))
+    assert done.returncode == 0 and re.search(message, done.stdout), (done.stdout, done.stderr[-2000:])
+    cli = subprocess.run([sys.executable, "-m", "colibri_sdk", "run", str(small_bundle), "--backend", "cpu",
+                          "--iters", "1"], env=env, capture_output=True, text=True, timeout=guard(300))
+    assert cli.returncode != 0 and re.search(message, cli.stderr) and "Traceback" not in cli.stderr, cli.stderr[-2000:]
+    assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr

@@ -140,6 +140,33 @@ def test_cpu_backend_equals_the_reference_with_capacity(tmp_path, mode, policy, 
         assert not (np.allclose(base(x), y, atol=1e-3) and np.allclose(base(x[:1, :5]), short, atol=1e-3))
 
 
+def test_a_self_test_in_another_thread_leaves_capacity_on(tmp_path):
+    """self_test runs dropless for its own call only: infer calls of another thread meanwhile keep the bundle's
+    capacity (a flag set outside the lock had sent them dropless: a silent wrong answer)."""
+    import threading
+
+    bundle, _ = skewed_bundle(tmp_path, {"factor": 1.0, "mode": "hard", "policy": "score"})
+    x = np.random.default_rng(3).standard_normal((2, 8, 64)).astype(np.float32)
+    with Runtime.load(bundle, backend="cpu") as rt:
+        expected = rt.infer(x)
+        assert rt.stats().last_dropped_pairs > 0
+        stop, passed = threading.Event(), []
+
+        def self_tests():
+            while not stop.is_set():
+                passed.append(rt.self_test().passed)
+
+        worker = threading.Thread(target=self_tests)
+        worker.start()
+        try:
+            wrong = sum(not np.array_equal(rt.infer(x), expected) for _ in range(40))
+        finally:
+            stop.set()
+            worker.join()
+    assert passed and all(passed)
+    assert wrong == 0, f"{wrong} of 40 calls ran without expert capacity"
+
+
 def test_a_token_with_every_pair_dropped_passes_through(tmp_path):
     bundle, _ = skewed_bundle(tmp_path, {"factor": 0.05, "mode": "hard", "policy": "position"})  # C = 1
     x = np.random.default_rng(4).standard_normal((2, 8, 64)).astype(np.float32)
