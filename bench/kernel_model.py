@@ -16,9 +16,26 @@ Per kernel and device the estimate is the largest of
                 the compute (shared, issue) the other resident blocks cannot hide
 
 with the DRAM time and the latency time taken as the larger (compute is inside the latency term), plus a launch
-boundary per kernel; the layer is the sum of its kernels. The floor is the selected experts' stored
-bytes / bandwidth; `est_floor_fraction` = floor / estimated layer time. Resident blocks per SM come from ptxas'
+boundary per kernel, plus the kernel's prologue (below); the layer is the sum of its kernels. The floor is the
+selected experts' stored bytes / bandwidth; `est_floor_fraction` = floor / estimated layer time. Resident blocks per SM come from ptxas'
 resource report of the kernels compiled for each profile (NVRTC; `--no-nvrtc`: threads and shared memory only).
+
+The prologue (counted from the sources and the launch's arguments, not emulated): the dependent steps a block takes
+before its first weight load, or, for colibri_routing, after its selection, that nothing else overlaps:
+
+    prologue    global rounds x DRAM latency + on-chip steps x ONCHIP_STEP_CYCLES / clock
+
+an expert kernel's blocks start together, so it is counted once per launch (later blocks' prologues overlap the
+loads of the blocks resident beside them). `prologue_counts` lists them: the tiles read their expert (1 round);
+the GEMV kernels copy the pair order colibri_routing built (1 round, one barrier and their share of the copy) or,
+without a `pair_order` argument (before that order existed), built it per block (the valid-token count and
+topk_ids: 2 rounds for gate/up, 1 for down; 4 barriers, the count, the scan and the rank loop); colibri_routing with
+a `pair_order` argument builds it in its last block (3 barriers, the count, the scan, each expert's thread walking
+the pairs; with more than one token group also the second counter and topk_ids through L2: 2 rounds, 2 barriers).
+
+`est_fixed_cost_us` = the part of the layer's estimate that does not scale with the expert weights: the estimates of
+colibri_routing (its launch boundary and order build included; colibri_capacity and colibri_align where the plan has
+them) plus, per expert kernel, its launch boundary and its prologue.
 
     python bench/kernel_model.py                 # the table (an estimate)
     python bench/kernel_model.py --json          # one object
@@ -77,6 +94,12 @@ DEQUANT_INSTR = {"fp16": 1.0, "int8": 3.0, "int4_g128": 4.0}
 TC_SYMBOLS = ("colibri_gate_up_tc", "colibri_down_tc", "colibri_gate_up_qtc", "colibri_down_qtc")
 SAMPLE_BLOCKS = 24  # blocks emulated per expert-kernel launch (every k-th, k coprime to grid.x; counts scaled by k)
 HOT_SHARE = 0.5  # a site is part of a hot loop when it has at least half the requests of its kernel's busiest site
+# One dependent on-chip step of a prologue (a shared-memory access, a warp shuffle, a barrier): clocks. Shared-memory
+# load latency is about 20-33 clocks on Volta to Hopper (Jia et al. 2018; Luo et al. 2024); shuffles and barriers
+# are taken at the same cost (a model choice).
+ONCHIP_STEP_CYCLES = 30
+# Kernels whose whole estimate is fixed cost (they read no expert weight).
+ORDER_SYMBOLS = ("colibri_routing", "colibri_capacity", "colibri_align")
 
 
 PATHS = ("profile", "gemv", "tc")  # the shipped profile's max_pairs, or the GEMV / tensor-core tile path forced
@@ -206,15 +229,54 @@ def kernel_counts(record: dict) -> dict:
     return out
 
 
+def _rank_steps(pairs: int, threads: int) -> int:
+    """Shared reads of the slowest thread of the order build's rank loop (thread i takes pairs i, i + threads, ...;
+    pair p reads the p pairs before it)."""
+    return max((sum(range(t, pairs, threads)) for t in range(min(pairs, threads))), default=0)
+
+
+def _build_steps(pairs: int, experts: int, threads: int, barriers: int, walk: bool = True) -> int:
+    """On-chip steps of one block building the pair order: the barriers, the ids' stores and the count's atomics
+    (ceil(pairs / threads) each), the warp scan over the experts (EPL reads, 5 shuffle rounds, EPL stores), then
+    walk (common.cuh build_pair_order): each expert's thread reads all pairs, ceil(experts / threads) times; else
+    the rank loop of the per-block build before it (its slowest thread); the last store."""
+    epl = -(-experts // 32)
+    place = pairs * -(-experts // threads) if walk else _rank_steps(pairs, threads)
+    return barriers + 2 * -(-pairs // threads) + 2 * epl + 5 + place + 1
+
+
+def prologue_counts(launch: dict, pairs: int, experts: int, groups: int) -> tuple[int, int]:
+    """(global rounds, on-chip steps) of a launch's prologue (module docstring), from its symbol and arguments at the
+    full shape: `pairs` tokens x top-k of the compiled shape, `groups` colibri_routing's token groups."""
+    symbol, threads = launch["symbol"], int(np.prod(launch["block"]))
+    names = {a.get("name") for a in launch["args"] if a["kind"] == "buffer"}
+    if symbol == "colibri_routing":
+        if catalog.PAIR_ORDER not in names:
+            return 0, 0
+        rounds, barriers = (2, 5) if groups > 1 else (0, 3)
+        return rounds, _build_steps(pairs, experts, threads, barriers)
+    if symbol in ORDER_SYMBOLS:
+        return 0, 0  # counted in their estimate as a whole
+    if symbol in ("colibri_gate_up_gemv", "colibri_down_gemv"):
+        if catalog.PAIR_ORDER in names:  # the copy of the order: one coalesced loop, one barrier
+            return 1, 1 + -(-catalog.pair_order_ints(experts, pairs) // threads)
+        rounds = 2 if symbol == "colibri_gate_up_gemv" else 1  # the per-block build: valid_tokens, topk_ids
+        return rounds, _build_steps(pairs, experts, threads, 4, walk=False)
+    if symbol in ("colibri_shared_gate_up", "colibri_shared_down"):
+        return 1, 2  # the valid-token list: one round, a barrier
+    return 1, 0  # the tiles: their expert (block_experts or expert_offsets)
+
+
 def estimate(dev: dict, dram_bytes: float, wavefronts: float, instr: float, blocks: int, resident: int,
-             flight_warp: float, warps: int) -> dict:
+             flight_warp: float, warps: int, prologue: tuple[int, int] = (0, 0)) -> dict:
     """Microseconds of each limit of one kernel and the estimate: max(DRAM, latency) plus the launch boundary.
 
     dram: bytes / bandwidth. shared: wavefronts / (active SMs x clock). issue: warp instructions / (active SMs x 4 x
     clock). latency: the loads of an SM come in rounds of `bytes in flight per SM` (Little's law); each round costs
     the DRAM latency plus the compute of the round that the other resident blocks cannot hide
     (max(latency + compute / blocks, compute)), since a warp computes on a batch only after it has arrived and
-    loads the next one after (the emulation's batches). An estimate: no caches, no clock changes, no tail effects.
+    loads the next one after (the emulation's batches). prologue: (global rounds, on-chip steps) before the loads
+    (prologue_counts). An estimate: no caches, no clock changes, no tail effects.
     """
     sms = dev["sms"]
     active = max(min(sms, blocks), 1)
@@ -232,12 +294,14 @@ def estimate(dev: dict, dram_bytes: float, wavefronts: float, instr: float, bloc
         t_latency = rounds * max(latency + c_round / per_sm_blocks, c_round)
     else:
         t_latency = t_compute
-    limits = {"dram": t_dram, "shared": t_smem, "issue": t_issue, "latency": t_latency}
+    t_prologue = prologue[0] * latency + prologue[1] * ONCHIP_STEP_CYCLES / clock
+    limits = {"dram": t_dram, "shared": t_smem, "issue": t_issue, "latency": t_latency, "prologue": t_prologue}
     bound = "dram" if t_dram >= t_latency else ("latency" if t_latency > t_compute * 1.0001 else
                                                  ("shared" if t_smem >= t_issue else "issue"))
     return {**{f"t_{k}_us": v * 1e6 for k, v in limits.items()}, "bound": bound,
             "bytes_in_flight_sm": flight_sm, "resident_blocks": resident,
-            "time_us": max(t_dram, t_latency) * 1e6 + dev["launch_us"]}
+            "prologue_rounds": prologue[0], "prologue_steps": prologue[1],
+            "time_us": max(t_dram, t_latency) * 1e6 + t_prologue * 1e6 + dev["launch_us"]}
 
 
 def fma_instr(symbol: str, storage: str, pairs_per_expert: dict, dims: dict) -> float:
@@ -266,7 +330,10 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
     hw = profile["hardware"]
     dev.update(sms=hw["sm_count"], bandwidth_gbs=hw["memory_bandwidth_gbs"])
     res = resources(device, valid, storage, use_nvrtc, route)
-    full_plan = {(l["symbol"]): l for l in catalog.launch_plan(profile, header_for(FULL, storage))}
+    full_header = header_for(FULL, storage)
+    full_plan = {(l["symbol"]): l for l in catalog.launch_plan(profile, full_header)}
+    full_pairs = catalog.sizes(profile, full_header).pairs
+    groups = catalog.router_grid(profile, full_header).groups
     floor_s = experts_selected / expert_bytes(dims, storage) * expert_bytes(FULL, storage) / (dev["bandwidth_gbs"] * 1e9)
     experts_used = round(experts_selected / expert_bytes(dims, storage))
     pairs_per_expert = {e: valid * FULL["top_k"] / experts_used for e in range(experts_used)}
@@ -286,7 +353,8 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
         instr = c["requests"] * s + (fma_instr(symbol, storage, pairs_per_expert, dims) if expert else 0.0)
         # DRAM: the weights' sectors (streamed once); activations and scratch are small and stay in L2
         est = estimate(dev, 32.0 * c["weight_sectors"] * s, c["smem_wavefronts"] * s, instr, blocks, resident,
-                       32 * c["load_lane_fraction"] * c["lane_bytes_in_flight"], threads // 32)
+                       32 * c["load_lane_fraction"] * c["lane_bytes_in_flight"], threads // 32,
+                       prologue_counts(full, full_pairs, FULL["experts"], groups))
         kernels.append({"symbol": symbol, "blocks": blocks, "threads": threads,
                         "registers": ptxas.get("registers"), "shared_bytes": ptxas.get("shared_bytes"),
                         "smem_wavefront_ratio": c["smem_wavefronts"] / c["smem_ideal"] if c["smem_ideal"] else None,
@@ -295,7 +363,38 @@ def run_case(device: str, storage: str, valid: int, dims: dict, tmp: Path, use_n
     taken = "tc" if any(k["symbol"] in TC_SYMBOLS for k in kernels) else "gemv"
     return {"device": device, "storage": storage, "tokens": valid, "path": taken,
             "profile_path": profile_path(device, valid, storage), "kernels": kernels, "est_layer_us": layer_us,
+            "est_fixed_cost_us": fixed_cost_us(kernels, dev["launch_us"]),
             "floor_us": floor_s * 1e6, "est_floor_fraction": floor_s * 1e6 / layer_us, "scale": scale}
+
+
+def fixed_cost_us(kernels: list[dict], launch_us: float) -> float:
+    """The part of a layer's estimate that does not scale with the expert weights (module docstring): the order
+    kernels' whole estimates (colibri_routing, colibri_capacity, colibri_align), the other kernels' launch boundary
+    and prologue."""
+    return sum(k["time_us"] if k["symbol"] in ORDER_SYMBOLS else launch_us + k["t_prologue_us"] for k in kernels)
+
+
+def add_prologue(case: dict) -> dict:
+    """A case of a run from before the prologue was counted (no `est_fixed_cost_us`), with it: each kernel's prologue
+    from the current launch plan of the case's profile and path, added to its estimate, and the layer's figures
+    redone. Right where the kernels the case ran have not changed since that run (--merge)."""
+    if "est_fixed_cost_us" in case:
+        return case
+    route = "profile" if case["path"] == case["profile_path"] else case["path"]
+    profile = profile_for(case["device"], case["tokens"], route)
+    header = header_for(FULL, case["storage"])
+    plan = {l["symbol"]: l for l in catalog.launch_plan(profile, header)}
+    pairs, groups = catalog.sizes(profile, header).pairs, catalog.router_grid(profile, header).groups
+    dev = DEVICES[case["device"]]
+    for k in case["kernels"]:
+        rounds, steps = prologue_counts(plan[k["symbol"]], pairs, FULL["experts"], groups)
+        t = rounds * dev["latency_ns"] * 1e-3 + steps * ONCHIP_STEP_CYCLES / (dev["clock_ghz"] * 1e3)
+        k.update(t_prologue_us=t, prologue_rounds=rounds, prologue_steps=steps, time_us=k["time_us"] + t)
+    case["est_layer_us"] = sum(k["time_us"] for k in case["kernels"])
+    case["est_floor_fraction"] = case["floor_us"] / case["est_layer_us"]
+    case["est_fixed_cost_us"] = fixed_cost_us(case["kernels"], dev["launch_us"])
+    case["prologue_added_at_merge"] = True
+    return case
 
 
 def hot_summary(cases: list[dict]) -> dict:
@@ -327,11 +426,13 @@ def summary(cases: list[dict], dims: dict, sites: str = "all") -> dict:
     shipped = [c for c in cases if c.get("path", "gemv") == c.get("profile_path", c.get("path", "gemv"))]
     hot = hot_summary(shipped)
     fraction: dict = {}
+    fixed: dict = {}
     by_path: dict = {}
     for c in cases:
         if c in shipped:
             fraction.setdefault(c["device"], {}).setdefault(c["storage"], {})[str(c["tokens"])] = \
                 c["est_floor_fraction"]
+            fixed.setdefault(c["device"], {}).setdefault(c["storage"], {})[str(c["tokens"])] = c["est_fixed_cost_us"]
         by_path.setdefault(c["device"], {}).setdefault(c["storage"], {}).setdefault(str(c["tokens"]), {})[
             c.get("path", "gemv")] = c["est_floor_fraction"]
     layer = {(c["device"], c["storage"], c["tokens"]): c["est_layer_us"] for c in shipped}
@@ -347,6 +448,10 @@ def summary(cases: list[dict], dims: dict, sites: str = "all") -> dict:
         "active_lane_fraction_min": hot["lanes"]["fraction"], "active_lane_min_site": hot["lanes"]["site"],
         "active_lane_fraction_weighted": hot["lanes_weighted"],
         "est_floor_fraction": fraction, "est_int4_over_fp16_time": ratio,
+        "est_fixed_cost_us": fixed,
+        "note_fixed_cost": "est_fixed_cost_us: the part of the layer estimate that does not scale with the expert "
+                           "weights: colibri_routing's estimate (launch boundary and order build included), and per "
+                           "expert kernel its launch boundary and prologue (counted, not emulated; docs/kernels.md)",
         "est_floor_fraction_by_path": by_path,  # the GEMV and the tensor-core tile path at the same shape
         "note_paths": "est_floor_fraction and the hot-loop figures: the path each shipped profile's max_pairs takes; "
                       "est_floor_fraction_by_path: both paths where --paths ran both",
@@ -354,6 +459,20 @@ def summary(cases: list[dict], dims: dict, sites: str = "all") -> dict:
                                      for k in c["kernels"]]} for c in cases],
     }
     return result
+
+
+def print_case(case: dict) -> None:
+    """The text lines of one case: the layer, then each kernel's limits (every figure an estimate)."""
+    print(f"{case['device']:<8} {case['storage']:<10} T={case['tokens']:<3} {case['path']:<4} est layer "
+          f"{case['est_layer_us']:9.1f} us  floor {case['floor_us']:8.1f} us  est fraction of floor "
+          f"{case['est_floor_fraction']:.3f}  est fixed cost {case['est_fixed_cost_us']:6.1f} us", flush=True)
+    for k in case["kernels"]:
+        ratio = k["smem_wavefront_ratio"]
+        print(f"    {k['symbol']:<22} est {k['time_us']:8.1f} us ({k['bound']:<9}) dram {k['t_dram_us']:8.1f} shared "
+              f"{k['t_shared_us']:8.1f} issue {k['t_issue_us']:8.1f} latency {k['t_latency_us']:8.1f} prologue "
+              f"{k['t_prologue_us']:5.2f}  wavefronts/ideal {'-' if ratio is None else f'{ratio:.2f}'}  blocks/SM "
+              f"{k['resident_blocks']} regs {k['registers']} smem {k['shared_bytes']} in flight/SM "
+              f"{k['bytes_in_flight_sm'] / 1024:.1f} KiB", flush=True)
 
 
 def main(argv=None) -> int:
@@ -369,7 +488,8 @@ def main(argv=None) -> int:
                              "at T=1 only the GEMV path is run)")
     parser.add_argument("--no-nvrtc", action="store_true", help="resident blocks from threads only (no ptxas)")
     parser.add_argument("--merge", nargs="*", type=Path, metavar="JSON",
-                        help="no emulation: the summary of the cases of these --json-out files (runs split by storage)")
+                        help="no emulation: the summary of the cases of these --json-out files (runs split by storage; "
+                             "a case of a later file replaces the same case of an earlier one)")
     parser.add_argument("--sites", choices=("all", "hot"), default="all",
                         help="access sites in the JSON's cases: all, or the hot loops' only (bench/results)")
     args = parser.parse_args(argv)
@@ -377,12 +497,20 @@ def main(argv=None) -> int:
     dims = QUICK if args.quick else SCALED
     cases = []
     if args.merge:
+        merged: dict = {}  # a case of a later file replaces the same (device, storage, tokens, path) of an earlier one
         for f in args.merge:
-            cases += json.loads(f.read_text())["cases"]
+            for c in json.loads(f.read_text())["cases"]:
+                c.setdefault("path", "tc" if any(k["symbol"] in TC_SYMBOLS for k in c["kernels"]) else "gemv")
+                merged[(c["device"], c["storage"], c["tokens"], c["path"])] = c
+        cases = list(merged.values())
         for c in cases:  # the profiles' max_pairs as they are now (a profile may have changed since the run)
             c.setdefault("path", "tc" if any(k["symbol"] in TC_SYMBOLS for k in c["kernels"]) else "gemv")
             c["profile_path"] = profile_path(c["device"], c["tokens"], c["storage"])
+            add_prologue(c)
         devices, args.storages, args.tokens = [], [], []  # nothing to emulate
+        if not args.json:
+            for c in cases:
+                print_case(c)
     if args.quick and not args.json:
         print("--quick: a smaller scaled shape than the committed results (bench/results/kernel_model.txt): its "
               "estimates differ from theirs; run without --quick for those", flush=True)
@@ -401,17 +529,7 @@ def main(argv=None) -> int:
                     if args.json_out is not None:  # after every case: a run cut short keeps what it measured
                         args.json_out.write_text(json.dumps(summary(cases, dims, args.sites), indent=1) + "\n")
                     if not args.json:
-                        print(f"{device:<8} {storage:<10} T={t:<3} {case['path']:<4} est layer {case['est_layer_us']:9.1f} us  floor "
-                              f"{case['floor_us']:8.1f} us  est fraction of floor {case['est_floor_fraction']:.3f}",
-                              flush=True)
-                        for k in case["kernels"]:
-                            ratio = k["smem_wavefront_ratio"]
-                            print(f"    {k['symbol']:<22} est {k['time_us']:8.1f} us ({k['bound']:<9}) dram "
-                                  f"{k['t_dram_us']:8.1f} shared {k['t_shared_us']:8.1f} issue {k['t_issue_us']:8.1f} "
-                                  f"latency {k['t_latency_us']:8.1f}  wavefronts/ideal "
-                                  f"{'-' if ratio is None else f'{ratio:.2f}'}  blocks/SM {k['resident_blocks']}"
-                                  f" regs {k['registers']} smem {k['shared_bytes']} in flight/SM "
-                                  f"{k['bytes_in_flight_sm'] / 1024:.1f} KiB", flush=True)
+                        print_case(case)
     result = summary(cases, dims, args.sites)
     hot = hot_summary(cases)
     ratio = result["est_int4_over_fp16_time"]

@@ -21,7 +21,10 @@
 //                      pairs per pair: tokens*k * tokens*k / THREADS loads per thread, no order dependence;
 //   2. keep[p]       = rank < C, or (soft) slot 0 and fewer than C slot-0 pairs of that expert with rank in
 //                      [C, rank[p]);
-//   3. drop the pairs with keep 0, count them (a shared-memory sum: a count, order-free), write dropped[layer].
+//   3. drop the pairs with keep 0, count them (a shared-memory sum: a count, order-free), write dropped[layer];
+//   4. GEMV path (COLI_GEMV) with at least one pair dropped: rebuild the pair order of the kept pairs into pair_order
+//      (common.cuh build_pair_order; colibri_routing built it from the pairs before the drops; null on the tiled
+//      path, where colibri_align follows). Skipping this launch (the self-test's dropless run) leaves routing's.
 //   Scratch: rank (2 * tokens * k) int32: rank[0..pairs), keep[pairs..2*pairs). Every entry written on every call.
 //
 // Limits: those of routing.cu (experts <= 256, top-k <= COLI_MAX_TOP_K); factor in (0, 64], min_capacity in
@@ -62,10 +65,14 @@ __device__ __forceinline__ bool capacity_before(int q, int p, const float* __res
 
 extern "C" __global__ void __launch_bounds__(CT_)
 colibri_capacity(const int* __restrict__ valid_tokens, int* __restrict__ topk_ids, float* __restrict__ topk_weights,
-                 int* __restrict__ rank, int* __restrict__ dropped, int layer, int flags) {
+                 int* __restrict__ rank, int* __restrict__ dropped, PairOrder* __restrict__ pair_order, int layer,
+                 int flags) {
     pdl_entry();
     __shared__ int s_valid;
     __shared__ int s_dropped;
+#if COLI_GEMV
+    __shared__ PairOrderScratch order;
+#endif
     const int tid = threadIdx.x;
     const bool soft = (flags & CAPACITY_SOFT_) != 0, position = (flags & CAPACITY_POSITION_) != 0;
     const bool choice = (flags & CAPACITY_CHOICE_) != 0;
@@ -133,4 +140,14 @@ colibri_capacity(const int* __restrict__ valid_tokens, int* __restrict__ topk_id
     if (n) atomicAdd(&s_dropped, n);
     __syncthreads();
     if (tid == 0) dropped[layer] = s_dropped;
+#if COLI_GEMV
+    // 4. GEMV path: the pair order colibri_routing built holds the dropped pairs: rebuilt from the kept ones (the
+    // drops above are this block's own stores, visible after the barrier). Without a drop it is already right.
+    if (s_dropped) {  // uniform
+        for (int p = tid; p < PAIRS_; p += CT_) order.ids[p] = topk_ids[p];
+        build_pair_order<CT_>(pair_order, order);
+    }
+#else
+    (void)pair_order;
+#endif
 }

@@ -775,3 +775,107 @@ __device__ __forceinline__ void down_store(float* __restrict__ pair_out, float* 
 #define FOLD_END(THREADS, rows, nrows, x, topk_ids, pair_out, x_next, counters, n0) \
     fold_aggregate<THREADS>(rows, nrows, x, topk_ids, pair_out, x_next, counters, n0, fold_ncols_, fold_list_)
 #endif
+
+// ---- the pair order of the GEMV path (COLI_GEMV; docs/kernels.md "Pair order (GEMV path)") ------------------------
+// The valid (token, slot) pairs p = t*k + j grouped by expert, without padding rows: expert e's pairs are
+// sorted[offsets[e] .. + counts[e]] in increasing p; used[0 .. nused) lists the experts with pairs in increasing
+// index (-1 after them), sorted holds -1 after the last pair. Built once per layer from topk_ids (build_pair_order:
+// by the last block of colibri_routing, and again by colibri_capacity when it drops pairs) into the `pair_order`
+// scratch buffer, (1 + 3 * experts + tokens * k) int32 in this layout (sdk/launch_plan.py PAIR_ORDER); every GEMV
+// block copies it into shared memory with one coalesced loop and one barrier (load_pair_order). Every entry is
+// written on every build. (Defined for every bundle, as small_batch.cu is compiled for every bundle; built and read
+// on the GEMV path only.)
+struct PairOrder {
+    int nused;
+    int counts[E_];
+    int offsets[E_];
+    int used[E_];
+    int sorted[PAIRS_];
+};
+#define PAIR_ORDER_INTS_ (1 + 3 * E_ + PAIRS_)
+static_assert(sizeof(PairOrder) == 4ull * PAIR_ORDER_INTS_, "PairOrder: int32 fields, no padding");
+
+// The builder's shared memory: ids[p] = topk_ids[p], staged by the caller.
+struct PairOrderScratch {
+    int ids[PAIRS_];
+    int counts[E_];
+    int offsets[E_];
+    int nused, total;
+};
+
+// build_pair_order: out = the pair order of the experts s.ids[0 .. PAIRS_) (topk_ids, NO_EXPERT for padded and
+// dropped pairs), which the block's threads have written before the call (the first barrier here orders them), by
+// one whole block of THREADS threads (it has barriers; every thread calls it). Counts by shared atomics
+// (order-free), an exclusive scan over the experts by warp 0 (lane l takes experts l*EPL .. l*EPL + EPL - 1), then
+// the thread of each expert walks all pairs in increasing order and writes its own (pairs * ceil(experts / THREADS)
+// shared reads per thread, broadcasts): a deterministic order.
+template <int THREADS>
+__device__ __forceinline__ void build_pair_order(PairOrder* __restrict__ out, PairOrderScratch& s) {
+    constexpr int EPL = (E_ + 31) / 32;
+    const int tid = threadIdx.x;
+    for (int e = tid; e < E_; e += THREADS) s.counts[e] = 0;
+    __syncthreads();
+    for (int p = tid; p < PAIRS_; p += THREADS) {
+        const int e = s.ids[p];
+        if (e < E_) atomicAdd(&s.counts[e], 1);  // a count: order-free; NO_EXPERT pairs are skipped
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const int lane = tid;
+        int sum = 0, nz = 0;
+        for (int i = 0; i < EPL; ++i) {
+            const int e = lane * EPL + i;
+            if (e < E_) {
+                sum += s.counts[e];
+                nz += s.counts[e] > 0;
+            }
+        }
+        int incl_sum = sum, incl_nz = nz;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int a = __shfl_up_sync(FULL_MASK, incl_sum, offset);
+            const int b = __shfl_up_sync(FULL_MASK, incl_nz, offset);
+            if (lane >= offset) {
+                incl_sum += a;
+                incl_nz += b;
+            }
+        }
+        int run = incl_sum - sum, slot = incl_nz - nz;
+        for (int i = 0; i < EPL; ++i) {
+            const int e = lane * EPL + i;
+            if (e < E_) {
+                s.offsets[e] = run;
+                out->counts[e] = s.counts[e];
+                out->offsets[e] = run;
+                run += s.counts[e];
+                if (s.counts[e] > 0) out->used[slot++] = e;
+            }
+        }
+        if (lane == 31) {
+            s.nused = incl_nz;
+            s.total = incl_sum;
+            out->nused = incl_nz;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < E_; i += THREADS)
+        if (i >= s.nused) out->used[i] = -1;
+    // The thread of expert e walks all pairs in increasing order (every lane reads the same entry: a broadcast).
+    for (int e = tid; e < E_; e += THREADS) {
+        int row = s.offsets[e];
+#pragma unroll 1
+        for (int p = 0; p < PAIRS_; ++p)
+            if (s.ids[p] == e) out->sorted[row++] = p;
+    }
+    for (int p = s.total + tid; p < PAIRS_; p += THREADS) out->sorted[p] = -1;  // slots after the last pair
+}
+
+// load_pair_order: the block's copy of the pair order (`src`, written by an earlier launch): consecutive threads
+// copy consecutive int32 entries, then one barrier. Every thread of a block of THREADS calls it.
+template <int THREADS>
+__device__ __forceinline__ void load_pair_order(const PairOrder* __restrict__ src, PairOrder& dst) {
+    const int* from = reinterpret_cast<const int*>(src);
+    int* to = reinterpret_cast<int*>(&dst);
+    for (int i = threadIdx.x; i < PAIR_ORDER_INTS_; i += THREADS) to[i] = __ldg(from + i);
+    __syncthreads();
+}

@@ -30,7 +30,11 @@
 //   s] (residual) or 0, for the down kernels to atomicAdd into (padded tokens included).
 //   With COLI_ROUTING_FUSED_ALIGN (tiled path without expert capacity) the last group to finish (a second counter,
 //   routing_counters[groups]) also builds the padded expert order (align_pairs below), so colibri_align is not
-//   launched. Each counter is set back to 0 by the block that saw its final count.
+//   launched. On the GEMV path (COLI_GEMV) the last group to finish builds the pair order instead (common.cuh
+//   build_pair_order: the valid pairs by expert, no padding rows) into pair_order, which every GEMV block copies
+//   (with expert capacity colibri_capacity rebuilds it when it drops pairs); with one group (up to 16 tokens) from
+//   the ids it selected, staged in shared memory, without the second counter. Each counter is set back to 0 by the
+//   block that saw its final count.
 //   Determinism: each logit is summed over the rows of a slice in a fixed thread-group order, over the slices in
 //   increasing order, whichever block finishes last: the bits do not depend on scheduling.
 //
@@ -43,7 +47,8 @@
 //   block_experts (that / block_m) int32, expert_counts (experts) int32, expert_offsets (experts+1) int32. Every
 //   entry is written on every call.
 //
-// Limits: experts <= 256, top-k <= COLI_MAX_TOP_K (common.cuh). Any hidden size.
+// Limits: experts <= 256, top-k <= COLI_MAX_TOP_K (common.cuh). Any hidden size. GEMV path: (tokens*k + 2*experts + 2)
+// int32 more static shared memory for the pair order's scratch.
 #include "common.cuh"
 
 #define RT_ COLI_ROUTING_THREADS
@@ -456,14 +461,15 @@ __device__ __forceinline__ void slice_logits_vec(const rw_t* __restrict__ router
 //   shared_expert_gate (hidden,) float32, shared_scale (tokens,) float32 out      COLI_SHARED_GATE
 // Scratch: routing_partials (groups, slices, TG_, experts + COLI_SHARED_GATE) float32, routing_counters
 // (groups + 1) int32 (zero at entry, left zero); expert_counts .. block_experts: the padded expert order (null
-// without COLI_ROUTING_FUSED_ALIGN).
+// without COLI_ROUTING_FUSED_ALIGN); pair_order: the GEMV path's pair order (null on the tiled path).
 // __launch_bounds__(RT_, 1): ptxas may use 65536 / RT_ registers (at 1024 threads it otherwise keeps to 32 and
 // spills in the selection).
 extern "C" __global__ void __launch_bounds__(RT_, 1)
 colibri_routing(const float* __restrict__ x, const rw_t* __restrict__ router, const int* __restrict__ valid_tokens,
                 int* __restrict__ topk_ids, float* __restrict__ topk_weights, float* __restrict__ x_next,
                 float* __restrict__ routing_partials, int* __restrict__ routing_counters, int* __restrict__ expert_counts,
-                int* __restrict__ expert_offsets, int* __restrict__ sorted_pairs, int* __restrict__ block_experts
+                int* __restrict__ expert_offsets, int* __restrict__ sorted_pairs, int* __restrict__ block_experts,
+                PairOrder* __restrict__ pair_order
 #if COLI_ROUTER_BIAS
                 , const float* __restrict__ router_bias
 #endif
@@ -476,6 +482,9 @@ colibri_routing(const float* __restrict__ x, const rw_t* __restrict__ router, co
 ) {
     pdl_entry();
     __shared__ RoutingShared sm;
+#if COLI_GEMV
+    __shared__ PairOrderScratch order;  // the pair order of the GEMV path (common.cuh build_pair_order)
+#endif
     __shared__ int flag;
     __shared__ int any_valid;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -562,12 +571,18 @@ colibri_routing(const float* __restrict__ x, const rw_t* __restrict__ router, co
             if (lane < K_) {
                 topk_ids[tt * K_ + lane] = NO_EXPERT;
                 topk_weights[tt * K_ + lane] = 0.0f;
+#if COLI_GEMV
+                if (TGROUPS_ == 1) order.ids[tt * K_ + lane] = NO_EXPERT;
+#endif
             }
             continue;
         }
         select_token(sm.select.z + t * E_, sm.select.keys + t * E_, sm.select.sel + t * K_,
                      sm.select.gscore + t * COLI_N_GROUP, sm.select.gkeep + t * COLI_N_GROUP, correction_bias, lane,
                      topk_ids + tt * K_, topk_weights + tt * K_);
+#if COLI_GEMV
+        if (TGROUPS_ == 1 && lane < K_) order.ids[tt * K_ + lane] = sm.select.sel[t * K_ + lane];
+#endif
     }
 
 #if COLI_ROUTING_FUSED_ALIGN
@@ -580,6 +595,18 @@ colibri_routing(const float* __restrict__ x, const rw_t* __restrict__ router, co
     (void)expert_offsets;
     (void)sorted_pairs;
     (void)block_experts;
+#endif
+#if COLI_GEMV
+    // 5. GEMV path: the pair order of all pairs, once for the layer's GEMV blocks (colibri_capacity rebuilds it after
+    // dropping pairs). One token group (up to 16 tokens): this block selected every pair and staged the ids above
+    // (no second counter, no global read); more: the last group to finish reads topk_ids of every group through L2.
+    if (TGROUPS_ > 1) {
+        if (!last_to_arrive(routing_counters + TGROUPS_, TGROUPS_, &flag)) return;
+        for (int p = tid; p < PAIRS_; p += RT_) order.ids[p] = __ldcg(topk_ids + p);
+    }
+    build_pair_order<RT_>(pair_order, order);
+#else
+    (void)pair_order;
 #endif
 }
 

@@ -1,13 +1,16 @@
 // small_batch.cu: the few-token fast path (decode, camera frames): expert GEMVs bound by memory bandwidth.
 // Used instead of align + the tiled kernels when tokens*k <= kernels.small_batch.max_pairs (COLI_GEMV 1, decided by
-// the launch plan). Each block builds the expert order of the valid pairs itself, in shared memory (build_order),
-// from topk_ids: no align kernel, no scratch buffer besides act.
+// the launch plan). The expert order of the valid pairs (common.cuh PairOrder: no padding rows) is built once per
+// layer by colibri_routing's last block (and rebuilt by colibri_capacity when it drops pairs) into the pair_order
+// buffer; each block copies it into shared memory (load_pair_order: one coalesced loop, one barrier): no align
+// kernel.
 //
 // colibri_gate_up_gemv — grid (ceil(intermediate / WARPS), min(experts, tokens*k)), block (COLI_SMALL_BATCH_THREADS).
 //   Block (c, s) takes the s-th expert e selected by a valid token (increasing expert index; slots past the last
-//   selected expert exit at once) and intermediate row n = c*WARPS + warp per warp. Chunk-major (float and int8/int4
-//   weights): for each chunk of CHUNK_ columns each warp loads its part of row n of gate[e] and of up[e] into
-//   registers (16-byte loads, L1 bypassed; the next chunk's loads are issued before this chunk is used), then for
+//   selected expert exit after the copy of the order) and intermediate row n = c*WARPS + warp per warp.
+//   Chunk-major (float and int8/int4 weights): for each chunk of CHUNK_ columns each warp loads its part of row n
+//   of gate[e] and of up[e] into registers (16-byte loads, L1 bypassed; the next chunk's loads are issued before
+//   this chunk is used), then for
 //   each group of PASS_ pairs routed to e (8; 4 for int4 and above 512 threads) their x rows of the chunk are staged
 //   in shared memory (a bank-conflict-free layout, SP_) and multiplied, each staged unit read once for gate and up;
 //   chunk sums go to a shared partial per (pair, row), so every weight byte is streamed once:
@@ -40,8 +43,8 @@
 // 16-byte loads over the run's aligned window (stage_run) when they fit in QS_MAX_ entries per matrix; else each
 // lane reads the scales of its vector's groups. Scales are fp16 (COLI_SCALE_FP16 1) or fp32; the router of such a
 // file is fp32.
-// Limits: common.cuh; tokens * ROWS*WARPS * 4 bytes of output tile <= 16 KiB; the rank step of build_order costs
-// O((tokens*k)^2 / threads) shared-memory reads per block (small for the shapes of this path).
+// Limits: common.cuh; tokens * ROWS*WARPS * 4 bytes of output tile <= 16 KiB; build_pair_order walks the tokens*k
+// pairs once per expert thread, once per layer in colibri_routing (small for the shapes of this path).
 #include "common.cuh"
 
 #define THREADS_ COLI_SMALL_BATCH_THREADS
@@ -63,7 +66,6 @@
 // float kernel to 138 registers at 256 threads, one block per SM; bounded, ptxas keeps it at 122 (fp16) and 96
 // (fp32) without spills at sm_80-90, two blocks per SM and twice the bytes in flight.
 #define DMINB_ (THREADS_ < 512 ? 512 / THREADS_ : 1)
-#define EPL_ ((E_ + 31) / 32)  // experts per lane in the scans of build_order
 static_assert(THREADS_ % 32 == 0 && THREADS_ >= 32 && THREADS_ <= 1024,
               "small_batch threads: multiple of 32 in 32..1024");
 #if COLI_QUANT
@@ -113,83 +115,6 @@ typedef wt ws_t;  // stored weight: fp16 bits or fp32
 #define SP_(c) (((c) & ~31) | (((((c) >> 2) + ((c) >> 5) % R_) & 7) << 2) | ((c) & 3))
 static_assert(T_ * TILE_ * 4 <= 16 * 1024 && 2 * T_ * WARPS_ * 4 <= 16 * 1024,
               "small_batch: batch*tokens * rows per block * 4 bytes must be <= 16 KiB (lower max_pairs or threads)");
-
-// The valid pairs grouped by expert, built by every block from topk_ids (same layout as colibri_align's, without
-// padding rows): expert e's pairs are sorted[offsets[e] .. + counts[e]] in increasing p; used[0..nused) lists the
-// experts with pairs in increasing index.
-struct PairOrder {
-    int ids[PAIRS_];
-    int sorted[PAIRS_];
-    int counts[E_];
-    int offsets[E_];
-    int used[E_];
-    int nused;
-};
-
-// Every thread of the block calls it (it has barriers).
-__device__ __forceinline__ void build_order(const int* __restrict__ topk_ids, PairOrder& o) {
-    const int tid = threadIdx.x;
-    for (int e = tid; e < E_; e += THREADS_) o.counts[e] = 0;
-    for (int p = tid; p < PAIRS_; p += THREADS_) o.ids[p] = __ldg(topk_ids + p);
-    __syncthreads();
-    for (int p = tid; p < PAIRS_; p += THREADS_) {
-        const int e = o.ids[p];
-        if (e < E_) atomicAdd(&o.counts[e], 1);  // a count: order-free; NO_EXPERT pairs are skipped
-    }
-    __syncthreads();
-    if (tid < 32) {  // exclusive scans over experts of counts and of (count > 0); lane l takes EPL_ experts
-        const int lane = tid;
-        int sum = 0, nz = 0;
-        for (int i = 0; i < EPL_; ++i) {
-            const int e = lane * EPL_ + i;
-            if (e < E_) {
-                sum += o.counts[e];
-                nz += o.counts[e] > 0;
-            }
-        }
-        int incl_sum = sum, incl_nz = nz;
-#pragma unroll
-        for (int offset = 1; offset < 32; offset <<= 1) {
-            const int a = __shfl_up_sync(FULL_MASK, incl_sum, offset);
-            const int b = __shfl_up_sync(FULL_MASK, incl_nz, offset);
-            if (lane >= offset) {
-                incl_sum += a;
-                incl_nz += b;
-            }
-        }
-        int run = incl_sum - sum, slot = incl_nz - nz;
-        for (int i = 0; i < EPL_; ++i) {
-            const int e = lane * EPL_ + i;
-            if (e < E_) {
-                o.offsets[e] = run;
-                run += o.counts[e];
-                if (o.counts[e] > 0) o.used[slot++] = e;
-            }
-        }
-        if (lane == 31) o.nused = incl_nz;
-    }
-    __syncthreads();
-    for (int p = tid; p < PAIRS_; p += THREADS_) {
-        const int e = o.ids[p];
-        if (e < E_) {
-            int rank = 0;
-#pragma unroll 1
-            for (int q = 0; q < p; ++q) rank += o.ids[q] == e;
-            o.sorted[o.offsets[e] + rank] = p;
-        }
-    }
-    __syncthreads();
-}
-
-// Valid (token, slot) pairs of this call: k * the valid tokens of every sequence.
-__device__ __forceinline__ int valid_pairs(const int* __restrict__ valid_tokens) {
-    int n = 0;
-    for (int b = 0; b < COLI_BATCH; ++b) {
-        const int v = __ldg(valid_tokens + b);
-        n += v < 0 ? 0 : v > COLI_SEQ_TOKENS ? COLI_SEQ_TOKENS : v;
-    }
-    return n * K_;
-}
 
 // Stage columns c0 .. c0 + NEED - 1 of rows src[rows[j]] (c0 = q * CHUNK_ - MARGIN, NEED = CHUNK_ + MARGIN; j < cnt,
 // rows of row_len floats) into stage[j] (column c at SP_(c)): columns outside [0, row_len) are staged as 0 (never
@@ -590,7 +515,8 @@ __device__ __forceinline__ Window row_window(const ws_t* matrix, size_t row, int
 
 extern "C" __global__ void __launch_bounds__(THREADS_, QMINB_)
 colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate, const ws_t* __restrict__ up,
-                     const int* __restrict__ valid_tokens, const int* __restrict__ topk_ids, float* __restrict__ act
+                     const int* __restrict__ valid_tokens, const PairOrder* __restrict__ pair_order,
+                     float* __restrict__ act
 #if COLI_QUANT  // the scale and zero-point blocks (zero points: null without them), after the float arguments
                      , const st* __restrict__ gate_scales, const st* __restrict__ up_scales,
                      const signed char* __restrict__ gate_zeros, const signed char* __restrict__ up_zeros
@@ -602,9 +528,9 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
     __shared__ __align__(16) float stage[PASS_][SWR_];
     __shared__ int tokens[PASS_];
     __shared__ float part[2][T_][WARPS_];  // gate and up dot products of the expert's pairs, summed over chunks
+    (void)valid_tokens;  // not read: the pair order holds the valid pairs (the argument keeps the plan's places)
     const int slot = blockIdx.y;
-    if (slot >= valid_pairs(valid_tokens)) return;  // at most one expert per valid pair; uniform, before any barrier
-    build_order(topk_ids, order);
+    load_pair_order<THREADS_>(pair_order, order);
     if (slot >= order.nused) return;  // uniform
     const int e = order.used[slot], count = order.counts[e], first = order.offsets[e];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n = blockIdx.x * WARPS_ + warp;
@@ -674,7 +600,7 @@ colibri_gate_up_gemv(const float* __restrict__ x, const ws_t* __restrict__ gate,
 
 extern "C" __global__ void __launch_bounds__(THREADS_, DMINB_)
 colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, const ws_t* __restrict__ down,
-                  const int* __restrict__ topk_ids, const float* __restrict__ topk_weights,
+                  const PairOrder* __restrict__ pair_order, const float* __restrict__ topk_weights,
                   float* __restrict__ x_next
 #if COLI_QUANT
                   , const st* __restrict__ down_scales, const signed char* __restrict__ down_zeros
@@ -690,7 +616,7 @@ colibri_down_gemv(const float* __restrict__ x, const float* __restrict__ act, co
     const int n0 = blockIdx.x * TILE_;
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     for (int i = threadIdx.x; i < T_ * TILE_; i += THREADS_) y[i / TILE_][i % TILE_] = 0.0f;
-    build_order(topk_ids, order);  // its barriers also order the zero fill above before the updates below
+    load_pair_order<THREADS_>(pair_order, order);  // its barrier also orders the zero fill above before the updates
 
     const int n_first = n0 + warp * DOWN_ROWS_;  // the warp's rows: n_first .. n_first + DOWN_ROWS_ - 1
     const bool any_row = n_first < H_;

@@ -38,6 +38,7 @@ from .launch_plan import (  # noqa: F401  (re-exported: the catalogue's public n
     FLOAT32_BYTES,
     GEMV_TILE_BYTES,
     INT32_BYTES,
+    PAIR_ORDER,
     PER_LAYER_KINDS,
     ROUTER_GROUP_TOKENS,
     ROUTER_MIN_SLICE_ROWS,
@@ -55,6 +56,7 @@ from .launch_plan import (  # noqa: F401  (re-exported: the catalogue's public n
     io_buffers,
     is_counter_buffer,
     launch_plan,
+    pair_order_ints,
     router_grid,
     sizes,
 )

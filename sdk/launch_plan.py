@@ -149,6 +149,16 @@ def is_counter_buffer(name: str) -> bool:
     return name.endswith(COUNTERS_SUFFIX)
 
 
+# The GEMV path's pair order (kernels/common.cuh PairOrder, docs/kernels.md "Pair order (GEMV path)").
+PAIR_ORDER = "pair_order"
+
+
+def pair_order_ints(experts: int, pairs: int) -> int:
+    """int32 entries of the `pair_order` buffer: nused (1), counts, offsets and used (experts each), then the
+    pairs sorted by expert (pairs)."""
+    return 1 + 3 * experts + pairs
+
+
 def device_buffers(profile: dict, header) -> dict[str, int]:
     """Scratch buffers of one forward pass, allocated once at load: name → size in bytes.
 
@@ -163,6 +173,10 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
         routing_partials (groups, slices, group_tokens, experts [+ 1 shared gate]) float32   partial router logits
                                                     per hidden slice (`router_grid`)
         routing_counters (groups + 1,) int32        colibri_routing's last-block counters (zero between calls)
+      GEMV path only (`Sizes.small_batch` True):
+        pair_order       (1 + 3 * experts + pairs,) int32   the valid pairs grouped by expert (`pair_order_ints`;
+                                                    kernels/common.cuh PairOrder): built once per layer by
+                                                    colibri_routing (and colibri_capacity), read by the GEMV kernels
       tiled path only (`Sizes.small_batch` False):
         expert_counts    (experts,) int32           (token, slot) pairs per expert
         expert_offsets   (experts + 1,) int32       start of each expert's rows in the padded order
@@ -193,7 +207,9 @@ def device_buffers(profile: dict, header) -> dict[str, int]:
         "routing_partials": router_grid(profile, header).partials * FLOAT32_BYTES,
         "routing_counters": router_grid(profile, header).counters * INT32_BYTES,
     }
-    if not s.small_batch:
+    if s.small_batch:
+        buffers[PAIR_ORDER] = pair_order_ints(header.num_experts, s.pairs) * INT32_BYTES
+    else:
         buffers.update(
             expert_counts=e * INT32_BYTES,
             expert_offsets=(e + 1) * INT32_BYTES,
@@ -308,7 +324,11 @@ def launch_plan(profile: dict, header) -> list[dict]:
     docs/kernels.md "Aggregation folded into down (tiled path)"); atomic: it adds each pair into x_next with
     atomicAdd. colibri_routing's grid is (`router_grid` slices, groups), its arguments x, router, valid_tokens,
     topk_ids, topk_weights, x_next, routing_partials, routing_counters, then expert_counts, expert_offsets,
-    sorted_pairs, block_experts (null unless `router_grid(...).fused_align`), then the v2 ones below. The tiled down
+    sorted_pairs, block_experts (null unless `router_grid(...).fused_align`), pair_order (GEMV path, else null),
+    then the v2 ones below. The GEMV kernels take the pair order colibri_routing built: colibri_gate_up_gemv (x,
+    gate, up, valid_tokens (not read), pair_order, act), colibri_down_gemv (x, act, down, pair_order,
+    topk_weights, x_next); colibri_capacity (valid_tokens, topk_ids, topk_weights, capacity_rank,
+    capacity_dropped, pair_order (GEMV path, else null), layer, flags) rebuilds it when it drops pairs. The tiled down
     kernels take (act, down, topk_weights, sorted_pairs, block_experts | expert_offsets, pair_out, x_next, x,
     topk_ids, down_counters) — pair_out and down_counters null with atomic aggregation. With shared experts,
     colibri_shared_gate_up and colibri_shared_down follow (2 more launches, both paths). v2 features add `weights`
@@ -339,11 +359,13 @@ def launch_plan(profile: dict, header) -> list[dict]:
         x, x_next = _buf(f"x{layer % 2}"), _buf(f"x{(layer + 1) % 2}")
         order = ([_buf(name) for name in ("expert_counts", "expert_offsets", "sorted_pairs", "block_experts")]
                  if grid.fused_align else [{"kind": "null"}] * 4)
+        pair_order = _buf(PAIR_ORDER) if s.small_batch else {"kind": "null"}
         plan.append(
             _launch(
                 layer, "routing", "colibri_routing", (grid.slices, grid.groups, 1), k["routing"]["threads"],
                 [x, _weights(header, "router", layer), valid, _buf("topk_ids"), _buf("topk_weights"), x_next,
-                 _buf("routing_partials"), _buf("routing_counters"), *order, *_routing_feature_args(header, layer)],
+                 _buf("routing_partials"), _buf("routing_counters"), *order, pair_order,
+                 *_routing_feature_args(header, layer)],
             )
         )
         if profile.get("capacity") is not None:
@@ -351,7 +373,7 @@ def launch_plan(profile: dict, header) -> list[dict]:
                 _launch(
                     layer, CAPACITY_KERNEL, "colibri_capacity", (1, 1, 1), k["routing"]["threads"],
                     [valid, _buf("topk_ids"), _buf("topk_weights"), _buf("capacity_rank"), _buf(CAPACITY_DROPPED),
-                     {"kind": "i32", "value": layer}, {"kind": "i32", "value": capacity_flags(profile["capacity"])}],
+                     pair_order, {"kind": "i32", "value": layer}, {"kind": "i32", "value": capacity_flags(profile["capacity"])}],
                 )
             )
         gate, up, down = (_weights(header, kind, layer) for kind in ("gate_proj", "up_proj", "down_proj"))
@@ -363,14 +385,14 @@ def launch_plan(profile: dict, header) -> list[dict]:
             plan.append(
                 _launch(
                     layer, "small_batch", "colibri_gate_up_gemv", (_ceil_div(i, warps), min(e, s.pairs), 1),
-                    threads, [x, gate, up, valid, _buf("topk_ids"), _buf("act"),
+                    threads, [x, gate, up, valid, pair_order, _buf("act"),
                               *_quant_args(header, ("gate_proj", "up_proj"), layer), *gate_up_bias],
                 )
             )
             plan.append(
                 _launch(
                     layer, "small_batch", "colibri_down_gemv", (_ceil_div(h, down_gemv_rows(threads)), 1, 1), threads,
-                    [x, _buf("act"), down, _buf("topk_ids"), _buf("topk_weights"), x_next,
+                    [x, _buf("act"), down, pair_order, _buf("topk_weights"), x_next,
                      *_quant_args(header, ("down_proj",), layer), *down_bias],
                 )
             )

@@ -26,6 +26,7 @@ from colibri_sdk.runtime.cuda_backend import POISON_WORD
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to compile the kernels for the CPU")
 
 from emulator import EmulatedDevice, EmulationError, EmulationLibrary, Region, build_library  # noqa: E402
+from kernel_support import expected_pair_order  # noqa: E402
 
 MARGIN = 1e-4  # router logit gap below which fp32 may legitimately pick another expert than float64
 RTOL = 1e-4  # of the largest |reference| value of the token: fp32 accumulation against float64, same weights
@@ -192,7 +193,8 @@ def test_matches_reference(case):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES], indirect=True)
 def test_routing_and_padded_order(case):
-    """The last layer's scratch buffers: top-k ids and weights as the reference, colibri_align's layout exactly."""
+    """The last layer's scratch buffers: top-k ids and weights as the reference, colibri_align's layout (tiled path)
+    or the pair order (GEMV path) exactly."""
     device, stable = case["device"], case["stable"]
     s, h = device.sizes, device.header
     ids = device.buffer("topk_ids", np.int32).reshape(s.tokens, h.top_k)
@@ -200,8 +202,10 @@ def test_routing_and_padded_order(case):
     ref_ids, ref_weights = case["routes"][-1]
     np.testing.assert_array_equal(ids[stable], ref_ids[stable])
     np.testing.assert_allclose(weights[stable], ref_weights[stable], rtol=1e-5, atol=1e-6)
-    if s.small_batch:  # the GEMV kernels build the expert order in shared memory: no buffers to compare
+    if s.small_batch:  # the GEMV path: no padded order; the pair order colibri_routing built for the GEMV blocks
         assert "sorted_pairs" not in device.buffers
+        np.testing.assert_array_equal(device.buffer(catalog.PAIR_ORDER, np.int32),
+                                      expected_pair_order(ids, h.num_experts))
         return
     counts, offsets, sorted_pairs, block_experts = expected_order(ids, h.num_experts, s.block_m, s.padded, s.blocks)
     np.testing.assert_array_equal(device.buffer("expert_counts", np.int32), counts)

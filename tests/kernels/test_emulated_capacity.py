@@ -22,6 +22,7 @@ from colibri_sdk.runtime.cuda_backend import POISON_WORD
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed to compile the kernels for the CPU")
 
 from emulator import EmulatedDevice  # noqa: E402
+from kernel_support import expected_pair_order  # noqa: E402
 
 MARGIN = 1e-4  # router logit gap below which fp32 may legitimately pick another expert than float64
 
@@ -112,6 +113,8 @@ def test_the_kernel_drops_the_pairs_colibri_sdk_capacity_drops(orin_profile, tmp
     np.testing.assert_array_equal(device.buffer("topk_weights", np.float32).reshape(-1, 2),
                                   np.where(expected >= 0, w0, 0.0))
     assert n > 0 and (expected[mask] == NO_EXPERT).any(), "skewed routing must overflow experts 0 and 1"
+    if device.sizes.small_batch:  # the GEMV blocks' pair order holds the kept pairs only (rebuilt by the capacity)
+        np.testing.assert_array_equal(device.buffer(catalog.PAIR_ORDER, np.int32), expected_pair_order(ids, 6))
     if "min" in config:  # min_capacity and the order change the kept pairs here
         base, _ = apply_capacity(np.where(ids0 == 6, NO_EXPERT, ids0), w0, 6, Capacity(0.8, spec["mode"],
                                  spec["policy"]), mask)

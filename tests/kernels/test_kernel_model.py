@@ -149,6 +149,46 @@ def test_time_estimate_limits_by_hand():
     assert e["t_shared_us"] == pytest.approx(100.0)
 
 
+def test_prologue_and_fixed_cost_by_hand(orin_profile):
+    """bench/kernel_model.py prologue_counts() and fixed_cost_us(): the GEMV kernels copy the pair order colibri_routing
+    builds (1 round, 1 barrier + their share of the copy); a plan whose GEMV kernels take topk_ids built it per
+    block (the rank loop of the slowest thread: pairs - 1 reads); the tiles read their expert."""
+    import copy
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from kernel_model import estimate, fixed_cost_us, prologue_counts
+    from kernel_support import make_header
+
+    from colibri_sdk import catalog
+
+    profile = copy.deepcopy(orin_profile)
+    profile["shape"] = {"batch": 1, "tokens": 16}
+    profile["kernels"]["small_batch"]["max_pairs"] = 32
+    profile["kernels"]["small_batch"]["threads"] = 256
+    header = make_header(hidden=256, inter=512, experts=8, top_k=2)
+    plan = {l["symbol"]: l for l in catalog.launch_plan(profile, header)}
+    copy_steps = 1 + -(-(1 + 3 * 8 + 32) // 256)
+    assert prologue_counts(plan["colibri_gate_up_gemv"], 32, 8, 1) == (1, copy_steps)
+    assert prologue_counts(plan["colibri_down_gemv"], 32, 8, 1) == (1, copy_steps)
+    build = 3 + 2 + 2 + 5 + 32 + 1  # barriers, ids and count, scan (EPL 1), an expert's walk over the pairs, the store
+    assert prologue_counts(plan["colibri_routing"], 32, 8, 1) == (0, build)
+    assert prologue_counts(plan["colibri_routing"], 32, 8, 2) == (2, build + 2)  # the second counter, topk_ids
+    old = copy.deepcopy(plan["colibri_gate_up_gemv"])  # the arguments before the pair order: topk_ids in its place
+    old["args"][4] = {"kind": "buffer", "name": "topk_ids"}
+    assert prologue_counts(old, 32, 8, 1) == (2, build + 1 - 32 + 31)  # 4 barriers; the rank loop: 31 reads
+    profile["kernels"]["small_batch"]["max_pairs"] = 1  # the tiles
+    tiles = catalog.launch_plan(profile, header)
+    assert [prologue_counts(l, 32, 8, 1) for l in tiles] == [(0, 0), (1, 0), (1, 0)]
+    # 1 round of 1 us and 1000 steps of 30 clocks at 1 GHz: 31 us on top of the 10 us of DRAM, plus the launch
+    dev = dict(sms=10, bandwidth_gbs=100.0, clock_ghz=1.0, latency_ns=1000.0, launch_us=2.0)
+    e = estimate(dev, 1e6, 0, 0, blocks=10, resident=1, flight_warp=4096, warps=8, prologue=(1, 1000))
+    assert (e["t_prologue_us"], e["time_us"]) == (pytest.approx(31.0), pytest.approx(43.0))
+    kernels = [{"symbol": "colibri_routing", "time_us": 5.0, "t_prologue_us": 1.0},
+               {"symbol": "colibri_gate_up_gemv", "time_us": 100.0, "t_prologue_us": 0.5}]
+    assert fixed_cost_us(kernels, 2.0) == pytest.approx(7.5)
+
+
 def test_routing_reduction_is_conflict_free(tmp_path):
     """colibri_routing's reduction of the row groups' sums (kernels/routing.cu, part[] padded per token) reads each
     warp's lanes from 32 different banks at the shipped Orin profile (128 threads, 8 experts, fp32 router: the

@@ -59,8 +59,9 @@ def _signatures(text: str, enabled: set[str]) -> str:
 
 
 # Pointer parameters a plan may bind to null: the pairs' outputs of atomic aggregation, the padded expert order
-# colibri_routing builds only on the tiled path without expert capacity.
-NULLABLE = ("pair_out", "down_counters", "expert_counts", "expert_offsets", "sorted_pairs", "block_experts")
+# colibri_routing builds only on the tiled path without expert capacity, the pair order of the GEMV path.
+NULLABLE = ("pair_out", "down_counters", "expert_counts", "expert_offsets", "sorted_pairs", "block_experts",
+            "pair_order")
 
 
 def expected_parameter(arg: dict, layer: int, param: str | None = None) -> str:
@@ -206,10 +207,12 @@ def test_buffer_sizes(orin_profile):
     profile["aggregation"] = "atomic"
     assert "pair_out" not in catalog.device_buffers(profile, header)
     assert catalog.DOWN_COUNTERS not in catalog.device_buffers(profile, header)
-    profile["shape"] = {"batch": 2, "tokens": 4}  # 64 pairs: the GEMV path needs no padded order, no pair_out
+    profile["shape"] = {"batch": 2, "tokens": 4}  # 64 pairs: the GEMV path needs no padded order, no pair_out,
+    # but the pair order colibri_routing builds for its blocks
     gemv = catalog.device_buffers(profile, header)
-    assert sorted(gemv) == ["act", "routing_counters", "routing_partials", "topk_ids", "topk_weights",
+    assert sorted(gemv) == ["act", "pair_order", "routing_counters", "routing_partials", "topk_ids", "topk_weights",
                             "valid_tokens", "x0", "x1"]
+    assert gemv["pair_order"] == (1 + 3 * 64 + 64) * 4  # nused, counts, offsets, used; the 64 pairs
     assert gemv["routing_partials"] == 1 * 1 * 8 * 64 * 4 and gemv["routing_counters"] == 2 * 4  # one group of 8
 
 

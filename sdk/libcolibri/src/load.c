@@ -86,7 +86,7 @@ static long long buffer_minimum(const char *name, const cb_header *h, long long 
     static const struct { const char *name; int what; } rules[] = {
         {"x0", 0}, {"x1", 0}, {"valid_tokens", 1}, {"topk_ids", 2}, {"topk_weights", 2}, {"act", 3},
         {"expert_counts", 4}, {"expert_offsets", 5}, {"pair_out", 6}, {"capacity_rank", 7},
-        {"capacity_dropped", 8}, {"shared_act", 9}, {"shared_scale", 10}};
+        {"capacity_dropped", 8}, {"shared_act", 9}, {"shared_scale", 10}, {"pair_order", 11}};
     for (size_t i = 0; i < sizeof rules / sizeof rules[0]; i++) {
         if (strcmp(name, rules[i].name)) continue;
         switch (rules[i].what) {
@@ -105,6 +105,9 @@ static long long buffer_minimum(const char *name, const cb_header *h, long long 
             snprintf(why, why_len, "shared experts %lld x tokens %lld x shared intermediate %lld float32", shared, T,
                      shared_inter);
             return shared * T * shared_inter * 4;
+        case 11: /* sdk/catalog.py pair_order_ints: nused, counts, offsets, used, the sorted pairs */
+            snprintf(why, why_len, "1 + 3 x experts %u + pairs %lld int32", h->num_experts, pairs);
+            return (1 + 3 * (long long)h->num_experts + pairs) * 4;
         default: snprintf(why, why_len, "tokens %lld float32", T); return T * 4;
         }
     }
