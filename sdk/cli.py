@@ -100,6 +100,15 @@ class Terminated(KeyboardInterrupt):
     (a build's hidden `.NAME.partial-*` folder, a convert's `.partial` file) instead of the process just ending."""
 
 
+def printable(text: str) -> str:
+    """`text` with every Unicode category-C character (controls such as ESC, NUL and newline, format characters)
+    written as its Python escape (\\x1b, \\n, \\u200b): an error message quotes paths and values the user gave,
+    and it is one line that never drives the terminal."""
+    import unicodedata
+
+    return "".join(c if unicodedata.category(c)[0] != "C" else repr(c)[1:-1] for c in text)
+
+
 def _on_sigterm(signum, frame):
     raise Terminated()
 
@@ -125,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except ColibriError as exc:
-        print(f"colibri-sdk {args.command}: error: {exc}", file=sys.stderr)
+        print(f"colibri-sdk {args.command}: error: {printable(str(exc))}", file=sys.stderr)
         return 1
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]

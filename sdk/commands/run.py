@@ -18,7 +18,9 @@ def register(sub) -> None:
         help="float32 or float16 (batch, tokens, hidden) or (tokens, hidden), at most the bundle's largest shape; "
         "default: N(0, 1) at the largest shape (or --batch/--tokens)",
     )
-    p.add_argument("--output", metavar="OUT.npy", help="write the output here (float32, the input's shape)")
+    p.add_argument("--output", metavar="OUT.npy", help="write the output here (float32, the input's shape); an "
+                   "existing file is replaced only with --force")
+    p.add_argument("--force", action="store_true", help="replace an existing --output file")
     p.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto", help="default: auto")
     p.add_argument("--iters", type=int, default=100, help="timed calls after the first, 1..1000000 (default: 100)")
     p.add_argument("--eager", action="store_true", help="CUDA: launch kernels one by one instead of graph replay")
@@ -81,16 +83,57 @@ def load_input(path: str):
 
 
 def save_output(path: str, y) -> None:
-    """Write `y` as .npy to exactly `path` (np.save on a name would append .npy to a name without it)."""
+    """Write `y` as .npy to exactly `path` (np.save on a name would append .npy to a name without it): into a new
+    file beside it, then renamed over it, so an interrupted write leaves no half file and a file linked to `path`
+    (a hard link into a bundle, say) is not written through."""
+    import os
+    import tempfile
+
     import numpy as np
 
     from ..errors import InputError
 
+    target = Path(path)
     try:
-        with open(path, "wb") as fh:
-            np.save(fh, y, allow_pickle=False)
+        fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
     except OSError as exc:
         raise InputError(f"--output {path}: cannot write ({exc.strerror or exc})") from exc
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.save(fh, y, allow_pickle=False)
+        os.replace(partial, target)
+    except OSError as exc:
+        raise InputError(f"--output {path}: cannot write ({exc.strerror or exc})") from exc
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def check_output(path: str, force: bool) -> None:
+    """--output names a new file in an existing folder, or (with --force) an existing regular file: never a folder,
+    FIFO, device or socket (opening a FIFO would block). Raises InputError naming it and what is allowed."""
+    import stat
+
+    from ..errors import InputError
+
+    out = Path(path)
+    allowed = "allowed: a new file path in an existing folder, or an existing file with --force"
+    try:
+        mode = out.stat().st_mode
+    except FileNotFoundError:
+        if not out.parent.is_dir():
+            raise InputError(f"--output {path}: folder {out.parent} does not exist; allowed: a file path in an "
+                             "existing folder") from None
+        return
+    except OSError as exc:
+        raise InputError(f"--output {path}: cannot write there: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"--output {path}: is a folder; allowed: a file path in an existing folder")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise InputError(f"--output {path}: {kind}; {allowed}")
+    if not force:
+        raise InputError(f"--output {path}: the file exists; {allowed}")
 
 
 def run(args) -> int:
@@ -105,11 +148,6 @@ def run(args) -> int:
         raise InputError(f"--iters {args.iters}; allowed: 1..{MAX_ITERS}")
     if args.seed < 0:
         raise InputError(f"--seed {args.seed}; allowed: 0 or more")
-    if args.output:
-        out = Path(args.output)
-        if out.is_dir() or not out.parent.is_dir():
-            why = "is a folder" if out.is_dir() else f"folder {out.parent} does not exist"
-            raise InputError(f"--output {args.output}: {why}; allowed: a file path in an existing folder")
     if args.input and (args.batch is not None or args.tokens is not None):
         raise InputError("--batch / --tokens size the random input; --input gives its own shape")
     from ..bundle import Bundle
@@ -120,6 +158,8 @@ def run(args) -> int:
     if args.output and Path(bundle.path).resolve() in Path(args.output).resolve().parents:
         raise InputError(f"--output {args.output}: inside the bundle {bundle.path} (writing it would replace a file "
                          "of the bundle); allowed: a file path outside the bundle folder")
+    if args.output:  # before any work: a FIFO would block the write after the timings
+        check_output(args.output, args.force)
     if not args.no_verify:  # the checksums first, with a progress bar (they read every byte of the weights)
         from .progress import StepBars
 

@@ -254,13 +254,15 @@ class Runtime:
             concurrent.futures.Future resolving to the output (float32, x's shape) or to the call's error.
 
         Raises:
-            InputError: as `infer`, raised by submit itself; `timeout` not None or a finite number >= 0.
+            InputError: as `infer`, raised by submit itself; `timeout` not None or a number in 0..
+                threading.TIMEOUT_MAX.
             BackendError: the runtime is closed. TimeoutError: no slot became free within `timeout`.
         """
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
                                                                                            np.floating))
-                                    or not 0 <= timeout < float("inf")):
-            raise InputError(f"submit timeout = {timeout!r}; allowed: None (wait) or a finite number of seconds >= 0")
+                                    or not 0 <= timeout <= threading.TIMEOUT_MAX):
+            raise InputError(f"submit timeout = {timeout!r}; allowed: None (wait) or a finite number of seconds >= 0, "
+                             f"at most {threading.TIMEOUT_MAX:g} (the platform's longest wait)")
         if not self._finalizer.alive:
             raise BackendError("this Runtime is closed; load the bundle again")
         if self._pipeline is None:

@@ -91,6 +91,41 @@ def test_output_is_written_exactly_where_asked(small_bundle_dir, tmp_path, capsy
     assert np.load(out).shape == (4, 16, SMALL.hidden_size)  # orin's largest shape: batch 4 x tokens 16
 
 
+def test_output_that_is_a_fifo_or_an_existing_file(small_bundle_dir, tmp_path, capsys):
+    """A FIFO is refused before any work (opening it for writing had blocked forever after the timings); an
+    existing file is replaced only with --force, through a new file renamed over it, so a hard link to it (here
+    one into the bundle) keeps its bytes."""
+    import os
+
+    from colibri_sdk import cli
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    start = time.perf_counter()
+    err = cli_error(capsys, "run", str(small_bundle_dir), "--backend", "cpu", "--iters", "1", "--output", str(fifo))
+    assert err.endswith(f"--output {fifo}: a FIFO; allowed: a new file path in an existing folder, or an existing "
+                        "file with --force")
+    assert time.perf_counter() - start < 10
+    existing = tmp_path / "y.npy"
+    os.link(small_bundle_dir / "selftest" / "input.npy", existing)
+    before = (small_bundle_dir / "selftest" / "input.npy").read_bytes()
+    err = cli_error(capsys, "run", str(small_bundle_dir), "--backend", "cpu", "--iters", "1", "--output", str(existing))
+    assert err.endswith("the file exists; allowed: a new file path in an existing folder, or an existing file with "
+                        "--force")
+    assert cli.main(["run", str(small_bundle_dir), "--backend", "cpu", "--iters", "1", "--output", str(existing),
+                     "--force"]) == 0
+    capsys.readouterr()
+    assert np.load(existing).shape == (4, 16, SMALL.hidden_size)
+    assert (small_bundle_dir / "selftest" / "input.npy").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "y.npy"]  # no partial file left
+
+
+def test_a_control_character_in_an_error_is_escaped(tmp_path, capsys):
+    """Errors quote what the user gave: a path holding ESC or a newline is printed escaped, on one line."""
+    err = cli_error(capsys, "inspect", str(tmp_path / "a\nb\x1b]0;title\x07"))
+    assert "\x1b" not in err and "a\\nb\\x1b]0;title\\x07" in err
+
+
 def test_output_that_is_a_folder(small_bundle_dir, tmp_path, capsys):
     err = cli_error(capsys, "run", str(small_bundle_dir), "--backend", "cpu", "--output", str(tmp_path))
     assert err.endswith("is a folder; allowed: a file path in an existing folder")

@@ -117,7 +117,7 @@ def test_a_forgotten_runtime_is_collected_and_its_worker_ends(small_bundle):
     _wait_for_the_end_of(worker)
 
 
-@pytest.mark.parametrize("timeout", [-1, float("nan"), float("inf"), "1", True])
+@pytest.mark.parametrize("timeout", [-1, float("nan"), float("inf"), "1", True, 1e10])  # 1e10: queue's OverflowError
 def test_a_bad_submit_timeout_is_refused_by_name(small_bundle, timeout):
     x = np.zeros((1, 2, 64), np.float32)
     with Runtime.load(small_bundle, backend="cpu", verify=False) as rt:
