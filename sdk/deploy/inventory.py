@@ -64,7 +64,7 @@ def load_inventory(path, base: Target, config=None, port_given: bool = True) -> 
             duplicate names, the same device and remote_dir twice.
     """
     from ..errors import ProfileError
-    from ..profile import parse_yaml
+    from ..yaml_reader import parse_yaml
 
     file = Path(path)
     if file.exists() and not file.is_file() and not file.is_dir():  # a FIFO would block the read, a device not end
