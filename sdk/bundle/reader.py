@@ -183,7 +183,9 @@ class Bundle:
         except OSError as exc:  # e.g. EACCES on a folder above it: Path.is_dir raises what is not "no such file"
             raise BundleError(f"{root}: cannot examine the bundle folder: {exc.strerror}") from None
         if not is_dir:
-            what = ("a file; `colibri-sdk build` makes a bundle folder of a .colibri file" if root.is_file()
+            what = ("an archive; unpack it first (tar -xf): `build --archive` writes the bundle folder beside it"
+                    if root.is_file() and root.name.endswith(".tar") else
+                    "a file; `colibri-sdk build` makes a bundle folder of a .colibri file" if root.is_file()
                     else "not a directory" if root.exists() else "no such directory")
             raise BundleError(f"{root} is not a bundle folder ({what})")
         raw = read_manifest(root)

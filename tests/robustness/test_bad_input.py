@@ -129,3 +129,12 @@ def test_a_control_character_in_an_error_is_escaped(tmp_path, capsys):
 def test_output_that_is_a_folder(small_bundle_dir, tmp_path, capsys):
     err = cli_error(capsys, "run", str(small_bundle_dir), "--backend", "cpu", "--output", str(tmp_path))
     assert err.endswith("is a folder; allowed: a file path in an existing folder")
+
+
+def test_an_archive_given_as_the_bundle_says_to_unpack_it(tmp_path, capsys):
+    """`verify b.tar` (what `build --archive` writes beside the folder) says it is an archive to unpack."""
+    archive = tmp_path / "b.tar"
+    archive.write_bytes(b"\0" * 1024)
+    err = cli_error(capsys, "verify", str(archive))
+    assert err.endswith(f"{archive} is not a bundle folder (an archive; unpack it first (tar -xf): `build --archive` "
+                        "writes the bundle folder beside it)")
