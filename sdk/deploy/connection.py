@@ -333,18 +333,23 @@ def tried_keys(t: Target, keys) -> str:
 
 
 def check_identity(t: Target, key_file: str) -> None:
-    """Refuse an --identity that is missing, a folder, a public key, or no private key paramiko can read, before
-    any connection is made.
+    """Refuse an --identity that is missing, a folder, a FIFO or a device, a public key, or no private key paramiko
+    can read, before any connection is made.
 
     Raises:
         AuthenticationError: the file and what is wrong with it.
     """
     import paramiko
 
+    from ..bundle.paths import kind_of
+
     path = Path(key_file)
     if path.is_dir():
         raise AuthenticationError(f"{t.label}: identity {key_file} is a folder; expected a private key file "
                                   f"(e.g. ~/.ssh/id_ed25519)")
+    if path.exists() and not path.is_file():  # a FIFO would block the read, a device not end
+        raise AuthenticationError(f"{t.label}: identity {key_file} is {kind_of(path.stat().st_mode)}; expected a "
+                                  f"private key file (a regular file, e.g. ~/.ssh/id_ed25519)")
     if not path.is_file():
         raise AuthenticationError(f"{t.label}: identity file {key_file} not found")
     try:

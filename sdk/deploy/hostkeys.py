@@ -49,9 +49,14 @@ class KnownHosts:
         self.is_default = path is None
         self.keys = paramiko.HostKeys()
         sources = [self.path] if path is not None else [SYSTEM_KNOWN_HOSTS, self.path]
-        if path is not None and self.path.exists() and not self.path.is_file():
+        if path is not None and self.path.is_dir():
             raise HostKeyError(f"known_hosts {self.path} is not a file (a folder?); expected a known_hosts file, "
                                f"which need not exist yet")
+        if path is not None and self.path.exists() and not self.path.is_file():  # a FIFO, a device
+            from ..bundle.paths import kind_of
+
+            raise HostKeyError(f"known_hosts {self.path} is {kind_of(self.path.stat().st_mode)}; expected a "
+                               f"known_hosts file (a regular file), which need not exist yet")
         for source in sources:
             if source.is_file():
                 try:

@@ -253,3 +253,22 @@ def test_inventory_with_a_duplicate_key_is_refused(tmp_path):
     inventory.write_text("hosts:\n  - host: root@127.0.0.1\n    port: 22\n    port: 2222\n")
     with pytest.raises(DeployError, match=r"inventory .*lines\.yaml:4:5: duplicate key 'port' at line 4 \(first at line 3\)"):
         load_inventory(inventory, Target(host="127.0.0.1"))
+
+
+def test_identity_and_known_hosts_that_are_a_fifo_or_a_device(tmp_path):
+    import os
+
+    from colibri_sdk.deploy import HostKeyError
+
+    t = Target("h", user="u")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    for path, kind in ((fifo, "a FIFO"), ("/dev/zero", "a device")):
+        with pytest.raises(AuthenticationError, match=re.escape(
+                f"u@h:22: identity {path} is {kind}; expected a private key file (a regular file, e.g. "
+                f"~/.ssh/id_ed25519)")):
+            check_identity(t, str(path))
+        with pytest.raises(HostKeyError, match=re.escape(
+                f"known_hosts {path} is {kind}; expected a known_hosts file (a regular file), which need not exist "
+                f"yet")):
+            KnownHosts(path)

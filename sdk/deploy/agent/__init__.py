@@ -7,6 +7,7 @@ module is compiled when first imported, so an operation's start pays only for th
 shell. Python 3.8 compatible (JetPack 5 ships 3.8, JetPack 6 ships 3.10): nothing needs installing on the device.
 
     common.py     AgentError, the JSON answer, argument checks, hashing, fsync, the ROOT/.lock flock
+    layout.py     what under ROOT is the store's: an entry it did not make is refused before anything changes
     receiver.py   `receive`: store objects streamed on stdin, hashed on the device as they are written
     objects.py    the content-addressed store: `plan`, garbage collection
     bundles.py    bundle folders: `stage` (hard links into the store, every file hashed), listing, pruning
@@ -27,6 +28,10 @@ Layout under ROOT (the --remote-dir):
     ROOT/wheels/<file>.whl         wheels shipped by `--install-runtime` (hard links into the store)
     ROOT/venv/                     the device runtime's virtual environment; ROOT/runtime.json records it
     ROOT/.lock                     flock(2) held while a bundle folder is staged or a pointer is switched
+
+A ROOT where bundles/, store/, current, previous, history or .lock holds something else (a user's folder in
+bundles/, their own `history` file) is refused before anything is created or changed there (layout.py): the store
+deletes and overwrites only what it made.
 
 Errors from the operating system print {"error": {"errno": NAME, "path": PATH, "message": TEXT}} and exit 3.
 """

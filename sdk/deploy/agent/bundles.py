@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 
-from .common import AgentError, check_id, check_rel, check_sha, fsync_dir, hash_file, remove_quietly
+from .common import AgentError, check_id, check_rel, check_sha, fsync_dir, hash_file, is_bundle_id, remove_quietly
 
 
 def remove_tree(path, ignore_errors=False):
@@ -108,12 +108,13 @@ def check_bundle(root, bundle_id):
 
 
 def list_bundles(root):
-    """Bundle folders, newest activation first: (id, mtime)."""
+    """Bundle folders (named by a bundle id: nothing else is listed, so nothing else is pruned), newest activation
+    first: (id, mtime)."""
     bundles = os.path.join(root, "bundles")
     rows = []
     for name in os.listdir(bundles):
         full = os.path.join(bundles, name)
-        if not name.startswith(".") and os.path.isdir(full):
+        if is_bundle_id(name) and os.path.isdir(full) and not os.path.islink(full):
             rows.append((name, os.stat(full).st_mtime))
     rows.sort(key=lambda r: r[1], reverse=True)
     return rows
@@ -121,7 +122,7 @@ def list_bundles(root):
 
 def prune_bundles(root, keep, protected):
     """Keep the `keep` most recently activated bundles besides the `protected` ones (current and previous);
-    delete the other folders. Returns the ids removed."""
+    delete the other bundle folders (list_bundles: only folders named by a bundle id). Returns the ids removed."""
     removed = []
     others = [name for name, _ in list_bundles(root) if name not in protected]
     for name in others[keep:]:

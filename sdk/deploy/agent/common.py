@@ -1,7 +1,6 @@
 """What every agent operation shares: the refusal type, the one-line JSON answer, argument checks, hashing,
 fsync and the ROOT/.lock flock."""
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -40,6 +39,11 @@ def check_rel(path):
     if any(ord(c) < 32 for c in path):
         raise AgentError("unsafe bundle path %r: control characters are not allowed" % (path,))
     return parts
+
+
+def is_bundle_id(name):
+    """Whether `name` is a bundle id as the store names its folders: 1 to 64 lowercase hex digits."""
+    return 0 < len(name) <= 64 and set(name) <= HEX
 
 
 def check_id(bundle_id):
@@ -92,13 +96,6 @@ def write_atomic(path, data):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def make_dirs(root):
-    if os.path.lexists(root) and not os.path.isdir(root):
-        raise OSError(errno.ENOTDIR, "the remote dir exists but is not a folder", root)
-    for sub in ("", "store", "bundles"):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
 
 
 def free_bytes(root):

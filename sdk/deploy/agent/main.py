@@ -14,7 +14,7 @@ OPS = {"plan": ("objects", "op_plan"), "receive": ("receiver", "op_receive"), "s
        "switch": ("pointers", "op_switch"), "rollback": ("pointers", "op_rollback"), "undo": ("pointers", "op_undo"),
        "status": ("status", "op_status"), "probe": ("runtime", "op_probe"), "install": ("runtime", "op_install")}
 # Every module sent (colibri_sdk.deploy.remote.agent_source), main last.
-MODULES = ("common", "receiver", "objects", "runtime", "bundles", "pointers", "status", "main")
+MODULES = ("common", "layout", "receiver", "objects", "runtime", "bundles", "pointers", "status", "main")
 
 
 def main(argv):

@@ -2,12 +2,13 @@
 
 import os
 
-from .common import HEX, check_sha, emit, free_bytes, make_dirs
+from .common import HEX, check_sha, emit, free_bytes
+from .layout import make_dirs
 
 
 def op_plan(root, *items):
-    """Create the folders; for each object: stored / partial (with offset) / missing; the free bytes; and the
-    runtime record (runtime.json) when `--install-runtime` wrote one."""
+    """Create the folders (after layout.check_layout); for each object: stored / partial (with offset) /
+    missing; the free bytes; and the runtime record (runtime.json) when `--install-runtime` wrote one."""
     make_dirs(root)
     objects = {}
     for item in items:

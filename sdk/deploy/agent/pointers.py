@@ -12,7 +12,8 @@
                             `current` pointer (a first deploy whose health check failed); the bundle stepped back
                             to keeps its activation time, and ID gets back MTIME (the time `switch` replaced)
 
-`previous` always names the entry before `current` in the history (absent when there is none).
+`previous` always names the entry before `current` in the history (absent when there is none). Each operation
+first refuses a ROOT holding an entry the store did not make (layout.check_layout), before it takes the lock.
 """
 
 import json
@@ -21,6 +22,7 @@ import time
 
 from .bundles import check_bundle, parse_items, prune_bundles, stage
 from .common import AgentError, Lock, check_id, emit, fsync_dir, remove_quietly, write_atomic
+from .layout import check_layout
 from .objects import collect_garbage
 
 
@@ -97,6 +99,7 @@ def op_stage(root, bundle_id, fresh, keep, *items):
     pairs = parse_items(items)
     fresh = set(s for s in fresh.split(",") if s)
     keep = int(keep)
+    check_layout(root)  # before the lock, which would create ROOT/.lock
     with Lock(root):
         answer = stage(root, bundle_id, pairs, fresh)
         if keep >= 0 and not answer["corrupt"]:
@@ -107,6 +110,7 @@ def op_stage(root, bundle_id, fresh, keep, *items):
 def op_switch(root, bundle_id, keep):
     check_id(bundle_id)
     keep = int(keep)
+    check_layout(root)
     with Lock(root):
         if not os.path.isdir(os.path.join(root, "bundles", bundle_id)):
             raise AgentError("no bundle %s under %s" % (bundle_id, os.path.join(root, "bundles")))
@@ -132,6 +136,7 @@ def step_back(root, history, retouch=True):
 def op_rollback(root, bundle_id=""):
     if not os.path.isdir(os.path.join(root, "bundles")):  # before the lock, which would create ROOT/.lock
         raise AgentError("nothing to roll back to: no bundles under %s (is --remote-dir right? see --status)" % root)
+    check_layout(root)
     with Lock(root):
         history = read_history(root)
         current = history[-1] if history else None
@@ -155,6 +160,7 @@ def op_undo(root, bundle_id, mtime=""):
     """Take back the activation of ID (a failed health check): step back, or leave no bundle current."""
     check_id(bundle_id)
     mtime = float(mtime) if mtime else None
+    check_layout(root)
     with Lock(root):
         history = read_history(root)
         current = history[-1] if history else None

@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-from .common import AgentError, Lock, check_rel, check_sha, emit, make_dirs, write_atomic
+from .common import AgentError, Lock, check_rel, check_sha, emit, write_atomic
+from .layout import make_dirs
 
 RECORD = "runtime.json"
 

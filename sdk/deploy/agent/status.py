@@ -1,4 +1,5 @@
-"""`status ROOT`: the bundles, pointers, history, store and free space.
+"""`status ROOT`: the bundles, pointers, history, store and free space; a ROOT with bundles/ but no store/, or
+holding an entry the store did not make (layout.check_layout), is refused.
 
 A bundle's "files" counts the files its manifest lists (manifest.json besides), its "bytes" all of them; its
 "manifest" the keys `--status` shows: profile name, model sizes (the weights header), dtype, shape, arch.
@@ -8,7 +9,8 @@ import json
 import os
 
 from .bundles import list_bundles
-from .common import emit, free_bytes
+from .common import AgentError, emit, free_bytes
+from .layout import check_layout
 from .pointers import read_history, read_pointer
 from .runtime import read_record
 
@@ -29,6 +31,9 @@ def op_status(root):
     if not os.path.isdir(os.path.join(root, "bundles")):
         emit({"root": root, "exists": False, "bundles": []})
         return
+    if not os.path.isdir(os.path.join(root, "store")):
+        raise AgentError("%r is not a colibri store (no store/); allowed: a --remote-dir a deploy made" % root)
+    check_layout(root)
     rows = []
     for name, mtime in list_bundles(root):
         folder = os.path.join(root, "bundles", name)
