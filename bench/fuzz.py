@@ -1,9 +1,10 @@
-"""Mutation fuzzing of every file the SDK reads: .colibri weights (v1 and v2), bundles, device profiles, HF checkpoints.
+"""Mutation fuzzing of every file the SDK reads: .colibri weights (v1 and v2), bundles, device profiles, HF checkpoints,
+GGUF files.
 
 Each case mutates a valid input with a seeded generator (byte flips, header fields, structure-aware JSON / YAML
 edits, links, FIFOs, forged digests), runs the SDK's own reader on it (`ColibriFile`; `Bundle.open` +
-`Runtime.load(cpu)` + self-test + inspect; `load_profile`; `convert`), and sorts the outcome into one column
-(bench/fuzzing/cases.py):
+`Runtime.load(cpu)` + self-test + inspect; `load_profile`; `convert` of a checkpoint or a GGUF file), and sorts the
+outcome into one column (bench/fuzzing/cases.py):
 
     typed                a ColibriError with a one-line message (a multi-line one counts as a crash; one over
                          1,000 characters is listed as a note under the table)
@@ -13,17 +14,18 @@ edits, links, FIFOs, forged digests), runs the SDK's own reader on it (`ColibriF
     silent-wrong         accepted, but the independent check disagrees (e.g. a file that differs from its manifest)
     read-outside-folder  a file under the "outside" folder (a copy the links point at) was opened
 
-One module per surface in bench/fuzzing/ (colibri_files, v2_files, bundles, profiles, checkpoints, and
+One module per surface in bench/fuzzing/ (colibri_files, v2_files, bundles, profiles, checkpoints, gguf_files, and
 agent_answers: the deploy client fed mutated answers of a device's agent, its own columns described there); this
 script runs them. The independent checks are written there from the specs, not with the code under test: .colibri sizes and
 tensor offsets from docs/format.md (v2: the header fields at their offsets, the block list and a dequantized matrix
 per kind, over int8 / int4 / float bases with shared experts and each routing variant); a bundle's files re-hashed with hashlib, its canonical JSON recomputed, its weights
 header and values read with struct/NumPy; a profile's values against docs/profiles.md's ranges; a converted
 checkpoint's tensors against safetensors' own loader (Mixtral layout: w1 = gate, w3 = up, w2 = down, gate.T =
-router). Opens are watched with an audit hook (sys.addaudithook, the "open" event). Everything runs in this
-process, so a segfault would end the run (none has happened).
+router); a converted GGUF file's sizes and tensors against gguf-py's reading of it. Opens are watched with an audit
+hook (sys.addaudithook, the "open" event). Everything runs in this process, so a segfault would end the run (none
+has happened).
 
-    python bench/fuzz.py                        # the full counts: 10,000 / 1,200 / 3,000 / 3,000 / 1,000 / 3,000
+    python bench/fuzz.py                        # the full counts: 10,000 / 1,200 / 3,000 / 3,000 / 1,000 / 600 / 3,000
     python bench/fuzz.py --scale 0.1            # a tenth of each
     python bench/fuzz.py --only bundle --seed 7
     python bench/fuzz.py --only v2 --scale 0.1
@@ -44,12 +46,14 @@ from fuzzing.bundles import fuzz_bundles  # noqa: E402
 from fuzzing.cases import BAD, COLUMNS, Tally, run_case  # noqa: E402,F401 (run_case: used by tests/robustness)
 from fuzzing.checkpoints import fuzz_checkpoints  # noqa: E402
 from fuzzing.colibri_files import fuzz_colibri  # noqa: E402
+from fuzzing.gguf_files import fuzz_gguf  # noqa: E402
 from fuzzing.profiles import fuzz_profiles  # noqa: E402
 from fuzzing.v2_files import fuzz_v2  # noqa: E402
 
-FULL = {"colibri": 10_000, "v2": 1_200, "bundle": 3_000, "profile": 3_000, "checkpoint": 1_000, "agent": 3_000}
+FULL = {"colibri": 10_000, "v2": 1_200, "bundle": 3_000, "profile": 3_000, "checkpoint": 1_000, "gguf": 600,
+        "agent": 3_000}
 TARGETS = {"colibri": fuzz_colibri, "v2": fuzz_v2, "bundle": fuzz_bundles, "profile": fuzz_profiles,
-           "checkpoint": fuzz_checkpoints, "agent": fuzz_agent}
+           "checkpoint": fuzz_checkpoints, "gguf": fuzz_gguf, "agent": fuzz_agent}
 
 
 def run(counts: dict[str, int], seed: int, timeout: float, work: Path | None = None) -> list[Tally]:

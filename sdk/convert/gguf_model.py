@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import ConvertError
 from ..format.constants import QUANT_INT4, QUANT_INT8
 from .families import U16_MAX, ExpertSpec, ModelSpec, RouterSpec, SharedSpec
+from .gguf_header import check_header
 from .layout import Layout, Source
 from .model import Model
 from .tensors import Codes
@@ -61,7 +62,8 @@ class GGUFModel(Model):
     """One GGUF file (`.gguf`) holding a MoE model.
 
     Raises:
-        ConvertError: not a readable GGUF file, an architecture other than ARCHITECTURES, missing or out-of-range
+        ConvertError: a header count or length beyond the file's end, or an unknown value type (gguf_header), not
+            a readable GGUF file, an architecture other than ARCHITECTURES, missing or out-of-range
             metadata, a layout without 3-D `*_exps` tensors, missing or mis-shaped tensors, a GGML type other
             than F32/F16/BF16/Q8_0/Q4_0.
     """
@@ -71,6 +73,7 @@ class GGUFModel(Model):
         self.path = Path(path)
         if not self.path.is_file():
             raise ConvertError(f"{self.path}: no such GGUF file")
+        check_header(self.path, gguf)  # every count and length against the file's size, before gguf-py trusts them
         try:
             self.reader = gguf.GGUFReader(str(self.path), "r")
         except Exception as exc:  # gguf-py raises ValueError / struct.error / OSError on malformed files

@@ -1,4 +1,4 @@
-"""bench/fuzz.py at CI-sized counts with fixed seeds: every mutated .colibri file, bundle, profile, checkpoint and device-agent answer
+"""bench/fuzz.py at CI-sized counts with fixed seeds: every mutated .colibri file, bundle, profile, checkpoint, GGUF file and device-agent answer
 ends as a one-line typed error or as an accepted input an independent check agrees with; never a crash, a hang, a
 silent wrong answer or a read outside the bundle folder. (The large counts: `python bench/fuzz.py`,
 bench/results/fuzz.txt.)"""
@@ -33,7 +33,7 @@ def _check(tally) -> None:
 
 
 @pytest.mark.parametrize(("name", "count", "seed"), [("colibri", 300, 1), ("v2", 120, 5), ("profile", 150, 2), ("agent", 300, 4),
-                                                    ("checkpoint", 50, 3)])
+                                                    ("checkpoint", 50, 3), ("gguf", 120, 6)])
 def test_fuzz_files(fuzz, tmp_path, name, count, seed):
     _check(fuzz.TARGETS[name](count, seed, tmp_path, 10.0))
 
