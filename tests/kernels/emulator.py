@@ -69,6 +69,11 @@ def _compiler_version() -> str:
     return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
 
 
+# Compile constants that change no emulated instruction: COLI_PDL selects griddepcontrol PTX only (common.cuh
+# pdl_entry), so a bundle with programmatic dependent launch shares the library of the same constants without it.
+EMULATION_IGNORES = ("COLI_PDL",)
+
+
 def build_library(defines: dict[str, int], source_dir: Path | None = None,
                   units: list[tuple[str, tuple[str, ...]]] | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the kernel sources with g++ into one shared library; returns its path.
@@ -91,6 +96,7 @@ def build_library(defines: dict[str, int], source_dir: Path | None = None,
         raise EmulationError("g++ not found on PATH")
     source_dir = Path(source_dir or catalog.kernel_dir())
     units = units or kernel_units()
+    defines = {k: v for k, v in defines.items() if k not in EMULATION_IGNORES}
     flags = [*CXXFLAGS, *extra_flags, *(f"-D{k}={int(v)}" for k, v in sorted(defines.items()))]
     sources = _sources_digest(source_dir)
     digest = hashlib.sha256("\n".join([_compiler_version(), *flags, repr(units), sources]).encode())
