@@ -41,6 +41,20 @@ if problems:
     sys.exit(f"scripts/test.sh: wrong .venv: {'; '.join(problems)} (rm -r .venv and run again: scripts/setup_env.sh "
              "installs torch==2.13.0+cpu)")
 CHECK
+# pytest's temporary folders (about 3.5 GB of bundles, venvs and device stores per run): on tmpfs (/dev/shm) where it
+# has 8 GB free, in a folder of this run that is removed at exit. On a disk they cost writeback while the tests run
+# and, when pytest later removes old runs' folders, a minute or more of unlinking (on a filesystem mounted with
+# `discard`, every freed extent is trimmed). Elsewhere, or with --basetemp given, pytest's default
+# ($TMPDIR/pytest-of-$USER, the last 3 runs kept). COLIBRI_TEST_TMPFS=0 turns the tmpfs folder off.
+basetemp=()
+if [ "${COLIBRI_TEST_TMPFS:-1}" != 0 ] && [[ " $* " != *" --basetemp"* ]] && [ -d /dev/shm ] && [ -w /dev/shm ]; then
+  free_kb="$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')"
+  if [ "${free_kb:-0}" -ge $((8 * 1024 * 1024)) ]; then
+    run_tmp="$(mktemp -d /dev/shm/colibri-tests-XXXXXX)"
+    trap 'rm -rf "$run_tmp"' EXIT
+    basetemp=(--basetemp "$run_tmp/pytest")
+  fi
+fi
 # One pytest worker per core (pytest-xdist); each test file runs on one worker, so its module fixtures are made once.
 # `bash scripts/test.sh -n 0` runs everything in one process.
-python -m pytest -q -ra -n auto --dist loadfile "$@"
+python -m pytest -q -ra -n auto --dist loadfile ${basetemp[@]+"${basetemp[@]}"} "$@"

@@ -10,7 +10,8 @@ import pytest
 
 from colibri_sdk.demo import write_demo_model
 
-# Bundle builds compile through a content-keyed NVRTC cache (tests/nvrtc_cache_support.py); the NVRTC tests do not.
+# Bundle builds and the kernels' compile checks go through a content-keyed NVRTC cache (tests/nvrtc_cache_support.py);
+# the tests of NVRTC itself do not.
 nvrtc_cache_support.install()
 
 # Full-size cases that cost minutes of CPU emulation carry the `full` marker: the default run checks the same

@@ -9,6 +9,7 @@ A case that skips because no GPU is usable is a failure on a GPU machine: the ch
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,7 +81,10 @@ def run_cases(results, ids: list[str], pytest_args: list[str], per_case_s: float
                 values["reason"] = reason
             results.write("case", status, **values)
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for future in [pool.submit(one, i, node) for i, node in enumerate(ids)]:
-            future.result()
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for future in [pool.submit(one, i, node) for i, node in enumerate(ids)]:
+                future.result()
+    finally:  # the cases' bundles and reports (their output is in the log and the results already)
+        shutil.rmtree(tmp, ignore_errors=True)
     return counts

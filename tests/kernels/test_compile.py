@@ -1,6 +1,7 @@
 """Every kernel source compiles with NVRTC for each supported arch, in fp16 and fp32, with odd sizes, without spills.
 
-Real NVRTC (cuda.bindings.nvrtc, the build's compile helper); no GPU needed.
+Real NVRTC (cuda.bindings.nvrtc, the build's compile helper), its output kept in the tests' cache
+(tests/nvrtc_cache_support.py); no GPU needed.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import pytest
 
 from colibri_sdk import catalog
 from colibri_sdk.aot.cubin import cubin_sm
-from colibri_sdk.aot.nvrtc import compile_source
 from colibri_sdk.errors import CompileError
 
 from kernel_support import make_header
+from nvrtc_cache_support import compile_source
 
 ARCHS = ("sm_80", "sm_87", "sm_89", "sm_90")
 # (label, header kwargs, profile overrides)

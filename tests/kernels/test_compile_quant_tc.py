@@ -1,5 +1,6 @@
 """kernels/expert_quant_tc.cu compiles with NVRTC (real ptxas resource report, no GPU) for int8 and int4 weights at
-full model sizes, without spills or stack, with its scales staged in shared memory or read from global memory."""
+full model sizes, without spills or stack, with its scales staged in shared memory or read from global memory
+(NVRTC's output kept in the tests' cache, tests/nvrtc_cache_support.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import copy
 import pytest
 
 from colibri_sdk import catalog
-from colibri_sdk.aot.nvrtc import compile_source
 from colibri_sdk.format import HeaderV2
+
+from nvrtc_cache_support import compile_source
 
 # (quant, group size, zero points, scale dtype, hidden, intermediate, experts, top-k, arch, scale staging)
 CONFIGS = {
