@@ -16,7 +16,8 @@ from runtime_cpu_system import BLAS_VARS, ROOT, child
 
 # ---- one MoE layer: colibri vs transformers vs a NumPy copy ------------------------------------------------------
 SHAPES = {"A": (1024, 2816, 8, 2), "B": (2048, 768, 128, 8)}  # hidden, intermediate, experts, top-k
-STORAGES = {"fp32": (0, 0, 0), "fp16": (0, 0, 1), "int8": (1, 0, 1), "int4 g128": (2, 128, 1)}  # quant, group, dtype
+STORAGES = {"fp32": (0, 0, 0), "fp16": (0, 0, 1), "int8": (1, 0, 1), "int4 g128": (2, 128, 1),
+            "int4 g32": (2, 32, 1)}  # quant, group, dtype (int4 g32: llama.cpp Q4_0's group and bits per weight)
 MOE_TOKENS = (1, 4, 16, 64)
 POOL_BYTES = 1 << 30  # the copy's source: the storage's layer size, at most 1 GiB (L3 here: 480 MiB)
 MOE_CHILD = """
