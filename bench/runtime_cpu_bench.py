@@ -4,17 +4,28 @@ copy, `Runtime.infer` against the backend's own call, the BLAS thread rule, and 
 MoE layer ("moe"): shape A (hidden 1024, intermediate 2816, 8 experts, top-2; Mixtral's block) and shape B (hidden
 2048, intermediate 768, 128 experts, top-8; Qwen3-MoE's block with norm_topk_prob), one layer each. fp32: the
 transformers block at random initialisation and the .colibri file written from its weights (outputs compared);
-fp16 / int8 per row / int4 g128: files of random codes and scales of the same shape. Per point (shape, storage,
-tokens 1/4/16/64, threads 1 and 2) the fastest call of interleaved rounds (the machine is shared: each round runs
-every point once, in alternating order): `CpuBackend.run_layers` (threads: BLAS threads through threadpoolctl; the
-compiled kernels split the layer's experts between as many threads), torch (torch.set_num_threads), and at T=1 a NumPy copy of as many bytes
-as the selected experts store, from a pool of the layer's size (the same cache footprint). Before each timed call
-of these three, 1 GiB of other memory is read (untimed): every call starts with its weights out of the cache (a
-layer of shape A fits the 480 MiB L3 here, and torch, timed right after colibri on the same inputs, found the
-experts cached). Ratios: torch time ÷ colibri time (> 1: colibri faster); effective bandwidth = the selected
-experts' stored bytes ÷ time, ÷ the copy's.
+fp16 / int8 per row / int4 g128 / int4 g32: files of random codes and scales of the same shape. Per point (shape,
+storage, tokens 1/4/16/64, threads 1 and 2) the fastest call of interleaved rounds (the machine is shared: each
+round runs every point once, in alternating order): `CpuBackend.run_layers` (threads: BLAS threads through
+threadpoolctl; the compiled kernels split the layer's experts between as many threads), torch
+(torch.set_num_threads), and at T=1 a NumPy copy of as many bytes as the selected experts store, from a pool of the
+layer's size (the same cache footprint). Before each timed call of these three, 1 GiB of other memory is read
+(untimed): every call starts with its weights out of the cache (a layer of shape A fits the 480 MiB L3 here, and
+torch, timed right after colibri on the same inputs, found the experts cached). Ratios: torch time ÷ colibri time
+(> 1: colibri faster); effective bandwidth = the selected experts' stored bytes ÷ time, ÷ the copy's.
 Goals (issue 24): >= 1.5x torch at T=1, >= 1.2x at 4/16/64 (fp32); bandwidth >= 0.8x the copy's for every storage.
-A llama.cpp peer (llama-cpp-python + gguf) is reported where importable, else skipped with the reason.
+llama.cpp peer (bench/runtime_cpu_llama.py; docs/runtime.md, "The llama.cpp peer"): llama.cpp's CPU backend on the
+same shapes, the experts in Q4_0 and Q8_0, beside colibri's int4 g32 / int4 g128 and int8 of the same run (llama.cpp
+time ÷ colibri time, > 1: colibri faster; "llama_cpp_peer" in --json). llama.cpp times only whole models, so the
+bench writes one-layer GGUF files with gguf-py (A as llama.cpp's "llama" with experts, B as "qwen3moe"; random
+codes; attention of one head of 32, a 64-token "none" vocabulary) and times each twice: "whole", and the same model
+with the experts' intermediate size 32; whole - that = the MoE layer estimate (the router drops out with the rest).
+Fed through llama-cpp-python's low-level API (one llama_batch of T tokens, n_threads = the thread count, the KV
+cache cleared and 1 GiB read before each call), in its own child process right after colibri's of the same thread
+count. It needs llama-cpp-python, which builds llama.cpp from source (cmake and a C++ compiler; about 20 min on 2
+shared cores; `pip freeze > c.txt && pip install -c c.txt llama-cpp-python` keeps the installed packages'
+versions), and gguf (the convert extra); where either is not importable, or llama.cpp cannot load a file, the line
+says "skipped (reason)" and the bench goes on. Not in CI.
 
 Overhead ("overhead"): `Runtime.infer` vs `CpuBackend.run_layers` at T=1 on shape A fp32 (goal <= 1.1x).
 

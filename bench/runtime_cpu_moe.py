@@ -3,7 +3,6 @@ transformers' block and a NumPy copy ("moe"), and `Runtime.infer` against `CpuBa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -16,7 +15,8 @@ from runtime_cpu_system import BLAS_VARS, ROOT, child
 
 # ---- one MoE layer: colibri vs transformers vs a NumPy copy ------------------------------------------------------
 SHAPES = {"A": (1024, 2816, 8, 2), "B": (2048, 768, 128, 8)}  # hidden, intermediate, experts, top-k
-STORAGES = {"fp32": (0, 0, 0), "fp16": (0, 0, 1), "int8": (1, 0, 1), "int4 g128": (2, 128, 1)}  # quant, group, dtype
+STORAGES = {"fp32": (0, 0, 0), "fp16": (0, 0, 1), "int8": (1, 0, 1), "int4 g128": (2, 128, 1),
+            "int4 g32": (2, 32, 1)}  # quant, group, dtype (int4 g32: llama.cpp Q4_0's group and bits per weight)
 MOE_TOKENS = (1, 4, 16, 64)
 POOL_BYTES = 1 << 30  # the copy's source: the storage's layer size, at most 1 GiB (L3 here: 480 MiB)
 MOE_CHILD = """
@@ -123,10 +123,13 @@ def _evict() -> None:
     _flush[0].max()
 
 
-def _fastest(fn, calls: int, evict: bool = False) -> float:
-    """The fastest of `calls` calls of fn, seconds; evict: `_evict()` before each (untimed)."""
+def _fastest(fn, calls: int, evict: bool = False, reset=None) -> float:
+    """The fastest of `calls` calls of fn, seconds; before each (untimed): reset() where given, then `_evict()`
+    where evict."""
     best = float("inf")
     for _ in range(calls):
+        if reset is not None:
+            reset()
         if evict:
             _evict()
         start = time.perf_counter()
@@ -224,21 +227,14 @@ def _expert_bytes(engine) -> int:
     return total
 
 
-def llama_cpp_peer() -> str:
-    """The llama.cpp peer's line: skipped with the reason where llama-cpp-python or gguf is missing."""
-    missing = [name for name in ("llama_cpp", "gguf") if importlib.util.find_spec(name) is None]
-    if missing:
-        return (f"llama.cpp peer: skipped ({', '.join(missing)} not importable; `pip install llama-cpp-python gguf` "
-                f"builds llama.cpp from source)")
-    return "llama.cpp peer: skipped (a one-layer GGUF MoE of these shapes is not written by this bench yet)"
-
-
 def moe_section(tmp: Path, args, say) -> dict:
+    import runtime_cpu_llama as llama_peer  # (it imports this module's shapes and timing)
     import torch
 
     folder = Path(args.moe_files) if args.moe_files else tmp
     folder.mkdir(parents=True, exist_ok=True)
     shapes = args.moe_shapes.split(",")
+    peer = llama_peer.setup(folder, shapes)
     paths = {}
     for shape in shapes:
         want = {name: folder / f"{shape}-{name.replace(' ', '-')}.colibri" for name in STORAGES}
@@ -254,6 +250,8 @@ def moe_section(tmp: Path, args, say) -> dict:
         wanted["_tokens"] = {s: tokens[s] for s in wanted}
         runs[threads] = child(MOE_CHILD, [json.dumps(wanted), str(args.moe_rounds), str(args.moe_calls),
                                           str(Path(__file__).parent)], env, replace_env=True)
+        if "models" in peer:  # right after colibri's child of the same thread count, on the same shapes
+            peer["runs"][threads] = llama_peer.measure(peer["models"], wanted["_tokens"], threads, args, env)
     say("")
     say(f"One MoE layer, CpuBackend.run_layers vs transformers' block (torch {torch.__version__}) and a NumPy copy; "
         f"fastest call of {args.moe_rounds} interleaved rounds x {args.moe_calls} calls; A = {SHAPES['A']}, "
@@ -279,8 +277,7 @@ def moe_section(tmp: Path, args, say) -> dict:
             fp32 = run["points"][f"{shape}|fp32|{t}"]["colibri_ms"] / p["colibri_ms"]
             say(f"    {shape:<5} {name:<10} {t:>6} {p['colibri_ms']:>11.3f} "
                 f"{(f'{torch_ms:.3f}' if torch_ms else ''):>9} {ratio} {bw} {fp32:>6.2f}x")
-    say("  " + llama_cpp_peer())
-    return {"moe": runs}
+    return {"moe": runs, "llama_cpp_peer": llama_peer.report(peer, runs, say)}
 
 
 def overhead_section(tmp: Path, args, say) -> dict:
