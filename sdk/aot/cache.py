@@ -3,10 +3,15 @@
 
 An entry is keyed by a sha256 of everything that decides the cubin and PTX bytes: the entry format, the NVRTC
 version, the target arch, the CUDA major the profile asks for, the NVRTC options in order (`-arch`, the standard,
-every `-I` folder, every `-D` constant), the source's name and bytes, and the name and bytes of every file under
-each include folder (the kernels folder with `common.cuh`, and the CUDA headers when they are installed). The same
-key therefore always stands for the same NVRTC input, and NVRTC gives the same bytes for the same input: a bundle
-built through the cache is bit-identical to one built without it (tests/build/test_nvrtc_cache.py).
+one `-I` per include folder, every `-D` constant), the source's name and bytes, and the name and bytes of every
+file under each include folder, in the options' order (the kernels folder with `common.cuh`, and the CUDA headers
+when they are installed). The same key therefore always stands for the same NVRTC input, and NVRTC gives the same
+bytes for the same input: a bundle built through the cache is bit-identical to one built without it
+(tests/build/test_nvrtc_cache.py). Where the include folders are (their paths) is not in the key: without `-G`
+or `-lineinfo`, which the build never passes, no path reaches the cubin or the PTX (the same kernels compiled from
+two folders give the same bytes, tests/build/test_nvrtc_cache.py), so another checkout, venv or install of the
+same kernels finds the same entries. An answer from the cache carries the options of the call that asked for it
+(its own `-I` paths); its log is the one NVRTC wrote for the entry.
 
 Location: `$COLIBRI_CACHE_DIR` when set, else `${XDG_CACHE_HOME:-~/.cache}/colibri-sdk/nvrtc`. One file per
 entry, `<key>.nvrtc`:
@@ -38,6 +43,7 @@ SQLite index for what `hashlib`, `os.replace` and one folder do.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -123,19 +129,26 @@ def folder_digest(folder: Path) -> str:
     return _folder_digests[memo]
 
 
+def _include_dirs(include_dirs) -> list[Path]:
+    """The `-I` folders `nvrtc.compile_source` passes, in order: the given ones, then the CUDA headers if found."""
+    headers = nvrtc.find_cuda_include_dir()
+    return [Path(d) for d in (include_dirs or [])] + ([headers] if headers else [])
+
+
 def cache_key(source: str, name: str, arch: str, defines: dict | None, include_dirs, toolkit: int | None) -> str:
     """The sha256 (64 hex digits) of one NVRTC compilation's input, as `nvrtc.compile_source` would run it."""
-    headers = nvrtc.find_cuda_include_dir()
-    dirs = [Path(d) for d in (include_dirs or [])] + ([headers] if headers else [])
+    dirs = _include_dirs(include_dirs)
+    # the include folders by position and content, not by path (module docstring)
+    options = compile_options(arch, defines or {}, [Path(f"<include {i}>") for i in range(len(dirs))])
     record = {
         "format": FORMAT_LINE.decode().strip(),
         "nvrtc": list(nvrtc.nvrtc_version()),
         "arch": arch,
         "toolkit": toolkit,
-        "options": compile_options(arch, defines or {}, dirs),
+        "options": options,
         "name": name,
         "source": hashlib.sha256(source.encode()).hexdigest(),
-        "includes": [[str(d), folder_digest(d)] for d in dirs],
+        "includes": [folder_digest(d) for d in dirs],
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
@@ -278,7 +291,9 @@ class NvrtcCache:
         if found is not None:
             with self._lock:
                 self.hits += 1
-            return found
+            # the entry may come from the same kernels in another folder: the options name this call's folders
+            options = tuple(compile_options(arch, defines or {}, _include_dirs(include_dirs)))
+            return dataclasses.replace(found, options=options)
         out = nvrtc.compile_source(source, name, arch, defines, include_dirs, toolkit=toolkit)
         with self._lock:
             self.misses += 1

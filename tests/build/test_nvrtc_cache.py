@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from colibri_sdk import cli
+from colibri_sdk import catalog, cli
 from colibri_sdk.aot import cache as nvrtc_cache
 from colibri_sdk.aot import nvrtc
 from colibri_sdk.aot.cache import NvrtcCache, cache_key, decode_entry, default_cache_dir
 from colibri_sdk.bundle.writer import build_bundle
+from colibri_sdk.format import Header
 from colibri_sdk.profile import Profile, load_profile
 
 
@@ -96,6 +97,28 @@ def test_key_covers_every_input_of_nvrtc(tmp_path, monkeypatch, kernel_dir):
     newer = cache_key(**args)
     monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: real)
     assert cache_key(**args) != newer  # the NVRTC version is in the key
+
+
+def test_the_same_kernels_in_another_folder_share_entries(tmp_path, kernel_dir):
+    """The include folders are keyed by content, not path: NVRTC gives the same cubin and PTX for the same kernels in
+    two folders, so a second checkout or venv reads the first one's entries; the answer names its own folder."""
+    first, second = tmp_path / "a" / "kernels", tmp_path / "another" / "checkout" / "kernels"
+    shutil.copytree(kernel_dir, first)
+    shutil.copytree(kernel_dir, second)
+    defines = catalog.compile_defines(small_profile().for_shape(1, 2).data, Header(2, 8, 2, 64, 32, dtype=1))
+    source = (kernel_dir / "routing.cu").read_text()  # it includes common.cuh
+    args = dict(source=source, name="routing.cu", arch="sm_87", defines=defines, toolkit=None)
+    assert cache_key(**args, include_dirs=[first]) == cache_key(**args, include_dirs=[second])
+    own = [nvrtc.compile_source(source, "routing.cu", "sm_87", defines, [folder]) for folder in (first, second)]
+    assert own[0].cubin == own[1].cubin and own[0].ptx == own[1].ptx  # no path reaches NVRTC's output
+    cache = NvrtcCache(tmp_path / "cache")
+    cache.compile_source(source, "routing.cu", "sm_87", defines, [first])
+    answer = cache.compile_source(source, "routing.cu", "sm_87", defines, [second])
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert (answer.cubin, answer.ptx) == (own[1].cubin, own[1].ptx)
+    assert answer.options == own[1].options and f"-I{second}" in answer.options and f"-I{first}" not in answer.options
+    (second / "common.cuh").write_text((second / "common.cuh").read_text() + "\n// changed\n")
+    assert cache_key(**args, include_dirs=[first]) != cache_key(**args, include_dirs=[second])  # content still counts
 
 
 def test_cache_location(monkeypatch, tmp_path):
