@@ -22,19 +22,21 @@ state="$extras $(cd "$root" && find pyproject.toml sdk kernels profiles -type f 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$state" ]; then
   return 0 2>/dev/null || exit 0
 fi
-python -m pip install -q --upgrade pip
+# --no-compile: no byte code written for every installed module (torch and transformers hold thousands; about 45 s
+# of CPU on 2 cores); Python writes it for the modules a program imports, on their first import.
+python -m pip install -q --no-compile --upgrade pip
 if [[ "$extras" == *all* || "$extras" == *test* ]]; then
   # The CPU build of torch, named by its `+cpu` local version so that no CUDA build can match: PyPI's plain
   # `torch==2.13.0` is the CUDA 13 build (it pulls cuda-bindings>=13, against the build extra's cuda-python<13).
   # First a local wheel, offline (pip's find-links, e.g. /opt/wheels), then its dependencies from the usual index;
   # else PyTorch's CPU wheel index, with a short network timeout so that an unreachable index fails, not hangs.
-  if python -m pip install -q --no-index --no-deps "torch==2.13.0+cpu" >/dev/null 2>&1; then
-    python -m pip install -q "torch==2.13.0+cpu"
+  if python -m pip install -q --no-compile --no-index --no-deps "torch==2.13.0+cpu" >/dev/null 2>&1; then
+    python -m pip install -q --no-compile "torch==2.13.0+cpu"
   else
     echo "note: no local torch 2.13.0+cpu wheel; installing it from https://download.pytorch.org/whl/cpu"
-    python -m pip install -q --timeout 30 --retries 1 --index-url https://download.pytorch.org/whl/cpu \
+    python -m pip install -q --no-compile --timeout 30 --retries 1 --index-url https://download.pytorch.org/whl/cpu \
       "torch==2.13.0+cpu"
   fi
 fi
-python -m pip install -q "$root[$extras]"
+python -m pip install -q --no-compile "$root[$extras]"
 echo "$state" >"$stamp"
