@@ -1,5 +1,6 @@
-"""CPU backend benchmark, measured side by side in one run: one MoE layer against transformers' block and a NumPy
-copy, `Runtime.infer` against the backend's own call, the BLAS thread rule, and load time and memory.
+"""CPU backend benchmark, measured side by side in one run: one MoE layer against transformers' block, a NumPy
+copy and (where llama-cpp-python is installed) llama.cpp's CPU backend, `Runtime.infer` against the backend's own
+call, the BLAS thread rule, and load time and memory.
 
 MoE layer ("moe"): shape A (hidden 1024, intermediate 2816, 8 experts, top-2; Mixtral's block) and shape B (hidden
 2048, intermediate 768, 128 experts, top-8; Qwen3-MoE's block with norm_topk_prob), one layer each. fp32: the

@@ -56,8 +56,8 @@ def unavailable() -> str | None:
     """Why the peer cannot run here (a module that is not importable), or None."""
     missing = [name for name in ("llama_cpp", "gguf") if importlib.util.find_spec(name) is None]
     if missing:
-        return (f"{', '.join(missing)} not importable; `pip install llama-cpp-python gguf` builds llama.cpp from "
-                f"source")
+        return (f"{', '.join(missing)} not importable; `pip freeze > c.txt && pip install -c c.txt "
+                f"llama-cpp-python gguf` builds llama.cpp from source, keeping the installed versions")
     return None
 
 
