@@ -129,15 +129,13 @@ def folder_digest(folder: Path) -> str:
     return _folder_digests[memo]
 
 
-def _include_dirs(include_dirs) -> list[Path]:
-    """The `-I` folders `nvrtc.compile_source` passes, in order: the given ones, then the CUDA headers if found."""
-    headers = nvrtc.find_cuda_include_dir()
-    return [Path(d) for d in (include_dirs or [])] + ([headers] if headers else [])
-
-
 def cache_key(source: str, name: str, arch: str, defines: dict | None, include_dirs, toolkit: int | None) -> str:
     """The sha256 (64 hex digits) of one NVRTC compilation's input, as `nvrtc.compile_source` would run it."""
-    dirs = _include_dirs(include_dirs)
+    return _key(source, name, arch, defines, nvrtc.include_folders(include_dirs), toolkit)
+
+
+def _key(source: str, name: str, arch: str, defines: dict | None, dirs: list[Path], toolkit: int | None) -> str:
+    """`cache_key` with the `-I` folders already resolved (`nvrtc.include_folders`)."""
     # the include folders by position and content, not by path (module docstring)
     options = compile_options(arch, defines or {}, [Path(f"<include {i}>") for i in range(len(dirs))])
     record = {
@@ -286,14 +284,14 @@ class NvrtcCache:
         Raises:
             CompileError: as `nvrtc.compile_source`.
         """
-        key = cache_key(source, name, arch, defines, include_dirs, toolkit)
+        dirs = nvrtc.include_folders(include_dirs)
+        key = _key(source, name, arch, defines, dirs, toolkit)
         found = self.get(key)
         if found is not None:
             with self._lock:
                 self.hits += 1
             # the entry may come from the same kernels in another folder: the options name this call's folders
-            options = tuple(compile_options(arch, defines or {}, _include_dirs(include_dirs)))
-            return dataclasses.replace(found, options=options)
+            return dataclasses.replace(found, options=tuple(compile_options(arch, defines or {}, dirs)))
         out = nvrtc.compile_source(source, name, arch, defines, include_dirs, toolkit=toolkit)
         with self._lock:
             self.misses += 1

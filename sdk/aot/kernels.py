@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import catalog
 from ..errors import CompileError
 from .cubin import check_cubin_arch
-from .nvrtc import CompiledSource, compile_options, compile_source, find_cuda_include_dir
+from .nvrtc import CompiledSource, compile_options, compile_source, include_folders
 from .rebuild import record_inputs
 
 
@@ -90,8 +90,7 @@ def compile_kernel(spec: catalog.KernelSpec, profile, header, kernel_dir: Path, 
     check_resources(spec, output.resources, profile)
     # The options as compile_source runs them (not a cache entry's own record of them, which is only as good as
     # the cache folder).
-    headers = find_cuda_include_dir()
-    options = compile_options(profile.arch, defines, [Path(kernel_dir)] + ([headers] if headers else []))
+    options = compile_options(profile.arch, defines, include_folders([kernel_dir]))
     return CompiledKernel(spec, defines, output, record_inputs(source, Path(kernel_dir), options))
 
 

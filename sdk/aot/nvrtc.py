@@ -152,6 +152,13 @@ class CompiledSource:
     options: tuple[str, ...]
 
 
+def include_folders(include_dirs) -> list[Path]:
+    """The `-I` folders of a compilation, in order: the given ones, then the pip CUDA headers where installed (the
+    shipped kernels include no CUDA header; the headers are added for sources that do)."""
+    headers = find_cuda_include_dir()
+    return [Path(d) for d in (include_dirs or [])] + ([headers] if headers else [])
+
+
 def compile_options(arch: str, defines: dict[str, int], include_dirs: list[Path]) -> list[str]:
     """NVRTC options: `-arch=<arch>`, C++17, `-I` dirs, sorted `-D` defines, and ptxas' verbose resource report."""
     opts = [f"-arch={arch}", STD]
@@ -193,10 +200,7 @@ def compile_source(
                 f"the profile needs CUDA {toolkit} (target.toolkit = {toolkit}) but the installed NVRTC is "
                 f"{major}.{minor}; install NVRTC {toolkit}: {toolkit_hint(toolkit, major)}"
             )
-    # The shipped kernels include no CUDA header; the pip headers are added for sources that do.
-    headers = find_cuda_include_dir()
-    dirs = [Path(d) for d in (include_dirs or [])] + ([headers] if headers else [])
-    options = compile_options(arch, defines or {}, dirs)
+    options = compile_options(arch, defines or {}, include_folders(include_dirs))
     cubin, ptx, log = _compile_isolated(source, name, arch, options)
     return CompiledSource(cubin, ptx.rstrip(b"\x00"), log, parse_resources(log), tuple(options))
 

@@ -221,8 +221,7 @@ def rebuild_and_compare(bundle, kernel_dir: Path | None = None, workers: int = 2
                            f"allowed: a folder with the kernel sources (*.cu, common.cuh) the bundle was built from")
     texts = _check_sources(entries, folder, manifest["sdk_version"])
     arch = manifest["arch"]
-    headers = nvrtc.find_cuda_include_dir()
-    dirs = [folder] + ([headers] if headers else [])
+    dirs = nvrtc.include_folders([folder])
     for shape, entry in entries:
         options = portable_options(nvrtc.compile_options(arch, entry["defines"], dirs), folder)
         recorded = entry[INPUTS_KEY]["options"]
