@@ -198,6 +198,18 @@ def moe_child(paths: dict, rounds: int, calls: int) -> dict:
 
                 copy_ms = _fastest(copy, calls, evict=True) * 1e3
                 entry["copy_ms"] = min(entry.get("copy_ms", float("inf")), copy_ms)
+                # a read-only pass over as many bytes (BLAS sdot of two halves): the rate a product that only
+                # reads its weights could reach, the ceiling of the fp32 ratio to torch at one token
+                words = stored // 8
+                k = [0]
+
+                def read():
+                    k[0] = (k[0] + 8 * words) % max(1, pool.size - 8 * words) // 64 * 64
+                    seg = pool[k[0]: k[0] + 8 * words].view(np.float32)
+                    np.dot(seg[:words], seg[words:])
+
+                read_ms = _fastest(read, calls, evict=True) * 1e3
+                entry["read_ms"] = min(entry.get("read_ms", float("inf")), read_ms)
             if block is not None:
                 m = [0]
 
@@ -261,7 +273,7 @@ def moe_section(tmp: Path, args, say) -> dict:
             + ", ".join(f"{s} {d:.1e}" for s, d in run["max_rel_diff_vs_torch"].items())
             + f"; torch experts implementation: {run['experts_impl']}")
         say(f"    {'shape':<5} {'storage':<10} {'tokens':>6} {'colibri ms':>11} {'torch ms':>9} {'torch/colibri':>14} "
-            f"{'GB/s':>7} {'copy GB/s':>10} {'bw/copy':>8} {'fp32/x':>7}")
+            f"{'GB/s':>7} {'copy GB/s':>10} {'bw/copy':>8} {'read GB/s':>10} {'bw/read':>8} {'fp32/x':>7}")
         for key, p in run["points"].items():
             shape, name, t = key.split("|")
             torch_ms = p.get("torch_ms")
@@ -270,13 +282,23 @@ def moe_section(tmp: Path, args, say) -> dict:
             if "selected_bytes" in p:
                 gbs = p["selected_bytes"] / p["colibri_ms"] / 1e6
                 copy = p["selected_bytes"] / p["copy_ms"] / 1e6
+                read = p["selected_bytes"] / p["read_ms"] / 1e6
                 p["bandwidth_ratio"] = gbs / copy
-                bw = f"{gbs:>7.2f} {copy:>10.2f} {gbs / copy:>7.2f}x"
+                p["read_ratio"] = gbs / read
+                bw = f"{gbs:>7.2f} {copy:>10.2f} {gbs / copy:>7.2f}x {read:>10.2f} {gbs / read:>7.2f}x"
+                if torch_ms:
+                    p["torch_read_ratio"] = p["selected_bytes"] / torch_ms / 1e6 / read
             else:
-                bw = f"{'':>7} {'':>10} {'':>8}"
+                bw = f"{'':>7} {'':>10} {'':>8} {'':>10} {'':>8}"
             fp32 = run["points"][f"{shape}|fp32|{t}"]["colibri_ms"] / p["colibri_ms"]
             say(f"    {shape:<5} {name:<10} {t:>6} {p['colibri_ms']:>11.3f} "
                 f"{(f'{torch_ms:.3f}' if torch_ms else ''):>9} {ratio} {bw} {fp32:>6.2f}x")
+        for shape in sorted({k.split("|")[0] for k in run["points"]}):
+            p = run["points"].get(f"{shape}|fp32|1", {})
+            if "torch_read_ratio" in p:
+                say(f"    {shape} fp32 T=1: torch reads at {p['torch_read_ratio']:.2f}x the read-only pass, colibri at "
+                    f"{p['read_ratio']:.2f}x: a product that only reads its weights is at most "
+                    f"{1 / p['torch_read_ratio']:.2f}x torch here")
     return {"moe": runs, "llama_cpp_peer": llama_peer.report(peer, runs, say)}
 
 
