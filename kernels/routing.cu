@@ -89,6 +89,10 @@ __device__ __forceinline__ float rw_to_float(rw_t v) { return wt_to_float(v); }
 #define VGROUPS_ (RT_ / VPASS_)
 #define VTOK_ (PART_ / (RVEC_ * RT_) < 1 ? 1 : PART_ / (RVEC_ * RT_) > TG_ ? TG_ : PART_ / (RVEC_ * RT_))
 #define VEC_ROUTER_ (sizeof(rw_t) == 4 && E_ % RVEC_ == 0 && RT_ <= 512)
+// Router loads a thread issues before it uses the first (independent loads in flight: 8, 4 above 512 threads where
+// the registers are fewer; the vector path 4 of 16 bytes), as the unrolled loops before them had ptxas do
+#define RBATCH_ (RT_ > 512 ? 4 : 8)
+#define VBATCH_ 4
 // Floats between the tokens of a round in part: RT_ (a multiple of 32 banks) plus the reduction's run per token mod
 // 32, so that the reduction's lane i (token i / run, column i % run) reads bank (i + a constant) mod 32 for every
 // row group: conflict-free (without the pad, the 32 / run tokens a warp spans fell on the same banks: 4-way at 8
@@ -360,15 +364,24 @@ __device__ __forceinline__ void slice_logits(const rw_t* __restrict__ router, in
         for (int t = 0; t < TG_; ++t) acc[t] = 0.0f;
         if (any && g < RGROUPS_ && e < E_) {
             const rw_t* col = router + (size_t)h0 * E_ + e;
-#if RT_ > 512  // 8 independent router loads in flight per thread (4 above 512 threads: 64 registers)
-#pragma unroll 4
-#else
-#pragma unroll 8
-#endif
-            for (int r = g; r < rows; r += RGROUPS_) {
-                const float w = rw_to_float(__ldg(col + (size_t)r * E_));
+            // RBATCH_ loads issued before the first is used (in the source, so the emulation's bytes in flight
+            // are the hardware's: ptxas hoisted the unrolled loop's loads the same way), then the rows in order
+            for (int r0 = g; r0 < rows; r0 += RBATCH_ * RGROUPS_) {
+                rw_t wv[RBATCH_];
 #pragma unroll
-                for (int t = 0; t < TG_; ++t) acc[t] += xs[t * SR_ + r] * w;
+                for (int u = 0; u < RBATCH_; ++u) {
+                    const int r = r0 + u * RGROUPS_;
+                    if (r < rows) wv[u] = __ldg(col + (size_t)r * E_);
+                }
+#pragma unroll
+                for (int u = 0; u < RBATCH_; ++u) {
+                    const int r = r0 + u * RGROUPS_;
+                    if (r < rows) {
+                        const float w = rw_to_float(wv[u]);
+#pragma unroll
+                        for (int t = 0; t < TG_; ++t) acc[t] += xs[t * SR_ + r] * w;
+                    }
+                }
             }
         }
 #pragma unroll
@@ -412,16 +425,27 @@ __device__ __forceinline__ void slice_logits_vec(const rw_t* __restrict__ router
             for (int q = 0; q < RVEC_; ++q) acc[t][q] = 0.0f;
         if (any && g < VGROUPS_ && v < VPR_) {
             const uint4* col = reinterpret_cast<const uint4*>(router + (size_t)h0 * E_) + v;
-#pragma unroll 4
-            for (int r = g; r < rows; r += VGROUPS_) {
-                const uint4 raw = ld_stream(col + (size_t)r * VPR_);
-                const float w[RVEC_] = {__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
-                                        __uint_as_float(raw.w)};
+            // VBATCH_ 16-byte loads issued before the first is used (as `slice_logits`), then the rows in order
+            for (int r0 = g; r0 < rows; r0 += VBATCH_ * VGROUPS_) {
+                uint4 raw[VBATCH_];
 #pragma unroll
-                for (int t = 0; t < TG_; ++t) {
-                    const float xv = xs[t * SR_ + r];
+                for (int u = 0; u < VBATCH_; ++u) {
+                    const int r = r0 + u * VGROUPS_;
+                    if (r < rows) raw[u] = ld_stream(col + (size_t)r * VPR_);
+                }
 #pragma unroll
-                    for (int q = 0; q < RVEC_; ++q) acc[t][q] += xv * w[q];
+                for (int u = 0; u < VBATCH_; ++u) {
+                    const int r = r0 + u * VGROUPS_;
+                    if (r < rows) {
+                        const float w[RVEC_] = {__uint_as_float(raw[u].x), __uint_as_float(raw[u].y),
+                                                __uint_as_float(raw[u].z), __uint_as_float(raw[u].w)};
+#pragma unroll
+                        for (int t = 0; t < TG_; ++t) {
+                            const float xv = xs[t * SR_ + r];
+#pragma unroll
+                            for (int q = 0; q < RVEC_; ++q) acc[t][q] += xv * w[q];
+                        }
+                    }
                 }
             }
         }

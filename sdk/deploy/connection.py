@@ -396,6 +396,18 @@ class Tail:
 EXIT_GRACE_S = 2.0
 
 
+def close_quietly(channel) -> None:
+    """Close `channel`, ignoring a transport that is already gone: closing sends a message, which fails with a
+    broken pipe or reset once the device has dropped the connection (e.g. after flooding an answer). The caller
+    has its result, or raises the typed error that says what went wrong, either way."""
+    import paramiko
+
+    try:
+        channel.close()
+    except (OSError, EOFError, paramiko.SSHException):
+        pass
+
+
 def collect(channel, timeout: float, label: str, argv, max_stdout: int | None = None,
             what: str | None = None) -> CommandResult:
     """Read stdout and stderr of `channel` until the command exits; abandon it after `timeout` seconds.
@@ -423,7 +435,7 @@ def collect(channel, timeout: float, label: str, argv, max_stdout: int | None = 
                 continue
             out += block
             if len(out) > max_stdout:
-                channel.close()
+                close_quietly(channel)
                 raise RemoteAnswerError(f"{label}: {what} wrote more than {max_stdout:,} bytes before its answer "
                                         f"(the limit of one answer); abandoned", None,
                                         err.bytes().decode("utf-8", "replace")[-2000:])
@@ -436,12 +448,12 @@ def collect(channel, timeout: float, label: str, argv, max_stdout: int | None = 
             if channel.eof_received or channel.closed or time.monotonic() - exited > EXIT_GRACE_S:
                 break
         if time.monotonic() > deadline:
-            channel.close()
+            close_quietly(channel)
             raise RemoteTimeoutError(f"{label}: {what} did not finish within {timeout:g} s",
                                      None, err.bytes().decode("utf-8", "replace")[-2000:])
         select.select([channel], [], [], 0.05)
     status = channel.recv_exit_status()
-    channel.close()
+    close_quietly(channel)
     return CommandResult(status, bytes(out) if max_stdout is not None else out.bytes(), err.bytes())
 
 

@@ -26,6 +26,7 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from .connection import close_quietly
 from .errors import ChecksumMismatchError, DeployError, RemoteCommandError, RemoteTimeoutError
 # read_chunks is looked up here by HashingReader at each read, so a test can put a reader of its own in its place.
 from .local_bundle import BundleFile, check_digest, exact_blocks, read_chunks, rehash
@@ -219,7 +220,7 @@ class Uploader:
         finally:
             if reader is not None:
                 reader.close()
-            channel.close()
+            close_quietly(channel)  # a device that dropped the connection must not hide the error raised above
 
     def _finish(self, channel, batch) -> dict:
         # The agent hashes and fsyncs after the last byte: allow for that on top of the command timeout.

@@ -21,9 +21,10 @@ from colibri_sdk.deploy import (
     ConnectTimeoutError,
     HostKeyChangedError,
     HostKeyUnknownError,
+    RemoteAnswerError,
     RemoteTimeoutError,
 )
-from colibri_sdk.deploy.connection import command_line
+from colibri_sdk.deploy.connection import collect, command_line
 from colibri_sdk.deploy.hostkeys import KnownHosts, remove_command
 
 pytestmark = pytest.mark.ssh
@@ -200,3 +201,26 @@ def test_arguments_reach_the_device_unchanged(target):
 def test_command_line_quotes_every_argument():
     assert command_line(["ls", "a b", "$x"]) == "ls 'a b' '$x'"
     assert shlex.split(command_line(["it's", "`id`"])) == ["it's", "`id`"]
+
+
+class _DroppedOnClose:
+    """A real channel whose device drops the connection just as the client closes the channel (what a flooding
+    agent's sshd did on a busy machine: the close then fails inside paramiko with EOFError or a broken pipe)."""
+
+    def __init__(self, channel):
+        self._channel = channel
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+    def close(self):
+        self._channel.get_transport().sock.close()
+        self._channel.close()
+
+
+def test_an_answer_flood_on_a_dropped_connection_is_the_typed_error(target):
+    with Connection(target) as conn:
+        channel = conn.exec(["yes"])
+        channel.shutdown_write()
+        with pytest.raises(RemoteAnswerError, match="wrote more than 1,000 bytes"):
+            collect(_DroppedOnClose(channel), guard(60), "dev", ["yes"], max_stdout=1000)
