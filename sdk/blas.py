@@ -26,9 +26,9 @@ SMALL_ROWS = 1024  # calls with at most this many token rows run with one BLAS t
 ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 
 _lock = threading.Lock()
-_controller = None
+_blas = None  # threadpoolctl's controllers of the BLAS libraries loaded at the first limited call
 _depth = 0  # nested or concurrent blas_threads(1) contexts; the first sets the limit, the last restores it
-_restore = None
+_restore: list = []  # (controller, its thread count before the limit), for those the limit changed
 
 
 def _thread_variables() -> list[int]:
@@ -79,14 +79,18 @@ def blas_threads(rows: int) -> Iterator[int | None]:
     if limit is None:
         yield None
         return
-    global _controller, _depth, _restore
+    global _blas, _depth, _restore
     with _lock:
         if _depth == 0:
-            if _controller is None:
+            if _blas is None:
                 from threadpoolctl import ThreadpoolController
 
-                _controller = ThreadpoolController()
-            _restore = _controller.limit(limits=limit, user_api="blas")
+                _blas = ThreadpoolController().select(user_api="blas").lib_controllers
+            # Each library's own get/set calls (about 1 us each) rather than `ThreadpoolController.limit`, which
+            # describes every library again on each call (37 us, a tenth of a one-token layer's fixed cost).
+            _restore = [(c, n) for c in _blas if (n := c.num_threads) != limit]
+            for c, _ in _restore:
+                c.set_num_threads(limit)
         _depth += 1
     try:
         yield limit
@@ -94,5 +98,6 @@ def blas_threads(rows: int) -> Iterator[int | None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                _restore.restore_original_limits()
-                _restore = None
+                for c, n in _restore:
+                    c.set_num_threads(n)
+                _restore = []

@@ -7,9 +7,9 @@ every routing variant, router / correction / expert biases and the clamped SwiGL
 
 Per layer, on rows x (tokens, hidden) float32:
 
-    logits   = x @ R (+ router bias)                         NumPy matmul (fp32 router) or router_f16 (fp16)
-    ids, w   = the reference's routing functions              topk_route (v1), route_v2 (v2), then expert capacity
-    pairs    = group_pairs(ids)                               (token, slot) pairs grouped per expert
+    logits, ids, w, pairs                                     cpu_routing.route_grouped: one compiled call
+             = x @ R (+ router bias), top-k and weights,      (the NumPy path where it does not apply: matmul,
+               the (token, slot) pairs grouped per expert      topk_route / route_v2, capacity, group_pairs)
     out      = sum over pairs of w * expert(x[token])         experts_into (cpu_kernels), or BLAS (below)
     out     += shared experts (gated)                         experts_into on every token
 
@@ -33,8 +33,8 @@ Every buffer is allocated once at load, sized for the bundle's fixed rows (batch
     tile          (TILE_ROWS, widest)   decoded rows for the BLAS path of fp16 / int8 / int4 weights
     xq, xsum, s32                       the direct int8 / int4 path's prepared inputs, group sums, scales
 
-What is still allocated per call: the routing functions' (rows, experts) temporaries and index arrays, and small
-scalars (the tracemalloc test in tests/runtime bounds a warm call's peak well below one activation tensor).
+What is still allocated per call: the routing call's per-token rows (experts,) and pair experts (rows · top_k,) (on
+the NumPy path, the routing functions' (rows, experts) temporaries and index arrays), and small scalars (the tracemalloc test in tests/runtime bounds a warm call's peak well below one activation tensor).
 
 Stored tensors are checked finite, as the reference engine does: a NaN or Inf in the file is a FormatError naming
 the tensor. The router, the vectors and the shared experts are checked when a layer is first used. A routed
@@ -66,6 +66,7 @@ from ..format.constants import (
 )
 from ..reference import route_v2, topk_route
 from . import cpu_kernels as K
+from . import cpu_routing as R
 
 # An expert with at least BLAS_PAIRS pairs in a call runs through BLAS. The compiled kernel's four rows times four
 # tokens per pass beat single-threaded BLAS (which packs the weights first) up to at least 64 pairs, for every
@@ -157,6 +158,12 @@ class CpuEngine:
         self.order = np.zeros(n * k, np.int64)
         self.pair_w = np.zeros(n * k, f32)
         self.starts = np.zeros(E + 1, np.int64)
+        self.used = np.zeros(E, np.int64)
+        # routing in one compiled call (cpu_routing) unless the scheme limits the selection to expert groups
+        self.scheme = None if (self.v2 and h.n_group > 1) or E > R.MAX_EXPERTS else int(h.routing)
+        self.norm_topk = bool(self.v2 and h.norm_topk)
+        self.scaling = np.float32(h.routed_scaling_factor if self.v2 else 1.0)
+        self.all_ones = _readonly(np.ones(E, f32))  # correction bias placeholder (unused where there is none)
         self.tok = np.zeros(n, np.int64)
         wide = max(I, SI, H)
         self._gate_flat = np.zeros(n * wide, f32)
@@ -207,6 +214,12 @@ class CpuEngine:
         K._activate(gate, up, 1, K.ACT_SWIGLU, f32(0), f32(0))
         K.scatter_add(out, np.zeros(1, i64), np.ones(1, f32), gate, 1, bias[0], False)
         K.group_pairs(np.zeros((1, 1), i64), 1, pairs, one)
+        if self.scheme is not None:  # the model's router type: float16 bits (v1 fp16) or float32
+            fp16_router = self.header.dtype == 1 and not self.v2
+            router = _readonly(np.zeros((1, 1), np.uint16 if fp16_router else f32))
+            R.route_grouped(np.zeros((1, 1), f32), router, self.all_ones[:1], False, R.SCHEME_TOPK_SOFTMAX, True, 1,
+                            False, f32(1), self.all_ones[:1], False, np.zeros((1, 1), f32), np.zeros(1, f32), pairs,
+                            one.copy(), one.copy())
         if self.header.dtype == 1 and not self.v2:  # a v1 fp16 file stores its router as float16
             K.router_f16(x, _readonly(np.zeros((2, 1), np.uint16)), np.zeros((1, 1), f32))
 
@@ -281,48 +294,73 @@ class CpuEngine:
             self._checked[layer, e] = True
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def route(self, layer: int, x: np.ndarray, w: dict) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, weights) (tokens, top_k) for x (tokens, hidden), as the reference engine routes in float32."""
-        n = x.shape[0]
-        logits = self.logits[:n]
+    def _logits(self, x: np.ndarray, w: dict) -> np.ndarray:
+        """The router logits (tokens, experts) float32 of x (tokens, hidden), the router bias added (v2)."""
+        logits = self.logits[: x.shape[0]]
         router = w["router"]
         if router.dtype == np.float32:
             np.matmul(x, router, out=logits)
         else:
             K.router_f16(x, router, logits)
-        h = self.header
-        if not self.v2:
-            return topk_route(logits, h.top_k, h.routing)
-        if w["router_bias"] is not None:
-            logits += w["router_bias"]
-        return route_v2(logits, h, w["correction_bias"])
+        if self.v2 and w["router_bias"] is not None:
+            with np.errstate(over="ignore", invalid="ignore"):
+                logits += w["router_bias"]
+        return logits
 
-    def layer_into(self, layer: int, x: np.ndarray, out: np.ndarray) -> None:
-        """out[:] = the MoE block of `layer` on x (n, hidden) float32 (not composed with x)."""
-        n, h = x.shape[0], self.header
-        w = self._layer(layer)
+    def route(self, layer: int, x: np.ndarray, w: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, weights) (tokens, top_k) for x (tokens, hidden), as the reference engine routes in float32."""
+        logits = self._logits(x, w)
         with np.errstate(over="ignore", invalid="ignore"):
-            ids, weights = self.route(layer, x, w)
+            if not self.v2:
+                return topk_route(logits, self.header.top_k, self.header.routing)
+            return route_v2(logits, self.header, w["correction_bias"])
+
+    def _route_grouped(self, layer: int, x: np.ndarray, w: dict) -> tuple[np.ndarray, np.ndarray | None]:
+        """Route x (n, hidden) and group the pairs by expert into self.pair_w, self.order and self.starts.
+
+        Returns (the experts with pairs, increasing; their pair counts or None where every count is below
+        blas_pairs). One compiled call (cpu_routing.route_grouped) where the scheme has no expert groups, the call
+        no capacity, and the logits are finite; else NumPy (`route`, capacity, `group_pairs`)."""
+        n, h = x.shape[0], self.header
+        k = h.top_k
+        pair_w = self.pair_w[: n * k]
+        order, starts = self.order, self.starts
+        if self.scheme is not None and self.capacity is None:
+            corr, bias = w["correction_bias"], w["router_bias"] if self.v2 else None
+            m, most = R.route_grouped(x, w["router"], self.all_ones if bias is None else bias, bias is not None,
+                                      self.scheme, not self.v2, k, self.norm_topk, self.scaling,
+                                      self.all_ones if corr is None else corr, corr is not None, self.logits,
+                                      pair_w, starts, order, self.used)
+            if m >= 0:
+                return self.used[:m], (None if most < self.blas_pairs else np.diff(starts))
+        ids, weights = self.route(layer, x, w)
         if self.capacity is not None:
             from ..capacity import apply_capacity
 
             valid = None if self.valid is None else self.valid[:n]
             ids, dropped = apply_capacity(ids, weights, h.num_experts, self.capacity, valid)
             self.dropped += dropped
-        k = h.top_k
-        pair_w = self.pair_w[: n * k]
         pair_w[:] = weights.reshape(-1)
-        order, starts = self.order, self.starts
         K.group_pairs(np.ascontiguousarray(ids, dtype=np.int64), h.num_experts, starts, order)
         counts = np.diff(starts)
-        used = np.flatnonzero(counts)
+        return np.flatnonzero(counts), counts
+
+    def layer_into(self, layer: int, x: np.ndarray, out: np.ndarray) -> None:
+        """out[:] = the MoE block of `layer` on x (n, hidden) float32 (not composed with x)."""
+        n, k = x.shape[0], self.header.top_k
+        w = self._layer(layer)
+        used, counts = self._route_grouped(layer, x, w)
+        order, starts, pair_w = self.order, self.starts, self.pair_w[: n * k]
         if self.clamped:
             self._check_experts(layer, w, used)
         out.fill(0.0)
-        big = used[counts[used] >= self.blas_pairs]
-        small = used if big.size == 0 else used[counts[used] < self.blas_pairs]
+        if counts is None:
+            big, small = used[:0], used
+        else:
+            big = used[counts[used] >= self.blas_pairs]
+            small = used if big.size == 0 else used[counts[used] < self.blas_pairs]
         if small.size > 1 and self.threads > 1:
-            self._experts_threaded(x, order, starts, pair_w, k, small, counts, w, out)
+            self._experts_threaded(x, order, starts, pair_w, k, small, np.diff(starts), w, out)
         elif small.size:
             self._experts(x, order, starts, pair_w, k, small, w, out)
         for e in big.tolist():
