@@ -2,59 +2,44 @@
 a call (after llama.cpp's ggml-cpu quantized dot products; docs/runtime.md, "int8 / int4 codes multiplied as
 stored"): the input laid out once per call to meet the packing (int4: its even and odd columns against a byte's
 low and high nibble), four rows a pass over their codes (each loaded input value serves the four), each group's
-sum times its scale once, the rows ahead prefetched (PREFETCH_ROWS, PREFETCH_ROWS_Q8); no decoded row. `cpu_kernels.experts_into`
-calls `_project_direct`.
+sum times its scale once, no decoded row. The four rows of a pass lie a quarter of the matrix apart (`_quarter_rows`),
+so that each quarter is read front to back: four sequential streams, which the hardware prefetcher follows across
+pages. `cpu_kernels.experts_into` calls `_project_direct`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .cpu_jit import _JIT, STORE_Q4, U, _f16_into, _nibble_high, _nibble_low, _prefetch, njit
+from .cpu_jit import _JIT, STORE_Q4, U, _f16_into, _nibble_high, _nibble_low, njit
 
 
 DIRECT_TOKENS = 2  # an expert with at most this many tokens multiplies its int8 / int4 codes as stored
-PREFETCH_ROWS = 8  # int4: the four rows this far ahead of a four-row pass are prefetched at its start
-PREFETCH_ROWS_Q8 = 16  # int8: the four rows this far ahead are prefetched group by group during the pass
 
 
 @njit(inline="always", **_JIT)
-def _prefetch_rows(codes, first):
-    """Prefetch rows first .. first + 3 of codes (rows, row bytes) that exist, one request per 64-byte line (int4,
-    the next pass but one: measured against issuing them group by group and against none, a layer of shape A at
-    T = 1 with its weights out of the cache, int4 g128 2.19 / 2.52 / 3.05 ms on a loaded 2-core host; one int4
-    matrix of 2816 x 1024, 2026-12-07: 4.35 GB/s against 3.50 group by group 16 rows ahead)."""
-    rows, size = codes.shape[0], codes.shape[1]
-    for r in range(first, min(first + 4, rows)):
-        for offset in range(0, size, 64):
-            _prefetch(codes, r, offset)
+def _quarter_rows(i, q, rows):
+    """The rows of pass i < q = ceil(rows / 4): i, i + q, i + 2q, i + 3q, those past the last row replaced by it
+    (computed again, stored once by `_store_quarters`). Four rows side by side, as before, left one stream that
+    changed pages every few passes under software prefetch: shape A at one token, gate/up/down of two experts with
+    the caches cold, 1 thread, median of 20, int8 6.6 -> 11.3 GB/s, int4 g128 4.7 -> 5.3-5.5 GB/s of stored bytes,
+    the same sums; prefetching each stream 2-8 rows ahead on top made both slower (2-core EPYC host,
+    2026-12-07)."""
+    last = rows - 1
+    return i, min(i + q, last), min(i + 2 * q, last), min(i + 3 * q, last)
 
 
 @njit(inline="always", **_JIT)
-def _prefetch_group(codes, first, start, count):
-    """Prefetch bytes start .. start + count - 1 (one group) of rows first .. first + 3 of codes (rows, row bytes)
-    that exist, one request per 64-byte line. Issued group by group, a few lines at a time beside the group's own
-    loads, rather than four whole rows at the start of a pass: a burst of 64 requests fills the core's miss
-    buffers and stalls the loads the pass needs now (one int8 matrix of 2816 x 1024 at T = 1, out of the cache,
-    1 thread: 5.2 GB/s with the four rows 8 ahead requested at the start of the pass, 6.9 GB/s group by group 16
-    ahead; 2-core EPYC host, 2026-12-07; int8 only: int4's pass, with fewer bytes a group, ran slower this way)."""
-    rows = codes.shape[0]
-    for r in range(first, min(first + 4, rows)):
-        for offset in range(start, start + count, U(64)):
-            _prefetch(codes, r, offset)
-
-
-@njit(inline="always", **_JIT)
-def _store_rows(dst, r, a0, a1, a2, a3):
-    """dst[r .. r + 3] = a0 .. a3, those of the four that exist (the last pass may hold repeats of the last row)."""
+def _store_quarters(dst, i, q, a0, a1, a2, a3):
+    """dst[i + j q] = aj for the rows of pass i that exist (`_quarter_rows`)."""
     rows = dst.shape[0]
-    dst[r] = a0
-    if r + 1 < rows:
-        dst[r + 1] = a1
-    if r + 2 < rows:
-        dst[r + 2] = a2
-    if r + 3 < rows:
-        dst[r + 3] = a3
+    dst[i] = a0
+    if i + q < rows:
+        dst[i + q] = a1
+    if i + 2 * q < rows:
+        dst[i + 2 * q] = a2
+    if i + 3 * q < rows:
+        dst[i + 3 * q] = a3
 
 
 @njit(**_JIT)
@@ -140,17 +125,17 @@ def _matrix_scales(scales, scale_f16, out):
 @njit(inline="always", **_JIT)
 def _rows_q4(codes, s2, zeros, has_zero, half, xq3, xs2, n, out):
     """out[t, r] = W[r] . x_t for every row r and prepared input t < n (half: bytes a group), four rows a pass
-    (`_sums_q4`; the last pass repeats the last row where fewer than four are left). Per group g of a row:
+    (`_sums_q4`, `_quarter_rows`). Per group g of a row:
     s_g (P_g - 8 X_g) without zero points, P_g the sum of the stored nibbles 0..15 times x and X_g the group's sum of
     x (the offset of 8 folded into X_g, once per group); with zero points s_g P_g with each nibble made exact first
     (u - 8 - z_g: folding an offset of 8 + z up to 15 next to codes near it cancelled beyond the float32 tolerance
     of the reference tests). Each group's scale multiplies its sum once."""
     rows, size = codes.shape[0], U(codes.shape[1])
     zero = np.float32(0.0)
-    for r in range(0, rows, 4):
-        i1, i2, i3 = min(r + 1, rows - 1), min(r + 2, rows - 1), min(r + 3, rows - 1)
+    q = (rows + 3) // 4
+    for i in range(q):
+        r, i1, i2, i3 = _quarter_rows(i, q, rows)
         q0, q1, q2, q3 = codes[r], codes[i1], codes[i2], codes[i3]
-        _prefetch_rows(codes, r + PREFETCH_ROWS)
         for t in range(n):
             even, odd = xq3[t, 0], xq3[t, 1]
             a0 = a1 = a2 = a3 = zero
@@ -169,18 +154,19 @@ def _rows_q4(codes, s2, zeros, has_zero, half, xq3, xs2, n, out):
                 a1 += s2[i1, g] * p1
                 a2 += s2[i2, g] * p2
                 a3 += s2[i3, g] * p3
-            _store_rows(out[t], r, a0, a1, a2, a3)
+            _store_quarters(out[t], i, q, a0, a1, a2, a3)
 
 
 @njit(inline="always", **_JIT)
 def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
     """out[t, r] = W[r] . x_t for every int8 row r and prepared input t < n (size: codes a group), four rows a pass
-    (`_sums_q8`, the last pass as `_rows_q4`'s): per group g, s_g (P_g - z_g X_g), P_g the sum of the codes times
+    (`_sums_q8`, `_quarter_rows`): per group g, s_g (P_g - z_g X_g), P_g the sum of the codes times
     x, X_g the group's sum of x (the zero point folded, once per group: codes -128..127 dwarf it)."""
     rows, cols = codes.shape[0], U(codes.shape[1])
     zero = np.float32(0.0)
-    for r in range(0, rows, 4):
-        i1, i2, i3 = min(r + 1, rows - 1), min(r + 2, rows - 1), min(r + 3, rows - 1)
+    q = (rows + 3) // 4
+    for i in range(q):
+        r, i1, i2, i3 = _quarter_rows(i, q, rows)
         q0, q1, q2, q3 = codes[r].view(np.int8), codes[i1].view(np.int8), codes[i2].view(np.int8), codes[i3].view(
             np.int8)
         for t in range(n):
@@ -189,8 +175,6 @@ def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
             for g in range(s2.shape[1]):
                 start = U(g) * size
                 count = min(size, cols - start)
-                if t == 0:
-                    _prefetch_group(codes, r + PREFETCH_ROWS_Q8, start, count)
                 p0, p1, p2, p3 = _sums_q8(q0, q1, q2, q3, start, count, x)
                 if has_zero:
                     xs = xs2[t, g]
@@ -202,7 +186,7 @@ def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
                 a1 += s2[i1, g] * p1
                 a2 += s2[i2, g] * p2
                 a3 += s2[i3, g] * p3
-            _store_rows(out[t], r, a0, a1, a2, a3)
+            _store_quarters(out[t], i, q, a0, a1, a2, a3)
 
 
 @njit(**_JIT)

@@ -2,14 +2,24 @@
 PyYAML, the compile options, the storage and activation codes, and float16 widened in registers.
 
 Compilation: `cache=True` writes the machine code next to each module (`__pycache__`) or, where the install is
-read-only, under NUMBA_CACHE_DIR / the user's cache folder (numba's own rule).
+read-only, under NUMBA_CACHE_DIR / the user's cache folder (numba's own rule). numba keys a cached kernel by its own
+source file only, so a kernel that inlines a function of another module would keep its old machine code when only
+that module changed (an upgrade, an edit): `drop_stale_cache` removes the kernel modules' cache entries whenever any
+of their sources differs from the ones the entries were compiled from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
+from pathlib import Path
 
 import numpy as np
+
+# The modules whose compiled kernels call one another's (their cache entries are dropped together).
+KERNEL_MODULES = ("cpu_jit", "cpu_direct", "cpu_kernels", "cpu_routing")
+STAMP_NAME = "colibri-cpu-kernels.sha256"  # in numba's cache folder: the sources the entries there were compiled from
+_checked: set = set()  # cache folders checked by this process
 
 
 def _import_numba():
@@ -106,39 +116,6 @@ def make_nibbles():
 _nibble_low, _nibble_high = make_nibbles()
 
 
-def make_prefetch():
-    """A numba intrinsic prefetch(matrix, row, offset): LLVM's `llvm.prefetch` (read, keep in every cache level) of
-    byte `offset` of row `row` of a 2-D array (any dtype; no bounds check: a prefetch never faults). x86 PREFETCHT0,
-    aarch64 PRFM PLDL1KEEP. The hardware prefetchers stop at each 4 KiB page and look only as far ahead as the
-    out-of-order window; a loop that spends many instructions on each byte (the int8 / int4 products) asks for
-    the rows it reads next itself."""
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.core.extending import intrinsic
-
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-
-    @intrinsic
-    def prefetch(typingctx, matrix, row, offset):
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, args[0])
-            stride = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
-            row = context.cast(builder, args[1], sig.args[1], types.intp)
-            offset = context.cast(builder, args[2], sig.args[2], types.intp)
-            where = builder.add(builder.mul(row, stride), offset)
-            ptr = builder.gep(builder.bitcast(ary.data, i8p), [where])
-            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], fnty)
-            builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
-            return context.get_dummy_value()
-        return types.void(matrix, row, offset), codegen
-
-    return prefetch
-
-
-_prefetch = make_prefetch()
-
 STORE_F32, STORE_F16, STORE_Q8, STORE_Q4 = 0, 1, 2, 3
 ACT_SWIGLU, ACT_CLAMPED = 0, 1
 
@@ -157,3 +134,42 @@ def _f16_into(src, buf):
     finite")."""
     for c in range(src.shape[0]):
         buf[c] = _f16_value(src[c])
+
+
+def sources_digest() -> str:
+    """SHA-256 (hex) of the KERNEL_MODULES' source files, in that order, and numba's version."""
+    digest = hashlib.sha256(_import_numba().__version__.encode())
+    here = Path(__file__).parent
+    for name in KERNEL_MODULES:
+        digest.update((here / f"{name}.py").read_bytes())
+    return digest.hexdigest()
+
+
+def drop_stale_cache(dispatcher) -> None:
+    """Remove the KERNEL_MODULES' cached machine code (numba's `.nbi` index and `.nbc` data files) from the cache
+    folder of `dispatcher` (a compiled kernel of one of them) where it was compiled from other sources than the
+    installed ones (STAMP_NAME there holds `sources_digest` of the last check), then record the current digest.
+    Once per folder and process. A folder this process cannot write is left alone (numba does not write there
+    either). A concurrent process may recompile an entry removed under it; nothing else changes."""
+    try:
+        folder = Path(dispatcher._cache._cache_path)  # numba's own choice of folder for this kernel's cache
+    except AttributeError:  # a numba without this attribute: nothing to check against
+        return
+    if folder in _checked:
+        return
+    _checked.add(folder)
+    digest = sources_digest()
+    stamp = folder / STAMP_NAME
+    try:
+        if stamp.read_text() == digest:
+            return
+    except OSError:
+        pass  # no stamp yet: entries there (if any) are of unknown sources
+    try:
+        for path in folder.glob("*.nb[ic]"):
+            if path.name.split(".", 1)[0] in KERNEL_MODULES:
+                path.unlink(missing_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(digest)
+    except OSError:
+        return

@@ -35,7 +35,7 @@ import numpy as np
 from .cpu_direct import DIRECT_TOKENS, _project_direct  # noqa: F401 - DIRECT_TOKENS: part of this module's interface
 from .cpu_jit import (  # noqa: F401 - the storage codes and the float16 widening are part of this module's interface
     _JIT, ACT_CLAMPED, ACT_SWIGLU, STORE_F16, STORE_F32, STORE_Q4, STORE_Q8, U, _f16_into, _f16_value,
-    f16_hardware, make_f16_value, njit,
+    drop_stale_cache, f16_hardware, make_f16_value, njit,
 )
 
 
@@ -404,3 +404,6 @@ def router_f16(x, router, logits):
             v = x[t, h]
             for e in range(experts):
                 logits[t, e] += v * row[e]
+
+
+drop_stale_cache(experts_into)  # before any kernel of this module loads its cached machine code (cpu_jit)

@@ -27,7 +27,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from .cpu_jit import _f16_value, njit
+from .cpu_jit import _f16_value, drop_stale_cache, njit
 
 SCHEME_TOPK_SOFTMAX, SCHEME_SOFTMAX_TOPK, SCHEME_SIGMOID_TOPK = 0, 1, 2  # ROUTING_* of the format's header
 MAX_EXPERTS = 768  # `_sum` adds up to 968 values in NumPy's order (three levels of its pairwise split)
@@ -239,3 +239,6 @@ def route_grouped(x, router, router_bias, has_router_bias, scheme, by_logits, to
         order[fill[e]] = p
         fill[e] += 1
     return m, most
+
+
+drop_stale_cache(route_grouped)  # before any kernel of this module loads its cached machine code (cpu_jit)
