@@ -15,7 +15,9 @@ by the exponential's last bit (libm's `expf` here, NumPy's own vectorised one th
 
 Why compiled: at one token the NumPy path is about fifteen array operations (sort, exponentials, gathers, the pair
 grouping), 0.35 ms per layer with the caches cold (a layer of shape A, bench/runtime_cpu_bench.py) against
-0.05-0.1 ms for this call; a MoE forward pass at decode sizes pays it once per layer.
+0.05-0.1 ms for this call; a MoE forward pass at decode sizes pays it once per layer. The helpers are compiled
+as functions of their own, not inlined: inlined, the sum's split levels made route_grouped take 67 s to compile
+(4.9 s now, once per install; numba's cache keeps it).
 
 Group-limited selection (n_group > 1), more than MAX_EXPERTS experts and logits that are not all finite take the NumPy path
 (`colibri_sdk.runtime.cpu_engine`): `route_grouped` then returns -1 and writes nothing the caller reads.
@@ -35,7 +37,7 @@ MAX_EXPERTS = 768  # `_sum` adds up to 968 values in NumPy's order (three levels
 _EXACT = dict(cache=True, nogil=True, error_model="numpy")
 
 
-@njit(inline="always", **_EXACT)
+@njit(**_EXACT)
 def _sum8(v, start, n):
     """NumPy's pairwise sum of v[start:start + n], 8 <= n <= 128: eight partial sums over i % 8, combined
     ((0+1)+(2+3))+((4+5)+(6+7)), then the rest one by one."""
@@ -59,14 +61,14 @@ def _sum8(v, start, n):
     return acc
 
 
-@njit(inline="always", **_EXACT)
+@njit(**_EXACT)
 def _half(n):
     """Where NumPy's pairwise sum splits n > 128 values: n // 2 rounded down to a multiple of 8."""
     h = n // 2
     return h - h % 8
 
 
-@njit(inline="always", **_EXACT)
+@njit(**_EXACT)
 def _split1(v, start, n):  # n <= 256
     if n <= 128:
         return _sum8(v, start, n)
@@ -74,7 +76,7 @@ def _split1(v, start, n):  # n <= 256
     return _sum8(v, start, h) + _sum8(v, start + h, n - h)
 
 
-@njit(inline="always", **_EXACT)
+@njit(**_EXACT)
 def _split2(v, start, n):  # n <= 512
     if n <= 128:
         return _sum8(v, start, n)
@@ -82,7 +84,7 @@ def _split2(v, start, n):  # n <= 512
     return _split1(v, start, h) + _split1(v, start + h, n - h)
 
 
-@njit(inline="always", **_EXACT)
+@njit(**_EXACT)
 def _sum(v, n):
     """sum(v[:n]) (n <= MAX_EXPERTS) in NumPy's order for float32 (pairwise_sum,
     numpy/_core/src/umath/loops_utils.h.src): n < 8 one by one; n <= 128 `_sum8`; above, the two halves (the first
@@ -98,7 +100,7 @@ def _sum(v, n):
     return _split2(v, 0, h) + _split2(v, h, n - h)
 
 
-@njit(inline="always", **_EXACT)
+@njit(**_EXACT)
 def _top_k(choice, k, picked):
     """picked[:k] = the k largest of choice (experts,), larger first, ties towards the lower index (NumPy's stable
     argsort of -choice)."""
@@ -123,14 +125,14 @@ def _router_value(v):
     raise NotImplementedError("compiled only (numba overload)")
 
 
-@overload(_router_value, inline="always")
+@overload(_router_value)
 def _router_value_typed(v):
     if isinstance(v, types.Integer):
         return lambda v: _f16_value(v)
     return lambda v: v
 
 
-@njit(inline="always", **_EXACT)
+@njit(**_EXACT)
 def _logits(x, router, router_bias, has_router_bias, logits):
     """logits (tokens, experts) = x (tokens, hidden) float32 @ router (hidden, experts) (float32, or float16 bits
     as uint16, widened exactly), the sums over hidden in increasing order, + router_bias (experts,) where

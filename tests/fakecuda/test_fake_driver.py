@@ -71,6 +71,41 @@ def test_refuses_what_a_driver_refuses(run_fake, tiny_bundle):
     assert "fake libcuda: cuModuleLoadData: cubin for sm_87 cannot run on this sm_90 device" in run.stderr
 
 
+@pytest.mark.parametrize("mode,refused", [("GLOBAL", True), ("THREAD_LOCAL", False), ("RELAXED", False)])
+def test_another_threads_synchronous_call_during_capture(run_fake, mode, refused):
+    """CUstreamCaptureMode, as a driver applies it to a synchronous call (cuMemsetD32 on the legacy stream) from
+    another thread while a stream captures: a global capture refuses it and is invalidated, a thread-local or
+    relaxed one lets it run (libcolibri captures thread-local, while another context may be loading)."""
+    run = run_fake(f"""
+        import threading
+        from cuda.bindings import driver as cu
+        cu.cuInit(0)
+        _, dev = cu.cuDeviceGet(0)
+        _, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+        cu.cuCtxSetCurrent(ctx)
+        _, ptr = cu.cuMemAlloc(64)
+        _, stream = cu.cuStreamCreate(0)
+        cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_{mode})
+        out = {{}}
+
+        def other():
+            cu.cuCtxSetCurrent(ctx)
+            out["memset"] = cu.cuMemsetD32(ptr, 0, 16)[0].name
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        out["end_capture"] = cu.cuStreamEndCapture(stream)[0].name
+        emit(**out)
+    """)
+    assert run.rc == 0 and run.result, run
+    if refused:
+        assert run.result == {"memset": "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                              "end_capture": "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"}, run.result
+    else:
+        assert run.result == {"memset": "CUDA_SUCCESS", "end_capture": "CUDA_SUCCESS"}, run.result
+
+
 def test_graph_keeps_the_parameters_of_capture_time(run_fake, tiny_bundle):
     """After capture, the backend's kernel-argument arrays are zeroed: the graph still runs on the values recorded
     at capture (as a real CUDA Graph does), while an eager launch reads the zeros and faults."""

@@ -43,6 +43,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #define API extern "C" __attribute__((visibility("default")))
@@ -204,7 +205,8 @@ struct GraphExec {
 struct Stream {
     Graph* capture = nullptr;
     int invalidated = 0;
-    int mode = 0;
+    int mode = 0;                   // CUstreamCaptureMode: 0 global, 1 thread-local, 2 relaxed
+    std::thread::id capturing;      // the thread that began the capture
 };
 struct Event {
     double ms = -1;  // steady-clock time (ms) when its record node last ran; -1: never recorded

@@ -106,6 +106,7 @@ API CUresult cuStreamBeginCapture_v2(void* h, int mode) {
     s->capture = g.get();
     s->invalidated = 0;
     s->mode = mode;
+    s->capturing = std::this_thread::get_id();
     g_graphs[g.get()] = std::move(g);
     log_line("cuStreamBeginCapture mode=%d", mode);
     return CUDA_SUCCESS;

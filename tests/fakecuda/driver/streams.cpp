@@ -42,11 +42,14 @@ bool any_capture() {
     return false;
 }
 
-// A synchronous call while a capture is active invalidates it (thread-local and global capture modes).
+// A synchronous call while a capture is active invalidates it, as CUstreamCaptureMode says: a global capture refuses
+// the call from any thread, a thread-local one only from the thread that began it, a relaxed one never (CUDA Driver
+// API, cuThreadExchangeStreamCaptureMode).
 CUresult refuse_during_capture(const char* call) {
     bool refused = false;
+    const std::thread::id self = std::this_thread::get_id();
     for (auto& [h, s] : g_streams) {
-        if (s->capture && s->mode != 2) {
+        if (s->capture && (s->mode == 0 || (s->mode == 1 && s->capturing == self))) {
             s->invalidated = 1;
             refused = true;
         }
