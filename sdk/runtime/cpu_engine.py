@@ -298,12 +298,12 @@ class CpuEngine:
         """The router logits (tokens, experts) float32 of x (tokens, hidden), the router bias added (v2)."""
         logits = self.logits[: x.shape[0]]
         router = w["router"]
-        if router.dtype == np.float32:
-            np.matmul(x, router, out=logits)
-        else:
-            K.router_f16(x, router, logits)
-        if self.v2 and w["router_bias"] is not None:
-            with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is named by the output's finiteness check
+            if router.dtype == np.float32:
+                np.matmul(x, router, out=logits)
+            else:
+                K.router_f16(x, router, logits)
+            if self.v2 and w["router_bias"] is not None:
                 logits += w["router_bias"]
         return logits
 

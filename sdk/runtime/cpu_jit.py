@@ -11,6 +11,7 @@ of their sources differs from the ones the entries were compiled from.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -149,27 +150,35 @@ def drop_stale_cache(dispatcher) -> None:
     """Remove the KERNEL_MODULES' cached machine code (numba's `.nbi` index and `.nbc` data files) from the cache
     folder of `dispatcher` (a compiled kernel of one of them) where it was compiled from other sources than the
     installed ones (STAMP_NAME there holds `sources_digest` of the last check), then record the current digest.
-    Once per folder and process. A folder this process cannot write is left alone (numba does not write there
-    either). A concurrent process may recompile an entry removed under it; nothing else changes."""
+    Once per folder and process; never raises. The folder is numba's own choice for the kernel (made here if
+    missing, as numba would); the stamp is replaced atomically, never written through a link. A folder or stamp
+    this process cannot write is left as it is (numba cannot write there either; a stamp that cannot be written
+    means the entries are dropped again by the next process). A concurrent process may recompile an entry removed
+    under it; nothing else changes."""
     try:
         folder = Path(dispatcher._cache._cache_path)  # numba's own choice of folder for this kernel's cache
-    except AttributeError:  # a numba without this attribute: nothing to check against
+    except (AttributeError, TypeError, ValueError):  # no such attribute in this numba, or not a path
         return
     if folder in _checked:
         return
     _checked.add(folder)
-    digest = sources_digest()
+    digest = sources_digest().encode()
     stamp = folder / STAMP_NAME
     try:
-        if stamp.read_text() == digest:
+        if stamp.is_file() and not stamp.is_symlink() and stamp.read_bytes() == digest:
             return
-    except OSError:
-        pass  # no stamp yet: entries there (if any) are of unknown sources
+    except (OSError, ValueError):
+        pass  # unreadable: entries there (if any) are of unknown sources
     try:
-        for path in folder.glob("*.nb[ic]"):
-            if path.name.split(".", 1)[0] in KERNEL_MODULES:
-                path.unlink(missing_ok=True)
         folder.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(digest)
-    except OSError:
+        for path in folder.glob("*.nb[ic]"):
+            if path.name.split(".", 1)[0] in KERNEL_MODULES and (path.is_symlink() or path.is_file()):
+                path.unlink(missing_ok=True)
+    except (OSError, ValueError):
         return
+    temporary = folder / f"{STAMP_NAME}.{os.getpid()}.tmp"
+    try:
+        temporary.write_bytes(digest)
+        os.replace(temporary, stamp)  # replaces a link or a stale file; a directory there refuses (OSError)
+    except OSError:
+        temporary.unlink(missing_ok=True)

@@ -74,6 +74,28 @@ def test_a_folder_that_cannot_be_written_raises_nothing(tmp_path):
     assert all((folder / name).exists() for name in OTHERS)
 
 
+def test_a_damaged_stamp_is_replaced(tmp_path):
+    """Bytes that are no text, a stamp that is a link to a file elsewhere (that file untouched), an entry name
+    held by a folder: no error, the entries dropped, a regular stamp of the installed sources written."""
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("keep me")
+    for case in ("binary", "link", "folder-entry"):
+        folder = tmp_path / case
+        populate(folder)
+        stamp = folder / cpu_jit.STAMP_NAME
+        if case == "binary":
+            stamp.write_bytes(b"\xff\xfe\x00")
+        elif case == "link":
+            stamp.symlink_to(outside)
+        else:
+            (folder / "cpu_kernels.odd-1.py311.nbi").mkdir()
+        cpu_jit.drop_stale_cache(fake_dispatcher(folder))
+        assert not any((folder / name).exists() for name in ENTRIES), case
+        assert not stamp.is_symlink() and stamp.read_text() == cpu_jit.sources_digest(), case
+        assert not list(folder.glob("*.tmp")), case
+    assert outside.read_text() == "keep me"
+
+
 def test_the_installed_kernels_checked_their_folder():
     from colibri_sdk.runtime import cpu_kernels
 
