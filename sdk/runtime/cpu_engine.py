@@ -34,7 +34,8 @@ Every buffer is allocated once at load, sized for the bundle's fixed rows (batch
     xq, xsum, s32                       the direct int8 / int4 path's prepared inputs, group sums, scales
 
 What is still allocated per call: the routing call's per-token rows (experts,) and pair experts (rows · top_k,) (on
-the NumPy path, the routing functions' (rows, experts) temporaries and index arrays), and small scalars (the tracemalloc test in tests/runtime bounds a warm call's peak well below one activation tensor).
+the NumPy path, the routing functions' (rows, experts) temporaries and index arrays), and small scalars (the
+tracemalloc test in tests/runtime bounds a warm call's peak well below one activation tensor).
 
 Stored tensors are checked finite, as the reference engine does: a NaN or Inf in the file is a FormatError naming
 the tensor. The router, the vectors and the shared experts are checked when a layer is first used. A routed
@@ -163,7 +164,7 @@ class CpuEngine:
         self.scheme = None if (self.v2 and h.n_group > 1) or E > R.MAX_EXPERTS else int(h.routing)
         self.norm_topk = bool(self.v2 and h.norm_topk)
         self.scaling = np.float32(h.routed_scaling_factor if self.v2 else 1.0)
-        self.all_ones = _readonly(np.ones(E, f32))  # correction bias placeholder (unused where there is none)
+        self.all_ones = _readonly(np.ones(E, f32))  # router / correction bias placeholder (unused where there is none)
         self.tok = np.zeros(n, np.int64)
         wide = max(I, SI, H)
         self._gate_flat = np.zeros(n * wide, f32)
@@ -221,7 +222,7 @@ class CpuEngine:
                             False, f32(1), self.all_ones[:1], False, np.zeros((1, 1), f32), np.zeros(1, f32), pairs,
                             one.copy(), one.copy())
         if self.header.dtype == 1 and not self.v2:  # a v1 fp16 file stores its router as float16
-            K.router_f16(x, _readonly(np.zeros((2, 1), np.uint16)), np.zeros((1, 1), f32))
+            R.logits_into(x, _readonly(np.zeros((2, 1), np.uint16)), self.all_ones[:1], False, np.zeros((1, 1), f32))
 
     def _sbuf(self, cols: int) -> np.ndarray:
         """Scratch for one row's group scales, (groups of a row of `cols` columns,) float32."""
@@ -301,8 +302,8 @@ class CpuEngine:
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is named by the output's finiteness check
             if router.dtype == np.float32:
                 np.matmul(x, router, out=logits)
-            else:
-                K.router_f16(x, router, logits)
+            else:  # a v1 fp16 router, read as stored
+                R.logits_into(x, router, self.all_ones, False, logits)
             if self.v2 and w["router_bias"] is not None:
                 logits += w["router_bias"]
         return logits

@@ -390,20 +390,4 @@ def scatter_add(out, tok, pair_w, y, n, bias, has_bias):
             dst[c] += w * (src[c] + b)
 
 
-@njit(**_JIT)
-def router_f16(x, router, logits):
-    """logits (tokens, experts) = x (tokens, hidden) float32 @ router (hidden, experts) float16 bits (uint16), row
-    by row of the router (each read once), summed in float32."""
-    tokens, hidden = x.shape
-    experts = router.shape[1]
-    row = np.empty(experts, np.float32)
-    logits[:tokens] = 0.0
-    for h in range(hidden):
-        _f16_into(router[h], row)
-        for t in range(tokens):
-            v = x[t, h]
-            for e in range(experts):
-                logits[t, e] += v * row[e]
-
-
 drop_stale_cache(experts_into)  # before any kernel of this module loads its cached machine code (cpu_jit)

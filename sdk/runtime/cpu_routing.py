@@ -121,8 +121,11 @@ def _top_k(choice, k, picked):
 
 
 def _router_value(v):
-    """A stored router value as float32: float16 bits (uint16) widened exactly (`_f16_value`), float32 as is."""
-    raise NotImplementedError("compiled only (numba overload)")
+    """A stored router value as float32: float16 bits (uint16) widened exactly (`_f16_value` when compiled),
+    float32 as is."""
+    if isinstance(v, (np.integer, int)):
+        return np.float32(np.array(v, np.uint16).view(np.float16))
+    return np.float32(v)
 
 
 @overload(_router_value)
@@ -133,7 +136,7 @@ def _router_value_typed(v):
 
 
 @njit(**_EXACT)
-def _logits(x, router, router_bias, has_router_bias, logits):
+def logits_into(x, router, router_bias, has_router_bias, logits):
     """logits (tokens, experts) = x (tokens, hidden) float32 @ router (hidden, experts) (float32, or float16 bits
     as uint16, widened exactly), the sums over hidden in increasing order, + router_bias (experts,) where
     has_router_bias."""
@@ -176,7 +179,7 @@ def route_grouped(x, router, router_bias, has_router_bias, scheme, by_logits, to
     Returns:
         (m, the most pairs of one expert), or (-1, 0) where a logit is not finite (the caller routes with NumPy).
     """
-    _logits(x, router, router_bias, has_router_bias, logits)
+    logits_into(x, router, router_bias, has_router_bias, logits)
     tokens, experts = x.shape[0], logits.shape[1]
     scores = np.empty(experts, np.float32)
     choice = np.empty(experts, np.float32)

@@ -95,7 +95,7 @@ def test_every_storage_and_feature_matches_the_float64_reference(tmp_path, featu
 @pytest.mark.parametrize("routing", [0, 1])
 @pytest.mark.parametrize("dtype", [0, 1], ids=["fp32", "fp16"])
 def test_v1_files_match_the_reference(tmp_path, dtype, routing):
-    """v1: the router in the file's dtype (float16 through cpu_kernels.router_f16), sequential layers."""
+    """v1: the router in the file's dtype (float16 read as stored: cpu_routing.logits_into), sequential layers."""
     rng = np.random.default_rng(dtype * 2 + routing)
     L, E, k, H, I = 2, 6, 2, 48, 40
     h = Header(num_layers=L, num_experts=E, top_k=k, hidden_size=H, intermediate_size=I, dtype=dtype,

@@ -129,3 +129,13 @@ def test_an_engine_without_expert_groups_matches_the_float64_reference(tmp_path,
     path = write_v2(tmp_path / "m.colibri", fields, rng)
     for tokens in TOKENS:
         assert_matches_reference(path, rng.standard_normal((tokens, BASE["hidden_size"])).astype(np.float32))
+
+
+def test_a_stored_router_value_widens_the_same_compiled_and_interpreted():
+    """`_router_value` (float16 bits or float32 to float32) gives the same value from Python as from numba."""
+    widen = njit(lambda v: cpu_routing._router_value(v))
+    bits = np.array([0x0000, 0x0001, 0x3C00, 0xBC00, 0x7BFF, 0x7C00, 0x3555], np.uint16)
+    for b in bits:
+        want = bits[b == bits].view(np.float16).astype(np.float32)[0]
+        assert cpu_routing._router_value(b) == want == widen(b), hex(int(b))
+    assert cpu_routing._router_value(np.float32(2.5)) == widen(np.float32(2.5)) == np.float32(2.5)
