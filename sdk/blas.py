@@ -101,3 +101,37 @@ def blas_threads(rows: int) -> Iterator[int | None]:
                 for c, n in _restore:
                     c.set_num_threads(n)
                 _restore = []
+
+
+class LazyBlasThreads:
+    """`blas_threads(rows)` entered only when the body first calls `ensure()` (just before its first BLAS product),
+    exited with the body. A body that makes no BLAS product (the CPU backend at a few tokens: routing and experts
+    in compiled kernels) neither reads the environment nor asks the BLAS library its thread count: with the caches
+    cold, as after a camera frame's other work, those reads cost 0.18 ms a call, a tenth of a one-token int4 layer
+    of 8.6 MB (bench/runtime_cpu_moe.py's conditions; 2-core EPYC host, 2026-12-07).
+
+    Use: `with LazyBlasThreads(rows) as limit: ... limit.ensure(); np.matmul(...)`. `ensure` is called from the
+    thread that entered (the limit is the process's, shared as `blas_threads` shares it); after the body it does
+    nothing (the limit holds inside the body only)."""
+
+    __slots__ = ("rows", "_state")
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self._state = None  # None: not applied yet; the blas_threads context once applied; False: body left
+
+    def __enter__(self) -> "LazyBlasThreads":
+        return self
+
+    def ensure(self) -> None:
+        """Apply the limit now, if the body has not applied it yet and is still running."""
+        if self._state is None:
+            context = blas_threads(self.rows)
+            context.__enter__()
+            self._state = context
+
+    def __exit__(self, *exc) -> bool:
+        context, self._state = self._state, False
+        if context:
+            context.__exit__(*exc)
+        return False

@@ -7,16 +7,18 @@ accumulation, as on the GPU) and keeps no copy, so the process holds the weights
 shared with any other reader of the file). The compiled kernels (numba, cached on disk) are compiled or loaded from
 the cache at load (`warm_up`), never on a call.
 
-BLAS threads: each forward pass runs inside `colibri_sdk.blas.blas_threads(batch * tokens)`, so the per-expert
-matrix products of a decode-sized call use one BLAS thread (the rule and its measurement: colibri_sdk.blas,
-docs/runtime.md), with no environment variable needed; the rest of the process keeps its own setting.
+BLAS threads: each forward pass runs inside `colibri_sdk.blas.LazyBlasThreads(batch * tokens)`, so the BLAS
+products of a decode-sized call (experts with many tokens, the NumPy routing path, a shared-expert gate) use one
+BLAS thread (the rule and its measurement: colibri_sdk.blas, docs/runtime.md), with no environment variable
+needed; the limit is set before the call's first BLAS product (none at a few tokens, where everything runs in
+compiled kernels), and the rest of the process keeps its own setting.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..blas import blas_threads
+from ..blas import LazyBlasThreads
 from ..capacity import Capacity
 from ..errors import BackendError
 from .cpu_engine import CpuEngine
@@ -79,7 +81,7 @@ class CpuBackend:
         if (counts == tokens).all():
             rows = x.reshape(-1, self.hidden_size)
             out = np.empty_like(rows)
-            with blas_threads(rows.shape[0]):
+            with LazyBlasThreads(rows.shape[0]) as engine.blas:
                 engine.run_into(rows, out, 0, self.num_layers)
             self.last_dropped = engine.dropped
             return out.reshape(x.shape)
@@ -88,7 +90,7 @@ class CpuBackend:
         if mask.any():
             rows = np.ascontiguousarray(x[mask])
             result = np.empty_like(rows)
-            with blas_threads(rows.shape[0]):
+            with LazyBlasThreads(rows.shape[0]) as engine.blas:
                 engine.run_into(rows, result, 0, self.num_layers)
             self.last_dropped = engine.dropped
             out[mask] = result
@@ -117,7 +119,7 @@ class CpuBackend:
         engine.capacity = self.capacity if capacity else None
         engine.valid = valid_rows
         engine.dropped = 0
-        with blas_threads(flat_x.shape[0]):
+        with LazyBlasThreads(flat_x.shape[0]) as engine.blas:
             engine.run_into(flat_x, flat_out, start, stop)
         self.last_dropped = engine.dropped
 

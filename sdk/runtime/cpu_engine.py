@@ -126,7 +126,8 @@ class CpuEngine:
         capacity: colibri_sdk.capacity.Capacity or None (dropless); valid: (rows,) bool real-token rows or None;
         dropped: pairs dropped by capacity since the last run_into; blas_pairs: the fewest pairs of an expert
         that go through BLAS (BLAS_PAIRS); threads: the threads the compiled path's experts are split between
-        (`colibri_sdk.blas.threads(rows)`).
+        (`colibri_sdk.blas.threads(rows)`); blas: a `colibri_sdk.blas.LazyBlasThreads` applied before each BLAS
+        product, or None.
     """
 
     def __init__(self, model, rows: int, capacity=None):
@@ -151,6 +152,7 @@ class CpuEngine:
         self.rows = n = int(rows)
         self.threads = call_threads(n)
         self.blas_pairs = BLAS_PAIRS
+        self.blas = None  # the call's colibri_sdk.blas.LazyBlasThreads (set by CpuBackend around run_into)
         self._helpers: list = []  # (engine sharing this one's weights, its own output rows), one per extra thread
         self._pool = None
         f32 = np.float32
@@ -294,6 +296,11 @@ class CpuEngine:
                 self._finite_matrix(w[kind], layer, e)
             self._checked[layer, e] = True
 
+    def _blas_limit(self) -> None:
+        """Apply the call's BLAS thread limit (self.blas) before a BLAS product; none outside a CpuBackend call."""
+        if self.blas is not None:
+            self.blas.ensure()
+
     # ---- forward ------------------------------------------------------------------------------------------------
     def _logits(self, x: np.ndarray, w: dict) -> np.ndarray:
         """The router logits (tokens, experts) float32 of x (tokens, hidden), the router bias added (v2)."""
@@ -301,6 +308,7 @@ class CpuEngine:
         router = w["router"]
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is named by the output's finiteness check
             if router.dtype == np.float32:
+                self._blas_limit()
                 np.matmul(x, router, out=logits)
             else:  # a v1 fp16 router, read as stored
                 R.logits_into(x, router, self.all_ones, False, logits)
@@ -360,23 +368,30 @@ class CpuEngine:
         else:
             big = used[counts[used] >= self.blas_pairs]
             small = used if big.size == 0 else used[counts[used] < self.blas_pairs]
+        finite = None  # the output's finiteness where the last writer told it
         if small.size > 1 and self.threads > 1:
             self._experts_threaded(x, order, starts, pair_w, k, small, np.diff(starts), w, out)
         elif small.size:
-            self._experts(x, order, starts, pair_w, k, small, w, out)
+            finite = self._experts(x, order, starts, pair_w, k, small, w, out)
+        if big.size or self.shared_count:
+            finite = None
         for e in big.tolist():
             self._expert_blas(x, int(e), w, out)
         if self.shared_count:
             self._shared(x, w, out)
-        if not self.clamped and not np.isfinite(out, out=self.finite[:n]).all():
-            self._check_experts(layer, w, used)  # a FormatError when a used expert stores a non-finite value
+        if not self.clamped:
+            if finite is None:
+                finite = bool(np.isfinite(out, out=self.finite[:n]).all())
+            if not finite:
+                self._check_experts(layer, w, used)  # a FormatError when a used expert stores a non-finite value
 
-    def _experts(self, x, order, starts, pair_w, k, chosen, w, out, act=None) -> None:
-        """experts_into for the matrices of w (routed: with biases and the file's activation; shared: act given)."""
+    def _experts(self, x, order, starts, pair_w, k, chosen, w, out, act=None) -> bool:
+        """experts_into for the matrices of w (routed: with biases and the file's activation; shared: act given);
+        returns whether every value of out is finite afterwards."""
         g, u, d = w["gate_proj"], w["up_proj"], w["down_proj"]
         gate, up = self._inter(g.rows)
         hidden = self.header.hidden_size
-        K.experts_into(
+        return K.experts_into(
             x, order, starts, pair_w, k, chosen, self.store, self.scale_f16, self.has_zero, self.group,
             g.codes, g.scales, g.zeros, u.codes, u.scales, u.zeros, d.codes, d.scales, d.zeros,
             self.has_bias and act is None, w["gate_bias"], w["up_bias"], w["down_bias"],
@@ -436,6 +451,7 @@ class CpuEngine:
 
     def _project_blas(self, m: _Matrix, expert: int, xs: np.ndarray, dst: np.ndarray) -> None:
         """dst (n, rows) = xs (n, cols) @ W.T by BLAS: float32 weights in place, others by decoded tiles."""
+        self._blas_limit()
         if m.floats is not None:
             np.matmul(xs, m.floats[expert].T, out=dst)
             return
@@ -489,6 +505,7 @@ class CpuEngine:
                         "down_bias": self._no_bias_h}
             self._experts(x, self.shared_order, starts, self.ones, 1, self.first, matrices, acc, act=K.ACT_SWIGLU)
         if w["shared_gate"] is not None:
+            self._blas_limit()
             g = x @ w["shared_gate"]
             with np.errstate(over="ignore"):
                 acc *= (1.0 / (1.0 + np.exp(-g)))[:, None]

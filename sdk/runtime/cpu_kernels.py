@@ -378,6 +378,18 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
                 for i in range(n):
                     out[tok[i], r] += pair_weights[order[p0 + i]] * (y[i, r - r0] + bias)
             r0 += done
+    return _all_finite(out)
+
+
+@njit(inline="always", **_JIT)
+def _all_finite(a):
+    """True where every value of the 2-D float32 array a is finite (no Inf, no NaN)."""
+    for t in range(a.shape[0]):
+        row = a[t]
+        for c in range(row.shape[0]):
+            if not np.isfinite(row[c]):
+                return False
+    return True
 
 
 @njit(**_JIT)

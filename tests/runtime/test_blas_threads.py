@@ -102,21 +102,59 @@ def test_overlapping_calls_from_threads_restore_the_original(no_thread_variables
     assert set(blas_threads_now()) == {2}
 
 
-def test_cpu_backend_runs_with_one_thread_and_restores(small_bundle, no_thread_variables, two_threads):
+def test_cpu_backend_runs_its_blas_products_with_one_thread_and_restores(small_bundle, no_thread_variables,
+                                                                         two_threads, monkeypatch):
+    """Every BLAS product of a decode-sized call runs with one BLAS thread (blas_pairs = 1 sends every expert
+    through BLAS); the library's own count is back afterwards."""
     seen = []
+    matmul = np.matmul
+
+    def recording(*args, **kwargs):
+        seen.append(blas_threads_now())
+        return matmul(*args, **kwargs)
+
     with Runtime.load(small_bundle, backend="cpu", verify=False) as rt:
-        engine = rt._backend._scratch  # the CPU backend's forward pass (sdk/runtime/cpu_engine.py)
-        run = engine.run_into
-
-        def recording(*args):
-            seen.append(blas_threads_now())
-            return run(*args)
-
-        engine.run_into = recording
+        rt._backend._scratch.blas_pairs = 1  # the CPU backend's forward pass (sdk/runtime/cpu_engine.py)
+        monkeypatch.setattr(np, "matmul", recording)
         y = rt.infer(np.ones((2, 8, rt.hidden_size), np.float32))
+        monkeypatch.setattr(np, "matmul", matmul)
     assert y.shape == (2, 8, rt.hidden_size)
-    assert seen and set(seen[0]) == {1}
+    assert seen and all(set(s) == {1} for s in seen), seen
     assert set(blas_threads_now()) == {2}
+
+
+def test_a_call_without_blas_products_leaves_the_library_alone(small_bundle, no_thread_variables, two_threads,
+                                                                monkeypatch):
+    """At one token every product runs in compiled kernels: the rule is never evaluated, the count never asked
+    (LazyBlasThreads); with every expert through BLAS it is, once per call."""
+    asked = []
+    rule = blas.threads_for
+    monkeypatch.setattr(blas, "threads_for", lambda rows: asked.append(rows) or rule(rows))
+    with Runtime.load(small_bundle, backend="cpu", verify=False) as rt:
+        x, out = np.ones((1, 1, rt.hidden_size), np.float32), np.empty((1, 1, rt.hidden_size), np.float32)
+        asked.clear()  # the load's own (the engine's thread count)
+        rt._backend.run_layers(x, out, 0, 1)
+        assert asked == []
+        rt._backend._scratch.blas_pairs = 1
+        rt._backend.run_layers(x, out, 0, 1)
+        assert asked == [1]
+    assert set(blas_threads_now()) == {2}
+
+
+def test_lazy_limit_applies_on_ensure_and_only_inside(no_thread_variables, two_threads):
+    with blas.LazyBlasThreads(4) as limit:
+        assert set(blas_threads_now()) == {2}  # nothing until a BLAS product asks
+        limit.ensure()
+        limit.ensure()  # once
+        assert set(blas_threads_now()) == {1} and blas._depth == 1
+    assert set(blas_threads_now()) == {2} and blas._depth == 0
+    limit.ensure()  # after the body: nothing
+    assert set(blas_threads_now()) == {2} and blas._depth == 0
+    with pytest.raises(ZeroDivisionError):
+        with blas.LazyBlasThreads(4) as limit:
+            limit.ensure()
+            1 / 0
+    assert set(blas_threads_now()) == {2} and blas._depth == 0
 
 
 @pytest.mark.parametrize("variable, value, message", [
