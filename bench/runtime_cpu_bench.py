@@ -34,9 +34,10 @@ says "skipped (reason)" and the bench goes on. Not in CI.
 Overhead ("overhead"): `Runtime.infer` vs `CpuBackend.run_layers` at T=1 on shape A fp32 (goal <= 1.1x).
 
 Latency: one bundle per fixed shape (batch 1 x tokens T, built with `colibri-sdk build` from profiles/orin.yaml with
-`shape.tokens` replaced), each timed at its own shape; next to it (default threads, T <= 64), the tokens-64 bundle
-fed T tokens (padded to 64 internally). Each in a child process: once with no thread variable set ("default": the
-backend chooses its BLAS threads itself, colibri_sdk.blas), and once per explicit BLAS thread count
+`shape.tokens` replaced), each timed at its own shape; next to it (T <= 64), the tokens-64 bundle fed T tokens
+(padded to 64 internally), in every setting's child, so that each does the same work. Each in a child process:
+once with no thread variable set ("default": the backend chooses its threads itself, colibri_sdk.blas), and once
+per explicit BLAS thread count
 (OPENBLAS_NUM_THREADS = OMP_NUM_THREADS = 1 .. the CPU count, which the backend respects), in rounds of alternating
 order; each point keeps its fastest round. "best" is the fastest of the explicit counts; the goal is default within
 1.2x of best at every T. Also printed: the CPU time per call, which other load on the machine inflates less.

@@ -23,6 +23,7 @@ import threading
 from typing import Iterator
 
 SMALL_ROWS = 1024  # calls with at most this many token rows run with one BLAS thread
+SPLIT_ROWS = 16  # calls with at least this many token rows split their experts between the CPUs (`threads`)
 ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 
 _lock = threading.Lock()
@@ -54,15 +55,20 @@ def threads_for(rows: int) -> int | None:
 
 
 def threads(rows: int) -> int:
-    """The threads a call on `rows` token rows may use: 1 under the rule (`threads_for`); else the smallest of the
-    thread variables set in the environment to a positive integer; else the CPUs this process may run on.
-    The CPU backend runs its compiled kernels on as many threads (colibri_sdk.runtime.cpu_engine)."""
-    limit = threads_for(rows)
-    if limit is not None:
-        return limit
+    """The threads the CPU backend splits a call's experts between (its compiled kernels; BLAS keeps
+    `threads_for`): the smallest of the thread variables set in the environment to a positive integer, where one
+    is; else the CPUs this process may run on for a call of at least SPLIT_ROWS token rows, and 1 below.
+
+    Splitting costs one hand-off per layer, not one per product as BLAS threads do, and it paid from 16 tokens on
+    both a quiet and a fully loaded 2-core machine (demo model, p50 of the compiled path on 1 and 2 threads:
+    16 tokens 9.4 -> 6.4 ms quiet, 13.4 -> 8.2 ms beside two busy loops; 64 tokens 20.0 -> 13.7 and 39.8 -> 20.3 ms;
+    4 tokens no gain; bench/runtime_cpu_bench.py, 2026-12-07). The CPU engine uses the count of its largest call
+    (the bundle's batch x tokens)."""
     values = _thread_variables()
     if values:
         return min(values)
+    if rows < SPLIT_ROWS:
+        return 1
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):

@@ -41,7 +41,9 @@ def test_rule(no_thread_variables, monkeypatch):
     assert blas.threads_for(1) == 1
     assert blas.threads_for(blas.SMALL_ROWS) == 1
     assert blas.threads_for(blas.SMALL_ROWS + 1) is None
-    assert blas.threads(1) == 1 and blas.threads(blas.SMALL_ROWS + 1) == len(os.sched_getaffinity(0))
+    cpus = len(os.sched_getaffinity(0))
+    assert blas.threads(1) == blas.threads(blas.SPLIT_ROWS - 1) == 1
+    assert blas.threads(blas.SPLIT_ROWS) == blas.threads(blas.SMALL_ROWS + 1) == cpus
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert blas.threads_for(1) is None  # the user's explicit choice is kept
     assert blas.threads(1) == 2
@@ -50,11 +52,12 @@ def test_rule(no_thread_variables, monkeypatch):
     for bad in ("many", "0", "-3", "1,2"):  # not a positive integer: as if unset (the rule holds)
         monkeypatch.setenv("OPENBLAS_NUM_THREADS", bad)
         assert blas.threads_for(1) == 1 and blas.threads(1) == 1, bad
-        assert blas.threads(blas.SMALL_ROWS + 1) == len(os.sched_getaffinity(0)), bad
+        assert blas.threads(blas.SMALL_ROWS + 1) == cpus and blas.threads(1) == 1, bad
 
 
 def test_the_cpu_engine_splits_its_experts_between_the_call_threads(no_thread_variables, monkeypatch, tmp_path):
-    """CpuEngine.threads is blas.threads(rows): 1 by the rule, the user's thread variable where set."""
+    """CpuEngine.threads is blas.threads(rows): 1 below SPLIT_ROWS rows, the CPUs from there, the user's thread
+    variable where set."""
     from colibri_sdk.format import ColibriFile, Header, write_model
     from colibri_sdk.runtime.cpu_engine import CpuEngine
 
@@ -62,9 +65,10 @@ def test_the_cpu_engine_splits_its_experts_between_the_call_threads(no_thread_va
     w = np.zeros((1, 2, 8, 8), np.float32)
     path = write_model(tmp_path / "m.colibri", h, w, w, w, np.zeros((1, 8, 2), np.float32))
     with ColibriFile(path) as model:
-        assert CpuEngine(model, 16).threads == 1
+        assert CpuEngine(model, blas.SPLIT_ROWS - 1).threads == 1
+        assert CpuEngine(model, blas.SPLIT_ROWS).threads == len(os.sched_getaffinity(0))
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
-        assert CpuEngine(model, 16).threads == 3
+        assert CpuEngine(model, 1).threads == CpuEngine(model, 16).threads == 3
 
 
 def test_limit_holds_inside_the_call_only(no_thread_variables, two_threads):
