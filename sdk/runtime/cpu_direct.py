@@ -18,25 +18,31 @@ DIRECT_TOKENS = 2  # an expert with at most this many tokens multiplies its int8
 Q4_LANES = 8  # float32 lanes of `_q4_scaled_sums`' vectors: one AVX2 register, two NEON registers
 
 
-def make_q4_scaled_sums(lanes: int = Q4_LANES):
-    """A numba intrinsic q4_scaled_sums(q0, q1, q2, q3, even, odd, s0, s1, s2, s3, groups, half) -> 4 float32:
-    for four packed int4 rows q0..q3 (uint8, groups · half bytes each), sum_g s_k[g] · P_k,g with
-    P_k,g = sum_j lo_j even[j] + hi_j odd[j] over group g's bytes j (lo / hi a byte's nibbles 0..15; the offset of 8
-    left to the caller), s0..s3 the rows' float32 group scales. half (bytes a group) must be a multiple of `lanes`.
+def make_q4_scaled_sums(lanes: int = Q4_LANES, hardware_f16: bool | None = None):
+    """A numba intrinsic q4_scaled_sums(q0, q1, q2, q3, even, odd, s0, s1, s2, s3, xs, groups, half) -> 4 float32:
+    for four packed int4 rows q0..q3 without zero points (uint8, groups · half bytes each), the products
+    sum_g s_k[g] (P_k,g - 8 xs[g]) with P_k,g = sum_j lo_j even[j] + hi_j odd[j] over group g's bytes j (lo / hi a
+    byte's nibbles 0..15), s0..s3 the rows' group scales as stored (float32, or float16 bits as uint16, widened
+    exactly: `cpu_jit.f16_widen_ir`; hardware_f16 None: `cpu_jit.f16_hardware()`), xs (groups,) float32 the sums
+    of x over each group. half (bytes a group) must be a multiple of `lanes`.
 
     Written in LLVM IR with explicit `lanes`-wide vectors, because the loop vectorizer, given the same loop in
     numba, reduces every group's vector sums to a scalar before the scale (8 horizontal sums a group of four rows,
     about a fifth of the work at g128): here each lane keeps its running sum across groups (one vector
-    multiply-add by the broadcast scale per group and row), and only the row's total is reduced. Per `lanes` bytes
-    and row: a widening load, an `and 15`, an `lshr 4`, two `uitofp` and two multiply-adds (on AVX2 `vpmovzxbd`,
-    `vpand`, `vpsrld`, 2 `vcvtdq2ps`, 2 `vfmadd231ps`), the nibble products in separate sums (no chain of two
-    dependent multiply-adds a step). Fast-math flags as the kernels' (`cpu_jit._FASTMATH`: reassociation and
-    contraction, Inf and NaN kept)."""
+    multiply-add by the broadcast scale per group and row), and only the row's total is reduced; the offset of 8
+    is folded once per row (8 sum_g s_g xs[g], in scalars). Per `lanes` bytes and row: a widening load, an
+    `and 15`, an `lshr 4`, two `uitofp` and two multiply-adds (on AVX2 `vpmovzxbd`, `vpand`, `vpsrld`,
+    2 `vcvtdq2ps`, 2 `vfmadd231ps`), the nibble products in separate sums (no chain of two dependent
+    multiply-adds a step). The scales are read as stored, with no float32 copy of the matrix's scales. Fast-math
+    flags as the kernels' (`cpu_jit._FASTMATH`: reassociation and contraction, Inf and NaN kept)."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
     from numba.core.extending import intrinsic
 
+    from .cpu_jit import f16_hardware, f16_widen_ir
+
+    hardware = f16_hardware() if hardware_f16 is None else hardware_f16
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     vf, vi, vb = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes), ir.VectorType(ir.IntType(8), lanes)
 
@@ -55,17 +61,19 @@ def make_q4_scaled_sums(lanes: int = Q4_LANES):
         return parts[0]
 
     @intrinsic
-    def q4_scaled_sums(typingctx, q0, q1, q2, q3, even, odd, s0, s1, s2, s3, groups, half):
-        sig = types.UniTuple(types.float32, 4)(q0, q1, q2, q3, even, odd, s0, s1, s2, s3, groups, half)
+    def q4_scaled_sums(typingctx, q0, q1, q2, q3, even, odd, s0, s1, s2, s3, xs, groups, half):
+        sig = types.UniTuple(types.float32, 4)(q0, q1, q2, q3, even, odd, s0, s1, s2, s3, xs, groups, half)
+        scale_f16 = s0.dtype == types.uint16
 
         def codegen(context, builder, sig, args):
-            data = [context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:10], args[:10])]
-            rows, ev, od, scales = data[:4], data[4], data[5], data[6:10]
-            n_groups, step = args[10], args[11]
+            data = [context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:11], args[:11])]
+            rows, ev, od, scales, sums_x = data[:4], data[4], data[5], data[6:10], data[10]
+            n_groups, step = args[11], args[12]
             zero = ir.Constant(vf, [0.0] * lanes)
             total = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
             low = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
             high = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+            offset = [cgutils.alloca_once_value(builder, f32(0.0)) for _ in range(4)]
             fifteen, four = ir.Constant(vi, [15] * lanes), ir.Constant(vi, [4] * lanes)
             with cgutils.for_range(builder, n_groups, intp=i64) as group_loop:
                 g = group_loop.index
@@ -82,13 +90,19 @@ def make_q4_scaled_sums(lanes: int = Q4_LANES):
                         hi = builder.uitofp(builder.lshr(b, four), vf)
                         builder.store(fast(builder.fadd(builder.load(low[k]), fast(builder.fmul(lo, e)))), low[k])
                         builder.store(fast(builder.fadd(builder.load(high[k]), fast(builder.fmul(hi, o)))), high[k])
+                x_sum = builder.load(builder.gep(sums_x, [g]))
                 for k in range(4):
                     s = builder.load(builder.gep(scales[k], [g]))
+                    if scale_f16:
+                        s = f16_widen_ir(builder, s, hardware)
                     sv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), s, i32(0)),
                                                 ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * lanes))
                     p = fast(builder.fadd(builder.load(low[k]), builder.load(high[k])))
                     builder.store(fast(builder.fadd(builder.load(total[k]), fast(builder.fmul(sv, p)))), total[k])
-            sums = [horizontal_sum(builder, builder.load(total[k])) for k in range(4)]
+                    builder.store(fast(builder.fadd(builder.load(offset[k]), fast(builder.fmul(s, x_sum)))),
+                                  offset[k])
+            sums = [fast(builder.fsub(horizontal_sum(builder, builder.load(total[k])),
+                                      fast(builder.fmul(f32(8.0), builder.load(offset[k]))))) for k in range(4)]
             return context.make_tuple(builder, sig.return_type, sums)
 
         return sig, codegen
@@ -212,28 +226,22 @@ def _q4_vectors_fit(has_zero, half, size):
 
 
 @njit(inline="always", **_JIT)
-def _rows_q4_vectors(codes, s2, half, xq3, xs2, n, out):
+def _rows_q4_vectors(codes, scales, half, xq3, xs2, n, out):
     """`_rows_q4` without zero points, whole groups of a multiple of Q4_LANES bytes: out[t, r] =
-    sum_g s_g P_g - 8 sum_g s_g X_g, the first sum by `_q4_scaled_sums` (four rows a pass, `_quarter_rows`), the
-    second (the offset of 8 folded into each group's sum of x) per row in scalars. The same terms as `_rows_q4` in
-    another association: shape A's 2816 x 1024 int4 g128 projection at T = 1 in cache, 1 thread, 0.24-0.27 ->
-    0.19-0.21 ms (2-core EPYC host, 2026-12-07, median of 15 interleaved rounds)."""
-    rows, groups = codes.shape[0], s2.shape[1]
+    sum_g s_g (P_g - 8 X_g) by `_q4_scaled_sums` (four rows a pass, `_quarter_rows`), scales (rows, groups) float32
+    or float16 bits (uint16) as stored. The same terms as `_rows_q4` in another association: shape A's 2816 x 1024
+    int4 g128 projection at T = 1 in cache, 1 thread, 0.24-0.27 -> 0.19-0.21 ms (2-core EPYC host, 2026-12-07,
+    median of 15 interleaved rounds, three runs)."""
+    rows, groups = codes.shape[0], scales.shape[1]
     q = (rows + 3) // 4
     for i in range(q):
         r, i1, i2, i3 = _quarter_rows(i, q, rows)
         q0, q1, q2, q3 = codes[r], codes[i1], codes[i2], codes[i3]
+        s0, s1, s2, s3 = scales[r], scales[i1], scales[i2], scales[i3]
         for t in range(n):
-            p0, p1, p2, p3 = _q4_scaled_sums(q0, q1, q2, q3, xq3[t, 0], xq3[t, 1], s2[r], s2[i1], s2[i2], s2[i3],
-                                             groups, half)
-            c0 = c1 = c2 = c3 = np.float32(0.0)
-            for g in range(groups):
-                x8 = np.float32(8.0) * xs2[t, g]
-                c0 += s2[r, g] * x8
-                c1 += s2[i1, g] * x8
-                c2 += s2[i2, g] * x8
-                c3 += s2[i3, g] * x8
-            _store_quarters(out[t], i, q, p0 - c0, p1 - c1, p2 - c2, p3 - c3)
+            p0, p1, p2, p3 = _q4_scaled_sums(q0, q1, q2, q3, xq3[t, 0], xq3[t, 1], s0, s1, s2, s3, xs2[t], groups,
+                                             half)
+            _store_quarters(out[t], i, q, p0, p1, p2, p3)
 
 
 @njit(inline="always", **_JIT)
@@ -244,13 +252,10 @@ def _rows_q4(codes, s2, zeros, has_zero, half, xq3, xs2, n, out):
     x (the offset of 8 folded into X_g, once per group); with zero points s_g P_g with each nibble made exact first
     (u - 8 - z_g: folding an offset of 8 + z up to 15 next to codes near it cancelled beyond the float32 tolerance
     of the reference tests). Each group's scale multiplies its sum once. Without zero points and with whole groups
-    of a multiple of Q4_LANES bytes (int4 g16 and up) `_rows_q4_vectors` runs instead."""
+    of a multiple of Q4_LANES bytes (int4 g16 and up) `_project_direct` runs `_rows_q4_vectors` instead."""
     rows, size = codes.shape[0], U(codes.shape[1])
     zero = np.float32(0.0)
     q = (rows + 3) // 4
-    if _q4_vectors_fit(has_zero, half, size):
-        _rows_q4_vectors(codes, s2, half, xq3, xs2, n, out)
-        return
     for i in range(q):
         r, i1, i2, i3 = _quarter_rows(i, q, rows)
         q0, q1, q2, q3 = codes[r], codes[i1], codes[i2], codes[i3]
@@ -311,7 +316,7 @@ def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
 def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src, rows_of_src, n, out, xq, xsum,
                     s32):
     """out[t, r] = sum_c W[r, c] * src[rows_of_src[t], c] for t < n, every row r of an int8 / int4 matrix (rows,
-    row bytes): the codes multiplied as stored (`_rows_q4`, `_rows_q8`); no decoded row.
+    row bytes): the codes multiplied as stored (`_rows_q4_vectors`, `_rows_q4`, `_rows_q8`); no decoded row.
 
     xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch."""
     rows, cols = codes.shape[0], src.shape[1]
@@ -322,6 +327,12 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     xs2 = xsum[: n * groups].reshape((n, groups))
     s2 = s32[: rows * groups].reshape((rows, groups))
     _prepare_direct(store, src, rows_of_src, n, cols, size, xq3, xs2)
+    if store == STORE_Q4 and _q4_vectors_fit(has_zero, U(size // 2), U(codes.shape[1])):
+        if scale_f16:  # the scales as stored: no float32 copy of the matrix's scales
+            _rows_q4_vectors(codes, scales.view(np.uint16), U(size // 2), xq3, xs2, n, out)
+        else:
+            _rows_q4_vectors(codes, scales.view(np.float32), U(size // 2), xq3, xs2, n, out)
+        return
     _matrix_scales(scales, scale_f16, s2)
     # One call per storage: the group size is a loop bound, so no branch per group size is compiled.
     if store == STORE_Q4:

@@ -54,6 +54,23 @@ def f16_hardware() -> bool:
     return bool(binding.get_host_cpu_features().get("f16c", False))
 
 
+def f16_widen_ir(builder, h, hardware: bool):
+    """LLVM IR: the float32 value of the float16 whose bits are h (an i16 value), as `make_f16_value` describes."""
+    from llvmlite import ir
+
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    if hardware:
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), f32)
+    v = builder.zext(h, i32)
+    rest = builder.shl(builder.and_(v, i32(0x7FFF)), i32(13))
+    finite = builder.bitcast(builder.fmul(builder.bitcast(rest, f32), f32(2.0**112)), i32)
+    special = builder.or_(rest, i32(0x70000000))  # exponent 31 -> 255, the mantissa kept (NaN stays NaN)
+    is_special = builder.icmp_unsigned("==", builder.and_(v, i32(0x7C00)), i32(0x7C00))
+    magnitude = builder.select(is_special, special, finite)
+    sign = builder.shl(builder.and_(v, i32(0x8000)), i32(16))
+    return builder.bitcast(builder.or_(sign, magnitude), f32)
+
+
 def make_f16_value(hardware: bool):
     """A numba intrinsic f16_value(h) -> float32: the exact value of the float16 whose bits are h (uint16), IEEE
     754 widening (subnormals exact, signed zeros, Inf and NaN kept), as NumPy's float16 → float32 cast.
@@ -61,26 +78,14 @@ def make_f16_value(hardware: bool):
     hardware: LLVM's `fpext half to float` (one vector instruction per 8 or 16 values, F16C / aarch64); else integer
     operations on 32-bit LLVM integers (numba's own integer operations widen to 64 bits, halving the vector width):
     the sign to bit 31, exponent and mantissa shifted by 13 and the float32 times 2^112 (exact, subnormals
-    included), an all-ones exponent (Inf, NaN) moved to float32's all-ones exponent instead."""
-    from llvmlite import ir
+    included), an all-ones exponent (Inf, NaN) moved to float32's all-ones exponent instead (`f16_widen_ir`)."""
     from numba import types
     from numba.core.extending import intrinsic
-
-    i32, f32 = ir.IntType(32), ir.FloatType()
 
     @intrinsic
     def f16_value(typingctx, h):
         def codegen(context, builder, sig, args):
-            if hardware:
-                return builder.fpext(builder.bitcast(args[0], ir.HalfType()), f32)
-            v = builder.zext(args[0], i32)
-            rest = builder.shl(builder.and_(v, i32(0x7FFF)), i32(13))
-            finite = builder.bitcast(builder.fmul(builder.bitcast(rest, f32), f32(2.0**112)), i32)
-            special = builder.or_(rest, i32(0x70000000))  # exponent 31 -> 255, the mantissa kept (NaN stays NaN)
-            is_special = builder.icmp_unsigned("==", builder.and_(v, i32(0x7C00)), i32(0x7C00))
-            magnitude = builder.select(is_special, special, finite)
-            sign = builder.shl(builder.and_(v, i32(0x8000)), i32(16))
-            return builder.bitcast(builder.or_(sign, magnitude), f32)
+            return f16_widen_ir(builder, args[0], hardware)
         return types.float32(types.uint16), codegen
     return f16_value
 

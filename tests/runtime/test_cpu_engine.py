@@ -171,11 +171,12 @@ def test_a_non_finite_stored_tensor_is_named(tmp_path, quant):
                                                (2, 128, 1)],
                          ids=["int8-row", "int8-g32-zp", "int4-g32", "int4-g64-zp", "int4-g128", "int4-g128-zp"])
 @pytest.mark.parametrize("cols", [301, 384], ids=["partial-group", "whole-groups"])
-def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zeros, cols):
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.float32], ids=["f16-scales", "f32-scales"])
+def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zeros, cols, scale_dtype):
     """_project_direct (an int8 / int4 matrix's codes multiplied as stored, each group's scale once) against the
     float64 product of the exact dequantization, at 1..DIRECT_TOKENS gathered tokens: odd column counts and a
     partial last group (the loops of `_rows_q4` / `_rows_q8`), and whole groups (int4 without zero points: the
-    vector kernel `_rows_q4_vectors`)."""
+    vector kernel `_rows_q4_vectors`, scales read as stored), float16 and float32 scales."""
     from colibri_sdk.format.quant import pack_int4
     from colibri_sdk.runtime import cpu_direct
 
@@ -184,7 +185,7 @@ def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zero
     if quant == 2:  # the path `_rows_q4` takes
         vectors = cpu_direct._q4_vectors_fit(bool(zeros), np.uint64(group // 2), np.uint64((cols + 1) // 2))
         assert vectors == (not zeros and cols == 384)
-    t = quantize_rtn(rng.standard_normal((rows, cols)).astype(np.float32), quant, group, np.float16)
+    t = quantize_rtn(rng.standard_normal((rows, cols)).astype(np.float32), quant, group, scale_dtype)
     z = rng.integers(-3, 4, t.scales.shape).astype(np.int8) if zeros else np.zeros((rows, 1), np.int8)
     codes = pack_int4(t.codes) if quant == 2 else t.codes.view(np.uint8)
     stored = QuantizedTensor(codes if quant == 2 else t.codes, t.scales, z if zeros else None, cols, group, quant,
@@ -192,11 +193,12 @@ def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zero
     w = stored.dequantize().astype(np.float64)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     store = cpu_kernels.STORE_Q4 if quant == 2 else cpu_kernels.STORE_Q8
-    scales = np.ascontiguousarray(t.scales).reshape(rows, -1).view(np.uint8)  # (rows, groups · 2) bytes
+    scales = np.ascontiguousarray(t.scales).reshape(rows, -1).view(np.uint8)  # (rows, groups · itemsize) bytes
     for n in range(1, cpu_kernels.DIRECT_TOKENS + 1):
         pick = rng.choice(tokens, n, replace=False).astype(np.int64)
         out = np.full((n, rows), np.nan, np.float32)
-        cpu_kernels._project_direct(store, codes, scales, True, z, bool(zeros), group, x, pick, n, out,
+        cpu_kernels._project_direct(store, codes, scales, scale_dtype == np.float16, z, bool(zeros), group, x, pick,
+                                    n, out,
                                     np.zeros(n * 2 * (cols + 1), np.float32), np.zeros(n * cols, np.float32),
                                     np.zeros(rows * cols, np.float32))
         want = x[pick].astype(np.float64) @ w.T
