@@ -37,8 +37,11 @@ def _thread_variables() -> list[int]:
     "abc", "1,2") counts as unset, as the BLAS libraries fall back to their own count for it."""
     values = []
     for name in ENV_VARS:
+        text = os.environ.get(name, "")
+        if not text.isascii():  # int() reads other scripts' digits ("٣"), which the BLAS libraries' C parsers do not
+            continue
         try:
-            value = int(os.environ.get(name, ""))
+            value = int(text)
         except ValueError:
             continue
         if value > 0:
@@ -75,6 +78,22 @@ def threads(rows: int) -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _set_threads(controller, count: int) -> None:
+    """Set one BLAS library's thread count from whichever thread calls (under `_lock`).
+
+    threadpoolctl 3.8 lets only one "controlling" thread change OpenBLAS's count (the first that set it, until
+    cleared) and silently ignores the others, so a limit set by a worker thread (`Runtime.submit`'s, a user's) had
+    no effect, and a restore from another thread than the one that set it left the count at 1 for the rest of the
+    process. `blas_threads` already orders the calls of all threads (the first in sets, the last out restores), so
+    each set here takes control and hands it back at once (`clear_controlling_thread`, where the controller has it)."""
+    clear = getattr(type(controller), "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+    controller.set_num_threads(count)
+    if clear is not None:
+        clear(force=True)
+
+
 @contextlib.contextmanager
 def blas_threads(rows: int) -> Iterator[int | None]:
     """Run the body with `threads_for(rows)` BLAS threads; yields that count (None: unchanged).
@@ -96,7 +115,7 @@ def blas_threads(rows: int) -> Iterator[int | None]:
             # describes every library again on each call (37 us, a tenth of a one-token layer's fixed cost).
             _restore = [(c, n) for c in _blas if (n := c.num_threads) != limit]
             for c, _ in _restore:
-                c.set_num_threads(limit)
+                _set_threads(c, limit)
         _depth += 1
     try:
         yield limit
@@ -105,7 +124,7 @@ def blas_threads(rows: int) -> Iterator[int | None]:
             _depth -= 1
             if _depth == 0:
                 for c, n in _restore:
-                    c.set_num_threads(n)
+                    _set_threads(c, n)
                 _restore = []
 
 
@@ -127,6 +146,7 @@ class LazyBlasThreads:
         self._state = None  # None: not applied yet; the blas_threads context once applied; False: body left
 
     def __enter__(self) -> "LazyBlasThreads":
+        self._state = None
         return self
 
     def ensure(self) -> None:

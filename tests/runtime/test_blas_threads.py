@@ -49,7 +49,7 @@ def test_rule(no_thread_variables, monkeypatch):
     assert blas.threads(1) == 2
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     assert blas.threads(blas.SMALL_ROWS + 1) == 1  # the user's one thread, at any size
-    for bad in ("many", "0", "-3", "1,2"):  # not a positive integer: as if unset (the rule holds)
+    for bad in ("many", "0", "-3", "1,2", "\u0663"):  # not a positive integer (an Arabic-Indic 3 included): unset
         monkeypatch.setenv("OPENBLAS_NUM_THREADS", bad)
         assert blas.threads_for(1) == 1 and blas.threads(1) == 1, bad
         assert blas.threads(blas.SMALL_ROWS + 1) == cpus and blas.threads(1) == 1, bad
@@ -182,3 +182,51 @@ def test_a_numba_variable_the_cpu_kernels_cannot_run_with_is_one_line(small_bund
                           "--iters", "1"], env=env, capture_output=True, text=True, timeout=guard(300))
     assert cli.returncode != 0 and re.search(message, cli.stderr) and "Traceback" not in cli.stderr, cli.stderr[-2000:]
     assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
+
+
+def test_limit_set_and_restored_from_other_threads(no_thread_variables, two_threads):
+    """threadpoolctl >= 3.8 lets only one "controlling" thread change OpenBLAS's count and ignores the others: a
+    worker thread's call got no limit, and overlapping calls whose last one ended in another thread than the
+    first left the count at 1 for good. Each thread's call is limited now, and the count is restored."""
+    from threadpoolctl import threadpool_limits
+
+    seen = []
+
+    def worker():
+        with blas.LazyBlasThreads(4) as limit:
+            limit.ensure()
+            seen.append(blas_threads_now())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(guard(60))
+    assert seen == [[1]] and set(blas_threads_now()) == {2}
+    main_in, worker_in, main_out = threading.Event(), threading.Event(), threading.Event()
+
+    def late_worker():
+        main_in.wait(guard(60))
+        with blas.blas_threads(4):
+            seen.append(blas_threads_now())
+            worker_in.set()
+            main_out.wait(guard(60))
+
+    t = threading.Thread(target=late_worker)
+    t.start()
+    with blas.blas_threads(4):  # the main thread enters first and leaves first; the worker restores
+        main_in.set()
+        worker_in.wait(guard(60))
+    main_out.set()
+    t.join(guard(60))
+    assert seen[-1] == [1] and set(blas_threads_now()) == {2} and blas._depth == 0
+    with threadpool_limits(limits=1, user_api="blas"):  # the user's own limit still works in the main thread
+        assert set(blas_threads_now()) == {1}
+    assert set(blas_threads_now()) == {2}
+
+
+def test_a_lazy_limit_object_serves_again():
+    limit = blas.LazyBlasThreads(4)
+    for _ in range(2):
+        with limit:
+            limit.ensure()
+            assert limit._state  # applied in each body
+        assert limit._state is False
