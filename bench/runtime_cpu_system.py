@@ -207,9 +207,10 @@ def threads_section(bundles: dict, args, say) -> dict:
         cpu = results["default"][str(t)]["own"]["cpu_ms"] / results[label][str(t)]["own"]["cpu_ms"]
         say(f"  {t:>6} {default:>9.2f} {best:>9.2f} {label + ' thr':>8} {default / best:>12.2f}x "
             f"{unset:>14.2f}x {cpu:>22.2f}x")
-    say(f"  worst default/best {worst:.2f}x (goal <= 1.2x). Medians, not each setting's fastest round: a process's "
-        f"speed at one token is bimodal here (0.58-0.63 or 0.83-1.07 ms, whatever the variables), so the fastest "
-        f"of more settings' rounds wins by chance. '{most} thr/default': how much slower the BLAS library's own "
+    say(f"  worst default/best {worst:.2f}x (goal <= 1.2x). Medians, not each setting's fastest round: at one token "
+        f"a process's speed varies from process to process whatever the variables (bimodal on the 2-core host "
+        f"where this was written), so the fastest of more settings' rounds would win by chance. "
+        f"'{most} thr/default': how much slower the BLAS library's own "
         f"thread count ({most}, no rule: what an unset variable gave before) is than the default. CPU/call: CPU "
         f"time of the whole process per call (ms, fastest rounds), which the machine's other load does not "
         f"inflate as it does wall time")
