@@ -55,13 +55,15 @@ def check_input(x, input_lengths, shape: tuple[int, int], hidden: int, shapes: i
         raise InputError(
             f"input is not C-contiguous (shape {x.shape}, strides {x.strides}); pass np.ascontiguousarray(x)"
         )
-    lengths = None if input_lengths is None else check_lengths(input_lengths, x.ndim, batch, tokens, fixed_tokens)
+    lengths = None if input_lengths is None else check_lengths(input_lengths, x.ndim, batch, tokens, fixed_tokens,
+                                                                 shapes)
     return x3, lengths
 
 
-def check_lengths(input_lengths, ndim: int, batch: int, tokens: int, fixed_tokens: int) -> list[int]:
+def check_lengths(input_lengths, ndim: int, batch: int, tokens: int, fixed_tokens: int,
+                  shapes: int = 1) -> list[int]:
     """Validate per-sequence lengths of an input of `batch` sequences of `tokens` tokens (`fixed_tokens`: the
-    bundle's, for the message); return them as ints.
+    bundle's, or its largest compiled shape's where it has `shapes` > 1, for the message); return them as ints.
 
     Raises:
         InputError: not integers, the wrong shape, or a length outside 0..tokens.
@@ -80,8 +82,9 @@ def check_lengths(input_lengths, ndim: int, batch: int, tokens: int, fixed_token
     for b, n in enumerate(lengths):
         if not 0 <= n <= tokens:
             raise InputError(
-                f"input_lengths[{b}] = {n}; allowed: 0..{tokens} (the input's tokens; the bundle's fixed "
-                f"tokens are {fixed_tokens})"
+                f"input_lengths[{b}] = {n}; allowed: 0..{tokens} (the input's tokens; "
+                + (f"the bundle's fixed tokens are {fixed_tokens})" if shapes == 1 else
+                   f"the bundle's largest compiled shape's tokens are {fixed_tokens})")
             )
     return lengths
 

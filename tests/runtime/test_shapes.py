@@ -103,6 +103,14 @@ def test_a_call_larger_than_every_shape_is_refused_naming_the_largest(shapes_bun
         assert rt.stats().calls == 0
 
 
+def test_a_length_over_the_input_names_the_largest_shape(shapes_bundle):
+    """A bundle of several shapes has no one fixed tokens: the message names the largest compiled shape's."""
+    with Runtime.load(shapes_bundle, backend="cpu") as rt:
+        with pytest.raises(InputError, match=r"^input_lengths\[1\] = 3; allowed: 0\.\.2 \(the input's tokens; the "
+                                             r"bundle's largest compiled shape's tokens are 8\)$"):
+            rt.infer(np.zeros((2, 2, HIDDEN), np.float32), input_lengths=[1, 3])
+
+
 def test_self_test_runs_every_shape(shapes_bundle, tmp_path):
     with Runtime.load(shapes_bundle, backend="cpu") as rt:
         result = rt.self_test()
