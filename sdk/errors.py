@@ -54,7 +54,8 @@ class NonFiniteOutputError(ColibriError):
     Attributes:
         layer: the first layer whose output is non-finite for the first bad token, as the CPU reference engine
             (float32, the bundle's weights) finds it; None when the reference gives finite values there (then the
-            backend's own result is wrong).
+            backend's own result is wrong, or, where the reference met values of 1e30 or more on the way, the same
+            sums in another order overflowed: the message says which).
         position: (batch, token) of the first bad position.
         count: how many valid positions have a non-finite output.
     """

@@ -107,6 +107,11 @@ def check_out(out, x) -> np.ndarray:
     return out if out.ndim == 3 else out[None]
 
 
+# A value this large in the reference's rerun of a token leaves float32 (largest 3.4e38) a margin that another order
+# of the same sums (a router logit over hidden-size products, a down projection) can use up.
+NEAR_OVERFLOW = 1e30
+
+
 def nonfinite_output(bundle, backend_name: str, x3: np.ndarray, out: np.ndarray) -> NonFiniteOutputError:
     """The error for an output (batch, tokens, hidden) with NaN/Inf from `bundle` on `backend_name`: where, how many, and the first layer whose output is non-finite
     for the first bad token, found by re-running that one token through the CPU reference engine (float32,
@@ -119,6 +124,8 @@ def nonfinite_output(bundle, backend_name: str, x3: np.ndarray, out: np.ndarray)
     with bundle.open_weights() as weights, np.errstate(over="ignore", invalid="ignore"):
         engine = ReferenceEngine(weights, compute_dtype=np.float32, check_overflow=False)
         state = np.asarray(x3[b, t : t + 1], dtype=np.float32)
+        magnitude = float(np.abs(x3[b, t]).max())
+        peak = magnitude  # the largest |value| the reference met: the input, each layer's output
         residual = weights.header.composition == COMPOSITION_RESIDUAL
         for index in range(weights.header.num_layers):
             y = engine.layer(index, state)
@@ -126,9 +133,14 @@ def nonfinite_output(bundle, backend_name: str, x3: np.ndarray, out: np.ndarray)
             if not np.isfinite(state).all():
                 layer = index
                 break
-        magnitude = float(np.abs(x3[b, t]).max())
+            peak = max(peak, float(np.abs(state).max()))
     where = f"{len(bad)} valid position{'s' if len(bad) != 1 else ''}, first at (batch {b}, token {t})"
-    if layer is None:
+    if layer is None and peak >= NEAR_OVERFLOW:
+        cause = (f"the CPU reference engine gives finite values for that token run alone, but values up to "
+                 f"{peak:.3g} on the way, near float32's largest (3.4e38): the same sums in another order (the "
+                 f"{backend_name} backend's, or the batch's) can overflow there, so the input's scale is the likely "
+                 "cause")
+    elif layer is None:
         cause = (f"the CPU reference engine gives finite values for that token, so the {backend_name} "
                  "backend's result is wrong")
     else:

@@ -86,6 +86,27 @@ def test_non_finite_output_names_the_first_layer(runtime, scale, layer):
         rf"float32's largest value is 3\.4e38\)", str(info.value)), str(info.value)
 
 
+@pytest.mark.parametrize("scale, blamed", [(1.0, True), (1e8, False)])
+def test_a_backend_result_the_reference_cannot_reproduce_is_explained_by_scale(runtime, scale, blamed):
+    """A non-finite output at a token whose rerun alone is finite: with values near float32's limit on the way
+    (1e8 gives about 1e32 by the second layer) another summation order can overflow, so the input's scale is named,
+    not the backend (the message had blamed the backend whenever the rerun was finite)."""
+    from colibri_sdk.runtime.checks import nonfinite_output
+
+    x = _x()
+    x[0, 5] *= np.float32(scale)
+    out = np.zeros_like(x)
+    out[0, 5, 3] = np.nan  # as a backend whose sums overflowed in another order would give
+    error = nonfinite_output(runtime.bundle, "cpu", x, out)
+    assert error.layer is None and error.position == (0, 5)
+    if blamed:
+        assert str(error).endswith("the CPU reference engine gives finite values for that token, so the cpu "
+                                   "backend's result is wrong"), str(error)
+    else:
+        assert re.search(r"finite values for that token run alone, but values up to \S+ on the way, near float32's "
+                         r"largest \(3\.4e38\).* the input's scale is the likely cause$", str(error)), str(error)
+
+
 def test_inputs_of_1e19_are_reported_never_silent(runtime, two_layers, tmp_path, capsys):
     """The field report: finite inputs of 1e19 gave all-NaN output without an error."""
     x = np.full((1, 16, 32), 1e19, np.float32)
