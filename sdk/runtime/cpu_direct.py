@@ -19,21 +19,24 @@ Q4_LANES = 8  # float32 lanes of `_q4_scaled_sums`' vectors: one AVX2 register, 
 
 
 def make_q4_scaled_sums(lanes: int = Q4_LANES, hardware_f16: bool | None = None):
-    """A numba intrinsic q4_scaled_sums(q0, q1, q2, q3, even, odd, s0, s1, s2, s3, xs, groups, half) -> 4 float32:
-    for four packed int4 rows q0..q3 without zero points (uint8, groups · half bytes each), the products
-    sum_g s_k[g] (P_k,g - 8 xs[g]) with P_k,g = sum_j lo_j even[j] + hi_j odd[j] over group g's bytes j (lo / hi a
+    """A numba intrinsic q4_scaled_sums(q0, q1, q2, q3, even, odd, s0, s1, s2, s3, z0, z1, z2, z3, xs, groups,
+    half) -> 4 float32: for four packed int4 rows q0..q3 (uint8, groups · half bytes each), the products
+    sum_g s_k[g] sum_j (lo_j - 8 - z_k[g]) even[j] + (hi_j - 8 - z_k[g]) odd[j] over group g's bytes j (lo / hi a
     byte's nibbles 0..15), s0..s3 the rows' group scales as stored (float32, or float16 bits as uint16, widened
-    exactly: `cpu_jit.f16_widen_ir`; hardware_f16 None: `cpu_jit.f16_hardware()`), xs (groups,) float32 the sums
-    of x over each group. half (bytes a group) must be a multiple of `lanes`.
+    exactly: `cpu_jit.f16_widen_ir`; hardware_f16 None: `cpu_jit.f16_hardware()`), z0..z3 the rows' zero points
+    (groups,) int8, or None for none, xs (groups,) float32 the sums of x over each group (used without zero
+    points). half (bytes a group) must be a multiple of `lanes`.
 
     Written in LLVM IR with explicit `lanes`-wide vectors, because the loop vectorizer, given the same loop in
     numba, reduces every group's vector sums to a scalar before the scale (8 horizontal sums a group of four rows,
     about a fifth of the work at g128): here each lane keeps its running sum across groups (one vector
-    multiply-add by the broadcast scale per group and row), and only the row's total is reduced; the offset of 8
-    is folded once per row (8 sum_g s_g xs[g], in scalars). Per `lanes` bytes and row: a widening load, an
-    `and 15`, an `lshr 4`, two `uitofp` and two multiply-adds (on AVX2 `vpmovzxbd`, `vpand`, `vpsrld`,
-    2 `vcvtdq2ps`, 2 `vfmadd231ps`), the nibble products in separate sums (no chain of two dependent
-    multiply-adds a step). The scales are read as stored, with no float32 copy of the matrix's scales. Fast-math
+    multiply-add by the broadcast scale per group and row), and only the row's total is reduced. Without zero
+    points the offset of 8 is folded once per row (8 sum_g s_g xs[g], in scalars); per `lanes` bytes and row: a
+    widening load, an `and 15`, an `lshr 4`, two `uitofp` and two multiply-adds (on AVX2 `vpmovzxbd`, `vpand`,
+    `vpsrld`, 2 `vcvtdq2ps`, 2 `vfmadd231ps`), the nibble products in separate sums (no chain of two dependent
+    multiply-adds a step). With zero points each nibble is made exact first, 8 + z subtracted in 32-bit integers
+    before the convert (folding it into xs cancelled beyond the reference tests' tolerance: `_rows_q4`), two more
+    operations a step, and a row keeps one sum (its chain of two multiply-adds is shorter than the step's work). The scales are read as stored, with no float32 copy of the matrix's scales. Fast-math
     flags as the kernels' (`cpu_jit._FASTMATH`: reassociation and contraction, Inf and NaN kept)."""
     from llvmlite import ir
     from numba import types
@@ -60,47 +63,66 @@ def make_q4_scaled_sums(lanes: int = Q4_LANES, hardware_f16: bool | None = None)
             parts = [fast(builder.fadd(parts[i], parts[i + h])) for i in range(h)]
         return parts[0]
 
+    def splat(builder, value, vtype):
+        return builder.shuffle_vector(builder.insert_element(ir.Constant(vtype, ir.Undefined), value, i32(0)),
+                                      ir.Constant(vtype, ir.Undefined), ir.Constant(vi, [0] * lanes))
+
     @intrinsic
-    def q4_scaled_sums(typingctx, q0, q1, q2, q3, even, odd, s0, s1, s2, s3, xs, groups, half):
-        sig = types.UniTuple(types.float32, 4)(q0, q1, q2, q3, even, odd, s0, s1, s2, s3, xs, groups, half)
+    def q4_scaled_sums(typingctx, q0, q1, q2, q3, even, odd, s0, s1, s2, s3, z0, z1, z2, z3, xs, groups, half):
+        sig = types.UniTuple(types.float32, 4)(q0, q1, q2, q3, even, odd, s0, s1, s2, s3, z0, z1, z2, z3, xs, groups,
+                                               half)
         scale_f16 = s0.dtype == types.uint16
+        with_zeros = isinstance(z0, types.Array)
 
         def codegen(context, builder, sig, args):
-            data = [context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:11], args[:11])]
-            rows, ev, od, scales, sums_x = data[:4], data[4], data[5], data[6:10], data[10]
-            n_groups, step = args[11], args[12]
+            arrays = list(range(10)) + ([10, 11, 12, 13] if with_zeros else []) + [14]
+            data = {i: context.make_array(sig.args[i])(context, builder, args[i]).data for i in arrays}
+            rows, ev, od = [data[i] for i in range(4)], data[4], data[5]
+            scales, sums_x = [data[i] for i in range(6, 10)], data[14]
+            n_groups, step = args[15], args[16]
             zero = ir.Constant(vf, [0.0] * lanes)
             total = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
             low = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
-            high = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+            high = low if with_zeros else [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
             offset = [cgutils.alloca_once_value(builder, f32(0.0)) for _ in range(4)]
             fifteen, four = ir.Constant(vi, [15] * lanes), ir.Constant(vi, [4] * lanes)
             with cgutils.for_range(builder, n_groups, intp=i64) as group_loop:
                 g = group_loop.index
                 base = builder.mul(g, step)
+                codes_offset = []  # with zero points: 8 + z_k[g] per row, subtracted from each nibble exactly
                 for k in range(4):
                     builder.store(zero, low[k])
                     builder.store(zero, high[k])
+                    if with_zeros:
+                        z = builder.sext(builder.load(builder.gep(data[10 + k], [g])), i32)
+                        codes_offset.append(splat(builder, builder.add(z, i32(8)), vi))
                 with cgutils.for_range_slice(builder, i64(0), step, i64(lanes), intp=i64) as (j, _):
                     c = builder.add(base, j)
                     e, o = load(builder, ev, c, vf, 4), load(builder, od, c, vf, 4)
                     for k in range(4):
                         b = builder.zext(load(builder, rows[k], c, vb, 1), vi)
+                        if with_zeros:  # one sum a row: its two multiply-adds a step are not the loop's bound here
+                            lo = builder.sitofp(builder.sub(builder.and_(b, fifteen), codes_offset[k]), vf)
+                            hi = builder.sitofp(builder.sub(builder.lshr(b, four), codes_offset[k]), vf)
+                            acc = fast(builder.fadd(builder.load(low[k]), fast(builder.fmul(lo, e))))
+                            builder.store(fast(builder.fadd(acc, fast(builder.fmul(hi, o)))), low[k])
+                            continue
                         lo = builder.uitofp(builder.and_(b, fifteen), vf)
                         hi = builder.uitofp(builder.lshr(b, four), vf)
                         builder.store(fast(builder.fadd(builder.load(low[k]), fast(builder.fmul(lo, e)))), low[k])
                         builder.store(fast(builder.fadd(builder.load(high[k]), fast(builder.fmul(hi, o)))), high[k])
-                x_sum = builder.load(builder.gep(sums_x, [g]))
+                x_sum = None if with_zeros else builder.load(builder.gep(sums_x, [g]))
                 for k in range(4):
                     s = builder.load(builder.gep(scales[k], [g]))
                     if scale_f16:
                         s = f16_widen_ir(builder, s, hardware)
-                    sv = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), s, i32(0)),
-                                                ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * lanes))
-                    p = fast(builder.fadd(builder.load(low[k]), builder.load(high[k])))
-                    builder.store(fast(builder.fadd(builder.load(total[k]), fast(builder.fmul(sv, p)))), total[k])
-                    builder.store(fast(builder.fadd(builder.load(offset[k]), fast(builder.fmul(s, x_sum)))),
-                                  offset[k])
+                    p = builder.load(low[k]) if with_zeros else fast(builder.fadd(builder.load(low[k]),
+                                                                                  builder.load(high[k])))
+                    scaled = fast(builder.fmul(splat(builder, s, vf), p))
+                    builder.store(fast(builder.fadd(builder.load(total[k]), scaled)), total[k])
+                    if not with_zeros:
+                        builder.store(fast(builder.fadd(builder.load(offset[k]), fast(builder.fmul(s, x_sum)))),
+                                      offset[k])
             sums = [fast(builder.fsub(horizontal_sum(builder, builder.load(total[k])),
                                       fast(builder.fmul(f32(8.0), builder.load(offset[k]))))) for k in range(4)]
             return context.make_tuple(builder, sig.return_type, sums)
@@ -219,19 +241,19 @@ def _matrix_scales(scales, scale_f16, out):
 
 
 @njit(inline="always", **_JIT)
-def _q4_vectors_fit(has_zero, half, size):
-    """True where `_rows_q4_vectors` serves an int4 matrix: no zero points, group bytes half a multiple of
-    Q4_LANES, every group whole (row bytes size a multiple of half)."""
-    return not has_zero and half % U(Q4_LANES) == 0 and size % half == 0
+def _q4_vectors_fit(half, size):
+    """True where `_rows_q4_vectors` serves an int4 matrix: group bytes half a multiple of Q4_LANES, every group
+    whole (row bytes size a multiple of half)."""
+    return half % U(Q4_LANES) == 0 and size % half == 0
 
 
 @njit(inline="always", **_JIT)
-def _rows_q4_vectors(codes, scales, half, xq3, xs2, n, out):
-    """`_rows_q4` without zero points, whole groups of a multiple of Q4_LANES bytes: out[t, r] =
-    sum_g s_g (P_g - 8 X_g) by `_q4_scaled_sums` (four rows a pass, `_quarter_rows`), scales (rows, groups) float32
-    or float16 bits (uint16) as stored. The same terms as `_rows_q4` in another association: shape A's 2816 x 1024
-    int4 g128 projection at T = 1 in cache, 1 thread, 0.24-0.27 -> 0.19-0.21 ms (2-core EPYC host, 2026-12-07,
-    median of 15 interleaved rounds, three runs)."""
+def _rows_q4_vectors(codes, scales, zeros, has_zero, half, xq3, xs2, n, out):
+    """`_rows_q4` for whole groups of a multiple of Q4_LANES bytes: out[t, r] = sum_g s_g P_g by `_q4_scaled_sums`
+    (four rows a pass, `_quarter_rows`), scales (rows, groups) float32 or float16 bits (uint16) as stored, zeros
+    (rows, groups) int8 where has_zero. The same terms as `_rows_q4` in another association: shape A's
+    2816 x 1024 int4 g128 projection at T = 1 in cache, 1 thread, 0.24-0.27 -> 0.19-0.21 ms without zero points
+    (2-core EPYC host, 2026-12-07, median of 15 interleaved rounds, three runs)."""
     rows, groups = codes.shape[0], scales.shape[1]
     q = (rows + 3) // 4
     for i in range(q):
@@ -239,8 +261,12 @@ def _rows_q4_vectors(codes, scales, half, xq3, xs2, n, out):
         q0, q1, q2, q3 = codes[r], codes[i1], codes[i2], codes[i3]
         s0, s1, s2, s3 = scales[r], scales[i1], scales[i2], scales[i3]
         for t in range(n):
-            p0, p1, p2, p3 = _q4_scaled_sums(q0, q1, q2, q3, xq3[t, 0], xq3[t, 1], s0, s1, s2, s3, xs2[t], groups,
-                                             half)
+            if has_zero:
+                p0, p1, p2, p3 = _q4_scaled_sums(q0, q1, q2, q3, xq3[t, 0], xq3[t, 1], s0, s1, s2, s3, zeros[r],
+                                                 zeros[i1], zeros[i2], zeros[i3], xs2[t], groups, half)
+            else:
+                p0, p1, p2, p3 = _q4_scaled_sums(q0, q1, q2, q3, xq3[t, 0], xq3[t, 1], s0, s1, s2, s3, None, None,
+                                                 None, None, xs2[t], groups, half)
             _store_quarters(out[t], i, q, p0, p1, p2, p3)
 
 
@@ -251,8 +277,8 @@ def _rows_q4(codes, s2, zeros, has_zero, half, xq3, xs2, n, out):
     s_g (P_g - 8 X_g) without zero points, P_g the sum of the stored nibbles 0..15 times x and X_g the group's sum of
     x (the offset of 8 folded into X_g, once per group); with zero points s_g P_g with each nibble made exact first
     (u - 8 - z_g: folding an offset of 8 + z up to 15 next to codes near it cancelled beyond the float32 tolerance
-    of the reference tests). Each group's scale multiplies its sum once. Without zero points and with whole groups
-    of a multiple of Q4_LANES bytes (int4 g16 and up) `_project_direct` runs `_rows_q4_vectors` instead."""
+    of the reference tests). Each group's scale multiplies its sum once. With whole groups of a multiple of
+    Q4_LANES bytes (int4 g16 and up) `_project_direct` runs `_rows_q4_vectors` instead."""
     rows, size = codes.shape[0], U(codes.shape[1])
     zero = np.float32(0.0)
     q = (rows + 3) // 4
@@ -327,11 +353,11 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     xs2 = xsum[: n * groups].reshape((n, groups))
     s2 = s32[: rows * groups].reshape((rows, groups))
     _prepare_direct(store, src, rows_of_src, n, cols, size, xq3, xs2)
-    if store == STORE_Q4 and _q4_vectors_fit(has_zero, U(size // 2), U(codes.shape[1])):
+    if store == STORE_Q4 and _q4_vectors_fit(U(size // 2), U(codes.shape[1])):
         if scale_f16:  # the scales as stored: no float32 copy of the matrix's scales
-            _rows_q4_vectors(codes, scales.view(np.uint16), U(size // 2), xq3, xs2, n, out)
+            _rows_q4_vectors(codes, scales.view(np.uint16), zeros, has_zero, U(size // 2), xq3, xs2, n, out)
         else:
-            _rows_q4_vectors(codes, scales.view(np.float32), U(size // 2), xq3, xs2, n, out)
+            _rows_q4_vectors(codes, scales.view(np.float32), zeros, has_zero, U(size // 2), xq3, xs2, n, out)
         return
     _matrix_scales(scales, scale_f16, s2)
     # One call per storage: the group size is a loop bound, so no branch per group size is compiled.
