@@ -368,19 +368,17 @@ class CpuEngine:
         else:
             big = used[counts[used] >= self.blas_pairs]
             small = used if big.size == 0 else used[counts[used] < self.blas_pairs]
-        finite = None  # the output's finiteness where the last writer told it
+        finite = None  # the compiled experts' own check of out, which holds where they are its only writer
         if small.size > 1 and self.threads > 1:
             self._experts_threaded(x, order, starts, pair_w, k, small, np.diff(starts), w, out)
         elif small.size:
             finite = self._experts(x, order, starts, pair_w, k, small, w, out)
-        if big.size or self.shared_count:
-            finite = None
         for e in big.tolist():
             self._expert_blas(x, int(e), w, out)
         if self.shared_count:
             self._shared(x, w, out)
         if not self.clamped:
-            if finite is None:
+            if finite is None or big.size or self.shared_count:
                 finite = bool(np.isfinite(out, out=self.finite[:n]).all())
             if not finite:
                 self._check_experts(layer, w, used)  # a FormatError when a used expert stores a non-finite value
