@@ -4,7 +4,8 @@ stored"): the input laid out once per call to meet the packing (int4: its even a
 low and high nibble), four rows a pass over their codes (each loaded input value serves the four), each group's
 sum times its scale once, no decoded row. The four rows of a pass lie a quarter of the matrix apart (`_quarter_rows`),
 so that each quarter is read front to back: four sequential streams, which the hardware prefetcher follows across
-pages. `cpu_kernels.experts_into` calls `_project_direct`.
+pages. On x86-64 with AVX2, int4 of g64 and up is multiplied in integers instead (`cpu_q4_integer`, two rows a
+pass half the matrix apart). `cpu_kernels.experts_into` calls `_project_direct`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_jit import _JIT, STORE_Q4, U, _f16_into, _nibble_high, _nibble_low, njit
+from .cpu_q4_integer import LANES, PIECES, _prepare_pieces, _q4_integer_fit, _q4_integer_sums
 
 
 DIRECT_TOKENS = 2  # an expert with at most this many tokens multiplies its int8 / int4 codes as stored
@@ -36,36 +38,23 @@ def make_q4_scaled_sums(lanes: int = Q4_LANES, hardware_f16: bool | None = None)
     `vpsrld`, 2 `vcvtdq2ps`, 2 `vfmadd231ps`), the nibble products in separate sums (no chain of two dependent
     multiply-adds a step). With zero points each nibble is made exact first, 8 + z subtracted in 32-bit integers
     before the convert (folding it into xs cancelled beyond the reference tests' tolerance: `_rows_q4`), two more
-    operations a step, and a row keeps one sum (its chain of two multiply-adds is shorter than the step's work). The scales are read as stored, with no float32 copy of the matrix's scales. Fast-math
-    flags as the kernels' (`cpu_jit._FASTMATH`: reassociation and contraction, Inf and NaN kept)."""
+    operations a step, and a row keeps one sum (its chain of two multiply-adds is shorter than the step's work).
+    The scales are read as stored, with no float32 copy of the matrix's scales. Fast-math flags as the kernels'
+    (`cpu_jit._FASTMATH`: reassociation and contraction, Inf and NaN kept). On an AVX2 target the int4 matrices it
+    fits (g64 and up) go through `cpu_q4_integer` instead; this kernel keeps g32, and every int4 group size on other
+    targets (aarch64)."""
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
     from numba.core.extending import intrinsic
 
     from .cpu_jit import f16_hardware, f16_widen_ir
+    from .cpu_jit import ir_fast as fast, ir_horizontal_sum as horizontal_sum, ir_splat as splat
+    from .cpu_jit import ir_vector_load as load
 
     hardware = f16_hardware() if hardware_f16 is None else hardware_f16
     f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
     vf, vi, vb = ir.VectorType(f32, lanes), ir.VectorType(i32, lanes), ir.VectorType(ir.IntType(8), lanes)
-
-    def fast(value):
-        value.flags.extend(("reassoc", "contract", "nsz"))
-        return value
-
-    def load(builder, base, index, vtype, align):
-        return builder.load(builder.bitcast(builder.gep(base, [index]), vtype.as_pointer()), align=align)
-
-    def horizontal_sum(builder, v):
-        parts = [builder.extract_element(v, i32(i)) for i in range(lanes)]
-        while len(parts) > 1:
-            h = len(parts) // 2
-            parts = [fast(builder.fadd(parts[i], parts[i + h])) for i in range(h)]
-        return parts[0]
-
-    def splat(builder, value, vtype):
-        return builder.shuffle_vector(builder.insert_element(ir.Constant(vtype, ir.Undefined), value, i32(0)),
-                                      ir.Constant(vtype, ir.Undefined), ir.Constant(vi, [0] * lanes))
 
     @intrinsic
     def q4_scaled_sums(typingctx, q0, q1, q2, q3, even, odd, s0, s1, s2, s3, z0, z1, z2, z3, xs, groups, half):
@@ -271,6 +260,28 @@ def _rows_q4_vectors(codes, scales, zeros, has_zero, half, xq3, xs2, n, out):
 
 
 @njit(inline="always", **_JIT)
+def _rows_q4_integer(codes, scales, zeros, has_zero, half, pieces, lane_sums, steps, n, out):
+    """out[t, r] = W[r] . x_t for every int4 row r and prepared input t < n (`cpu_q4_integer._prepare_pieces`), two
+    rows a pass half the matrix apart (two sequential streams, as `_quarter_rows`' four), by
+    `cpu_q4_integer.make_q4_integer_sums`; scales (rows, groups) float32 or float16 bits (uint16) as stored, zeros
+    (rows, groups) int8 where has_zero. Speed: docs/runtime.md, "int4 in integers"."""
+    rows, groups = codes.shape[0], scales.shape[1]
+    q = (rows + 1) // 2
+    for i in range(q):
+        r = min(i + q, rows - 1)
+        pair, pair_scales = (codes[i], codes[r]), (scales[i], scales[r])
+        for t in range(n):
+            if has_zero:
+                p0, p1 = _q4_integer_sums(pair, pieces[t], lane_sums[t], steps[t], pair_scales, (zeros[i], zeros[r]),
+                                          groups, half)
+            else:
+                p0, p1 = _q4_integer_sums(pair, pieces[t], lane_sums[t], steps[t], pair_scales, None, groups, half)
+            out[t, i] = p0
+            if i + q < rows:
+                out[t, i + q] = p1
+
+
+@njit(inline="always", **_JIT)
 def _rows_q4(codes, s2, zeros, has_zero, half, xq3, xs2, n, out):
     """out[t, r] = W[r] . x_t for every row r and prepared input t < n (half: bytes a group), four rows a pass
     (`_sums_q4`, `_quarter_rows`). Per group g of a row:
@@ -342,15 +353,33 @@ def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
 def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src, rows_of_src, n, out, xq, xsum,
                     s32):
     """out[t, r] = sum_c W[r, c] * src[rows_of_src[t], c] for t < n, every row r of an int8 / int4 matrix (rows,
-    row bytes): the codes multiplied as stored (`_rows_q4_vectors`, `_rows_q4`, `_rows_q8`); no decoded row.
+    row bytes): the codes multiplied as stored (`_rows_q4_integer`, `_rows_q4_vectors`, `_rows_q4`, `_rows_q8`);
+    no decoded row. int4 of whole groups of 64 or 128 columns on an AVX2 target goes through integers
+    (`cpu_q4_integer`) unless an input group's largest |x| is not finite or too small for its step (then the float
+    kernel, which keeps Inf and NaN).
 
-    xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch."""
+    xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch (the integer
+    path's pieces and lane sums in xq, its steps in xsum)."""
     rows, cols = codes.shape[0], src.shape[1]
     size = cols if group == 0 else group
     groups = (cols + size - 1) // size
     half = (cols + 1) // 2 if store == STORE_Q4 else cols
-    xq3 = xq[: n * 2 * half].reshape((n, 2, half))
     xs2 = xsum[: n * groups].reshape((n, groups))
+    if store == STORE_Q4 and _q4_integer_fit(U(size // 2), U(codes.shape[1])):
+        span = groups * PIECES * size  # int8 pieces a row: groups x PIECES x (even, odd) x size / 2
+        pieces = xq.view(np.int8)[: n * span].reshape((n, span))
+        start = (n * span + 3) // 4  # the lane sums after the pieces, 4-byte aligned
+        width = groups * 2 * LANES  # lane sums a row
+        lane_sums = xq[start: start + n * width].view(np.int32).reshape((n, width))
+        if _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, xs2):
+            if scale_f16:
+                _rows_q4_integer(codes, scales.view(np.uint16), zeros, has_zero, U(size // 2), pieces, lane_sums,
+                                 xs2, n, out)
+            else:
+                _rows_q4_integer(codes, scales.view(np.float32), zeros, has_zero, U(size // 2), pieces, lane_sums,
+                                 xs2, n, out)
+            return
+    xq3 = xq[: n * 2 * half].reshape((n, 2, half))
     s2 = s32[: rows * groups].reshape((rows, groups))
     _prepare_direct(store, src, rows_of_src, n, cols, size, xq3, xs2)
     if store == STORE_Q4 and _q4_vectors_fit(U(size // 2), U(codes.shape[1])):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 # The modules whose compiled kernels call one another's (their cache entries are dropped together).
-KERNEL_MODULES = ("cpu_jit", "cpu_direct", "cpu_kernels", "cpu_routing")
+KERNEL_MODULES = ("cpu_jit", "cpu_q4_integer", "cpu_direct", "cpu_kernels", "cpu_routing")
 STAMP_NAME = "colibri-cpu-kernels.sha256"  # in numba's cache folder: the sources the entries there were compiled from
 _checked: set = set()  # cache folders checked by this process
 
@@ -69,6 +69,38 @@ def f16_widen_ir(builder, h, hardware: bool):
     magnitude = builder.select(is_special, special, finite)
     sign = builder.shl(builder.and_(v, i32(0x8000)), i32(16))
     return builder.bitcast(builder.or_(sign, magnitude), f32)
+
+
+def ir_fast(value):
+    """An LLVM IR floating-point instruction with the kernels' fast-math flags (`_FASTMATH`), returned."""
+    value.flags.extend(("reassoc", "contract", "nsz"))
+    return value
+
+
+def ir_vector_load(builder, base, index, vtype, align: int):
+    """LLVM IR: the vector of type vtype at element `index` of the pointer `base`, aligned to `align` bytes."""
+    return builder.load(builder.bitcast(builder.gep(base, [index]), vtype.as_pointer()), align=align)
+
+
+def ir_splat(builder, value, vtype):
+    """LLVM IR: a vector of type vtype with every element `value`."""
+    from llvmlite import ir
+
+    i32 = ir.IntType(32)
+    first = builder.insert_element(ir.Constant(vtype, ir.Undefined), value, i32(0))
+    return builder.shuffle_vector(first, ir.Constant(vtype, ir.Undefined),
+                                  ir.Constant(ir.VectorType(i32, vtype.count), [0] * vtype.count))
+
+
+def ir_horizontal_sum(builder, v):
+    """LLVM IR: the float sum of a float vector's elements, halves added pairwise (fast-math flags as `ir_fast`)."""
+    from llvmlite import ir
+
+    parts = [builder.extract_element(v, ir.IntType(32)(i)) for i in range(v.type.count)]
+    while len(parts) > 1:
+        h = len(parts) // 2
+        parts = [ir_fast(builder.fadd(parts[i], parts[i + h])) for i in range(h)]
+    return parts[0]
 
 
 def make_f16_value(hardware: bool):

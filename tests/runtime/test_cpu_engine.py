@@ -176,15 +176,18 @@ def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zero
     """_project_direct (an int8 / int4 matrix's codes multiplied as stored, each group's scale once) against the
     float64 product of the exact dequantization, at 1..DIRECT_TOKENS gathered tokens: odd column counts and a
     partial last group (the loops of `_rows_q4` / `_rows_q8`), and whole groups (int4 with and without zero
-    points: the vector kernel `_rows_q4_vectors`, scales read as stored), float16 and float32 scales."""
+    points: on an AVX2 target g64 and g128 in integers, `_rows_q4_integer`; g32 and other targets the vector kernel
+    `_rows_q4_vectors`; scales read as stored), float16 and float32 scales."""
     from colibri_sdk.format.quant import pack_int4
-    from colibri_sdk.runtime import cpu_direct
+    from colibri_sdk.runtime import cpu_direct, cpu_q4_integer
 
     rng = np.random.default_rng(quant * 10 + group + zeros + cols)
     rows, tokens = 37, 9
-    if quant == 2:  # the path `_rows_q4` takes
+    if quant == 2:  # the path `_project_direct` takes
         vectors = cpu_direct._q4_vectors_fit(np.uint64(group // 2), np.uint64((cols + 1) // 2))
         assert vectors == (cols == 384)
+        integers = cpu_direct._q4_integer_fit(np.uint64(group // 2), np.uint64((cols + 1) // 2))
+        assert integers == (cols == 384 and group >= 64 and cpu_q4_integer.avx2_target())
     t = quantize_rtn(rng.standard_normal((rows, cols)).astype(np.float32), quant, group, scale_dtype)
     z = rng.integers(-3, 4, t.scales.shape).astype(np.int8) if zeros else np.zeros((rows, 1), np.int8)
     codes = pack_int4(t.codes) if quant == 2 else t.codes.view(np.uint8)

@@ -1,0 +1,254 @@
+"""The CPU backend's int4 products in integers, for an expert with at most DIRECT_TOKENS tokens, on x86-64 with
+AVX2: the input split into three int8 pieces a group, each piece multiplied by the stored nibbles in 8-bit integer
+multiply-adds (`vpmaddubsw`, as llama.cpp's ggml-cpu Q4_0 x Q8_0 dot product), the sums exact in integers until one
+conversion a group. Unlike llama.cpp, the input is not rounded to 8 bits: its three pieces hold 24 bits of each value
+relative to its group's largest |x| (float32 holds 24 bits relative to the value itself), so the outputs stay within
+the reference tests' float32 tolerance. docs/runtime.md, "int4 in integers".
+
+A prepared input row (`_prepare_pieces`), per group g of `size` columns (half = size / 2 bytes of codes a row):
+- pieces, int8: for each piece p < PIECES, the group's even columns (against a byte's low nibble), then its odd ones
+  (high nibble), half values each; X = round(x / d_g) = q0 2^16 + q1 2^8 + q2, each q in -128..127 (balanced
+  base-256 digits), |X| <= X_MAX.
+- steps, float32: d_g = (the group's largest |x|) / X_MAX, rounded to float32 (X then rounded against that value).
+- lane sums, int32: two vectors of LANES: the sums of q0, and of (q1 << 8) + q2, over each lane's bytes (bytes
+  4i..4i+3 of every VECTOR_BYTES, both nibbles: `vpmaddwd`'s lanes), so that the nibbles' offset 8 + z is subtracted
+  exactly, in integers.
+
+int4 groups are of 32, 64 or 128 columns (format/quant.py); this path serves 64 and 128 (16-bit sums of one group:
+2 steps x 2 nibbles x 2 products x 15 x 128 < 2^15).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+
+from .cpu_jit import _JIT, U, njit
+
+
+PIECES = 3  # int8 pieces of a prepared input value: 24 bits relative to its group's largest |x|
+X_MAX = 127 * 65536 + 127 * 256 + 127  # the largest |X| three balanced int8 pieces hold (0x7F7F7F)
+VECTOR_BYTES = 32  # code bytes a step: one AVX2 register (64 int4 weights)
+LANES = VECTOR_BYTES // 4  # 32-bit sums a row and group (`vpmaddwd`'s lanes)
+ROWS = 2  # rows a pass of `make_q4_integer_sums`
+SMALLEST_SCALE = np.float32(2.0**-126)  # d_g below float32's smallest normal: the float kernel serves the call
+
+
+def avx2_target() -> bool:
+    """True where numba compiles for an x86-64 CPU with AVX2 (its host, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES
+    where set): there `make_q4_integer_sums` uses `vpmaddubsw` / `vpmaddwd`, and the CPU backend's int4 products of
+    whole groups of 64 and 128 columns take this path. Elsewhere (aarch64, the Jetson's CPU included) the float
+    kernel `cpu_direct._rows_q4_vectors` serves them."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    from numba.core import config
+
+    if config.CPU_NAME:  # a named target: its listed features only
+        return "+avx2" in (config.CPU_FEATURES or "").split(",")
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("avx2", False))
+
+
+def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = None):
+    """A numba intrinsic q4_integer_sums(rows, pieces, lane_sums, steps, scales, zeros, groups, half) -> ROWS float32:
+    for ROWS packed int4 rows (a tuple of uint8 arrays, groups · half bytes each), sum_g s_k[g] d_g sum_j
+    (lo_j - 8 - z_k[g]) X_even[j] + (hi_j - 8 - z_k[g]) X_odd[j] over group g's bytes j (lo / hi a byte's nibbles),
+    with pieces, lane_sums and steps one input row as `_prepare_pieces` lays them out (the module's layout), scales a
+    tuple of the rows' group scales as stored ((groups,) float32, or float16 bits as uint16, widened exactly:
+    `cpu_jit.f16_widen_ir`), zeros a tuple of their zero points ((groups,) int8) or None. half: VECTOR_BYTES or twice
+    that (g64, g128).
+
+    Per VECTOR_BYTES code bytes and row: an `and 15` and a shift for the two nibbles, and per piece two 8-bit
+    multiply-adds into 16-bit sums (unsigned nibble x signed piece, pairs added: `vpmaddubsw`), the group's steps
+    unrolled. Per group and row: the sums widened to 32 bits (`vpmaddwd` by ones), the pieces combined as far as 32
+    bits hold them exactly ((q1 << 8) + q2), (8 + z) times the group's lane sums subtracted, two conversions, and one
+    multiply-add by s_k[g] d_g into LANES float32 sums kept across groups; the row's lanes are added at the end. No
+    integer step saturates or overflows, whatever the codes, pieces and zero points. Two rows a pass: with four, the
+    12 16-bit sums and 6 pieces outgrow AVX2's 16 registers (shape A's 2816 x 1024 g128 projection with the caches
+    cold, 1 thread: 0.22 / 0.30 ms fastest / median with four rows, 0.19 / 0.28 ms with two; 2-core EPYC host).
+
+    avx2 None: `avx2_target()`. Without AVX2 the same operations are written in generic LLVM IR (widen, multiply, add
+    pairs), which every target compiles, with the same results; the CPU backend takes this path only on an AVX2
+    target (`_q4_integer_fit`), the tests run the generic form against it."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+
+    from .cpu_jit import f16_hardware, f16_widen_ir
+    from .cpu_jit import ir_fast as fast, ir_horizontal_sum as horizontal_sum, ir_splat as splat
+    from .cpu_jit import ir_vector_load as load
+
+    use_avx2 = avx2_target() if avx2 is None else avx2
+    hardware = f16_hardware() if hardware_f16 is None else hardware_f16
+    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    vb = ir.VectorType(i8, VECTOR_BYTES)
+    vh = ir.VectorType(i16, VECTOR_BYTES // 2)
+    vi = ir.VectorType(i32, LANES)
+    vf = ir.VectorType(f32, LANES)
+
+    def pairs(builder, v, count):
+        """(v[0] + v[1], v[2] + v[3], ...) of a vector of 2 count elements."""
+        even = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, count), list(range(0, 2 * count, 2))))
+        odd = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, count), list(range(1, 2 * count, 2))))
+        return builder.add(even, odd)
+
+    def multiply_add_bytes(builder, unsigned, signed):
+        """<16 x i16>: unsigned[2i] signed[2i] + unsigned[2i+1] signed[2i+1] (no saturation is reached here)."""
+        if use_avx2:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vh, [vb, vb]),
+                                                "llvm.x86.avx2.pmadd.ub.sw")
+            return builder.call(fn, [unsigned, signed])
+        wide = ir.VectorType(i16, VECTOR_BYTES)
+        return pairs(builder, builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide)),
+                     VECTOR_BYTES // 2)
+
+    def widen_pairs(builder, v):
+        """<8 x i32>: v[2i] + v[2i+1] of a <16 x i16>."""
+        if use_avx2:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vh, vh]),
+                                                "llvm.x86.avx2.pmadd.wd")
+            return builder.call(fn, [v, ir.Constant(vh, [1] * (VECTOR_BYTES // 2))])
+        return pairs(builder, builder.sext(v, ir.VectorType(i32, VECTOR_BYTES // 2)), LANES)
+
+    @intrinsic
+    def q4_integer_sums(typingctx, rows_t, pieces, lane_sums, steps, scales_t, zeros_t, groups, half):
+        sig = types.UniTuple(types.float32, ROWS)(rows_t, pieces, lane_sums, steps, scales_t, zeros_t, groups, half)
+        scale_f16 = scales_t.dtype.dtype == types.uint16
+        with_zeros = isinstance(zeros_t, types.BaseTuple)
+
+        def codegen(context, builder, sig, args):
+            def data(i, k=None):  # the data pointer of argument i, or of item k of the tuple argument i
+                if k is None:
+                    return context.make_array(sig.args[i])(context, builder, args[i]).data
+                return context.make_array(sig.args[i].dtype)(context, builder, builder.extract_value(args[i], k)).data
+
+            rows = [data(0, k) for k in range(ROWS)]
+            xp, offs, dsc = data(1), data(2), data(3)
+            scales = [data(4, k) for k in range(ROWS)]
+            zeros = [data(5, k) for k in range(ROWS)] if with_zeros else None
+            n_groups, step = args[6], args[7]
+            fzero = ir.Constant(vf, [0.0] * LANES)
+            low4, shift4 = ir.Constant(vb, [15] * VECTOR_BYTES), ir.Constant(vb, [4] * VECTOR_BYTES)
+            three, eight = ir.Constant(vi, [3] * LANES), ir.Constant(vi, [8] * LANES)
+            two16 = ir.Constant(vf, [65536.0] * LANES)
+            total = [cgutils.alloca_once_value(builder, fzero) for _ in range(ROWS)]
+            piece_span = builder.mul(step, i64(2))  # bytes of one piece of a group: even columns, then odd
+            with cgutils.for_range(builder, n_groups, intp=i64) as group_loop:
+                g = group_loop.index
+                codes_base = builder.mul(g, step)
+                pieces_base = builder.mul(g, builder.mul(piece_span, i64(PIECES)))
+                d = builder.load(builder.gep(dsc, [g]))
+                step_scale, offset = [], []
+                for k in range(ROWS):
+                    s = builder.load(builder.gep(scales[k], [g]))
+                    if scale_f16:
+                        s = f16_widen_ir(builder, s, hardware)
+                    step_scale.append(splat(builder, fast(builder.fmul(s, d)), vf))
+                    if with_zeros:
+                        o = builder.add(builder.sext(builder.load(builder.gep(zeros[k], [g])), i32), i32(8))
+                        offset.append(splat(builder, o, vi))
+
+                def emit_group(size):
+                    """The group's sums, its size bytes of codes a row unrolled."""
+                    narrow = [[None] * PIECES for _ in range(ROWS)]  # 16-bit sums a row and piece
+                    for j in range(0, size, VECTOR_BYTES):
+                        xe, xo = [], []
+                        for p in range(PIECES):
+                            at = builder.add(builder.add(pieces_base, builder.mul(piece_span, i64(p))), i64(j))
+                            xe.append(load(builder, xp, at, vb, 1))
+                            xo.append(load(builder, xp, builder.add(at, step), vb, 1))
+                        c = builder.add(codes_base, i64(j))
+                        for k in range(ROWS):
+                            b = load(builder, rows[k], c, vb, 1)
+                            lo = builder.and_(b, low4)
+                            hi = builder.lshr(b, shift4)
+                            for p in range(PIECES):
+                                both = builder.add(multiply_add_bytes(builder, lo, xe[p]),
+                                                   multiply_add_bytes(builder, hi, xo[p]))
+                                narrow[k][p] = both if narrow[k][p] is None else builder.add(narrow[k][p], both)
+                    at = builder.mul(g, i64(2 * LANES))
+                    high_sums = load(builder, offs, at, vi, 4)
+                    low_sums = load(builder, offs, builder.add(at, i64(LANES)), vi, 4)
+                    if not with_zeros:  # 8 times the lane sums, once for the rows
+                        high8, low8 = builder.shl(high_sums, three), builder.shl(low_sums, three)
+                    for k in range(ROWS):
+                        w = [widen_pairs(builder, narrow[k][p]) for p in range(PIECES)]
+                        low = builder.add(builder.shl(w[1], eight), w[2])
+                        if with_zeros:
+                            high = builder.sub(w[0], builder.mul(offset[k], high_sums))
+                            low = builder.sub(low, builder.mul(offset[k], low_sums))
+                        else:
+                            high, low = builder.sub(w[0], high8), builder.sub(low, low8)
+                        f = fast(builder.fadd(fast(builder.fmul(builder.sitofp(high, vf), two16)),
+                                              builder.sitofp(low, vf)))
+                        scaled = fast(builder.fmul(f, step_scale[k]))
+                        builder.store(fast(builder.fadd(builder.load(total[k]), scaled)), total[k])
+
+                with builder.if_else(builder.icmp_unsigned("==", step, i64(2 * VECTOR_BYTES))) as (g128, g64):
+                    with g128:
+                        emit_group(2 * VECTOR_BYTES)
+                    with g64:
+                        emit_group(VECTOR_BYTES)
+            sums = [horizontal_sum(builder, builder.load(total[k])) for k in range(ROWS)]
+            return context.make_tuple(builder, sig.return_type, sums)
+
+        return sig, codegen
+
+    return q4_integer_sums
+
+
+AVX2 = avx2_target()
+_q4_integer_sums = make_q4_integer_sums()
+
+
+@njit(inline="always", **_JIT)
+def _q4_integer_fit(half, size):
+    """True where `_rows_q4_integer` may serve an int4 matrix: on an AVX2 target, group bytes half VECTOR_BYTES or
+    twice that (g64, g128), every group whole (row bytes size a multiple of half)."""
+    return AVX2 and (half == U(VECTOR_BYTES) or half == U(2 * VECTOR_BYTES)) and size % half == 0
+
+
+@njit(**_JIT)
+def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
+    """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the
+    module's layout), once per projection and call: pieces (n, >= cols · PIECES) int8, lane_sums (n, >= groups · 2 ·
+    LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64 or 128; cols a multiple).
+    Returns False where a group's largest |x| is not finite, or its d_g is below float32's smallest normal (inputs
+    below ~1e-31): the float kernel then serves the call (it keeps Inf and NaN as they are)."""
+    half = size // 2
+    groups = cols // size
+    span = PIECES * 2 * half
+    for t in range(n):
+        x = src[rows_of_src[t]]
+        for g in range(groups):
+            m = np.float32(0.0)
+            finite = True
+            for c in range(g * size, (g + 1) * size):
+                v = x[c]
+                finite &= v - v == 0  # False for Inf and NaN (no fast-math flag lets LLVM fold it)
+                m = max(m, abs(v))
+            if not finite:
+                return False
+            d = np.float32(np.float64(m) / X_MAX)
+            if m > 0 and d < SMALLEST_SCALE:
+                return False
+            steps[t, g] = d
+            inverse = 1.0 / np.float64(d) if d > 0 else 0.0
+            base = g * span
+            lanes = lane_sums[t, g * 2 * LANES:(g + 1) * 2 * LANES]
+            lanes[:] = 0
+            for local in range(size):
+                v = np.int64(np.rint(np.float64(x[g * size + local]) * inverse))
+                v = min(max(v, -X_MAX), X_MAX)  # d rounded to float32 may leave |x| / d a hair above X_MAX
+                byte = local // 2
+                at = base + (local % 2) * half + byte
+                lane = (byte % VECTOR_BYTES) // 4
+                for p in range(PIECES - 1, -1, -1):  # balanced base-256 digits, the last piece first
+                    q = ((v + 128) & 255) - 128
+                    pieces[t, at + p * 2 * half] = q
+                    lanes[(p > 0) * LANES + lane] += q << (8 * (p == 1))
+                    v = (v - q) >> 8
+    return True

@@ -1,0 +1,206 @@
+"""The int4 products in integers (sdk/runtime/cpu_q4_integer.py): the input's pieces and lane sums against the layout
+the module documents, the generic LLVM IR form against the AVX2 one, and `_project_direct` against the float64
+product of the exact dequantization at the integer bounds, near overflow, with non-finite and tiny inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri_sdk.runtime import cpu_direct, cpu_kernels, cpu_q4_integer as qi
+
+AVX2 = qi.avx2_target()
+TOL = dict(rtol=1e-5)  # and atol 1e-5 of the largest |output|, as the direct-product test in test_cpu_engine.py
+
+
+def stored(codes, scales, zeros, group):
+    """The float64 matrix an int4 matrix stands for: scale * (nibble - 8 - zero point), nibbles low first."""
+    nibbles = np.empty((codes.shape[0], codes.shape[1] * 2), np.float64)
+    nibbles[:, 0::2], nibbles[:, 1::2] = codes & 15, codes >> 4
+    per_column = np.repeat(np.arange(scales.shape[1]), group)
+    return scales.astype(np.float64)[:, per_column] * (nibbles - 8 - zeros.astype(np.float64)[:, per_column])
+
+
+def project(codes, scales, zeros, group, x):
+    """`_project_direct` on int4 codes (rows, cols / 2), scales (rows, groups) float16 / float32, zeros (rows,
+    groups) int8 or None; x (n, cols) float32, n <= DIRECT_TOKENS. Returns (n, rows) float32."""
+    n, cols = x.shape
+    rows = codes.shape[0]
+    out = np.full((n, rows), np.nan, np.float32)
+    z = zeros if zeros is not None else np.zeros((rows, 1), np.int8)
+    cpu_kernels._project_direct(cpu_kernels.STORE_Q4, codes, np.ascontiguousarray(scales).view(np.uint8),
+                                scales.dtype == np.float16, z, zeros is not None, group, x,
+                                np.arange(n, dtype=np.int64), n, out, np.zeros(n * 2 * (cols + 1), np.float32),
+                                np.zeros(n * cols, np.float32), np.zeros(rows * cols, np.float32))
+    return out
+
+
+def check(out, want):
+    np.testing.assert_allclose(out, want, atol=1e-5 * np.abs(want).max(), **TOL)
+
+
+def prepare(x, group):
+    n, cols = x.shape
+    groups = cols // group
+    pieces = np.full((n, cols * qi.PIECES), 99, np.int8)
+    lane_sums = np.full((n, groups * 2 * qi.LANES), -7, np.int32)
+    steps = np.full((n, groups), np.nan, np.float32)
+    ok = qi._prepare_pieces(x, np.arange(n, dtype=np.int64), n, cols, group, pieces, lane_sums, steps)
+    return ok, pieces, lane_sums, steps
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_pieces_hold_each_value_to_24_bits_of_its_group_and_lane_sums_follow_the_layout(group):
+    """Decoded by the module docstring's layout: X = q0 2^16 + q1 2^8 + q2 per column, |X d_g - x| <= d_g / 2 (plus
+    float32 rounding of x / d_g), d_g = max |x| of the group / X_MAX; the lane sums are the sums of q0 and of
+    (q1 << 8) + q2 over bytes 4i..4i+3 of every 32, both nibbles. Groups: random, an outlier, all zero, all -m."""
+    rng = np.random.default_rng(1)
+    cols = 4 * group
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    x[0, 5] = 3e4
+    x[1, group:2 * group] = 0
+    x[1, 2 * group:3 * group] = -2.5
+    ok, pieces, lane_sums, steps = prepare(x, group)
+    assert ok
+    half = group // 2
+    for t in range(2):
+        for g in range(cols // group):
+            m = np.abs(x[t, g * group:(g + 1) * group]).max()
+            d = np.float64(steps[t, g])
+            assert d == np.float32(m / qi.X_MAX)
+            part = pieces[t, g * 3 * group:(g + 1) * 3 * group].reshape(3, 2, half).astype(np.int64)  # piece, even/odd
+            X = part[0] * 65536 + part[1] * 256 + part[2]  # (2, half): even columns, odd columns
+            value = np.empty(group)
+            value[0::2], value[1::2] = X[0], X[1]
+            assert np.abs(value).max() <= qi.X_MAX
+            assert np.all(np.abs(value * d - x[t, g * group:(g + 1) * group]) <= d * 0.5 + 1e-7 * m)
+            lane = (np.arange(half) % 32) // 4
+            high = np.bincount(lane, part[0].sum(axis=0), qi.LANES)
+            low = np.bincount(lane, (part[1] * 256 + part[2]).sum(axis=0), qi.LANES)
+            got = lane_sums[t, g * 2 * qi.LANES:(g + 1) * 2 * qi.LANES]
+            np.testing.assert_array_equal(got, np.concatenate([high, low]))
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+def test_a_non_finite_input_takes_the_float_kernel_and_stays_non_finite(value):
+    """A non-finite input value: no pieces (`_prepare_pieces` says False), and the float kernel's result, non-finite
+    in every row, as the float64 product (the float kernel folds the offset 8 into the sum of x, so its Inf rows
+    read NaN; the CPU engine raises NonFiniteOutputError on either)."""
+    rng = np.random.default_rng(2)
+    rows, cols, group = 12, 256, 128
+    codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    codes[:3, 3] = 0x88  # weight 0 against column 6 and 7: 0 * Inf is NaN
+    scales = (rng.random((rows, cols // group)) * 0.1 + 0.01).astype(np.float16)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    x[0, 6] = value
+    assert not prepare(x, group)[0]
+    with np.errstate(invalid="ignore"):  # Inf times a zero weight
+        want = x.astype(np.float64) @ stored(codes, scales, np.zeros((rows, 2), np.int8), group).T
+    out = project(codes, scales, None, group, x)
+    assert not np.isfinite(want).any()
+    assert not np.isfinite(out).any()
+
+
+def test_tiny_and_zero_inputs_are_exact_enough():
+    """A row below float32's normal range for d_g (max 1e-33: the float kernel serves it) and a row of zeros in one
+    group (d_g = 0, pieces 0): both against float64."""
+    rng = np.random.default_rng(3)
+    rows, cols, group = 16, 256, 128
+    codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    scales = (rng.random((rows, cols // group)) + 0.5).astype(np.float32)
+    w = stored(codes, scales, np.zeros((rows, 2), np.int8), group)
+    tiny = (rng.standard_normal((1, cols)) * 1e-33).astype(np.float32)
+    assert not prepare(tiny, group)[0]
+    check(project(codes, scales, None, group, tiny), tiny.astype(np.float64) @ w.T)
+    zero_group = rng.standard_normal((1, cols)).astype(np.float32)
+    zero_group[0, :group] = 0
+    ok, _, _, steps = prepare(zero_group, group)
+    assert ok and steps[0, 0] == 0
+    check(project(codes, scales, None, group, zero_group), zero_group.astype(np.float64) @ w.T)
+
+
+@pytest.mark.parametrize("zero_point", [None, -128, 127, "random"])
+@pytest.mark.parametrize("codes_kind", ["zeros", "ones", "random"])
+@pytest.mark.parametrize("group", [64, 128])
+def test_the_integer_bounds_hold_at_their_extremes(group, codes_kind, zero_point):
+    """Every nibble 0 or 15 against inputs of one magnitude and sign (each piece at its extreme: X = +-X_MAX), zero
+    points at the ends of int8, and random ones, g64 and g128: against float64 (an overflow or saturation of the
+    16- or 32-bit sums would be far off). On an AVX2 target this is the integer path (asserted)."""
+    rng = np.random.default_rng(4)
+    rows, cols = 10, 4 * group
+    fill = {"zeros": 0x00, "ones": 0xFF}
+    codes = (np.full((rows, cols // 2), fill[codes_kind], np.uint8) if codes_kind in fill
+             else rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8))
+    scales = (rng.random((rows, cols // group)) + 0.5).astype(np.float16)
+    if zero_point is None:
+        zeros = None
+    elif zero_point == "random":
+        zeros = rng.integers(-128, 128, (rows, cols // group)).astype(np.int8)
+    else:
+        zeros = np.full((rows, cols // group), zero_point, np.int8)
+    x = np.stack([np.full(cols, -3.0), np.full(cols, 7.0)]).astype(np.float32)
+    x[1, ::3] = rng.standard_normal(len(x[1, ::3]))  # one row of mixed values
+    assert cpu_direct._q4_integer_fit(np.uint64(group // 2), np.uint64(cols // 2)) == AVX2
+    z = zeros if zeros is not None else np.zeros((rows, cols // group), np.int8)
+    want = x.astype(np.float64) @ stored(codes, scales, z, group).T
+    check(project(codes, scales, zeros, group, x), want)
+
+
+def test_an_outlier_in_a_group_keeps_the_row_within_tolerance():
+    """An input of normal values with one 1e4 outlier a row (activations do this): every other value of its group
+    keeps 24 bits of the outlier's scale, and the outputs stay within the tolerance of the largest output."""
+    rng = np.random.default_rng(5)
+    rows, cols, group = 64, 1024, 128
+    codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    scales = (rng.random((rows, cols // group)) * 0.02 + 0.001).astype(np.float16)
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    x[0, 300] = 1e4
+    x[1, 17] = -1e4
+    want = x.astype(np.float64) @ stored(codes, scales, np.zeros((rows, cols // group), np.int8), group).T
+    check(project(codes, scales, None, group, x), want)
+
+
+def _sums_wrapper(sums):
+    from numba import njit
+
+    @njit
+    def rows_of(codes, scales, zeros, has_zero, pieces, lane_sums, steps, out):
+        rows = codes.shape[0]
+        half = np.uint64(codes.shape[1] // scales.shape[1])
+        for i in range(0, rows, 2):
+            pair, pair_scales = (codes[i], codes[i + 1]), (scales[i], scales[i + 1])
+            if has_zero:
+                out[i], out[i + 1] = sums(pair, pieces, lane_sums, steps, pair_scales, (zeros[i], zeros[i + 1]),
+                                          scales.shape[1], half)
+            else:
+                out[i], out[i + 1] = sums(pair, pieces, lane_sums, steps, pair_scales, None, scales.shape[1], half)
+
+    return rows_of
+
+
+@pytest.mark.parametrize("with_zeros", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("scale_dtype", [np.float16, np.float32], ids=["f16-scales", "f32-scales"])
+@pytest.mark.parametrize("group", [64, 128])
+def test_the_generic_ir_form_matches_float64_and_the_avx2_form(group, scale_dtype, with_zeros):
+    """`make_q4_integer_sums(avx2=False)` (generic LLVM IR: what a target without AVX2 would compile) against the
+    float64 product, and bit for bit against the AVX2 form where this CPU has AVX2 (the same integers, the same
+    float operations)."""
+    rng = np.random.default_rng(6)
+    rows, cols = 8, 3 * group
+    codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    scales = (rng.random((rows, cols // group)) * 0.1 + 0.01).astype(scale_dtype)
+    zeros = rng.integers(-8, 8, (rows, cols // group)).astype(np.int8)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    ok, pieces, lane_sums, steps = prepare(x, group)
+    assert ok
+    stored_scales = scales.view(np.uint16) if scale_dtype == np.float16 else scales
+    want = x[0].astype(np.float64) @ stored(codes, scales, zeros if with_zeros else 0 * zeros, group).T
+    results = {}
+    for avx2 in ([False, True] if AVX2 else [False]):
+        out = np.full(rows, np.nan, np.float32)
+        _sums_wrapper(qi.make_q4_integer_sums(avx2=avx2))(codes, stored_scales, zeros, with_zeros, pieces[0],
+                                                            lane_sums[0], steps[0], out)
+        results[avx2] = out
+        check(out[None], want[None])
+    if AVX2:
+        np.testing.assert_array_equal(results[False], results[True])
