@@ -365,7 +365,7 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     groups = (cols + size - 1) // size
     half = (cols + 1) // 2 if store == STORE_Q4 else cols
     xs2 = xsum[: n * groups].reshape((n, groups))
-    if store == STORE_Q4 and _q4_integer_fit(U(size // 2), U(codes.shape[1])):
+    if store == STORE_Q4 and _q4_integer_fit(U(size // 2), U(cols)):
         span = groups * PIECES * size  # int8 pieces a row: groups x PIECES x (even, odd) x size / 2
         pieces = xq.view(np.int8)[: n * span].reshape((n, span))
         start = (n * span + 3) // 4  # the lane sums after the pieces, 4-byte aligned

@@ -16,8 +16,9 @@ with `fastmath` reassociation only: no flush of subnormals, no finite-math assum
 
 An int8 / int4 expert with at most DIRECT_TOKENS tokens is not decoded: `_project_direct` multiplies its codes as
 stored against the input laid out once per call (int4: its even and odd columns, to meet a byte's low and high
-nibble), four rows a pass with each group's sum times its scale once and the rows ahead prefetched (after llama.cpp's
-ggml-cpu quantized dot products; docs/runtime.md, "int8 / int4 codes multiplied as stored").
+nibble), four rows a pass a quarter of the matrix apart with each group's sum times its scale once (after llama.cpp's
+ggml-cpu quantized dot products; docs/runtime.md, "int8 / int4 codes multiplied as stored"); on x86-64 with AVX2,
+int4 g64 / g128 in integers (`cpu_q4_integer`).
 
 `experts_into` runs one layer's routed experts (or a layer's shared experts) for the pairs grouped per expert
 (`group_pairs`), adding `weight * expert(x)` to each token's output row in increasing expert order, as the

@@ -33,6 +33,11 @@ VECTOR_BYTES = 32  # code bytes a step: one AVX2 register (64 int4 weights)
 LANES = VECTOR_BYTES // 4  # 32-bit sums a row and group (`vpmaddwd`'s lanes)
 ROWS = 2  # rows a pass of `make_q4_integer_sums`
 SMALLEST_SCALE = np.float32(2.0**-126)  # d_g below float32's smallest normal: the float kernel serves the call
+# A group's largest |x| above this many times the mean |x| of its other values (an outlier, as LLMs' massive
+# activations): the float kernel serves the call. Every value keeps 24 bits of the largest, so the others keep fewer
+# of their own; where the outlier meets zero weights in every row, the output is the others' sum alone (outliers
+# of 1e3 x N(0, 1) erred by 2.5e-5 of the largest output with zero points, the float kernel by 1e-7).
+OUTLIER_RATIO = 32.0
 
 
 def avx2_target() -> bool:
@@ -63,8 +68,8 @@ def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = N
     Per VECTOR_BYTES code bytes and row: an `and 15` and a shift for the two nibbles, and per piece two 8-bit
     multiply-adds into 16-bit sums (unsigned nibble x signed piece, pairs added: `vpmaddubsw`), the group's steps
     unrolled. Per group and row: the sums widened to 32 bits (`vpmaddwd` by ones), the pieces combined as far as 32
-    bits hold them exactly ((q1 << 8) + q2), (8 + z) times the group's lane sums subtracted, two conversions, and one
-    multiply-add by s_k[g] d_g into LANES float32 sums kept across groups; the row's lanes are added at the end. No
+    bits hold them exactly ((q1 << 8) + q2), (8 + z) times the group's lane sums subtracted, two conversions, times
+    d_g and one multiply-add by s_k[g] into LANES float32 sums kept across groups; the row's lanes are added at the end. No
     integer step saturates or overflows, whatever the codes, pieces and zero points. Two rows a pass: with four, the
     12 16-bit sums and 6 pieces outgrow AVX2's 16 registers (shape A's 2816 x 1024 g128 projection with the caches
     cold, 1 thread: 0.22 / 0.30 ms fastest / median with four rows, 0.19 / 0.28 ms with two; 2-core EPYC host).
@@ -140,13 +145,13 @@ def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = N
                 g = group_loop.index
                 codes_base = builder.mul(g, step)
                 pieces_base = builder.mul(g, builder.mul(piece_span, i64(PIECES)))
-                d = builder.load(builder.gep(dsc, [g]))
-                step_scale, offset = [], []
+                d = splat(builder, builder.load(builder.gep(dsc, [g])), vf)
+                scale, offset = [], []
                 for k in range(ROWS):
                     s = builder.load(builder.gep(scales[k], [g]))
                     if scale_f16:
                         s = f16_widen_ir(builder, s, hardware)
-                    step_scale.append(splat(builder, fast(builder.fmul(s, d)), vf))
+                    scale.append(splat(builder, s, vf))
                     if with_zeros:
                         o = builder.add(builder.sext(builder.load(builder.gep(zeros[k], [g])), i32), i32(8))
                         offset.append(splat(builder, o, vi))
@@ -184,8 +189,14 @@ def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = N
                             high, low = builder.sub(w[0], high8), builder.sub(low, low8)
                         f = fast(builder.fadd(fast(builder.fmul(builder.sitofp(high, vf), two16)),
                                               builder.sitofp(low, vf)))
-                        scaled = fast(builder.fmul(f, step_scale[k]))
-                        builder.store(fast(builder.fadd(builder.load(total[k]), scaled)), total[k])
+                        # (f d_g) s_k[g], in this order (no reassociation flag on the two products): f d_g is the
+                        # group's sum in x's units, as the float kernel's, so the product s d_g, which can leave
+                        # float32's range where the result does not, is never formed
+                        scaled = builder.fmul(builder.fmul(f, d), scale[k])
+                        scaled.flags.append("contract")
+                        acc = builder.fadd(builder.load(total[k]), scaled)
+                        acc.flags.append("contract")
+                        builder.store(acc, total[k])
 
                 with builder.if_else(builder.icmp_unsigned("==", step, i64(2 * VECTOR_BYTES))) as (g128, g64):
                     with g128:
@@ -205,10 +216,11 @@ _q4_integer_sums = make_q4_integer_sums()
 
 
 @njit(inline="always", **_JIT)
-def _q4_integer_fit(half, size):
-    """True where `_rows_q4_integer` may serve an int4 matrix: on an AVX2 target, group bytes half VECTOR_BYTES or
-    twice that (g64, g128), every group whole (row bytes size a multiple of half)."""
-    return AVX2 and (half == U(VECTOR_BYTES) or half == U(2 * VECTOR_BYTES)) and size % half == 0
+def _q4_integer_fit(half, cols):
+    """True where `_rows_q4_integer` may serve an int4 matrix of cols columns: on an AVX2 target, group bytes half
+    VECTOR_BYTES or twice that (g64, g128), every group whole (cols a multiple of 2 half: an odd column count, whose
+    last byte holds one column, keeps the float kernel)."""
+    return AVX2 and (half == U(VECTOR_BYTES) or half == U(2 * VECTOR_BYTES)) and cols % (2 * half) == 0
 
 
 @njit(**_JIT)
@@ -216,8 +228,9 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
     """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the
     module's layout), once per projection and call: pieces (n, >= cols · PIECES) int8, lane_sums (n, >= groups · 2 ·
     LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64 or 128; cols a multiple).
-    Returns False where a group's largest |x| is not finite, or its d_g is below float32's smallest normal (inputs
-    below ~1e-31): the float kernel then serves the call (it keeps Inf and NaN as they are)."""
+    Returns False where a group's largest |x| is not finite, or above OUTLIER_RATIO times the mean |x| of the
+    group's other values, or its d_g is below float32's smallest normal (inputs below ~1e-31): the float kernel then
+    serves the call (it keeps Inf and NaN as they are)."""
     half = size // 2
     groups = cols // size
     span = PIECES * 2 * half
@@ -225,12 +238,14 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
         x = src[rows_of_src[t]]
         for g in range(groups):
             m = np.float32(0.0)
+            mass = 0.0  # sum of |x| over the group, float64
             finite = True
             for c in range(g * size, (g + 1) * size):
                 v = x[c]
                 finite &= v - v == 0  # False for Inf and NaN (no fast-math flag lets LLVM fold it)
                 m = max(m, abs(v))
-            if not finite:
+                mass += abs(np.float64(v))
+            if not finite or m > OUTLIER_RATIO * (mass - m) / (size - 1):
                 return False
             d = np.float32(np.float64(m) / X_MAX)
             if m > 0 and d < SMALLEST_SCALE:

@@ -186,7 +186,7 @@ def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zero
     if quant == 2:  # the path `_project_direct` takes
         vectors = cpu_direct._q4_vectors_fit(np.uint64(group // 2), np.uint64((cols + 1) // 2))
         assert vectors == (cols == 384)
-        integers = cpu_direct._q4_integer_fit(np.uint64(group // 2), np.uint64((cols + 1) // 2))
+        integers = cpu_direct._q4_integer_fit(np.uint64(group // 2), np.uint64(cols))
         assert integers == (cols == 384 and group >= 64 and cpu_q4_integer.avx2_target())
     t = quantize_rtn(rng.standard_normal((rows, cols)).astype(np.float32), quant, group, scale_dtype)
     z = rng.integers(-3, 4, t.scales.shape).astype(np.int8) if zeros else np.zeros((rows, 1), np.int8)
