@@ -4,7 +4,7 @@ stored"): the input laid out once per call to meet the packing (int4: its even a
 low and high nibble), four rows a pass over their codes (each loaded input value serves the four), each group's
 sum times its scale once, no decoded row. The four rows of a pass lie a quarter of the matrix apart (`_quarter_rows`),
 so that each quarter is read front to back: four sequential streams, which the hardware prefetcher follows across
-pages. On x86-64 with AVX2, int4 of g64 and up is multiplied in integers instead (`cpu_q4_integer`, two rows a
+pages. On x86-64 with AVX2, int4 g64 / g128 is multiplied in integers instead (`cpu_q4_integer`, two rows a
 pass half the matrix apart). `cpu_kernels.experts_into` calls `_project_direct`.
 """
 
@@ -41,7 +41,7 @@ def make_q4_scaled_sums(lanes: int = Q4_LANES, hardware_f16: bool | None = None)
     operations a step, and a row keeps one sum (its chain of two multiply-adds is shorter than the step's work).
     The scales are read as stored, with no float32 copy of the matrix's scales. Fast-math flags as the kernels'
     (`cpu_jit._FASTMATH`: reassociation and contraction, Inf and NaN kept). On an AVX2 target the int4 matrices it
-    fits (g64 and up) go through `cpu_q4_integer` instead; this kernel keeps g32, and every int4 group size on other
+    fits (g64, g128) go through `cpu_q4_integer` instead; this kernel keeps g32, and every int4 group size on other
     targets (aarch64)."""
     from llvmlite import ir
     from numba import types
@@ -355,8 +355,9 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     """out[t, r] = sum_c W[r, c] * src[rows_of_src[t], c] for t < n, every row r of an int8 / int4 matrix (rows,
     row bytes): the codes multiplied as stored (`_rows_q4_integer`, `_rows_q4_vectors`, `_rows_q4`, `_rows_q8`);
     no decoded row. int4 of whole groups of 64 or 128 columns on an AVX2 target goes through integers
-    (`cpu_q4_integer`) unless an input group's largest |x| is not finite or too small for its step (then the float
-    kernel, which keeps Inf and NaN).
+    (`cpu_q4_integer`) unless an input group's largest |x| is not finite, too small for its step, or an outlier
+    against the group's other values (`cpu_q4_integer.OUTLIER_RATIO`): then the float kernel (which keeps Inf and
+    NaN).
 
     xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch (the integer
     path's pieces and lane sums in xq, its steps in xsum)."""
