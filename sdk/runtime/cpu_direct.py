@@ -151,7 +151,8 @@ def _store_quarters(dst, i, q, a0, a1, a2, a3):
 
 @njit(**_JIT)
 def _prepare_direct(store, src, rows_of_src, n, cols, size, xq, xsum):
-    """The n input rows src[rows_of_src[t]] laid out for `_rows_q8` / `_rows_q4`, once per projection and call.
+    """The n input rows src[rows_of_src[t]] laid out for `_rows_q8` / `_rows_q4`, once per input and call (gate
+    and up share it).
 
     xq (n, 2, half) float32: int8, xq[t, 0, :cols] = the row; int4, the row's even columns in xq[t, 0] and its odd
     ones in xq[t, 1] (half = ceil(cols / 2); an odd row's last odd entry 0), so that byte j's low and high nibbles
@@ -349,9 +350,12 @@ def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
             _store_quarters(out[t], i, q, a0, a1, a2, a3)
 
 
+PREPARED_NONE, PREPARED_INTEGER, PREPARED_FLOAT = 0, 1, 2  # what `_project_direct`'s xq / xsum hold
+
+
 @njit(**_JIT)
 def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src, rows_of_src, n, out, xq, xsum,
-                    s32):
+                    s32, prepared=PREPARED_NONE):
     """out[t, r] = sum_c W[r, c] * src[rows_of_src[t], c] for t < n, every row r of an int8 / int4 matrix (rows,
     row bytes): the codes multiplied as stored (`_rows_q4_integer`, `_rows_q4_vectors`, `_rows_q4`, `_rows_q8`);
     no decoded row. int4 of whole groups of 64 or 128 columns on an AVX2 target goes through integers
@@ -360,7 +364,9 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     NaN).
 
     xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch (the integer
-    path's pieces and lane sums in xq, its steps in xsum)."""
+    path's pieces and lane sums in xq, its steps in xsum). prepared: what xq / xsum already hold for these src,
+    rows_of_src and n (the value the call before on the same input returned: the gate projection's, for the up
+    projection), so that the input is laid out once; returns what they hold afterwards (a PREPARED_* value)."""
     rows, cols = codes.shape[0], src.shape[1]
     size = cols if group == 0 else group
     groups = (cols + size - 1) // size
@@ -372,26 +378,29 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
         start = (n * span + 3) // 4  # the lane sums after the pieces, 4-byte aligned
         width = groups * 2 * LANES  # lane sums a row
         lane_sums = xq[start: start + n * width].view(np.int32).reshape((n, width))
-        if _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, xs2):
+        if prepared == PREPARED_INTEGER or (prepared == PREPARED_NONE and
+                                            _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, xs2)):
             if scale_f16:
                 _rows_q4_integer(codes, scales.view(np.uint16), zeros, has_zero, U(size // 2), pieces, lane_sums,
                                  xs2, n, out)
             else:
                 _rows_q4_integer(codes, scales.view(np.float32), zeros, has_zero, U(size // 2), pieces, lane_sums,
                                  xs2, n, out)
-            return
+            return PREPARED_INTEGER
     xq3 = xq[: n * 2 * half].reshape((n, 2, half))
     s2 = s32[: rows * groups].reshape((rows, groups))
-    _prepare_direct(store, src, rows_of_src, n, cols, size, xq3, xs2)
+    if prepared != PREPARED_FLOAT:
+        _prepare_direct(store, src, rows_of_src, n, cols, size, xq3, xs2)
     if store == STORE_Q4 and _q4_vectors_fit(U(size // 2), U(codes.shape[1])):
         if scale_f16:  # the scales as stored: no float32 copy of the matrix's scales
             _rows_q4_vectors(codes, scales.view(np.uint16), zeros, has_zero, U(size // 2), xq3, xs2, n, out)
         else:
             _rows_q4_vectors(codes, scales.view(np.float32), zeros, has_zero, U(size // 2), xq3, xs2, n, out)
-        return
+        return PREPARED_FLOAT
     _matrix_scales(scales, scale_f16, s2)
     # One call per storage: the group size is a loop bound, so no branch per group size is compiled.
     if store == STORE_Q4:
         _rows_q4(codes, s2, zeros, has_zero, U(size // 2), xq3, xs2, n, out)
     else:
         _rows_q8(codes, s2, zeros, has_zero, U(size), xq3, xs2, n, out)
+    return PREPARED_FLOAT

@@ -341,10 +341,10 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
         direct = store >= STORE_Q8 and n <= DIRECT_TOKENS
         streamed = store <= STORE_F16 and n < 4  # fp32 / fp16 read in place, in four streams (_project_streamed)
         if direct:
-            _project_direct(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok, n, gate, xq,
-                            xsum, s32)
+            prepared = _project_direct(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok,
+                                       n, gate, xq, xsum, s32)
             _project_direct(store, up_w[e], up_s[e], scale_f16, up_z[e], has_zero, group, x, tok, n, up, xq, xsum,
-                            s32)
+                            s32, prepared)  # the same input, laid out once
         else:
             _project(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok, n, gate, buf_h,
                      sbuf_h)

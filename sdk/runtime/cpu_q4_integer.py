@@ -68,12 +68,12 @@ def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = N
 
     Per VECTOR_BYTES code bytes and row: an `and 15` and a shift for the two nibbles, and per piece two 8-bit
     multiply-adds into 16-bit sums (unsigned nibble x signed piece, pairs added: `vpmaddubsw`), the group's steps
-    unrolled. Per group and row: the sums widened to 32 bits (`vpmaddwd` by ones), the pieces combined as far as 32
-    bits hold them exactly ((q1 << 8) + q2), (8 + z) times the group's lane sums subtracted, two conversions, times
-    d_g and one multiply-add by s_k[g] into LANES float32 sums kept across groups; the row's lanes are added at the end. No
-    integer step saturates or overflows, whatever the codes, pieces and zero points. Two rows a pass: with four, the
-    12 16-bit sums and 6 pieces outgrow AVX2's 16 registers (shape A's 2816 x 1024 g128 projection with the caches
-    cold, 1 thread: 0.22 / 0.30 ms fastest / median with four rows, 0.19 / 0.28 ms with two; 2-core EPYC host).
+    unrolled. Per group and row: the sums widened to 32 bits (`vpmaddwd` by ones), the pieces combined as far as 32 bits
+    hold them exactly ((q1 << 8) + q2), (8 + z) times the group's lane sums subtracted, two conversions, times d_g and
+    one multiply-add by s_k[g] into LANES float32 sums kept across groups; the row's lanes are added at the end. No
+    integer step saturates or overflows, whatever the codes, pieces and zero points. Two rows a pass: with four, the 12
+    16-bit sums and 6 pieces outgrow AVX2's 16 registers (shape A's 2816 x 1024 g128 projection with the caches cold, 1
+    thread: 0.22 / 0.30 ms fastest / median with four rows, 0.19 / 0.28 ms with two; 2-core EPYC host).
 
     avx2 None: `avx2_target()`. Without AVX2 the same operations are written in generic LLVM IR (widen, multiply, add
     pairs), which every target compiles, with the same results; the CPU backend takes this path only on an AVX2
@@ -226,12 +226,12 @@ def _q4_integer_fit(half, cols):
 
 @njit(**_JIT)
 def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
-    """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the
-    module's layout), once per projection and call: pieces (n, >= cols · PIECES) int8, lane_sums (n, >= groups · 2 ·
-    LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64 or 128; cols a multiple).
-    Returns False where a group's largest |x| is not finite, or above OUTLIER_RATIO times the mean |x| of the
-    group's other values, or its d_g is below float32's smallest normal (inputs below ~1e-31): the float kernel then
-    serves the call (it keeps Inf and NaN as they are)."""
+    """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the module's
+    layout), once per input and call (gate and up share it): pieces (n, >= cols · PIECES) int8, lane_sums (n, >= groups
+    · 2 · LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64 or 128; cols a multiple).
+    Returns False where a group's largest |x| is not finite, or above OUTLIER_RATIO times the mean |x| of the group's
+    other values, or its d_g is below float32's smallest normal (inputs below ~1e-31): the float kernel then serves the
+    call (it keeps Inf and NaN as they are)."""
     half = size // 2
     groups = cols // size
     span = PIECES * 2 * half
@@ -243,7 +243,7 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
             finite = True
             for c in range(g * size, (g + 1) * size):
                 v = x[c]
-                finite &= v - v == 0  # False for Inf and NaN (no fast-math flag lets LLVM fold it)
+                finite &= np.isfinite(v)
                 m = max(m, abs(v))
                 mass += abs(np.float64(v))
             if not finite or m > OUTLIER_RATIO * (mass - m) / (size - 1):
