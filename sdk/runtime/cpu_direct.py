@@ -4,8 +4,8 @@ stored"): the input laid out once per call to meet the packing (int4: its even a
 low and high nibble), four rows a pass over their codes (each loaded input value serves the four), each group's
 sum times its scale once, no decoded row. The four rows of a pass lie a quarter of the matrix apart (`_quarter_rows`),
 so that each quarter is read front to back: four sequential streams, which the hardware prefetcher follows across
-pages. On x86-64 with AVX2, int4 g64 / g128 is multiplied in integers instead (`cpu_q4_integer`, two rows a
-pass half the matrix apart). `cpu_kernels.experts_into` calls `_project_direct`.
+pages. On x86-64 with AVX2, int4 g64 / g128 is multiplied in integers instead (`cpu_q4_integer`, one row at a
+time, in two streams half the matrix apart). `cpu_kernels.experts_into` calls `_project_direct`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_jit import _JIT, STORE_Q4, U, _f16_into, _nibble_high, _nibble_low, njit
-from .cpu_q4_integer import LANES, PIECES, _prepare_pieces, _q4_integer_fit, _q4_integer_sums
+from .cpu_q4_integer import LANES, PIECES, SUM_VECTORS, _prepare_pieces, _q4_integer_fit, _q4_integer_sums
 
 
 DIRECT_TOKENS = 2  # an expert with at most this many tokens multiplies its int8 / int4 codes as stored
@@ -262,24 +262,23 @@ def _rows_q4_vectors(codes, scales, zeros, has_zero, half, xq3, xs2, n, out):
 
 @njit(inline="always", **_JIT)
 def _rows_q4_integer(codes, scales, zeros, has_zero, half, pieces, lane_sums, steps, n, out):
-    """out[t, r] = W[r] . x_t for every int4 row r and prepared input t < n (`cpu_q4_integer._prepare_pieces`), two
-    rows a pass half the matrix apart (two sequential streams, as `_quarter_rows`' four), by
-    `cpu_q4_integer.make_q4_integer_sums`; scales (rows, groups) float32 or float16 bits (uint16) as stored, zeros
-    (rows, groups) int8 where has_zero. Speed: docs/runtime.md, "int4 in integers"."""
+    """out[t, r] = W[r] . x_t for every int4 row r and prepared input t < n (`cpu_q4_integer._prepare_pieces`), by
+    `cpu_q4_integer.make_q4_integer_sums`, one row at a time; pass i takes row i, then row i + ceil(rows / 2): two
+    sequential streams, as `_quarter_rows`' four (one stream, or three, or four, measured no faster with the caches
+    cold). scales (rows, groups) float32 or float16 bits (uint16) as stored, zeros (rows, groups) int8 where
+    has_zero. Speed: docs/runtime.md, "int4 in integers"."""
     rows, groups = codes.shape[0], scales.shape[1]
     q = (rows + 1) // 2
     for i in range(q):
-        r = min(i + q, rows - 1)
-        pair, pair_scales = (codes[i], codes[r]), (scales[i], scales[r])
-        for t in range(n):
-            if has_zero:
-                p0, p1 = _q4_integer_sums(pair, pieces[t], lane_sums[t], steps[t], pair_scales, (zeros[i], zeros[r]),
-                                          groups, half)
-            else:
-                p0, p1 = _q4_integer_sums(pair, pieces[t], lane_sums[t], steps[t], pair_scales, None, groups, half)
-            out[t, i] = p0
-            if i + q < rows:
-                out[t, i + q] = p1
+        for r in (i, i + q):
+            if r < rows:
+                for t in range(n):
+                    if has_zero:
+                        out[t, r] = _q4_integer_sums(codes[r], pieces[t], lane_sums[t], steps[t], scales[r], zeros[r],
+                                                     groups, half)
+                    else:
+                        out[t, r] = _q4_integer_sums(codes[r], pieces[t], lane_sums[t], steps[t], scales[r], None,
+                                                     groups, half)
 
 
 @njit(inline="always", **_JIT)
@@ -376,7 +375,7 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
         span = groups * PIECES * size  # int8 pieces a row: groups x PIECES x (even, odd) x size / 2
         pieces = xq.view(np.int8)[: n * span].reshape((n, span))
         start = (n * span + 3) // 4  # the lane sums after the pieces, 4-byte aligned
-        width = groups * 2 * LANES  # lane sums a row
+        width = groups * SUM_VECTORS * LANES  # lane sums a row
         lane_sums = xq[start: start + n * width].view(np.int32).reshape((n, width))
         if prepared == PREPARED_INTEGER or (prepared == PREPARED_NONE and
                                             _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, xs2)):

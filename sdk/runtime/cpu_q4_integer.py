@@ -11,9 +11,10 @@ A prepared input row (`_prepare_pieces`), per group g of `size` columns (half = 
   (high nibble), half values each; X = round(x / d_g) = q0 2^16 + q1 2^8 + q2, each q in -128..127 (balanced
   base-256 digits), |X| <= X_MAX.
 - steps, float32: d_g = (the group's largest |x|) / X_MAX, rounded to float32 (X then rounded against that value).
-- lane sums, int32: two vectors of LANES: the sums of q0, and of (q1 << 8) + q2, over each lane's bytes (bytes
-  4i..4i+3 of every VECTOR_BYTES, both nibbles: `vpmaddwd`'s lanes), so that the nibbles' offset 8 + z is subtracted
-  exactly, in integers.
+- lane sums, int32: SUM_VECTORS vectors of LANES: the sums L0 of q0 and L12 of (q1 << 8) + q2 over each lane's
+  bytes (bytes 4i..4i+3 of every VECTOR_BYTES, both nibbles: `vpmaddwd`'s lanes), and the offset term
+  8 ((L0 << 16) + L12) (below 2^31: |q0| <= 127), so that the nibbles' offset 8 + z is subtracted exactly, in
+  integers.
 
 int4 groups are of 32, 64 or 128 columns (format/quant.py); this path serves 64 and 128 (16-bit sums of one group:
 2 steps x 2 nibbles x 2 products x 15 x 128 < 2^15).
@@ -32,7 +33,12 @@ PIECES = 3  # int8 pieces of a prepared input value: 24 bits relative to its gro
 X_MAX = 127 * 65536 + 127 * 256 + 127  # the largest |X| three balanced int8 pieces hold (0x7F7F7F)
 VECTOR_BYTES = 32  # code bytes a step: one AVX2 register (64 int4 weights)
 LANES = VECTOR_BYTES // 4  # 32-bit sums a row and group (`vpmaddwd`'s lanes)
-ROWS = 2  # rows a pass of `make_q4_integer_sums`
+# Code bytes ahead of the group being multiplied that each group's prefetch hint names (llvm.prefetch: x86
+# `prefetcht0`, aarch64 `prfm`): shape A's g128 projections at T = 1 with the caches cold, fastest / median of 30,
+# 0.221 / 0.284 -> 0.184 / 0.244 ms (2816 x 1024) and 0.211 / 0.263 -> 0.211 / 0.241 ms (1024 x 2816); 512, 1024
+# and 4096 bytes no better, no change in cache (2-core EPYC host, 2026-12-07).
+PREFETCH_BYTES = 2048
+SUM_VECTORS = 3  # int32 vectors of LANES a group of a prepared row: the lane sums of the pieces, the offset term
 SMALLEST_SCALE = np.float32(2.0**-126)  # d_g below float32's smallest normal: the float kernel serves the call
 # A group's largest |x| above this many times the mean |x| of its other values (an outlier, as LLMs' massive
 # activations): the float kernel serves the call. Every value keeps 24 bits of the largest, so the others keep fewer
@@ -58,22 +64,28 @@ def avx2_target() -> bool:
 
 
 def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = None):
-    """A numba intrinsic q4_integer_sums(rows, pieces, lane_sums, steps, scales, zeros, groups, half) -> ROWS float32:
-    for ROWS packed int4 rows (a tuple of uint8 arrays, groups · half bytes each), sum_g s_k[g] d_g sum_j
-    (lo_j - 8 - z_k[g]) X_even[j] + (hi_j - 8 - z_k[g]) X_odd[j] over group g's bytes j (lo / hi a byte's nibbles),
-    with pieces, lane_sums and steps one input row as `_prepare_pieces` lays them out (the module's layout), scales a
-    tuple of the rows' group scales as stored ((groups,) float32, or float16 bits as uint16, widened exactly:
-    `cpu_jit.f16_widen_ir`), zeros a tuple of their zero points ((groups,) int8) or None. half: VECTOR_BYTES or twice
-    that (g64, g128).
+    """A numba intrinsic q4_integer_sums(codes, pieces, lane_sums, steps, scales, zeros, groups, half) -> float32:
+    for one packed int4 row codes (uint8, groups · half bytes), sum_g s[g] d_g sum_j (lo_j - 8 - z[g]) X_even[j] +
+    (hi_j - 8 - z[g]) X_odd[j] over group g's bytes j (lo / hi a byte's nibbles), with pieces, lane_sums and steps
+    one input row as `_prepare_pieces` lays them out (the module's layout), scales the row's group scales as stored
+    ((groups,) float32, or float16 bits as uint16, widened exactly: `cpu_jit.f16_widen_ir`), zeros its zero points
+    ((groups,) int8) or None. half: VECTOR_BYTES or twice that (g64, g128).
 
-    Per VECTOR_BYTES code bytes and row: an `and 15` and a shift for the two nibbles, and per piece two 8-bit
-    multiply-adds into 16-bit sums (unsigned nibble x signed piece, pairs added: `vpmaddubsw`), the group's steps
-    unrolled. Per group and row: the sums widened to 32 bits (`vpmaddwd` by ones), the pieces combined as far as 32 bits
-    hold them exactly ((q1 << 8) + q2), (8 + z) times the group's lane sums subtracted, two conversions, times d_g and
-    one multiply-add by s_k[g] into LANES float32 sums kept across groups; the row's lanes are added at the end. No
-    integer step saturates or overflows, whatever the codes, pieces and zero points. Two rows a pass: with four, the 12
-    16-bit sums and 6 pieces outgrow AVX2's 16 registers (shape A's 2816 x 1024 g128 projection with the caches cold, 1
-    thread: 0.22 / 0.30 ms fastest / median with four rows, 0.19 / 0.28 ms with two; 2-core EPYC host).
+    Per VECTOR_BYTES code bytes: an `and 15` and a shift for the two nibbles, and per piece two 8-bit multiply-adds
+    into 16-bit sums (unsigned nibble x signed piece, pairs added: `vpmaddubsw`), the group's steps unrolled, the
+    pieces read as memory operands. Per group: the sums widened to 32 bits (`vpmaddwd` by ones, by 256 for the
+    middle piece). Without zero points the group's whole sum over a lane, sum (u - 8) X, is formed in 32-bit
+    integers ((high << 16) + middle + low, minus the offset term `_prepare_pieces` wrote: no more than 16 x 8 x
+    X_MAX < 2^31 in magnitude; the steps between may wrap, the sum is exact) and converted once; with zero points
+    (8 + z up to 135 for any int8 z) the high and low parts are converted apart, (8 + z) times the lane sums
+    subtracted from each. Then times d_g and one multiply-add by s[g] into LANES float32 sums kept across groups;
+    the lanes are added at the end. No 16-bit sum saturates and no result overflows, whatever the codes, pieces
+    and zero points.
+
+    One row a pass: two rows side by side (each loaded piece serving both) needed 12 16-bit sums and 6 pieces in
+    registers, more than AVX2's 16, and the spills cost more than the loads saved (shape A's 2816 x 1024 g128
+    projection in cache, 1 thread, fastest of 300 interleaved: 0.170 ms with two rows, 0.150 ms with one; with the
+    integer combination and the prepared offset term, 0.146; 2-core EPYC host, 2026-12-07).
 
     avx2 None: `avx2_target()`. Without AVX2 the same operations are written in generic LLVM IR (widen, multiply, add
     pairs), which every target compiles, with the same results; the CPU backend takes this path only on an AVX2
@@ -111,101 +123,90 @@ def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = N
         return pairs(builder, builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide)),
                      VECTOR_BYTES // 2)
 
-    def widen_pairs(builder, v):
-        """<8 x i32>: v[2i] + v[2i+1] of a <16 x i16>."""
+    def widen_pairs(builder, v, factor=1):
+        """<8 x i32>: (v[2i] + v[2i+1]) factor of a <16 x i16> (factor < 2^15)."""
         if use_avx2:
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vh, vh]),
                                                 "llvm.x86.avx2.pmadd.wd")
-            return builder.call(fn, [v, ir.Constant(vh, [1] * (VECTOR_BYTES // 2))])
-        return pairs(builder, builder.sext(v, ir.VectorType(i32, VECTOR_BYTES // 2)), LANES)
+            return builder.call(fn, [v, ir.Constant(vh, [factor] * (VECTOR_BYTES // 2))])
+        widened = pairs(builder, builder.sext(v, ir.VectorType(i32, VECTOR_BYTES // 2)), LANES)
+        return widened if factor == 1 else builder.mul(widened, ir.Constant(vi, [factor] * LANES))
 
     @intrinsic
-    def q4_integer_sums(typingctx, rows_t, pieces, lane_sums, steps, scales_t, zeros_t, groups, half):
-        sig = types.UniTuple(types.float32, ROWS)(rows_t, pieces, lane_sums, steps, scales_t, zeros_t, groups, half)
-        scale_f16 = scales_t.dtype.dtype == types.uint16
-        with_zeros = isinstance(zeros_t, types.BaseTuple)
+    def q4_integer_sums(typingctx, codes_t, pieces, lane_sums, steps, scales_t, zeros_t, groups, half):
+        sig = types.float32(codes_t, pieces, lane_sums, steps, scales_t, zeros_t, groups, half)
+        scale_f16 = scales_t.dtype == types.uint16
+        with_zeros = isinstance(zeros_t, types.Array)
 
         def codegen(context, builder, sig, args):
-            def data(i, k=None):  # the data pointer of argument i, or of item k of the tuple argument i
-                if k is None:
-                    return context.make_array(sig.args[i])(context, builder, args[i]).data
-                return context.make_array(sig.args[i].dtype)(context, builder, builder.extract_value(args[i], k)).data
+            def data(i):  # the data pointer of argument i
+                return context.make_array(sig.args[i])(context, builder, args[i]).data
 
-            rows = [data(0, k) for k in range(ROWS)]
-            xp, offs, dsc = data(1), data(2), data(3)
-            scales = [data(4, k) for k in range(ROWS)]
-            zeros = [data(5, k) for k in range(ROWS)] if with_zeros else None
+            row, xp, offs, dsc, scales = data(0), data(1), data(2), data(3), data(4)
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+            zeros = data(5) if with_zeros else None
             n_groups, step = args[6], args[7]
             fzero = ir.Constant(vf, [0.0] * LANES)
             low4, shift4 = ir.Constant(vb, [15] * VECTOR_BYTES), ir.Constant(vb, [4] * VECTOR_BYTES)
-            three, eight = ir.Constant(vi, [3] * LANES), ir.Constant(vi, [8] * LANES)
+            sixteen = ir.Constant(vi, [16] * LANES)
             two16 = ir.Constant(vf, [65536.0] * LANES)
-            total = [cgutils.alloca_once_value(builder, fzero) for _ in range(ROWS)]
+            total = cgutils.alloca_once_value(builder, fzero)
             piece_span = builder.mul(step, i64(2))  # bytes of one piece of a group: even columns, then odd
             with cgutils.for_range(builder, n_groups, intp=i64) as group_loop:
                 g = group_loop.index
                 codes_base = builder.mul(g, step)
+                # a hint for the code line PREFETCH_BYTES ahead (the rows after this one: a stream's next rows); a
+                # hint past the matrix's end does not fault
+                builder.call(prefetch, [builder.gep(row, [builder.add(codes_base, i64(PREFETCH_BYTES))]), i32(0),
+                                        i32(3), i32(1)])
                 pieces_base = builder.mul(g, builder.mul(piece_span, i64(PIECES)))
                 d = splat(builder, builder.load(builder.gep(dsc, [g])), vf)
-                scale, offset = [], []
-                for k in range(ROWS):
-                    s = builder.load(builder.gep(scales[k], [g]))
-                    if scale_f16:
-                        s = f16_widen_ir(builder, s, hardware)
-                    scale.append(splat(builder, s, vf))
-                    if with_zeros:
-                        o = builder.add(builder.sext(builder.load(builder.gep(zeros[k], [g])), i32), i32(8))
-                        offset.append(splat(builder, o, vi))
+                s = builder.load(builder.gep(scales, [g]))
+                scale = splat(builder, f16_widen_ir(builder, s, hardware) if scale_f16 else s, vf)
 
                 def emit_group(size):
-                    """The group's sums, its size bytes of codes a row unrolled."""
-                    narrow = [[None] * PIECES for _ in range(ROWS)]  # 16-bit sums a row and piece
+                    """The group's sums, its size bytes of codes unrolled."""
+                    narrow = [None] * PIECES  # 16-bit sums a piece
                     for j in range(0, size, VECTOR_BYTES):
-                        xe, xo = [], []
+                        b = load(builder, row, builder.add(codes_base, i64(j)), vb, 1)
+                        lo, hi = builder.and_(b, low4), builder.lshr(b, shift4)
                         for p in range(PIECES):
                             at = builder.add(builder.add(pieces_base, builder.mul(piece_span, i64(p))), i64(j))
-                            xe.append(load(builder, xp, at, vb, 1))
-                            xo.append(load(builder, xp, builder.add(at, step), vb, 1))
-                        c = builder.add(codes_base, i64(j))
-                        for k in range(ROWS):
-                            b = load(builder, rows[k], c, vb, 1)
-                            lo = builder.and_(b, low4)
-                            hi = builder.lshr(b, shift4)
-                            for p in range(PIECES):
-                                both = builder.add(multiply_add_bytes(builder, lo, xe[p]),
-                                                   multiply_add_bytes(builder, hi, xo[p]))
-                                narrow[k][p] = both if narrow[k][p] is None else builder.add(narrow[k][p], both)
-                    at = builder.mul(g, i64(2 * LANES))
-                    high_sums = load(builder, offs, at, vi, 4)
-                    low_sums = load(builder, offs, builder.add(at, i64(LANES)), vi, 4)
-                    if not with_zeros:  # 8 times the lane sums, once for the rows
-                        high8, low8 = builder.shl(high_sums, three), builder.shl(low_sums, three)
-                    for k in range(ROWS):
-                        w = [widen_pairs(builder, narrow[k][p]) for p in range(PIECES)]
-                        low = builder.add(builder.shl(w[1], eight), w[2])
-                        if with_zeros:
-                            high = builder.sub(w[0], builder.mul(offset[k], high_sums))
-                            low = builder.sub(low, builder.mul(offset[k], low_sums))
-                        else:
-                            high, low = builder.sub(w[0], high8), builder.sub(low, low8)
+                            both = builder.add(multiply_add_bytes(builder, lo, load(builder, xp, at, vb, 1)),
+                                               multiply_add_bytes(builder, hi, load(builder, xp, builder.add(at, step),
+                                                                                    vb, 1)))
+                            narrow[p] = both if narrow[p] is None else builder.add(narrow[p], both)
+                    at = builder.mul(g, i64(SUM_VECTORS * LANES))
+                    high, middle, low = (widen_pairs(builder, narrow[0]), widen_pairs(builder, narrow[1], 256),
+                                         widen_pairs(builder, narrow[2]))
+                    if with_zeros:
+                        o = builder.add(builder.sext(builder.load(builder.gep(zeros, [g])), i32), i32(8))
+                        offset = splat(builder, o, vi)
+                        high = builder.sub(high, builder.mul(offset, load(builder, offs, at, vi, 4)))
+                        low = builder.sub(builder.add(middle, low),
+                                          builder.mul(offset, load(builder, offs, builder.add(at, i64(LANES)), vi, 4)))
                         f = fast(builder.fadd(fast(builder.fmul(builder.sitofp(high, vf), two16)),
                                               builder.sitofp(low, vf)))
-                        # (f d_g) s_k[g], in this order (no reassociation flag on the two products): f d_g is the
-                        # group's sum in x's units, as the float kernel's, so the product s d_g, which can leave
-                        # float32's range where the result does not, is never formed
-                        scaled = builder.fmul(builder.fmul(f, d), scale[k])
-                        scaled.flags.append("contract")
-                        acc = builder.fadd(builder.load(total[k]), scaled)
-                        acc.flags.append("contract")
-                        builder.store(acc, total[k])
+                    else:  # the whole sum in 32 bits, wrapping in between (no nsw flags): exact at the end
+                        whole = builder.add(builder.add(builder.shl(high, sixteen), middle), low)
+                        offset_term = load(builder, offs, builder.add(at, i64(2 * LANES)), vi, 4)
+                        f = builder.sitofp(builder.sub(whole, offset_term), vf)
+                    # (f d_g) s[g], in this order (no reassociation flag on the two products): f d_g is the group's
+                    # sum in x's units, as the float kernel's, so the product s d_g, which can leave float32's
+                    # range where the result does not, is never formed
+                    scaled = builder.fmul(builder.fmul(f, d), scale)
+                    scaled.flags.append("contract")
+                    acc = builder.fadd(builder.load(total), scaled)
+                    acc.flags.append("contract")
+                    builder.store(acc, total)
 
                 with builder.if_else(builder.icmp_unsigned("==", step, i64(2 * VECTOR_BYTES))) as (g128, g64):
                     with g128:
                         emit_group(2 * VECTOR_BYTES)
                     with g64:
                         emit_group(VECTOR_BYTES)
-            sums = [horizontal_sum(builder, builder.load(total[k])) for k in range(ROWS)]
-            return context.make_tuple(builder, sig.return_type, sums)
+            return horizontal_sum(builder, builder.load(total))
 
         return sig, codegen
 
@@ -228,7 +229,7 @@ def _q4_integer_fit(half, cols):
 def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
     """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the module's
     layout), once per input and call (gate and up share it): pieces (n, >= cols · PIECES) int8, lane_sums (n, >= groups
-    · 2 · LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64 or 128; cols a multiple).
+    · SUM_VECTORS · LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64 or 128; cols a multiple).
     Returns False where a group's largest |x| is not finite, or above OUTLIER_RATIO times the mean |x| of the group's
     other values, or its d_g is below float32's smallest normal (inputs below ~1e-31): the float kernel then serves the
     call (it keeps Inf and NaN as they are)."""
@@ -254,7 +255,7 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
             steps[t, g] = d
             inverse = 1.0 / np.float64(d) if d > 0 else 0.0
             base = g * span
-            lanes = lane_sums[t, g * 2 * LANES:(g + 1) * 2 * LANES]
+            lanes = lane_sums[t, g * SUM_VECTORS * LANES:(g + 1) * SUM_VECTORS * LANES]
             lanes[:] = 0
             for local in range(size):
                 v = np.int64(np.rint(np.float64(x[g * size + local]) * inverse))
@@ -267,4 +268,6 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
                     pieces[t, at + p * 2 * half] = q
                     lanes[(p > 0) * LANES + lane] += q << (8 * (p == 1))
                     v = (v - q) >> 8
+            for lane in range(LANES):
+                lanes[2 * LANES + lane] = 8 * ((np.int64(lanes[lane]) << 16) + lanes[LANES + lane])
     return True

@@ -43,7 +43,7 @@ def prepare(x, group):
     n, cols = x.shape
     groups = cols // group
     pieces = np.full((n, cols * qi.PIECES), 99, np.int8)
-    lane_sums = np.full((n, groups * 2 * qi.LANES), -7, np.int32)
+    lane_sums = np.full((n, groups * qi.SUM_VECTORS * qi.LANES), -7, np.int32)
     steps = np.full((n, groups), np.nan, np.float32)
     ok = qi._prepare_pieces(x, np.arange(n, dtype=np.int64), n, cols, group, pieces, lane_sums, steps)
     return ok, pieces, lane_sums, steps
@@ -52,8 +52,9 @@ def prepare(x, group):
 @pytest.mark.parametrize("group", [64, 128])
 def test_pieces_hold_each_value_to_24_bits_of_its_group_and_lane_sums_follow_the_layout(group):
     """Decoded by the module docstring's layout: X = q0 2^16 + q1 2^8 + q2 per column, |X d_g - x| <= d_g / 2 (plus
-    float32 rounding of x / d_g), d_g = max |x| of the group / X_MAX; the lane sums are the sums of q0 and of
-    (q1 << 8) + q2 over bytes 4i..4i+3 of every 32, both nibbles. Groups: random, an outlier, all zero, all -m."""
+    float32 rounding of x / d_g), d_g = max |x| of the group / X_MAX; the lane sums are the sums L0 of q0 and L12 of
+    (q1 << 8) + q2 over bytes 4i..4i+3 of every 32, both nibbles, then the offset term 8 (L0 2^16 + L12). Groups:
+    random, an outlier, all zero, all -m."""
     rng = np.random.default_rng(1)
     cols = 4 * group
     x = rng.standard_normal((2, cols)).astype(np.float32)
@@ -77,8 +78,8 @@ def test_pieces_hold_each_value_to_24_bits_of_its_group_and_lane_sums_follow_the
             lane = (np.arange(half) % 32) // 4
             high = np.bincount(lane, part[0].sum(axis=0), qi.LANES)
             low = np.bincount(lane, (part[1] * 256 + part[2]).sum(axis=0), qi.LANES)
-            got = lane_sums[t, g * 2 * qi.LANES:(g + 1) * 2 * qi.LANES]
-            np.testing.assert_array_equal(got, np.concatenate([high, low]))
+            got = lane_sums[t, g * 3 * qi.LANES:(g + 1) * 3 * qi.LANES]
+            np.testing.assert_array_equal(got, np.concatenate([high, low, 8 * (high * 65536 + low)]))
 
 
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
@@ -212,13 +213,11 @@ def _sums_wrapper(sums):
     def rows_of(codes, scales, zeros, has_zero, pieces, lane_sums, steps, out):
         rows = codes.shape[0]
         half = np.uint64(codes.shape[1] // scales.shape[1])
-        for i in range(0, rows, 2):
-            pair, pair_scales = (codes[i], codes[i + 1]), (scales[i], scales[i + 1])
+        for i in range(rows):
             if has_zero:
-                out[i], out[i + 1] = sums(pair, pieces, lane_sums, steps, pair_scales, (zeros[i], zeros[i + 1]),
-                                          scales.shape[1], half)
+                out[i] = sums(codes[i], pieces, lane_sums, steps, scales[i], zeros[i], scales.shape[1], half)
             else:
-                out[i], out[i + 1] = sums(pair, pieces, lane_sums, steps, pair_scales, None, scales.shape[1], half)
+                out[i] = sums(codes[i], pieces, lane_sums, steps, scales[i], None, scales.shape[1], half)
 
     return rows_of
 
