@@ -32,13 +32,13 @@ BLAS_TEST_PAIRS = 16  # blas_pairs set this low: some experts of the last token 
 TOKENS = (1, 5, 3 * BLAS_TEST_PAIRS)
 
 
-def write_v2(path, fields, rng):
-    """A v2 file with N(0, 1/3) weights; with zero points, RTN codes and scales and random zero points."""
+def write_v2(path, fields, rng, spread=1 / 3):
+    """A v2 file with N(0, spread^2) weights; with zero points, RTN codes and scales and random zero points."""
     h = HeaderV2(**fields)
     arrays = {}
     for kind in h.kinds:
         lead = (h.num_layers, h.count(kind)) if h.is_matrix(kind) else (h.num_layers,)
-        arrays[kind] = (rng.standard_normal(lead + h.shape(kind)) / 3).astype(np.float32)
+        arrays[kind] = (rng.standard_normal(lead + h.shape(kind)) * spread).astype(np.float32)
     if h.zero_points:
         scale_dtype = np.float16 if h.dtype == 1 else np.float32
         for kind in [k for k in arrays if h.is_matrix(k)]:
@@ -90,6 +90,34 @@ def test_every_storage_and_feature_matches_the_float64_reference(tmp_path, featu
     path = write_v2(tmp_path / "m.colibri", fields, rng)
     for tokens in TOKENS:
         assert_matches_reference(path, rng.standard_normal((tokens, BASE["hidden_size"])).astype(np.float32))
+
+
+@pytest.mark.parametrize("group,zeros", [(64, 1), (128, 0), (128, 1)], ids=["g64-zp", "g128", "g128-zp"])
+def test_int4_in_integers_matches_the_float64_reference_through_the_engine(tmp_path, group, zeros):
+    """int4 experts whose sizes fit the integer path (hidden 256, intermediate 384: whole groups of 64 and 128), at 1
+    and 2 tokens (each expert at most DIRECT_TOKENS: `_project_direct`) and 3 (decoded rows), through the engine
+    against the float64 reference, two layers; weights N(0, 1 / hidden) so the values keep their scale layer to
+    layer. On an AVX2 target the gate and up products of these inputs are multiplied in integers (asserted: the
+    sizes fit and the first layer's inputs are prepared)."""
+    from colibri_sdk.runtime import cpu_direct, cpu_q4_integer
+
+    rng = np.random.default_rng(group + zeros)
+    hidden, inter = 256, 384
+    fields = dict(BASE, hidden_size=hidden, intermediate_size=inter, dtype=1, quant=2, group_size=group,
+                  zero_points=zeros)
+    path = write_v2(tmp_path / "m.colibri", fields, rng, spread=hidden ** -0.5)
+    avx2 = cpu_q4_integer.avx2_target()
+    for cols in (hidden, inter):
+        assert cpu_direct._q4_integer_fit(np.uint64(group // 2), np.uint64(cols)) == avx2
+    for tokens in (1, 2, 3):
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        groups = hidden // group
+        prepared = cpu_q4_integer._prepare_pieces(
+            x, np.arange(tokens, dtype=np.int64), tokens, hidden, group, np.zeros((tokens, hidden * 3), np.int8),
+            np.zeros((tokens, groups * cpu_q4_integer.SUM_VECTORS * cpu_q4_integer.LANES), np.int32),
+            np.zeros((tokens, groups), np.float32))
+        assert prepared
+        assert_matches_reference(path, x)
 
 
 @pytest.mark.parametrize("routing", [0, 1])
