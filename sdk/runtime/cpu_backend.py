@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..blas import LazyBlasThreads
+from ..blas import threads as call_threads
 from ..capacity import Capacity
 from ..errors import BackendError
 from .cpu_engine import CpuEngine
@@ -101,7 +102,8 @@ class CpuBackend:
         """Layers start..stop-1 (composed as the model composes them) into the caller's buffer.
 
         Args:
-            x: float32, C-contiguous, (batch, tokens, hidden) at the fixed shape (validated by Runtime).
+            x: float32, C-contiguous, (batch, tokens, hidden), batch · tokens at most the fixed shape's (validated by
+                Runtime; without expert capacity it passes only the call's own tokens: `ShapeRun.run_corner`).
             out: float32, C-contiguous, x's shape; overwritten. The engine's scratch is preallocated
                 (`cpu_engine`): a call allocates no activation- or weight-sized array.
             start, stop: 0 <= start < stop <= num_layers (validated by Runtime).
@@ -116,6 +118,7 @@ class CpuBackend:
             raise BackendError("the CPU backend is closed; load the bundle again")
         flat_x, flat_out = x.reshape(-1, self.hidden_size), out.reshape(-1, self.hidden_size)
         engine = self._scratch
+        engine.threads = call_threads(flat_x.shape[0])  # this call's rows, not the shape's (colibri_sdk.blas)
         engine.capacity = self.capacity if capacity else None
         engine.valid = valid_rows
         engine.dropped = 0

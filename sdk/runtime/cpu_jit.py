@@ -43,12 +43,18 @@ njit = _import_numba().njit
 
 def f16_hardware() -> bool:
     """True where LLVM converts float16 to float32 in hardware: every aarch64 CPU (FCVT, the Jetson's Cortex-A78AE
-    included) and x86 with F16C (VCVTPH2PS; Intel since 2012, AMD since 2012). Elsewhere LLVM would call
-    compiler-rt's __extendhfsf2, which numba's JIT does not link, so the conversion is written in integer operations."""
+    included) and x86 with F16C (VCVTPH2PS; Intel since 2012, AMD since 2012): the host's, or where NUMBA_CPU_NAME
+    names the target numba compiles for, the features NUMBA_CPU_FEATURES lists (as `cpu_q4_integer.avx2_target`).
+    Elsewhere LLVM would call compiler-rt's __extendhfsf2, which numba's JIT does not link (a process that asked for
+    it aborted), so the conversion is written in integer operations."""
     import platform
 
     if platform.machine().lower() in ("aarch64", "arm64"):
         return True
+    from numba.core import config
+
+    if config.CPU_NAME:  # a named target (NUMBA_CPU_NAME, e.g. "generic" for a portable cache): its listed features
+        return "+f16c" in (config.CPU_FEATURES or "").split(",")
     from llvmlite import binding
 
     return bool(binding.get_host_cpu_features().get("f16c", False))

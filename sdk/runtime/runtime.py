@@ -3,14 +3,15 @@
 A bundle is compiled for one or more fixed shapes (batch, tokens) — the profile's `shape`, whose batch and tokens
 may be lists (docs/build.md, "Several shapes"). Each call runs at the smallest compiled shape that holds it (batch
 and tokens both at least the input's; the first in the manifest's `shapes` order, by batch*tokens): the runtime pads
-the input with zeros to that shape, runs that shape's backend and returns the unpadded part; `stats()` records the
+the input with zeros to that shape, runs that shape's backend (the CPU backend without expert capacity on the
+call's own (batch, tokens) only: `ShapeRun.run_corner`) and returns the unpadded part; `stats()` records the
 shape chosen. An input larger than the largest shape is refused naming it. Per-
 sequence lengths (`input_lengths`, as in the source description) zero the positions past each sequence's end, in
 the input and in the output. Tokens do not interact in a MoE layer (routing is per token), so padding never changes
 the valid positions' values.
 
 Backends (docs/runtime.md): "cuda" (colibri_sdk.runtime.cuda_backend, the CUDA driver API through cuda-bindings,
-imported only when asked for) and "cpu" (colibri_sdk.runtime.cpu_backend, the NumPy reference engine). Around the
+imported only when asked for) and "cpu" (colibri_sdk.runtime.cpu_backend, the CPU engine: NumPy and compiled kernels). Around the
 `Runtime` class here: backends.py chooses and builds the backends, shape_run.py holds one compiled shape's buffers
 and padding, checks.py checks a call's arrays, pipeline.py queues `submit` calls, selftest.py judges a self-test.
 """
@@ -308,6 +309,8 @@ class Runtime:
                                    capacity=not dropless)
             elif self.backend_name == "cuda" and hasattr(backend, "run_layers"):
                 backend.run_layers(padded, result, start, stop, valid_tokens=run.valid_counts(x3, lengths))
+            elif getattr(backend, "name", None) == "cpu":  # any row count: only the call's own tokens are computed
+                run.run_corner(batch, tokens, start, stop)
             elif hasattr(backend, "run_layers"):
                 backend.run_layers(padded, result, start, stop)
             elif (start, stop) == (0, self.num_layers):  # a backend of the one-call contract (whole model only)
@@ -395,7 +398,8 @@ class Runtime:
             return results[0]
         first = results[0]
         return SelfTestResult(all(r.passed for r in results), max(r.max_abs_err for r in results),
-                              max(r.max_rel_err for r in results), first.rtol, first.atol, self.backend_name)
+                              max(r.max_rel_err for r in results), first.rtol, first.atol, self.backend_name,
+                              max(r.worst for r in results))
 
     def _self_test_at(self, view) -> SelfTestResult:
         x, expected, rtol, atol = view.selftest()
@@ -407,7 +411,7 @@ class Runtime:
                                 dropless=True)
         except NonFiniteOutputError:  # a failed self-test is returned, not raised
             inf = float("inf")
-            return SelfTestResult(False, inf, inf, float(rtol), float(atol), self.backend_name)
+            return SelfTestResult(False, inf, inf, float(rtol), float(atol), self.backend_name, inf)
         return compare(actual, np.asarray(expected, dtype=np.float32), rtol, atol, self.backend_name)
 
     # ---- lifetime -------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ class SelfTestResult:
         max_rel_err: max |actual - expected| / max(|expected|, atol).
         rtol, atol: the tolerances from the manifest (`selftest.rtol`, `selftest.atol`), chosen by dtype.
         backend: the backend that ran it ("cuda" | "cpu").
+        worst: max |actual - expected| / (atol + rtol * |expected|): the verdict's own measure, at most 1 where
+            it passed (a max rel err above rtol can pass where atol covers it: small expected values).
     """
 
     passed: bool
@@ -28,12 +30,14 @@ class SelfTestResult:
     rtol: float
     atol: float
     backend: str = ""
+    worst: float = 0.0
 
     def __str__(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
         return (
             f"self-test {verdict} on {self.backend}: max abs err {self.max_abs_err:.3g}, max rel err "
-            f"{self.max_rel_err:.3g} (rtol {self.rtol:g}, atol {self.atol:g})"
+            f"{self.max_rel_err:.3g} (rtol {self.rtol:g}, atol {self.atol:g}); the worst value at {self.worst:.3g} "
+            f"of its bound atol + rtol*|expected| (at most 1 passes)"
         )
 
     def raise_if_failed(self) -> None:
@@ -55,7 +59,9 @@ def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float, 
         max_abs = float(diff.max()) if diff.size else 0.0
         floor = max(float(atol), float(np.finfo(np.float32).tiny))  # atol = 0 must not divide by zero
         max_rel = float((diff / np.maximum(np.abs(e), floor)).max()) if diff.size else 0.0
+        bound = np.maximum(atol + rtol * np.abs(e), float(np.finfo(np.float32).tiny))
+        worst = float((diff / bound).max()) if diff.size else 0.0
     if not finite:
-        max_abs = max_rel = float("inf")
-    return SelfTestResult(passed, max_abs, max_rel, float(rtol), float(atol), backend)
+        max_abs = max_rel = worst = float("inf")
+    return SelfTestResult(passed, max_abs, max_rel, float(rtol), float(atol), backend, worst)
 

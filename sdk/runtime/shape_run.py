@@ -31,6 +31,27 @@ class ShapeRun:
         self.finite = np.zeros(shape + (hidden,), dtype=bool)
         self.valid_mask = np.zeros(shape, dtype=bool)
         self.written = (0, 0)
+        self._corner = None  # (2, batch · tokens · hidden) float32, made on the first call that needs it
+
+    def run_corner(self, batch: int, tokens: int, start: int, stop: int) -> None:
+        """Layers start..stop-1 of a backend that takes any number of rows (the CPU backend) on the (batch, tokens)
+        corner of the staged input only, into the same corner of `result` (the rest of `result` is not written).
+
+        Without expert capacity tokens do not interact, so the padding rows' outputs are never needed: a call of a
+        few tokens on a larger shape costs its own tokens (the demo bundle's 1 x 16 shape at one token, CPU time a
+        call: 6.7 -> 0.6 ms). A corner narrower than the shape's tokens is copied into contiguous buffers (made
+        once) for the call."""
+        if tokens == self.shape[1]:
+            self.backend.run_layers(self.staging[:batch], self.result[:batch], start, stop)
+            return
+        if self._corner is None:
+            self._corner = np.zeros((2, self.staging.size), dtype=np.float32)
+        size = batch * tokens * self.staging.shape[2]
+        xs = self._corner[0, :size].reshape(batch, tokens, -1)
+        ys = self._corner[1, :size].reshape(batch, tokens, -1)
+        np.copyto(xs, self.staging[:batch, :tokens])
+        self.backend.run_layers(xs, ys, start, stop)
+        np.copyto(self.result[:batch, :tokens], ys)
 
     def pad(self, x3: np.ndarray, lengths: list[int] | None) -> np.ndarray:
         """Copy x3 (batch, tokens, hidden) into the staging buffer (float32), zeros elsewhere; check the copied

@@ -8,6 +8,8 @@ a corrupted tensor named by a FormatError.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -90,6 +92,44 @@ def test_every_storage_and_feature_matches_the_float64_reference(tmp_path, featu
     path = write_v2(tmp_path / "m.colibri", fields, rng)
     for tokens in TOKENS:
         assert_matches_reference(path, rng.standard_normal((tokens, BASE["hidden_size"])).astype(np.float32))
+
+
+@pytest.mark.parametrize("cpu,features,hardware", [("generic", None, False), ("x86-64", "+avx,+f16c", True),
+                                                    ("x86-64", "+avx", False)])
+def test_a_named_numba_target_decides_the_float16_widening(monkeypatch, cpu, features, hardware):
+    """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES (a portable cache, an older CPU) choose the hardware float16 conversion
+    only where the named target has F16C: hardware conversion for a target without it made LLVM call
+    __extendhfsf2, which numba's JIT does not link, and the process aborted."""
+    import platform
+
+    from numba.core import config
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("aarch64 converts float16 in hardware on every target (FCVT); the rule is x86's")
+    monkeypatch.setattr(config, "CPU_NAME", cpu)
+    monkeypatch.setattr(config, "CPU_FEATURES", "" if features is None else features)
+    assert cpu_kernels.f16_hardware() is hardware
+
+
+def test_the_kernels_compile_and_widen_float16_for_the_generic_target(tmp_path):
+    """A process with NUMBA_CPU_NAME=generic (no F16C) compiles the float16 widening and gets exact values."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from colibri_sdk.runtime import cpu_kernels\n"
+        "assert not cpu_kernels.f16_hardware()\n"
+        "h = np.array([0, 1, 0x3C00, 0x7BFF, 0x7C00, 0xFC00, 0x8001, 0x3555], np.uint16)\n"
+        "out = np.zeros(len(h), np.float32)\n"
+        "cpu_kernels._f16_into(h, out)\n"
+        "assert np.array_equal(out, h.view(np.float16).astype(np.float32)), out\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("NUMBA_CPU_FEATURES", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("group,zeros", [(64, 1), (128, 0), (128, 1)], ids=["g64-zp", "g128", "g128-zp"])

@@ -71,8 +71,13 @@ def test_compare_rule():
     expected = np.array([1.0, -2.0, 0.0], np.float32)
     # atol + rtol * |expected| = 0.1 + 0.1 * (1, 2, 0) = (0.2, 0.3, 0.1)
     assert compare(expected + np.float32([0.19, -0.29, 0.09]), expected, 0.1, 0.1).passed
+    passed = compare(expected + np.float32([0.0, 0.0, 0.09]), expected, 0.1, 0.1)
+    assert passed.passed and passed.max_rel_err == pytest.approx(0.9, rel=1e-5)  # above rtol, within atol
+    assert passed.worst == pytest.approx(0.9, rel=1e-5)
+    assert str(passed).endswith("max rel err 0.9 (rtol 0.1, atol 0.1); the worst value at 0.9 of its bound "
+                                "atol + rtol*|expected| (at most 1 passes)")
     failed = compare(expected + np.float32([0.0, 0.31, 0.0]), expected, 0.1, 0.1)
-    assert not failed.passed
+    assert not failed.passed and failed.worst == pytest.approx(0.31 / 0.3, rel=1e-5)
     assert failed.max_abs_err == pytest.approx(0.31, rel=1e-5)
     assert failed.max_rel_err == pytest.approx(0.31 / 2, rel=1e-5)
     nan = compare(np.float32([1.0, np.nan, 0.0]), expected, 0.1, 0.1)

@@ -85,6 +85,42 @@ def test_lengths_and_out_work_at_a_smaller_shape(shapes_bundle):
     assert (out[1, 1:] == 0).all()
 
 
+def test_the_cpu_backend_computes_only_the_calls_own_tokens(shapes_bundle, monkeypatch):
+    """Without expert capacity the CPU backend runs the call's (batch, tokens) corner, not the shape's padding rows
+    (their outputs are never returned): the rows it is given, recorded, and the outputs against the reference in
+    a sequence of calls of other sizes (a larger call's rows do not leak into a smaller one's), with input_lengths
+    (NaN past a length stays out) and with `out`."""
+    from colibri_sdk.runtime.cpu_backend import CpuBackend
+
+    given = []
+    run_layers = CpuBackend.run_layers
+
+    def recording(self, x, out, start, stop, **kw):
+        given.append(x.shape[:2])
+        assert x.flags.c_contiguous and out.flags.c_contiguous and out.shape == x.shape
+        return run_layers(self, x, out, start, stop, **kw)
+
+    monkeypatch.setattr(CpuBackend, "run_layers", recording)
+    rng = np.random.default_rng(11)
+    with Runtime.load(shapes_bundle, backend="cpu") as rt:
+        for batch, tokens in [(2, 8), (1, 3), (2, 5), (1, 8), (1, 1), (2, 2)]:
+            given.clear()
+            x = rng.standard_normal((batch, tokens, HIDDEN)).astype(np.float32)
+            y = rt.infer(x)
+            assert given == [(batch, tokens)]
+            np.testing.assert_allclose(y, reference(shapes_bundle, x), rtol=2e-3, atol=2e-3)
+        x = rng.standard_normal((2, 5, HIDDEN)).astype(np.float32)
+        x[1, 2:] = np.nan  # past sequence 1's length: never read
+        out = np.full((2, 5, HIDDEN), 7.0, np.float32)
+        given.clear()
+        assert rt.infer(x, input_lengths=[5, 2], out=out) is out
+        assert given == [(2, 5)]
+    expected = reference(shapes_bundle, np.nan_to_num(x))
+    np.testing.assert_allclose(out[0], expected[0], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(out[1, :2], expected[1, :2], rtol=2e-3, atol=2e-3)
+    assert (out[1, 2:] == 0).all()
+
+
 @pytest.mark.parametrize(("shape", "message"), [
     ((3, 2, HIDDEN), r"input batch 3 \(shape \(3, 2, 64\)\); allowed: 1\.\.2, the bundle's largest compiled shape's "
                      r"\(batch 2 x tokens 8\) batch"),
