@@ -194,20 +194,35 @@ def threads_section(bundles: dict, args, say) -> dict:
     most = str(os.cpu_count() or 1)  # what an unconfigured OpenBLAS uses: one thread per CPU
     say(f"  {'tokens':>6} {'default':>9} {'best':>9} {'best at':>8} {'default/best':>13} "
         f"{most + ' thr/default':>15} {'CPU/call: default/best':>23}")
-    worst = 0.0
+    worst = worst_same = 0.0
+    cpus = os.cpu_count() or 1
 
     def median(label, t):
         return float(np.median(p50s[label][str(t)]))
 
+    def same_setting(t: int) -> str | None:
+        """The explicit count the default runs exactly as at t token rows (the same engine threads and BLAS
+        threads), or None: below SPLIT_ROWS both are 1; above SMALL_ROWS both are the CPUs (the library's own
+        count with no variable set)."""
+        engine = 1 if t < SPLIT_ROWS else cpus
+        blas = 1 if t <= SMALL_ROWS else cpus
+        return str(engine) if engine == blas else None
+
     for t in TOKENS:
         default = median("default", t)
         label, best = min(((k, median(k, t)) for k in results if k != "default"), key=lambda kv: kv[1])
-        worst = max(worst, default / best)
+        same = label == same_setting(t)
+        if same:
+            worst_same = max(worst_same, default / best)
+        else:
+            worst = max(worst, default / best)
         unset = median(most, t) / default
         cpu = results["default"][str(t)]["own"]["cpu_ms"] / results[label][str(t)]["own"]["cpu_ms"]
         say(f"  {t:>6} {default:>9.2f} {best:>9.2f} {label + ' thr':>8} {default / best:>12.2f}x "
-            f"{unset:>14.2f}x {cpu:>22.2f}x")
-    say(f"  worst default/best {worst:.2f}x (goal <= 1.2x). Medians, not each setting's fastest round: at one token "
+            f"{unset:>14.2f}x {cpu:>22.2f}x" + ("   (the default's own setting)" if same else ""))
+    say(f"  worst default/best {worst:.2f}x where the best is another setting than the default's (goal <= 1.2x); "
+        f"{worst_same:.2f}x where the best is the very setting the default runs (the same threads: the ratio is "
+        f"the spread between two measurements of one configuration). Medians, not each setting's fastest round: at one token "
         f"a process's speed varies from process to process whatever the variables (bimodal on the 2-core host "
         f"where this was written), so the fastest of more settings' rounds would win by chance. "
         f"'{most} thr/default': how much slower the BLAS library's own "
