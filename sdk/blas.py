@@ -65,8 +65,8 @@ def threads(rows: int) -> int:
     Splitting costs one hand-off per layer, not one per product as BLAS threads do, and it paid from 16 tokens on
     both a quiet and a fully loaded 2-core machine (demo model, p50 of the compiled path on 1 and 2 threads:
     16 tokens 9.4 -> 6.4 ms quiet, 13.4 -> 8.2 ms beside two busy loops; 64 tokens 20.0 -> 13.7 and 39.8 -> 20.3 ms;
-    4 tokens no gain; bench/runtime_cpu_bench.py, 2026-12-07). The CPU engine uses the count of its largest call
-    (the bundle's batch x tokens)."""
+    4 tokens no gain; bench/runtime_cpu_bench.py, 2026-12-07). The CPU backend applies it to each call's own rows
+    (`CpuBackend.run_layers`)."""
     values = _thread_variables()
     if values:
         return min(values)

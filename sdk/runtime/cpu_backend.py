@@ -7,7 +7,8 @@ accumulation, as on the GPU) and keeps no copy, so the process holds the weights
 shared with any other reader of the file). The compiled kernels (numba, cached on disk) are compiled or loaded from
 the cache at load (`warm_up`), never on a call.
 
-BLAS threads: each forward pass runs inside `colibri_sdk.blas.LazyBlasThreads(batch * tokens)`, so the BLAS
+Threads: each forward pass runs inside `colibri_sdk.blas.LazyBlasThreads(rows)` (the call's batch · tokens), and
+splits its experts between `colibri_sdk.blas.threads(rows)` threads, so the BLAS
 products of a decode-sized call (experts with many tokens, the NumPy routing path, a shared-expert gate) use one
 BLAS thread (the rule and its measurement: colibri_sdk.blas, docs/runtime.md), with no environment variable
 needed; the limit is set before the call's first BLAS product (none at a few tokens, where everything runs in

@@ -154,7 +154,7 @@ class CpuEngine:
         self.blas_pairs = BLAS_PAIRS
         self.blas = None  # the call's colibri_sdk.blas.LazyBlasThreads (set by CpuBackend around run_into)
         self._helpers: list = []  # (engine sharing this one's weights, its own output rows), one per extra thread
-        self._pool = None
+        self._pool, self._pool_workers = None, 0
         f32 = np.float32
         self.h = (np.zeros((n, H), f32), np.zeros((n, H), f32))
         self.logits = np.zeros((n, E), f32)
@@ -443,8 +443,11 @@ class CpuEngine:
             e.xq, e.xsum, e.s32 = np.zeros_like(self.xq), np.zeros_like(self.xsum), np.zeros_like(self.s32)
             e._sbufs, e._helpers, e._pool, e.threads = {}, [], None, 1
             self._helpers.append((e, np.zeros_like(self.y)))
-        if self._pool is None:
+        if self._pool is None or self._pool_workers < self.threads - 1:  # the count follows each call's rows
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
             self._pool = ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="colibri-cpu")
+            self._pool_workers = self.threads - 1
         return self._helpers[:count]
 
     def _project_blas(self, m: _Matrix, expert: int, xs: np.ndarray, dst: np.ndarray) -> None:

@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 
 from ..errors import BackendError, InputError
-from .shape_run import ShapeRun
+from .shape_run import ShapeRun, check_finite
 
 MAX_DEPTH = 64
 _CLOSED = "this Runtime is closed; load the bundle again"
@@ -119,6 +119,7 @@ class Pipeline:
             raise BackendError(_CLOSED)
         x3, lengths = rt._check_input(x, input_lengths)
         rt._run_for(x3.shape[0], x3.shape[1])  # larger than every shape: refused here, naming the largest
+        check_finite(x3, lengths=lengths)  # NaN / Inf at a valid position: refused here, not by the future
         out3 = rt._check_out(out, x) if out is not None else None
         try:
             slot = self._free.get(timeout=timeout)

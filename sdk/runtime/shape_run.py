@@ -13,6 +13,25 @@ import numpy as np
 from ..errors import InputError
 
 
+def check_finite(x3: np.ndarray, flags: np.ndarray | None = None, lengths=None) -> None:
+    """Raise InputError naming the first valid (batch, token) of x3 (batch, tokens, hidden) that holds a NaN or
+    Inf, and how many do. flags: bool scratch of x3's shape (no allocation), or None; lengths: (batch,) valid
+    tokens per sequence (positions past them are not checked), or None: all."""
+    finite = np.isfinite(x3, out=flags) if flags is not None else np.isfinite(x3)
+    if not finite.all():
+        rows = ~finite.all(axis=-1)  # (batch, tokens)
+        if lengths is not None:
+            rows &= np.arange(x3.shape[1])[None, :] < np.asarray(lengths)[:, None]
+        if not rows.any():
+            return
+        bad = np.argwhere(rows)
+        b, t = (int(v) for v in bad[0])
+        raise InputError(
+            f"input has non-finite values (NaN or Inf) at {len(bad)} valid position{'s' if len(bad) != 1 else ''}, "
+            f"first at (batch {b}, token {t}); all values at valid positions must be finite"
+        )
+
+
 class ShapeRun:
     """One compiled shape of a Runtime: its backend and the host buffers a call at that shape pads into (allocated
     once, so a call allocates no activation-sized memory).
@@ -74,14 +93,7 @@ class ShapeRun:
             for b, n in enumerate(lengths):
                 staging[b, :n] = x3[b, :n]
         corner = staging[:batch, :tokens]
-        finite = np.isfinite(corner, out=self.finite[:batch, :tokens])  # no allocation per call
-        if not finite.all():
-            bad = np.argwhere(~np.isfinite(corner).all(axis=-1))
-            b, t = (int(v) for v in bad[0])
-            raise InputError(
-                f"input has non-finite values (NaN or Inf) at {len(bad)} valid position{'s' if len(bad) != 1 else ''}, first at "
-                f"(batch {b}, token {t}); all values at valid positions must be finite"
-            )
+        check_finite(corner, self.finite[:batch, :tokens])
         return staging
 
     def valid_counts(self, x3, lengths) -> list[int]:

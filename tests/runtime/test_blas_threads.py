@@ -71,6 +71,41 @@ def test_the_cpu_engine_splits_its_experts_between_the_call_threads(no_thread_va
         assert CpuEngine(model, 1).threads == CpuEngine(model, 16).threads == 3
 
 
+def test_the_split_follows_each_calls_rows_and_the_pool_grows_with_it(no_thread_variables, monkeypatch, tmp_path):
+    """CpuBackend sets the engine's thread count from each call's rows (a one-token call on a 16-token shape runs
+    on one thread); a thread variable raised after load makes the next call's pool as large as its count (a pool
+    made for fewer would run the parts one after another), with the same outputs."""
+    from colibri_sdk.format import ColibriFile, Header, write_model
+    from colibri_sdk.runtime.cpu_backend import CpuBackend
+
+    rng = np.random.default_rng(3)
+    h = Header(num_layers=1, num_experts=8, top_k=2, hidden_size=16, intermediate_size=16, dtype=0)
+    w = [rng.standard_normal((1, 8, 16, 16)).astype(np.float32) for _ in range(3)]
+    path = write_model(tmp_path / "m.colibri", h, *w, rng.standard_normal((1, 16, 8)).astype(np.float32))
+
+    class Bundle:  # what CpuBackend reads of a bundle
+        shape = (1, 32)
+
+        def open_weights(self):
+            return ColibriFile(path)
+
+    backend = CpuBackend(Bundle())
+    engine = backend._scratch
+    x = rng.standard_normal((1, 32, 16)).astype(np.float32)
+    out = np.zeros_like(x)
+    backend.run_layers(x[:, :1], out[:, :1], 0, 1)
+    assert engine.threads == 1
+    backend.run_layers(x, out, 0, 1)
+    cpus = len(os.sched_getaffinity(0))
+    assert engine.threads == cpus
+    first = out.copy()
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cpus + 2))
+    backend.run_layers(x, out, 0, 1)
+    assert engine.threads == cpus + 2 and engine._pool._max_workers == cpus + 1
+    np.testing.assert_allclose(out, first, rtol=1e-6, atol=1e-6)
+    backend.close()
+
+
 def test_limit_holds_inside_the_call_only(no_thread_variables, two_threads):
     assert set(blas_threads_now()) == {2}
     with blas.blas_threads(16) as limit:

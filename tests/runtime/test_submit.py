@@ -56,6 +56,13 @@ def test_the_queue_is_bounded_and_errors_are_typed(small_bundle):
         assert first.result(timeout=guard(600)).shape == (1, 8, 64)
         with pytest.raises(InputError, match=r"input dtype float64; allowed: float32, float16"):
             rt.submit(np.zeros((1, 8, 64)))
+        nan = np.zeros((1, 8, 64), np.float32)
+        nan[0, 5, 3] = np.nan
+        with pytest.raises(InputError, match=r"^input has non-finite values \(NaN or Inf\) at 1 valid position, first "
+                                             r"at \(batch 0, token 5\); all values at valid positions must be finite$"):
+            rt.submit(nan)  # refused by submit itself, as by infer
+        past = rt.submit(nan, input_lengths=[5])  # the NaN past the length is never read
+        assert (past.result(timeout=guard(600))[0, 5:] == 0).all()
         rt._backend.run_layers = lambda *a: (_ for _ in ()).throw(BackendError("boom"))
         failed = rt.submit(np.zeros((1, 8, 64), np.float32))
         with pytest.raises(BackendError, match="boom"):
