@@ -222,7 +222,8 @@ def threads_section(bundles: dict, args, say) -> dict:
             f"{unset:>14.2f}x {cpu:>22.2f}x" + ("   (the default's own setting)" if same else ""))
     say(f"  worst default/best {worst:.2f}x where the best is another setting than the default's (goal <= 1.2x); "
         f"{worst_same:.2f}x where the best is the very setting the default runs (the same threads: the ratio is "
-        f"the spread between two measurements of one configuration). Medians, not each setting's fastest round: at one token "
+        f"the spread between two measurements of one configuration). Medians, not each setting's fastest round: "
+        f"at one token "
         f"a process's speed varies from process to process whatever the variables (bimodal on the 2-core host "
         f"where this was written), so the fastest of more settings' rounds would win by chance. "
         f"'{most} thr/default': how much slower the BLAS library's own "

@@ -227,12 +227,12 @@ def _q4_integer_fit(half, cols):
 
 @njit(**_JIT)
 def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
-    """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the module's
-    layout), once per input and call (gate and up share it): pieces (n, >= cols · PIECES) int8, lane_sums (n, >= groups
-    · SUM_VECTORS · LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64 or 128; cols a multiple).
-    Returns False where a group's largest |x| is not finite, or above OUTLIER_RATIO times the mean |x| of the group's
-    other values, or its d_g is below float32's smallest normal (inputs below ~1e-31): the float kernel then serves the
-    call (it keeps Inf and NaN as they are)."""
+    """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the
+    module's layout), once per input and call (gate and up share it): pieces (n, >= cols · PIECES) int8, lane_sums
+    (n, >= groups · SUM_VECTORS · LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64
+    or 128; cols a multiple). Returns False where a group's largest |x| is not finite, or above OUTLIER_RATIO times
+    the mean |x| of the group's other values, or its d_g is below float32's smallest normal (inputs below ~1e-31):
+    the float kernel then serves the call (it keeps Inf and NaN as they are)."""
     half = size // 2
     groups = cols // size
     span = PIECES * 2 * half

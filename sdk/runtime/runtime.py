@@ -11,9 +11,10 @@ the input and in the output. Tokens do not interact in a MoE layer (routing is p
 the valid positions' values.
 
 Backends (docs/runtime.md): "cuda" (colibri_sdk.runtime.cuda_backend, the CUDA driver API through cuda-bindings,
-imported only when asked for) and "cpu" (colibri_sdk.runtime.cpu_backend, the CPU engine: NumPy and compiled kernels). Around the
-`Runtime` class here: backends.py chooses and builds the backends, shape_run.py holds one compiled shape's buffers
-and padding, checks.py checks a call's arrays, pipeline.py queues `submit` calls, selftest.py judges a self-test.
+imported only when asked for) and "cpu" (colibri_sdk.runtime.cpu_backend, the CPU engine: NumPy and compiled
+kernels). Around the `Runtime` class here: backends.py chooses and builds the backends, shape_run.py holds one
+compiled shape's buffers and padding, checks.py checks a call's arrays, pipeline.py queues `submit` calls, selftest.py
+judges a self-test.
 """
 
 from __future__ import annotations

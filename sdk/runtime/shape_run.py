@@ -57,8 +57,8 @@ class ShapeRun:
         corner of the staged input only, into the same corner of `result` (the rest of `result` is not written).
 
         Without expert capacity tokens do not interact, so the padding rows' outputs are never needed: a call of a
-        few tokens on a larger shape costs its own tokens (the demo bundle's 1 x 16 shape at one token, CPU time a
-        call: 6.7 -> 0.6 ms). A corner narrower than the shape's tokens is copied into contiguous buffers (made
+        few tokens on a larger shape costs its own tokens (the demo bundle's 1 x 16 shape at one token: 4.5-7.1 ->
+        1.1-1.3 ms a call, median; docs/runtime.md). A corner narrower than the shape's tokens is copied into contiguous buffers (made
         once) for the call."""
         if tokens == self.shape[1]:
             self.backend.run_layers(self.staging[:batch], self.result[:batch], start, stop)
