@@ -1,4 +1,4 @@
-"""The CPU backend's int8 / int4 products multiplied as stored, for an expert with at most DIRECT_TOKENS tokens in
+"""The CPU backend's int8 / int4 products multiplied as stored, for an expert with at most `direct_tokens` tokens in
 a call (after llama.cpp's ggml-cpu quantized dot products; docs/runtime.md, "int8 / int4 codes multiplied as
 stored"): the input laid out once per call to meet the packing (int4: its even and odd columns against a byte's
 low and high nibble), four rows a pass over their codes (each loaded input value serves the four), each group's
@@ -16,7 +16,15 @@ from .cpu_jit import _JIT, STORE_Q4, U, _f16_into, _nibble_high, _nibble_low, nj
 from .cpu_q4_integer import LANES, PIECES, SUM_VECTORS, _prepare_pieces, _q4_integer_fit, _q4_integer_sums
 
 
-DIRECT_TOKENS = 2  # an expert with at most this many tokens multiplies its int8 / int4 codes as stored
+# The most tokens of an expert that multiplies its codes as stored (`direct_tokens`), not through decoded rows: every
+# expert of the compiled path (fewer than cpu_engine.BLAS_PAIRS = 64 pairs) for int8 and for int4 in integers;
+# Q4_FLOAT_TOKENS for int4 through the float kernels, whose cost grows with the tokens faster than a decoded row's.
+# Shape A (hidden 1024, intermediate 2816, 8 experts, top-2), one layer, 1 thread, caches cold, the medians of
+# 3-4 interleaved rounds side by side with a limit of 2 tokens for both: int4 g128 0.93 / 0.55 / 0.86 of the time
+# at T = 4 / 16 / 64, int8 0.94 / 0.66 / 0.79 / 0.87 at T = 4 / 16 / 32 / 64; int4 g32 0.78 at T = 16 (with every
+# expert direct: 1.18 / 1.21 / 1.40 at T = 24 / 32 / 64) (2-core EPYC host, 2026-12-07).
+DIRECT_TOKENS = 63
+Q4_FLOAT_TOKENS = 4
 Q4_LANES = 8  # float32 lanes of `_q4_scaled_sums`' vectors: one AVX2 register, two NEON registers
 
 
@@ -258,6 +266,19 @@ def _rows_q4_vectors(codes, scales, zeros, has_zero, half, xq3, xs2, n, out):
                 p0, p1, p2, p3 = _q4_scaled_sums(q0, q1, q2, q3, xq3[t, 0], xq3[t, 1], s0, s1, s2, s3, None, None,
                                                  None, None, xs2[t], groups, half)
             _store_quarters(out[t], i, q, p0, p1, p2, p3)
+
+
+@njit(inline="always", **_JIT)
+def direct_tokens(store, group, hidden, inter):
+    """The most tokens of an int8 / int4 expert that `cpu_kernels.experts_into` multiplies as stored
+    (`_project_direct`): DIRECT_TOKENS for int8, and for int4 whose gate / up (hidden columns) and down (inter
+    columns) products both fit the integer path (`_q4_integer_fit`); Q4_FLOAT_TOKENS for other int4."""
+    if store != STORE_Q4:
+        return DIRECT_TOKENS
+    half = U(group // 2)
+    if _q4_integer_fit(half, U(hidden)) and _q4_integer_fit(half, U(inter)):
+        return DIRECT_TOKENS
+    return Q4_FLOAT_TOKENS
 
 
 @njit(inline="always", **_JIT)

@@ -16,8 +16,8 @@ Per layer, on rows x (tokens, hidden) float32:
 An expert with fewer than BLAS_PAIRS pairs runs in `cpu_kernels.experts_into`: each stored row is decoded once
 (float16 widened, int8/int4 dequantized exactly) into an L1-sized buffer and multiplied with all of that expert's
 tokens, four rows times four tokens per pass, fused with the SwiGLU and the weighted sum; all such experts of a
-layer in one compiled call (an int8 / int4 expert of at most cpu_kernels.DIRECT_TOKENS tokens multiplies its codes
-as stored, no decoded row). An expert with more pairs is compute-bound: its tokens are gathered and multiplied by
+layer in one compiled call (an int8 / int4 expert of at most `cpu_direct.direct_tokens` tokens, every such expert
+but int4 outside the integer path above 4, multiplies its codes as stored, no decoded row). An expert with more pairs is compute-bound: its tokens are gathered and multiplied by
 BLAS (NumPy matmul), float32 weights in place, other storages through tiles of TILE_ROWS decoded rows (never a whole
 widened matrix).
 
@@ -178,7 +178,7 @@ class CpuEngine:
         self.tile = np.zeros(TILE_ROWS * wide, f32)
         self.tile_out = np.zeros(n * TILE_ROWS, f32)
         self.buf = np.zeros(wide, f32)  # one decoded row
-        # int8 / int4 experts of at most DIRECT_TOKENS tokens (cpu_kernels._project_direct): the prepared inputs,
+        # int8 / int4 experts of at most direct_tokens tokens (cpu_kernels._project_direct): the prepared inputs,
         # their group sums, one matrix's group scales as float32
         direct = min(n, K.DIRECT_TOKENS)
         self.xq = np.zeros(direct * 2 * (wide + 1), f32)

@@ -14,7 +14,8 @@ routed to the expert while it is in L1: each expert's rows are read once per cal
 widened copy of a matrix is ever made. Sums are in float32 (the order of the additions is the compiler's, vectorised
 with `fastmath` reassociation only: no flush of subnormals, no finite-math assumptions).
 
-An int8 / int4 expert with at most DIRECT_TOKENS tokens is not decoded: `_project_direct` multiplies its codes as
+An int8 / int4 expert with at most `direct_tokens` tokens (every expert of this path for int8 and for int4 in
+integers, 4 for other int4) is not decoded: `_project_direct` multiplies its codes as
 stored against the input laid out once per call (int4: its even and odd columns, to meet a byte's low and high
 nibble), four rows a pass a quarter of the matrix apart with each group's sum times its scale once (after llama.cpp's
 ggml-cpu quantized dot products; docs/runtime.md, "int8 / int4 codes multiplied as stored"); on x86-64 with AVX2,
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cpu_direct import DIRECT_TOKENS, _project_direct  # noqa: F401 - DIRECT_TOKENS: part of this module's interface
+from .cpu_direct import DIRECT_TOKENS, _project_direct, direct_tokens  # noqa: F401 - DIRECT_TOKENS: this module's interface
 from .cpu_jit import (  # noqa: F401 - the storage codes and the float16 widening are part of this module's interface
     _JIT, ACT_CLAMPED, ACT_SWIGLU, STORE_F16, STORE_F32, STORE_Q4, STORE_Q8, U, _f16_into, _f16_value,
     drop_stale_cache, f16_hardware, make_f16_value, njit,
@@ -326,7 +327,7 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
             scratch.
         ident (tokens,) int64 0, 1, 2, ...; y (tokens, hidden) float32: the down projection's sums (the direct
             path's, or column 0 of one row's); xq, xsum, s32: the scratch of `_project_direct` (int8 / int4
-            experts with at most DIRECT_TOKENS tokens).
+            experts with at most `direct_tokens` tokens), for min(tokens, DIRECT_TOKENS) rows.
     """
     hidden = x.shape[1]
     o1, o2, o3 = np.empty_like(buf_i), np.empty_like(buf_i), np.empty_like(buf_i)  # a block's other rows
@@ -338,7 +339,7 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
             continue
         for i in range(n):
             tok[i] = order[p0 + i] // top_k
-        direct = store >= STORE_Q8 and n <= DIRECT_TOKENS
+        direct = store >= STORE_Q8 and n <= direct_tokens(store, group, hidden, gate.shape[1])
         streamed = store <= STORE_F16 and n < 4  # fp32 / fp16 read in place, in four streams (_project_streamed)
         if direct:
             prepared = _project_direct(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok,

@@ -134,9 +134,10 @@ def test_the_kernels_compile_and_widen_float16_for_the_generic_target(tmp_path):
 
 @pytest.mark.parametrize("group,zeros", [(64, 1), (128, 0), (128, 1)], ids=["g64-zp", "g128", "g128-zp"])
 def test_int4_in_integers_matches_the_float64_reference_through_the_engine(tmp_path, group, zeros):
-    """int4 experts whose sizes fit the integer path (hidden 256, intermediate 384: whole groups of 64 and 128), at 1
-    and 2 tokens (each expert at most DIRECT_TOKENS: `_project_direct`) and 3 (decoded rows), through the engine
-    against the float64 reference, two layers; weights N(0, 1 / hidden) so the values keep their scale layer to
+    """int4 experts whose sizes fit the integer path (hidden 256, intermediate 384: whole groups of 64 and 128), at 1,
+    2, 3 and 48 tokens (every expert below 64 pairs multiplies its codes as stored there: `direct_tokens`; at 48
+    also on three threads and with some experts through BLAS), through the engine against the float64 reference,
+    two layers; weights N(0, 1 / hidden) so the values keep their scale layer to
     layer. On an AVX2 target the gate and up products of these inputs are multiplied in integers (asserted: the
     sizes fit and the first layer's inputs are prepared)."""
     from colibri_sdk.runtime import cpu_direct, cpu_q4_integer
@@ -149,7 +150,9 @@ def test_int4_in_integers_matches_the_float64_reference_through_the_engine(tmp_p
     avx2 = cpu_q4_integer.avx2_target()
     for cols in (hidden, inter):
         assert cpu_direct._q4_integer_fit(np.uint64(group // 2), np.uint64(cols)) == avx2
-    for tokens in (1, 2, 3):
+    assert cpu_direct.direct_tokens(cpu_kernels.STORE_Q4, group, hidden, inter) == (
+        cpu_direct.DIRECT_TOKENS if avx2 else cpu_direct.Q4_FLOAT_TOKENS)
+    for tokens in (1, 2, 3, 48):
         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
         groups = hidden // group
         prepared = cpu_q4_integer._prepare_pieces(
@@ -158,6 +161,22 @@ def test_int4_in_integers_matches_the_float64_reference_through_the_engine(tmp_p
             np.zeros((tokens, groups), np.float32))
         assert prepared
         assert_matches_reference(path, x)
+
+
+@pytest.mark.parametrize("quant,group", [(1, 64), (2, 128)], ids=["int8-g64", "int4-g128"])
+def test_shared_experts_of_64_tokens_and_more_take_the_decoded_rows(tmp_path, quant, group):
+    """Every int8 expert, and int4 in integers, below 64 pairs multiplies its codes as stored (`direct_tokens`);
+    shared experts run on every token through the same compiled call, so at 70 tokens they take the decoded rows
+    (`_row_block`), against the float64 reference."""
+    from colibri_sdk.runtime import cpu_direct
+
+    rng = np.random.default_rng(quant + group)
+    fields = dict(BASE, hidden_size=128, intermediate_size=64, dtype=1, quant=quant, group_size=group, **FEATURES)
+    fields.update(shared_intermediate_size=128)
+    path = write_v2(tmp_path / "m.colibri", fields, rng, spread=128 ** -0.5)
+    store = cpu_kernels.STORE_Q8 if quant == 1 else cpu_kernels.STORE_Q4
+    assert cpu_direct.direct_tokens(store, group, 128, 128) < 70  # the shared experts' sizes
+    assert_matches_reference(path, rng.standard_normal((70, 128)).astype(np.float32))
 
 
 @pytest.mark.parametrize("routing", [0, 1])
@@ -242,7 +261,8 @@ def test_a_non_finite_stored_tensor_is_named(tmp_path, quant):
 @pytest.mark.parametrize("scale_dtype", [np.float16, np.float32], ids=["f16-scales", "f32-scales"])
 def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zeros, cols, scale_dtype):
     """_project_direct (an int8 / int4 matrix's codes multiplied as stored, each group's scale once) against the
-    float64 product of the exact dequantization, at 1..DIRECT_TOKENS gathered tokens: odd column counts and a
+    float64 product of the exact dequantization, at 1, 2, 3 and 9 gathered tokens (it serves up to DIRECT_TOKENS:
+    `direct_tokens`): odd column counts and a
     partial last group (the loops of `_rows_q4` / `_rows_q8`), and whole groups (int4 with and without zero
     points: on an AVX2 target g64 and g128 in integers, `_rows_q4_integer`; g32 and other targets the vector kernel
     `_rows_q4_vectors`; scales read as stored), float16 and float32 scales."""
@@ -265,7 +285,7 @@ def test_codes_multiplied_as_stored_match_the_float64_product(quant, group, zero
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     store = cpu_kernels.STORE_Q4 if quant == 2 else cpu_kernels.STORE_Q8
     scales = np.ascontiguousarray(t.scales).reshape(rows, -1).view(np.uint8)  # (rows, groups · itemsize) bytes
-    for n in range(1, cpu_kernels.DIRECT_TOKENS + 1):
+    for n in (1, 2, 3, tokens):
         pick = rng.choice(tokens, n, replace=False).astype(np.int64)
         out = np.full((n, rows), np.nan, np.float32)
         cpu_kernels._project_direct(store, codes, scales, scale_dtype == np.float16, z, bool(zeros), group, x, pick,
