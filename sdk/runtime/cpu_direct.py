@@ -371,11 +371,12 @@ def _rows_q8(codes, s2, zeros, has_zero, size, xq3, xs2, n, out):
 
 
 PREPARED_NONE, PREPARED_INTEGER, PREPARED_FLOAT = 0, 1, 2  # what `_project_direct`'s xq / xsum hold
+DECLINED = 3  # `_project_direct` computed nothing: the caller decodes rows instead
 
 
 @njit(**_JIT)
 def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src, rows_of_src, n, out, xq, xsum,
-                    s32, prepared=PREPARED_NONE):
+                    s32, prepared=PREPARED_NONE, decline=False):
     """out[t, r] = sum_c W[r, c] * src[rows_of_src[t], c] for t < n, every row r of an int8 / int4 matrix (rows,
     row bytes): the codes multiplied as stored (`_rows_q4_integer`, `_rows_q4_vectors`, `_rows_q4`, `_rows_q8`);
     no decoded row. int4 of whole groups of 64 or 128 columns on an AVX2 target goes through integers
@@ -386,7 +387,10 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch (the integer
     path's pieces and lane sums in xq, its steps in xsum). prepared: what xq / xsum already hold for these src,
     rows_of_src and n (the value the call before on the same input returned: the gate projection's, for the up
-    projection), so that the input is laid out once; returns what they hold afterwards (a PREPARED_* value)."""
+    projection), so that the input is laid out once; returns what they hold afterwards (a PREPARED_* value).
+    decline: where the integer path cannot serve the input, compute nothing and return DECLINED instead of running
+    the float kernel (`experts_into` declines above Q4_FLOAT_TOKENS tokens, where the float kernel is slower than
+    decoded rows, and without zero points, where its folded offset cancels from outliers)."""
     rows, cols = codes.shape[0], src.shape[1]
     size = cols if group == 0 else group
     groups = (cols + size - 1) // size
@@ -407,6 +411,8 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
                 _rows_q4_integer(codes, scales.view(np.float32), zeros, has_zero, U(size // 2), pieces, lane_sums,
                                  xs2, n, out)
             return PREPARED_INTEGER
+        if decline:
+            return DECLINED
     xq3 = xq[: n * 2 * half].reshape((n, 2, half))
     s2 = s32[: rows * groups].reshape((rows, groups))
     if prepared != PREPARED_FLOAT:

@@ -55,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..blas import threads as call_threads
-from ..errors import FormatError
+from ..errors import FormatError, InputError
 from ..format import HeaderV2
 from ..format.constants import (
     ACTIVATION_CLAMPED_SWIGLU,
@@ -513,9 +513,14 @@ class CpuEngine:
         out += acc
 
     def run_into(self, x: np.ndarray, out: np.ndarray, start: int, stop: int) -> None:
-        """out (n, hidden) = layers start..stop-1 composed (sequential: y; residual: x + y) on x (n, hidden)."""
+        """out (n, hidden) = layers start..stop-1 composed (sequential: y; residual: x + y) on x (n, hidden).
+
+        Raises:
+            InputError: n above the rows the engine was made for (its scratch holds no more)."""
         residual = self.header.composition == COMPOSITION_RESIDUAL
         n = x.shape[0]
+        if n > self.rows:
+            raise InputError(f"{n} input rows; this CPU engine was made for at most {self.rows}")
         h = x
         self.dropped = 0
         for i, layer in enumerate(range(start, stop)):

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cpu_direct import DIRECT_TOKENS, _project_direct, direct_tokens  # noqa: F401 - DIRECT_TOKENS: this module's interface
+from .cpu_direct import (  # noqa: F401 - DIRECT_TOKENS: part of this module's interface
+    DECLINED, DIRECT_TOKENS, PREPARED_NONE, Q4_FLOAT_TOKENS, _project_direct, direct_tokens,
+)
 from .cpu_jit import (  # noqa: F401 - the storage codes and the float16 widening are part of this module's interface
     _JIT, ACT_CLAMPED, ACT_SWIGLU, STORE_F16, STORE_F32, STORE_Q4, STORE_Q8, U, _f16_into, _f16_value,
     drop_stale_cache, f16_hardware, make_f16_value, njit,
@@ -340,13 +342,21 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
         for i in range(n):
             tok[i] = order[p0 + i] // top_k
         direct = store >= STORE_Q8 and n <= direct_tokens(store, group, hidden, gate.shape[1])
+        # an input the integer path cannot hold is declined (decoded rows, not the float kernel) above Q4_FLOAT_TOKENS
+        # tokens, where the float kernel is slower, and without zero points, where its folded offset cancels from
+        # the outliers that make the integer path decline (docs/runtime.md)
+        decline = n > Q4_FLOAT_TOKENS or not has_zero
         streamed = store <= STORE_F16 and n < 4  # fp32 / fp16 read in place, in four streams (_project_streamed)
+        inputs_direct = direct
         if direct:
             prepared = _project_direct(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok,
-                                       n, gate, xq, xsum, s32)
-            _project_direct(store, up_w[e], up_s[e], scale_f16, up_z[e], has_zero, group, x, tok, n, up, xq, xsum,
-                            s32, prepared)  # the same input, laid out once
-        else:
+                                       n, gate, xq, xsum, s32, PREPARED_NONE, decline)
+            if prepared == DECLINED:
+                inputs_direct = False
+            else:
+                _project_direct(store, up_w[e], up_s[e], scale_f16, up_z[e], has_zero, group, x, tok, n, up, xq,
+                                xsum, s32, prepared)  # the same input, laid out once
+        if not inputs_direct:
             _project(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok, n, gate, buf_h,
                      sbuf_h)
             _project(store, up_w[e], up_s[e], scale_f16, up_z[e], has_zero, group, x, tok, n, up, buf_h, sbuf_h)
@@ -356,12 +366,13 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
                     gate[i, c] += gate_b[e, c]
                     up[i, c] += up_b[e, c]
         _activate(gate, up, n, act, limit, alpha)
-        if direct or streamed:
-            if direct:
-                _project_direct(store, down_w[e], down_s[e], scale_f16, down_z[e], has_zero, group, gate, ident, n,
-                                y, xq, xsum, s32)
-            else:
-                _project_streamed(store, down_w[e], gate, ident, n, y)
+        done = streamed
+        if direct:
+            done = _project_direct(store, down_w[e], down_s[e], scale_f16, down_z[e], has_zero, group, gate, ident,
+                                   n, y, xq, xsum, s32, PREPARED_NONE, decline) != DECLINED
+        elif streamed:
+            _project_streamed(store, down_w[e], gate, ident, n, y)
+        if done:
             for i in range(n):
                 w, dst, src = pair_weights[order[p0 + i]], out[tok[i]], y[i]
                 for r in range(hidden):

@@ -163,6 +163,43 @@ def test_int4_in_integers_matches_the_float64_reference_through_the_engine(tmp_p
         assert_matches_reference(path, x)
 
 
+def test_more_rows_than_the_engine_was_made_for_is_an_input_error(tmp_path):
+    """The engine's scratch is sized at load for `rows`; a call with more rows raised nothing and wrote past it
+    (a crash in the garbage collector afterwards)."""
+    from colibri_sdk.errors import InputError
+
+    path = write_v2(tmp_path / "m.colibri", dict(BASE), np.random.default_rng(9))
+    with ColibriFile(path) as f:
+        engine = CpuEngine(f, 4)
+        x = np.ones((5, BASE["hidden_size"]), np.float32)
+        with pytest.raises(InputError, match="5 input rows; this CPU engine was made for at most 4"):
+            engine.run_into(x, np.empty_like(x), 0, 1)
+
+
+@pytest.mark.parametrize("zeros", [0, 1], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_int4_inputs_the_integer_path_declines_take_the_float_kernel_or_decoded_rows(tmp_path, tokens, zeros):
+    """An input the integer path cannot hold (one value 1e4 times the others in one token): with zero points at 3
+    tokens the float kernel serves it, at 40 and without zero points the decoded rows (`_project_direct` declines
+    above Q4_FLOAT_TOKENS, where the float kernel is slower, and without zero points, where its folded offset
+    cancels from the outlier), against the float64 reference."""
+    from colibri_sdk.runtime import cpu_q4_integer
+
+    rng = np.random.default_rng(tokens + zeros)
+    hidden, inter = 256, 384
+    fields = dict(BASE, hidden_size=hidden, intermediate_size=inter, dtype=1, quant=2, group_size=128,
+                  zero_points=zeros)
+    path = write_v2(tmp_path / "m.colibri", fields, rng, spread=hidden ** -0.5)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    x[1, 7] = 1e4
+    prepared = cpu_q4_integer._prepare_pieces(
+        x, np.arange(tokens, dtype=np.int64), tokens, hidden, 128, np.zeros((tokens, hidden * 3), np.int8),
+        np.zeros((tokens, 2 * cpu_q4_integer.SUM_VECTORS * cpu_q4_integer.LANES), np.int32),
+        np.zeros((tokens, 2), np.float32))
+    assert not prepared
+    assert_matches_reference(path, x)
+
+
 @pytest.mark.parametrize("quant,group", [(1, 64), (2, 128)], ids=["int8-g64", "int4-g128"])
 def test_shared_experts_of_64_tokens_and_more_take_the_decoded_rows(tmp_path, quant, group):
     """Every int8 expert, and int4 in integers, below 64 pairs multiplies its codes as stored (`direct_tokens`);

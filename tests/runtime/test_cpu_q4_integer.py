@@ -170,6 +170,26 @@ def test_an_outlier_on_a_column_of_zero_weights_keeps_the_others_exact(outlier, 
     check(project(codes, scales, zeros if zero_points else None, group, x), want)
 
 
+@pytest.mark.parametrize("group,count", [(64, 3), (128, 5), (128, 7)])
+def test_several_equal_outliers_on_columns_of_zero_weights_take_the_float_kernel(group, count):
+    """count equal large values (1e5) in one group, on columns that weigh 0 in every row: measured against the mean
+    of the group's other values they passed (127 x 1e5 / 4e5 < 32 for 5 of 128), and the others' sums erred by 148x
+    the engine tests' tolerance; the mean of the ordinary values (at most TRIM times the group's mean) leaves them
+    out, so `_prepare_pieces` declines and the float kernel serves the product exactly."""
+    rng = np.random.default_rng(count)
+    rows, cols = 24, 2 * group
+    columns = 4 + 2 * np.arange(count)  # even columns: the low nibbles of bytes 2, 3, ...
+    codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    codes[:, columns // 2] = (codes[:, columns // 2] & 0xF0) | 8  # nibble 8, zero point 0: weight 0
+    scales = (rng.random((rows, cols // group)) * 0.02 + 0.001).astype(np.float16)
+    zeros = np.zeros((rows, cols // group), np.int8)
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    x[:, columns] = 1e5
+    assert not prepare(x, group)[0]
+    want = x.astype(np.float64) @ stored(codes, scales, zeros, group).T
+    check(project(codes, scales, zeros, group, x), want)
+
+
 @pytest.mark.parametrize("group", [64, 128])
 def test_an_odd_column_count_keeps_the_float_kernel_whatever_the_scratch_holds(group):
     """cols = 2 groups - 1: the last byte holds one column, and the groups are not whole in columns, so the float
