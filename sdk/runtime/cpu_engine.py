@@ -16,10 +16,10 @@ Per layer, on rows x (tokens, hidden) float32:
 An expert with fewer than BLAS_PAIRS pairs runs in `cpu_kernels.experts_into`: each stored row is decoded once
 (float16 widened, int8/int4 dequantized exactly) into an L1-sized buffer and multiplied with all of that expert's
 tokens, four rows times four tokens per pass, fused with the SwiGLU and the weighted sum; all such experts of a
-layer in one compiled call (an int8 / int4 expert of at most `cpu_direct.direct_tokens` tokens, every such expert
-but int4 outside the integer path above 4, multiplies its codes as stored, no decoded row). An expert with more pairs is compute-bound: its tokens are gathered and multiplied by
-BLAS (NumPy matmul), float32 weights in place, other storages through tiles of TILE_ROWS decoded rows (never a whole
-widened matrix).
+layer in one compiled call (an int8 / int4 expert of at most `cpu_direct.direct_tokens` tokens — every such expert
+but int4 outside the integer path above 4 tokens — multiplies its codes as stored, no decoded row). An expert with
+more pairs is compute-bound: its tokens are gathered and multiplied by BLAS (NumPy matmul), float32 weights in
+place, other storages through tiles of TILE_ROWS decoded rows (never a whole widened matrix).
 
 Every buffer is allocated once at load, sized for the bundle's fixed rows (batch · tokens):
 

@@ -3,8 +3,9 @@ on x86-64 with AVX2: the input split into three int8 pieces a group, each piece 
 8-bit integer multiply-adds (`vpmaddubsw`, as llama.cpp's ggml-cpu Q4_0 x Q8_0 dot product), the sums exact in
 integers until one conversion a group. Unlike llama.cpp, the input is not rounded to 8 bits: its three pieces hold
 24 bits of each value relative to its group's largest |x| (float32 holds 24 bits relative to the value itself), so
-the outputs stay within the reference tests' float32 tolerance; a group with an outlier (OUTLIER_RATIO), an Inf or
-NaN, or inputs below ~1e-31 takes the float kernel instead. docs/runtime.md, "int4 in integers".
+the outputs stay within the reference tests' float32 tolerance; an input with an outlier group (OUTLIER_RATIO,
+TRIM), an Inf or NaN, or values below ~1e-31 takes the float kernel or decoded rows instead (`_project_direct`,
+`decline`). docs/runtime.md, "int4 in integers".
 
 A prepared input row (`_prepare_pieces`), per group g of `size` columns (half = size / 2 bytes of codes a row):
 - pieces, int8: for each piece p < PIECES, the group's even columns (against a byte's low nibble), then its odd ones
