@@ -333,6 +333,7 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
     """
     hidden = x.shape[1]
     o1, o2, o3 = np.empty_like(buf_i), np.empty_like(buf_i), np.empty_like(buf_i)  # a block's other rows
+    most_direct = direct_tokens(store, group, hidden, gate.shape[1])  # the same for every expert of the call
     for m in range(chosen.shape[0]):
         e = chosen[m]
         p0, p1 = starts[e], starts[e + 1]
@@ -341,7 +342,7 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
             continue
         for i in range(n):
             tok[i] = order[p0 + i] // top_k
-        direct = store >= STORE_Q8 and n <= direct_tokens(store, group, hidden, gate.shape[1])
+        direct = store >= STORE_Q8 and n <= most_direct
         # an input the integer path cannot hold is declined (decoded rows, not the float kernel) above Q4_FLOAT_TOKENS
         # tokens, where the float kernel is slower, and without zero points, where its folded offset cancels from
         # the outliers that make the integer path decline (docs/runtime.md)

@@ -259,14 +259,15 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
             if not finite:
                 return False
             cut = TRIM * mass / size
-            ordinary, count = 0.0, 0
-            for c in range(g * size, (g + 1) * size):
-                a = abs(np.float64(x[c]))
-                if a <= cut:
-                    ordinary += a
-                    count += 1
-            if m > OUTLIER_RATIO * ordinary / count:
-                return False
+            if m > cut:  # else every value is ordinary and m <= TRIM * mean < OUTLIER_RATIO * mean: no second pass
+                ordinary, count = 0.0, 0
+                for c in range(g * size, (g + 1) * size):
+                    a = abs(np.float64(x[c]))
+                    if a <= cut:
+                        ordinary += a
+                        count += 1
+                if m > OUTLIER_RATIO * ordinary / count:
+                    return False
             d = np.float32(np.float64(m) / X_MAX)
             if m > 0 and d < SMALLEST_SCALE:
                 return False

@@ -58,8 +58,8 @@ class ShapeRun:
 
         Without expert capacity tokens do not interact, so the padding rows' outputs are never needed: a call of a
         few tokens on a larger shape costs its own tokens (the demo bundle's 1 x 16 shape at one token: 4.5-7.1 ->
-        1.1-1.3 ms a call, median; docs/runtime.md). A corner narrower than the shape's tokens is copied into contiguous buffers (made
-        once) for the call."""
+        1.1-1.3 ms a call, median; docs/runtime.md). A corner narrower than the shape's tokens is copied into
+        contiguous buffers (made once) for the call."""
         if tokens == self.shape[1]:
             self.backend.run_layers(self.staging[:batch], self.result[:batch], start, stop)
             return
