@@ -14,9 +14,9 @@ layer's size (the same cache footprint). Before each timed call of these three, 
 (untimed): every call starts with its weights out of the cache (a layer of shape A fits the 480 MiB L3 here, and
 torch, timed right after colibri on the same inputs, found the experts cached). Ratios: torch time ÷ colibri time
 (> 1: colibri faster); effective bandwidth = the selected experts' stored bytes ÷ time, ÷ the copy's, and ÷ a
-read-only pass over as many bytes (BLAS sdot of two halves, "read GB/s"): a product that only reads its weights
-can at most reach the read pass's rate, so at T=1 torch's fp32 rate ÷ the read pass's bounds the torch ratio any
-kernel can show on the machine (printed after each table).
+read-only pass over as many bytes (BLAS sdot of two halves, "read GB/s"): the rate of one plain sequential read, so
+at T=1 the read pass's rate ÷ torch's fp32 rate is the torch ratio of a product that reads its weights as fast as
+that pass (printed after each table; prefetch hints over several streams can read faster: docs/runtime.md).
 Goals (issue 24): >= 1.5x torch at T=1, >= 1.2x at 4/16/64 (fp32); bandwidth >= 0.8x the copy's for every storage.
 llama.cpp peer (bench/runtime_cpu_llama.py; docs/runtime.md, "The llama.cpp peer"): llama.cpp's CPU backend on the
 same shapes, the experts in Q4_0 and Q8_0, beside colibri's int4 g32 / int4 g128 and int8 of the same run (llama.cpp

@@ -297,7 +297,7 @@ def moe_section(tmp: Path, args, say) -> dict:
             p = run["points"].get(f"{shape}|fp32|1", {})
             if "torch_read_ratio" in p:
                 say(f"    {shape} fp32 T=1: torch reads at {p['torch_read_ratio']:.2f}x the read-only pass, colibri at "
-                    f"{p['read_ratio']:.2f}x: a product that only reads its weights is at most "
+                    f"{p['read_ratio']:.2f}x: a product that reads its weights at the read pass's rate is "
                     f"{1 / p['torch_read_ratio']:.2f}x torch here")
     return {"moe": runs, "llama_cpp_peer": llama_peer.report(peer, runs, say)}
 

@@ -380,45 +380,82 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     """out[t, r] = sum_c W[r, c] * src[rows_of_src[t], c] for t < n, every row r of an int8 / int4 matrix (rows,
     row bytes): the codes multiplied as stored (`_rows_q4_integer`, `_rows_q4_vectors`, `_rows_q4`, `_rows_q8`);
     no decoded row. int4 of whole groups of 64 or 128 columns on an AVX2 target goes through integers
-    (`cpu_q4_integer`) unless an input group's largest |x| is not finite, too small for its step, or an outlier
-    against the group's other values (`cpu_q4_integer.OUTLIER_RATIO`): then the float kernel (which keeps Inf and
-    NaN).
+    (`cpu_q4_integer`); an input row the integer path cannot hold (a group's largest |x| not finite, too small for
+    its step, or an outlier against the group's other values: `cpu_q4_integer.OUTLIER_RATIO`) takes the float
+    kernel (which keeps Inf and NaN): with every row of the call up to Q4_FLOAT_TOKENS rows, else alone, up to
+    Q4_FLOAT_TOKENS such rows, the others staying in integers.
 
     xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch (the integer
     path's pieces and lane sums in xq, its steps in xsum). prepared: what xq / xsum already hold for these src,
     rows_of_src and n (the value the call before on the same input returned: the gate projection's, for the up
     projection), so that the input is laid out once; returns what they hold afterwards (a PREPARED_* value).
-    decline: where the integer path cannot serve the input, compute nothing and return DECLINED instead of running
-    the float kernel (`experts_into` declines above Q4_FLOAT_TOKENS tokens, where the float kernel is slower than
-    decoded rows, and without zero points, where its folded offset cancels from outliers)."""
+    decline: where more than Q4_FLOAT_TOKENS rows leave the integer path, compute nothing and return DECLINED
+    instead of running the float kernel on every row (`experts_into` declines above Q4_FLOAT_TOKENS tokens, where
+    the float kernel is slower than decoded rows)."""
     rows, cols = codes.shape[0], src.shape[1]
     size = cols if group == 0 else group
     groups = (cols + size - 1) // size
-    half = (cols + 1) // 2 if store == STORE_Q4 else cols
     xs2 = xsum[: n * groups].reshape((n, groups))
-    if store == STORE_Q4 and _q4_integer_fit(U(size // 2), U(cols)):
+    integer = store == STORE_Q4 and _q4_integer_fit(U(size // 2), U(cols))
+    if integer and prepared != PREPARED_FLOAT:
         span = groups * PIECES * size  # int8 pieces a row: groups x PIECES x (even, odd) x size / 2
         pieces = xq.view(np.int8)[: n * span].reshape((n, span))
         start = (n * span + 3) // 4  # the lane sums after the pieces, 4-byte aligned
         width = groups * SUM_VECTORS * LANES  # lane sums a row
         lane_sums = xq[start: start + n * width].view(np.int32).reshape((n, width))
-        if prepared == PREPARED_INTEGER or (prepared == PREPARED_NONE and
-                                            _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, xs2)):
-            if scale_f16:
+        failed = 0 if prepared == PREPARED_INTEGER else _prepare_pieces(src, rows_of_src, n, cols, size, pieces,
+                                                                        lane_sums, xs2)
+        # rows it cannot hold: up to Q4_FLOAT_TOKENS tokens the float kernel serves every row (one pass over the
+        # codes, as fast as the integer pass plus one for those rows); above, up to Q4_FLOAT_TOKENS such rows
+        # take the float kernel each alone, the others staying in integers (not the decoded rows)
+        if failed == 0 or (n > Q4_FLOAT_TOKENS and failed <= Q4_FLOAT_TOKENS):
+            if scale_f16:  # (a row not held gives an unspecified value here, replaced below)
                 _rows_q4_integer(codes, scales.view(np.uint16), zeros, has_zero, U(size // 2), pieces, lane_sums,
                                  xs2, n, out)
             else:
                 _rows_q4_integer(codes, scales.view(np.float32), zeros, has_zero, U(size // 2), pieces, lane_sums,
                                  xs2, n, out)
-            return PREPARED_INTEGER
-        if decline:
+            if failed == 0:
+                return PREPARED_INTEGER
+            # the rows not held (steps[t, 0] < 0), one at a time through the float kernel; in increasing t, since
+            # each such call lays its row out over the scratch of row 0, after reading row 0's mark
+            for t in range(n):
+                if xs2[t, 0] < 0:
+                    _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, True, src,
+                                   rows_of_src[t: t + 1], 1, out[t: t + 1], xq, xsum, s32, PREPARED_NONE)
+            return PREPARED_NONE  # the scratch now holds neither layout whole
+        if decline and failed > Q4_FLOAT_TOKENS:
             return DECLINED
+        return _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, True, src, rows_of_src, n, out,
+                              xq, xsum, s32, PREPARED_NONE)
+    return _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, integer, src, rows_of_src, n, out,
+                          xq, xsum, s32, prepared)
+
+
+@njit(**_JIT)
+def _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, declined, src, rows_of_src, n, out, xq,
+                   xsum, s32, prepared):
+    """`_project_direct`'s float kernels (`_rows_q4_vectors`, `_rows_q4`, `_rows_q8`) on n input rows, groups of
+    size columns; declined: the rows are ones the integer path could not hold, so that without zero points each
+    nibble is made exact first, as with zero points of 0 (the float kernel's folded offset of 8 would cancel from
+    their outliers). Returns PREPARED_FLOAT (xq / xsum hold the float layout of these rows)."""
+    rows, cols = codes.shape[0], src.shape[1]
+    groups = (cols + size - 1) // size
+    half = (cols + 1) // 2 if store == STORE_Q4 else cols
+    xs2 = xsum[: n * groups].reshape((n, groups))
     xq3 = xq[: n * 2 * half].reshape((n, 2, half))
     s2 = s32[: rows * groups].reshape((rows, groups))
     if prepared != PREPARED_FLOAT:
         _prepare_direct(store, src, rows_of_src, n, cols, size, xq3, xs2)
     if store == STORE_Q4 and _q4_vectors_fit(U(size // 2), U(codes.shape[1])):
-        if scale_f16:  # the scales as stored: no float32 copy of the matrix's scales
+        if declined and not has_zero:  # zero points of 0, written into s32's bytes
+            z = s32.view(np.int8)[: rows * groups].reshape((rows, groups))
+            z[:] = 0
+            if scale_f16:
+                _rows_q4_vectors(codes, scales.view(np.uint16), z, True, U(size // 2), xq3, xs2, n, out)
+            else:
+                _rows_q4_vectors(codes, scales.view(np.float32), z, True, U(size // 2), xq3, xs2, n, out)
+        elif scale_f16:  # the scales as stored: no float32 copy of the matrix's scales
             _rows_q4_vectors(codes, scales.view(np.uint16), zeros, has_zero, U(size // 2), xq3, xs2, n, out)
         else:
             _rows_q4_vectors(codes, scales.view(np.float32), zeros, has_zero, U(size // 2), xq3, xs2, n, out)

@@ -39,7 +39,7 @@ from .cpu_direct import (  # noqa: F401 - DIRECT_TOKENS: part of this module's i
 )
 from .cpu_jit import (  # noqa: F401 - the storage codes and the float16 widening are part of this module's interface
     _JIT, ACT_CLAMPED, ACT_SWIGLU, STORE_F16, STORE_F32, STORE_Q4, STORE_Q8, U, _f16_into, _f16_value,
-    drop_stale_cache, f16_hardware, make_f16_value, njit,
+    _prefetch_ahead, drop_stale_cache, f16_hardware, make_f16_value, njit,
 )
 
 
@@ -123,6 +123,7 @@ def _project_streamed(store, codes, x, rows_of_x, n, out):
     rows = codes.shape[0]
     q = rows // 4
     for i in range(q):
+        _prefetch_ahead(codes[i], codes[i + q], codes[i + 2 * q], codes[i + 3 * q])
         if store == STORE_F32:
             _dots4(codes[i].view(np.float32), codes[i + q].view(np.float32), codes[i + 2 * q].view(np.float32),
                    codes[i + 3 * q].view(np.float32), x, rows_of_x, n, out, i, q)
@@ -344,9 +345,8 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
             tok[i] = order[p0 + i] // top_k
         direct = store >= STORE_Q8 and n <= most_direct
         # an input the integer path cannot hold is declined (decoded rows, not the float kernel) above Q4_FLOAT_TOKENS
-        # tokens, where the float kernel is slower, and without zero points, where its folded offset cancels from
-        # the outliers that make the integer path decline (docs/runtime.md)
-        decline = n > Q4_FLOAT_TOKENS or not has_zero
+        # tokens, where the float kernel is slower than decoded rows (docs/runtime.md)
+        decline = n > Q4_FLOAT_TOKENS
         streamed = store <= STORE_F16 and n < 4  # fp32 / fp16 read in place, in four streams (_project_streamed)
         inputs_direct = direct
         if direct:

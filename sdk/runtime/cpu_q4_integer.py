@@ -238,15 +238,18 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
     """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the
     module's layout), once per input and call (gate and up share it): pieces (n, >= cols · PIECES) int8, lane_sums
     (n, >= groups · SUM_VECTORS · LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64
-    or 128; cols a multiple). Returns False where a group's largest |x| is not finite, or above OUTLIER_RATIO times
-    the mean |x| of the group's ordinary values (those at most TRIM times its mean |x|), or its d_g is below
-    float32's smallest normal (inputs below ~1e-31): the float kernel or decoded rows then serve the call (they
-    keep Inf and NaN as they are)."""
+    or 128; cols a multiple). Returns how many rows it could not hold: those with a group whose largest |x| is not
+    finite, or above OUTLIER_RATIO times the mean |x| of the group's ordinary values (those at most TRIM times its
+    mean |x|), or whose d_g is below float32's smallest normal (inputs below ~1e-31). Such a row is marked by
+    steps[t, 0] = -1 (a step is never negative), and its pieces and lane sums are left unspecified: the float
+    kernel serves it (`cpu_direct._project_direct`), which keeps Inf and NaN as they are."""
     half = size // 2
     groups = cols // size
     span = PIECES * 2 * half
+    failed = 0
     for t in range(n):
         x = src[rows_of_src[t]]
+        held = True
         for g in range(groups):
             m = np.float32(0.0)
             mass = 0.0  # sum of |x| over the group, float64
@@ -257,7 +260,8 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
                 m = max(m, abs(v))
                 mass += abs(np.float64(v))
             if not finite:
-                return False
+                held = False
+                break
             cut = TRIM * mass / size
             if m > cut:  # else every value is ordinary and m <= TRIM * mean < OUTLIER_RATIO * mean: no second pass
                 ordinary, count = 0.0, 0
@@ -267,10 +271,12 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
                         ordinary += a
                         count += 1
                 if m > OUTLIER_RATIO * ordinary / count:
-                    return False
+                    held = False
+                    break
             d = np.float32(np.float64(m) / X_MAX)
             if m > 0 and d < SMALLEST_SCALE:
-                return False
+                held = False
+                break
             steps[t, g] = d
             inverse = 1.0 / np.float64(d) if d > 0 else 0.0
             base = g * span
@@ -289,4 +295,7 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
                     v = (v - q) >> 8
             for lane in range(LANES):
                 lanes[2 * LANES + lane] = 8 * ((np.int64(lanes[lane]) << 16) + lanes[LANES + lane])
-    return True
+        if not held:
+            steps[t, 0] = -1.0
+            failed += 1
+    return failed

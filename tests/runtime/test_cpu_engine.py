@@ -9,6 +9,7 @@ a corrupted tensor named by a FormatError.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from colibri_sdk.format import ColibriFile, Header, HeaderV2, write_model
 from colibri_sdk.format.quant import QuantizedTensor, quantize_rtn
 from colibri_sdk.format.writer import write_arrays
 from colibri_sdk.reference import ReferenceEngine
-from colibri_sdk.runtime import cpu_kernels
+from colibri_sdk.runtime import cpu_jit, cpu_kernels
 from colibri_sdk.runtime.cpu_engine import CpuEngine
 
 BASE = dict(num_layers=2, num_experts=4, top_k=2, hidden_size=70, intermediate_size=45, routing=0, composition=1)
@@ -159,7 +160,7 @@ def test_int4_in_integers_matches_the_float64_reference_through_the_engine(tmp_p
             x, np.arange(tokens, dtype=np.int64), tokens, hidden, group, np.zeros((tokens, hidden * 3), np.int8),
             np.zeros((tokens, groups * cpu_q4_integer.SUM_VECTORS * cpu_q4_integer.LANES), np.int32),
             np.zeros((tokens, groups), np.float32))
-        assert prepared
+        assert prepared == 0  # every row held
         assert_matches_reference(path, x)
 
 
@@ -177,26 +178,27 @@ def test_more_rows_than_the_engine_was_made_for_is_an_input_error(tmp_path):
 
 
 @pytest.mark.parametrize("zeros", [0, 1], ids=["symmetric", "zero-points"])
-@pytest.mark.parametrize("tokens", [3, 40])
-def test_int4_inputs_the_integer_path_declines_take_the_float_kernel_or_decoded_rows(tmp_path, tokens, zeros):
-    """An input the integer path cannot hold (one value 1e4 times the others in one token): with zero points at 3
-    tokens the float kernel serves it, at 40 and without zero points the decoded rows (`_project_direct` declines
-    above Q4_FLOAT_TOKENS, where the float kernel is slower, and without zero points, where its folded offset
-    cancels from the outlier), against the float64 reference."""
+@pytest.mark.parametrize("tokens,outliers", [(3, 1), (40, 1), (40, 6)])
+def test_int4_inputs_the_integer_path_declines_take_the_float_kernel_or_decoded_rows(tmp_path, tokens, outliers,
+                                                                                    zeros):
+    """Input rows the integer path cannot hold (one value 1e4 times the others in `outliers` tokens): up to
+    Q4_FLOAT_TOKENS of them take the float kernel, each alone, the other tokens staying in integers; with more, an
+    expert above Q4_FLOAT_TOKENS tokens declines to decoded rows (where the float kernel is slower). Against the
+    float64 reference."""
     from colibri_sdk.runtime import cpu_q4_integer
 
-    rng = np.random.default_rng(tokens + zeros)
+    rng = np.random.default_rng(tokens + zeros + outliers - 1)
     hidden, inter = 256, 384
     fields = dict(BASE, hidden_size=hidden, intermediate_size=inter, dtype=1, quant=2, group_size=128,
                   zero_points=zeros)
     path = write_v2(tmp_path / "m.colibri", fields, rng, spread=hidden ** -0.5)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
-    x[1, 7] = 1e4
-    prepared = cpu_q4_integer._prepare_pieces(
+    x[1: 1 + outliers, 7] = 1e4
+    not_held = cpu_q4_integer._prepare_pieces(
         x, np.arange(tokens, dtype=np.int64), tokens, hidden, 128, np.zeros((tokens, hidden * 3), np.int8),
         np.zeros((tokens, 2 * cpu_q4_integer.SUM_VECTORS * cpu_q4_integer.LANES), np.int32),
         np.zeros((tokens, 2), np.float32))
-    assert not prepared
+    assert not_held == outliers
     assert_matches_reference(path, x)
 
 
@@ -272,6 +274,42 @@ def test_int4_rows_decode_to_the_exact_dequantization():
                           zeros, True, group, cols, 0, rows, out, np.zeros(cols, np.float32),
                           np.zeros(groups, np.float32))
     np.testing.assert_array_equal(out, packed.dequantize())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect through the C library: Linux only")
+@pytest.mark.parametrize("store", [cpu_kernels.STORE_F32, cpu_kernels.STORE_F16], ids=["fp32", "fp16"])
+def test_prefetch_hints_past_the_matrix_end_do_not_fault(store):
+    """The streamed float32 / float16 product names each pass's rows STREAM_AHEAD bytes on to the prefetcher, past
+    the matrix's last byte on the last pass: with the page after the matrix unreadable, the hints must stay hints
+    (a load there would end the process), and the products equal NumPy's."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    assert cpu_jit.STREAM_AHEAD <= page
+    region = mmap.mmap(-1, 2 * page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    anchor = ctypes.c_char.from_buffer(region)
+    base = ctypes.addressof(anchor)
+    assert libc.mprotect(base + page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    try:
+        rows, width = 8, 256  # bytes a row: the matrix fills the first page's last 2 KiB
+        codes = np.frombuffer(region, np.uint8, rows * width, page - rows * width).reshape(rows, width)
+        dtype = np.float32 if store == cpu_kernels.STORE_F32 else np.float16
+        values = np.random.default_rng(4).standard_normal((rows, width // np.dtype(dtype).itemsize)).astype(dtype)
+        codes[:] = values.view(np.uint8)
+        x = np.random.default_rng(5).standard_normal((2, values.shape[1])).astype(np.float32)
+        for n in (1, 2, 3):
+            out = np.zeros((n, rows), np.float32)
+            cpu_kernels._project_streamed(store, codes, x, np.arange(n, dtype=np.int64) % 2, n, out)
+            want = x[np.arange(n) % 2].astype(np.float64) @ values.astype(np.float64).T
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        del codes
+    finally:
+        assert libc.mprotect(base + page, page, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        del anchor
+        region.close()
 
 
 @pytest.mark.parametrize("quant", [0, 2], ids=["float", "int4"])

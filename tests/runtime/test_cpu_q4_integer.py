@@ -45,7 +45,7 @@ def prepare(x, group):
     pieces = np.full((n, cols * qi.PIECES), 99, np.int8)
     lane_sums = np.full((n, groups * qi.SUM_VECTORS * qi.LANES), -7, np.int32)
     steps = np.full((n, groups), np.nan, np.float32)
-    ok = qi._prepare_pieces(x, np.arange(n, dtype=np.int64), n, cols, group, pieces, lane_sums, steps)
+    ok = qi._prepare_pieces(x, np.arange(n, dtype=np.int64), n, cols, group, pieces, lane_sums, steps) == 0
     return ok, pieces, lane_sums, steps
 
 
@@ -84,9 +84,8 @@ def test_pieces_hold_each_value_to_24_bits_of_its_group_and_lane_sums_follow_the
 
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
 def test_a_non_finite_input_takes_the_float_kernel_and_stays_non_finite(value):
-    """A non-finite input value: no pieces (`_prepare_pieces` says False), and the float kernel's result, non-finite
-    in every row, as the float64 product (the float kernel folds the offset 8 into the sum of x, so its Inf rows
-    read NaN; the CPU engine raises NonFiniteOutputError on either)."""
+    """A non-finite input value: no pieces (`_prepare_pieces` cannot hold the row), and the float kernel's result,
+    non-finite in every row, as the float64 product (the CPU engine raises NonFiniteOutputError on it)."""
     rng = np.random.default_rng(2)
     rows, cols, group = 12, 256, 128
     codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
@@ -151,12 +150,10 @@ def test_the_integer_bounds_hold_at_their_extremes(group, codes_kind, zero_point
 @pytest.mark.parametrize("outlier", [20.0, 1e3, 1e6])
 def test_an_outlier_on_a_column_of_zero_weights_keeps_the_others_exact(outlier, zero_points):
     """One large input value a row whose column weighs 0 in every row, so the outputs are the other values' sums
-    alone: 20 x N(0, 1) stays in integers (within OUTLIER_RATIO of the others' mean |x|), larger ones take the float
-    kernel (`_prepare_pieces` says False; in integers 1e3 erred by 2.5e-5 of the largest output). The symmetric
-    float kernel folds the offset 8 into the sum of x, which cancels from outliers of about 1e3 here (2.8e-5: a
-    known limit of that kernel), so the symmetric case runs the outlier that stays in integers only."""
-    if outlier > 100 and not zero_points:
-        pytest.skip("the symmetric float kernel's folded offset cancels from outliers of ~1e3 (docs/runtime.md)")
+    alone: 20 x N(0, 1) stays in integers (within OUTLIER_RATIO of the others' mean |x|), larger ones take the
+    float kernel (`_prepare_pieces` cannot hold the rows; in integers 1e3 erred by 2.5e-5 of the largest output).
+    Without zero points the float kernel then makes each nibble exact first, as with zero points of 0 (its folded
+    offset of 8 cancelled from outliers of about 1e3 here: 2.8e-5)."""
     rng = np.random.default_rng(5)
     rows, cols, group = 48, 256, 128
     codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
@@ -188,6 +185,45 @@ def test_several_equal_outliers_on_columns_of_zero_weights_take_the_float_kernel
     assert not prepare(x, group)[0]
     want = x.astype(np.float64) @ stored(codes, scales, zeros, group).T
     check(project(codes, scales, zeros, group, x), want)
+
+
+@pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("n,outlier_rows", [(7, (1,)), (7, (0, 3, 5)), (7, (0, 1, 2, 4, 6)), (3, (1,))],
+                         ids=["1-of-7", "3-of-7", "5-of-7", "1-of-3"])
+def test_rows_the_integer_path_cannot_hold_take_the_float_kernel_alone(n, outlier_rows, zero_points):
+    """Input rows, some with an outlier of 1e5 on a column of zero weights: `_prepare_pieces` counts them and marks
+    each (steps[t, 0] = -1). Above Q4_FLOAT_TOKENS rows `_project_direct` keeps the others in integers and runs the
+    float kernel on those rows alone, up to Q4_FLOAT_TOKENS of them (PREPARED_NONE: the scratch holds neither
+    layout whole); with more, it declines where asked (DECLINED, out untouched) and else runs the float kernel on
+    every row, as it does at up to Q4_FLOAT_TOKENS rows (PREPARED_FLOAT). Every result against float64."""
+    rng = np.random.default_rng(len(outlier_rows) + n)
+    rows, cols, group = 40, 256, 128
+    codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    codes[:, 5] = (codes[:, 5] & 0x0F) | 0x80  # column 11: high nibble 8, weight 0 (zero points 0)
+    scales = (rng.random((rows, cols // group)) * 0.02 + 0.001).astype(np.float16)
+    zeros = np.zeros((rows, cols // group), np.int8)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[list(outlier_rows), 11] = 1e5
+    pieces = np.zeros((n, cols * qi.PIECES), np.int8)
+    lane_sums = np.zeros((n, 2 * qi.SUM_VECTORS * qi.LANES), np.int32)
+    steps = np.zeros((n, 2), np.float32)
+    assert qi._prepare_pieces(x, np.arange(n, dtype=np.int64), n, cols, group, pieces, lane_sums, steps) == len(
+        outlier_rows)
+    assert np.flatnonzero(steps[:, 0] < 0).tolist() == list(outlier_rows)
+    want = x.astype(np.float64) @ stored(codes, scales, zeros, group).T
+    many = len(outlier_rows) > cpu_direct.Q4_FLOAT_TOKENS
+    mixed = AVX2 and n > cpu_direct.Q4_FLOAT_TOKENS and not many
+    for decline in (False, True):
+        out = np.full((n, rows), np.nan, np.float32)
+        got = cpu_kernels._project_direct(
+            cpu_kernels.STORE_Q4, codes, scales.view(np.uint8), True, zeros if zero_points else zeros[:, :1],
+            zero_points, group, x, np.arange(n, dtype=np.int64), n, out, np.zeros(n * 2 * (cols + 1), np.float32),
+            np.zeros(n * cols, np.float32), np.zeros(rows * cols, np.float32), cpu_direct.PREPARED_NONE, decline)
+        if many and decline and AVX2:  # (elsewhere the float kernel serves every int4 product)
+            assert got == cpu_direct.DECLINED and np.isnan(out).all()
+            continue
+        assert got == (cpu_direct.PREPARED_NONE if mixed else cpu_direct.PREPARED_FLOAT)
+        check(out, want)
 
 
 @pytest.mark.parametrize("group", [64, 128])
