@@ -227,12 +227,13 @@ def check_random_shape(args, largest: tuple[int, int]) -> tuple[int, int]:
         InputError: --batch or --tokens outside 1..the largest compiled shape's, naming the flag and the value.
     """
     from ..errors import InputError
+    from ..runtime.checks import counts_up_to
 
     batch = largest[0] if args.batch is None else args.batch
     tokens = largest[1] if args.tokens is None else args.tokens
     for flag, value, top in (("--batch", batch, largest[0]), ("--tokens", tokens, largest[1])):
         if not 1 <= value <= top:
-            raise InputError(f"{flag} {value}; allowed: 1..{top} (the largest compiled shape's)")
+            raise InputError(f"{flag} {value}; allowed: {counts_up_to(top)} (the largest compiled shape's)")
     return batch, tokens
 
 

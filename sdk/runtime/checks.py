@@ -40,16 +40,17 @@ def check_input(x, input_lengths, shape: tuple[int, int], hidden: int, shapes: i
     if x.ndim not in (2, 3):
         raise InputError(f"input shape {x.shape}; expected {expected}")
     if x.shape[-1] != hidden:
-        raise InputError(f"input hidden size {x.shape[-1]} (shape {x.shape}); expected {hidden}")
+        hint = ": the hidden size goes last (a transposed array?)" if x.shape[-2] == hidden else ""
+        raise InputError(f"input hidden size {x.shape[-1]} (shape {x.shape}); expected {hidden}{hint}")
     x3 = x if x.ndim == 3 else x[None]
     batch, tokens, _ = x3.shape
     if not 1 <= batch <= fixed_batch:
         raise InputError(
-            f"input batch {batch} (shape {x.shape}); allowed: 1..{fixed_batch}, the bundle's {bound} batch"
+            f"input batch {batch} (shape {x.shape}); allowed: {counts_up_to(fixed_batch)}, the bundle's {bound} batch"
         )
     if not 1 <= tokens <= fixed_tokens:
         raise InputError(
-            f"input tokens {tokens} (shape {x.shape}); allowed: 1..{fixed_tokens}, the bundle's {bound} tokens"
+            f"input tokens {tokens} (shape {x.shape}); allowed: {counts_up_to(fixed_tokens)}, the bundle's {bound} tokens"
         )
     if not x.flags.c_contiguous:
         raise InputError(
@@ -58,6 +59,11 @@ def check_input(x, input_lengths, shape: tuple[int, int], hidden: int, shapes: i
     lengths = None if input_lengths is None else check_lengths(input_lengths, x.ndim, batch, tokens, fixed_tokens,
                                                                  shapes)
     return x3, lengths
+
+
+def counts_up_to(bound: int) -> str:
+    """The counts 1..bound as an error message names them: "1" alone where bound is 1."""
+    return "1" if bound == 1 else f"1..{bound}"
 
 
 def check_lengths(input_lengths, ndim: int, batch: int, tokens: int, fixed_tokens: int,

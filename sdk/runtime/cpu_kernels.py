@@ -344,8 +344,9 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
         for i in range(n):
             tok[i] = order[p0 + i] // top_k
         direct = store >= STORE_Q8 and n <= most_direct
-        # an input the integer path cannot hold is declined (decoded rows, not the float kernel) above Q4_FLOAT_TOKENS
-        # tokens, where the float kernel is slower than decoded rows (docs/runtime.md)
+        # above Q4_FLOAT_TOKENS tokens, where the float kernel is slower than decoded rows, a call with more than
+        # Q4_FLOAT_TOKENS rows the integer path cannot hold is declined to decoded rows (fewer take the float
+        # kernel each alone: `_project_direct`; docs/runtime.md, "int4 in integers")
         decline = n > Q4_FLOAT_TOKENS
         streamed = store <= STORE_F16 and n < 4  # fp32 / fp16 read in place, in four streams (_project_streamed)
         inputs_direct = direct

@@ -3,9 +3,9 @@ on x86-64 with AVX2: the input split into three int8 pieces a group, each piece 
 8-bit integer multiply-adds (`vpmaddubsw`, as llama.cpp's ggml-cpu Q4_0 x Q8_0 dot product), the sums exact in
 integers until one conversion a group. Unlike llama.cpp, the input is not rounded to 8 bits: its three pieces hold
 24 bits of each value relative to its group's largest |x| (float32 holds 24 bits relative to the value itself), so
-the outputs stay within the reference tests' float32 tolerance; an input with an outlier group (OUTLIER_RATIO,
-TRIM), an Inf or NaN, or values below ~1e-31 takes the float kernel or decoded rows instead (`_project_direct`,
-`decline`). docs/runtime.md, "int4 in integers".
+the outputs stay within the reference tests' float32 tolerance; an input row with an outlier group
+(OUTLIER_RATIO, TRIM), an Inf or NaN, or values below ~1e-31 takes the float kernel or decoded rows instead
+(`cpu_direct._project_direct`, `decline`). docs/runtime.md, "int4 in integers".
 
 A prepared input row (`_prepare_pieces`), per group g of `size` columns (half = size / 2 bytes of codes a row):
 - pieces, int8: for each piece p < PIECES, the group's even columns (against a byte's low nibble), then its odd ones
@@ -40,9 +40,9 @@ LANES = VECTOR_BYTES // 4  # 32-bit sums a row and group (`vpmaddwd`'s lanes)
 # and 4096 bytes no better, no change in cache (2-core EPYC host, 2026-12-07).
 PREFETCH_BYTES = 2048
 SUM_VECTORS = 3  # int32 vectors of LANES a group of a prepared row: the lane sums of the pieces, the offset term
-SMALLEST_SCALE = np.float32(2.0**-126)  # d_g below float32's smallest normal: the float kernel serves the call
+SMALLEST_SCALE = np.float32(2.0**-126)  # d_g below float32's smallest normal: the float kernel serves the row
 # A group's largest |x| above this many times the mean |x| of its ordinary values (an outlier, as LLMs' massive
-# activations): the integer path declines the call. Every value keeps 24 bits of the largest, so the others keep
+# activations): the integer path declines the row. Every value keeps 24 bits of the largest, so the others keep
 # fewer of their own; where the outlier meets zero weights in every row, the output is the others' sum alone
 # (outliers of 1e3 x N(0, 1) erred by 2.5e-5 of the largest output with zero points, the float kernel by 1e-7).
 OUTLIER_RATIO = 32.0

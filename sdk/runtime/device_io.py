@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 
 from ..errors import InputError
+from .checks import counts_up_to
 
 KDL_CPU, KDL_CUDA, KDL_FLOAT = 1, 2, 2  # dlpack.h DLDeviceType kDLCPU / kDLCUDA, DLDataTypeCode kDLFloat
 DLPACK_DEVICES = {1: "kDLCPU", 2: "kDLCUDA", 3: "kDLCUDAHost", 4: "kDLOpenCL", 7: "kDLVulkan", 8: "kDLMetal",
@@ -103,7 +104,8 @@ def _check_shape(name: str, shape: tuple, fixed_shape: tuple, hidden: int) -> tu
     batch, tokens = (1, shape[0]) if len(shape) == 2 else shape[:2]
     fb, ft = fixed_shape
     if not (1 <= batch <= fb and 1 <= tokens <= ft):
-        raise InputError(f"{name} shape {shape}; allowed: batch 1..{fb}, tokens 1..{ft} (the bundle's fixed shape)")
+        raise InputError(f"{name} shape {shape}; allowed: batch {counts_up_to(fb)}, tokens {counts_up_to(ft)} "
+                         f"(the bundle's fixed shape)")
     return int(batch), int(tokens)
 
 

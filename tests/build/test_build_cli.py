@@ -193,7 +193,7 @@ def test_build_and_inspect_name_int_expert_storage(tmp_path, capsys):
     # a batch the bundle has no shape for: the argument error alone, before any backend notice or checksum
     assert cli.main(["run", str(out), "--batch", "5"]) == 1
     captured = capsys.readouterr()
-    assert captured.err == "colibri-sdk run: error: --batch 5; allowed: 1..1 (the largest compiled shape's)\n"
+    assert captured.err == "colibri-sdk run: error: --batch 5; allowed: 1 (the largest compiled shape's)\n"
     assert captured.out == ""
     assert cli.main(["run", str(out), "--tokens", "5", "--backend", "cuda"]) == 1
     assert capsys.readouterr().err == ("colibri-sdk run: error: --tokens 5; allowed: 1..4 (the largest compiled "

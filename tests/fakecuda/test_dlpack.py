@@ -44,7 +44,7 @@ def test_a_dlpack_array_is_consumed_per_the_protocol():
      f"input DLPack strides (1, {TOKENS}); allowed: NULL or the C-contiguous ({HIDDEN}, 1) (in elements)"),
     (DLPackArray(ADDR, (TOKENS, 32)), "input shape (4, 32); expected (batch, tokens, 64) or (tokens, 64)"),
     (DLPackArray(ADDR, (2, TOKENS, HIDDEN)),
-     "input shape (2, 4, 64); allowed: batch 1..1, tokens 1..4 (the bundle's fixed shape)"),
+     "input shape (2, 4, 64); allowed: batch 1, tokens 1..4 (the bundle's fixed shape)"),
 ], ids=["cpu", "float16", "bfloat16", "non-contiguous", "hidden", "batch"])
 def test_dlpack_refusals_name_the_value_and_what_is_allowed(array, message):
     with pytest.raises(InputError) as info:

@@ -134,7 +134,8 @@ BAD_INPUTS = [
     ("int32", lambda: np.zeros((1, 8, HIDDEN), np.int32), None, r"input dtype int32; allowed: float32, float16"),
     ("rank1", lambda: np.zeros(HIDDEN, np.float32), None, r"input shape \(64,\); expected \(batch <= 2, tokens <= 8, 64\) or \(tokens <= 8, 64\)"),
     ("rank4", lambda: np.zeros((1, 1, 8, HIDDEN), np.float32), None, r"input shape \(1, 1, 8, 64\); expected"),
-    ("hidden", lambda: np.zeros((1, 8, 255), np.float32), None, r"input hidden size 255 \(shape \(1, 8, 255\)\); expected 64"),
+    ("hidden", lambda: np.zeros((1, 8, 255), np.float32), None, r"input hidden size 255 \(shape \(1, 8, 255\)\); expected 64$"),
+    ("transposed", lambda: np.zeros((HIDDEN, 8), np.float32), None, r"input hidden size 8 \(shape \(64, 8\)\); expected 64: the hidden size goes last \(a transposed array\?\)$"),
     ("batch", lambda: np.zeros((3, 8, HIDDEN), np.float32), None, r"input batch 3 \(shape \(3, 8, 64\)\); allowed: 1\.\.2, the bundle's fixed batch"),
     ("tokens", lambda: np.zeros((1, 9, HIDDEN), np.float32), None, r"input tokens 9 \(shape \(1, 9, 64\)\); allowed: 1\.\.8, the bundle's fixed tokens"),
     ("tokens2d", lambda: np.zeros((9, HIDDEN), np.float32), None, r"input tokens 9 \(shape \(9, 64\)\); allowed: 1\.\.8"),
@@ -154,6 +155,16 @@ BAD_INPUTS = [
 def test_bad_input_is_an_input_error(rt, make, lengths, message):
     with pytest.raises(InputError, match=message):
         rt.infer(make(), input_lengths=lengths)
+
+
+def test_a_bound_of_one_is_named_as_one():
+    """A bundle of batch 1 (or tokens 1) names the one allowed count, not a range "1..1"."""
+    from colibri_sdk.runtime.checks import check_input
+
+    with pytest.raises(InputError, match=r"^input batch 2 \(shape \(2, 3, 64\)\); allowed: 1, the bundle's fixed batch$"):
+        check_input(np.zeros((2, 3, HIDDEN), np.float32), None, (1, 4), HIDDEN)
+    with pytest.raises(InputError, match=r"^input tokens 3 \(shape \(3, 64\)\); allowed: 1, the bundle's fixed tokens$"):
+        check_input(np.zeros((3, HIDDEN), np.float32), None, (2, 1), HIDDEN)
 
 
 def test_runtime_still_works_after_bad_input(rt, weights, rng):
