@@ -13,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_jit import _JIT, STORE_Q4, U, _f16_into, _nibble_high, _nibble_low, njit
-from .cpu_q4_integer import LANES, PIECES, SUM_VECTORS, _prepare_pieces, _q4_integer_fit, _q4_integer_sums
+from .cpu_q4_integer import (
+    LANES, PIECES, SUM_VECTORS, _prepare_pieces, _q4_integer_fit, _q4_integer_sums, any_outlier_row,
+)
 
 
 # The most tokens of an expert that multiplies its codes as stored (`direct_tokens`), not through decoded rows: every
@@ -385,8 +387,8 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     kernel (which keeps Inf and NaN): with every row of the call up to Q4_FLOAT_TOKENS rows, else alone, up to
     Q4_FLOAT_TOKENS such rows, the others staying in integers.
 
-    xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= rows · groups,): float32 scratch (the integer
-    path's pieces and lane sums in xq, its steps in xsum). prepared: what xq / xsum already hold for these src,
+    xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= 5/4 · rows · groups,): float32 scratch (the integer
+    path's pieces and lane sums in xq, its steps in xsum; the float32 scales and zero points of 0 in s32). prepared: what xq / xsum already hold for these src,
     rows_of_src and n (the value the call before on the same input returned: the gate projection's, for the up
     projection), so that the input is laid out once; returns what they hold afterwards (a PREPARED_* value).
     decline: where more than Q4_FLOAT_TOKENS rows leave the integer path, compute nothing and return DECLINED
@@ -436,9 +438,11 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
 def _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, declined, src, rows_of_src, n, out, xq,
                    xsum, s32, prepared):
     """`_project_direct`'s float kernels (`_rows_q4_vectors`, `_rows_q4`, `_rows_q8`) on n input rows, groups of
-    size columns; declined: the rows are ones the integer path could not hold, so that without zero points each
-    nibble is made exact first, as with zero points of 0 (the float kernel's folded offset of 8 would cancel from
-    their outliers). Returns PREPARED_FLOAT (xq / xsum hold the float layout of these rows)."""
+    size columns. int4 without zero points folds the offset of 8 into the group sums of x, which cancels from an
+    outlier group (a large x against zero weights): where the rows hold one (declined: rows the integer path
+    could not hold; else `cpu_q4_integer.any_outlier_row`), each nibble is made exact first instead, as with zero
+    points of 0 (written into s32's bytes after the float32 scales). Returns PREPARED_FLOAT (xq / xsum hold the
+    float layout of these rows)."""
     rows, cols = codes.shape[0], src.shape[1]
     groups = (cols + size - 1) // size
     half = (cols + 1) // 2 if store == STORE_Q4 else cols
@@ -447,10 +451,12 @@ def _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, decli
     s2 = s32[: rows * groups].reshape((rows, groups))
     if prepared != PREPARED_FLOAT:
         _prepare_direct(store, src, rows_of_src, n, cols, size, xq3, xs2)
+    exact = store == STORE_Q4 and not has_zero and (declined or any_outlier_row(src, rows_of_src, n, cols, size))
+    if exact:
+        z = s32.view(np.int8)[4 * rows * groups: 5 * rows * groups].reshape((rows, groups))
+        z[:] = 0
     if store == STORE_Q4 and _q4_vectors_fit(U(size // 2), U(codes.shape[1])):
-        if declined and not has_zero:  # zero points of 0, written into s32's bytes
-            z = s32.view(np.int8)[: rows * groups].reshape((rows, groups))
-            z[:] = 0
+        if exact:
             if scale_f16:
                 _rows_q4_vectors(codes, scales.view(np.uint16), z, True, U(size // 2), xq3, xs2, n, out)
             else:
@@ -463,7 +469,10 @@ def _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, decli
     _matrix_scales(scales, scale_f16, s2)
     # One call per storage: the group size is a loop bound, so no branch per group size is compiled.
     if store == STORE_Q4:
-        _rows_q4(codes, s2, zeros, has_zero, U(size // 2), xq3, xs2, n, out)
+        if exact:
+            _rows_q4(codes, s2, z, True, U(size // 2), xq3, xs2, n, out)
+        else:
+            _rows_q4(codes, s2, zeros, has_zero, U(size // 2), xq3, xs2, n, out)
     else:
         _rows_q8(codes, s2, zeros, has_zero, U(size), xq3, xs2, n, out)
     return PREPARED_FLOAT

@@ -32,6 +32,7 @@ Every buffer is allocated once at load, sized for the bundle's fixed rows (batch
     finite        (rows, hidden) bool   which values of a layer's output are finite
     tile          (TILE_ROWS, widest)   decoded rows for the BLAS path of fp16 / int8 / int4 weights
     xq, xsum, s32                       the direct int8 / int4 path's prepared inputs, group sums, scales
+                                        (and zero points of 0)
 
 What is still allocated per call: the routing call's per-token rows (experts,) and pair experts (rows · top_k,) (on
 the NumPy path, the routing functions' (rows, experts) temporaries and index arrays), and small scalars (the
@@ -184,7 +185,8 @@ class CpuEngine:
         self.xq = np.zeros(direct * 2 * (wide + 1), f32)
         self.xsum = np.zeros(direct * wide, f32)
         groups = (lambda cols: h.groups_for(cols) if self.v2 and quant != QUANT_FLOAT else 1)
-        self.s32 = np.zeros(max(r * groups(c) for r, c in ((I, H), (H, I), (SI, H), (H, SI)) if r and c), f32)
+        most = max(r * groups(c) for r, c in ((I, H), (H, I), (SI, H), (H, SI)) if r and c)
+        self.s32 = np.zeros((5 * most + 3) // 4, f32)  # float32 scales, then int8 zero points of 0 (_project_float)
         self._sbufs: dict[int, np.ndarray] = {}
         self.shared_order = np.arange(n, dtype=np.int64)
         self.shared_starts = np.zeros(2, np.int64)

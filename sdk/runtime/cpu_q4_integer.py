@@ -4,7 +4,7 @@ on x86-64 with AVX2: the input split into three int8 pieces a group, each piece 
 integers until one conversion a group. Unlike llama.cpp, the input is not rounded to 8 bits: its three pieces hold
 24 bits of each value relative to its group's largest |x| (float32 holds 24 bits relative to the value itself), so
 the outputs stay within the reference tests' float32 tolerance; an input row with an outlier group
-(OUTLIER_RATIO, TRIM), an Inf or NaN, or values below ~1e-31 takes the float kernel or decoded rows instead
+(OUTLIER_RATIO, ORDINARY), an Inf or NaN, or values below ~1e-31 takes the float kernel or decoded rows instead
 (`cpu_direct._project_direct`, `decline`). docs/runtime.md, "int4 in integers".
 
 A prepared input row (`_prepare_pieces`), per group g of `size` columns (half = size / 2 bytes of codes a row):
@@ -46,13 +46,13 @@ SMALLEST_SCALE = np.float32(2.0**-126)  # d_g below float32's smallest normal: t
 # fewer of their own; where the outlier meets zero weights in every row, the output is the others' sum alone
 # (outliers of 1e3 x N(0, 1) erred by 2.5e-5 of the largest output with zero points, the float kernel by 1e-7).
 OUTLIER_RATIO = 32.0
-# The ordinary values of a group: those at most TRIM times the group's mean |x|, so that up to size / TRIM - 1 equal
-# outliers (7 of a group of 128) are not counted in the mean they are measured against (5 channels of 1e5 among
-# N(0, 1) passed "the largest against the mean of the others" and erred by 148x the engine tests' tolerance on a
-# column of zero weights). Of groups of heavy-tailed inputs (silu(3 g) 3 u, Student's t with 2 or 3 degrees of
-# freedom; 20,000 groups each of 64 and 128) TRIM 16 declines as many as the mean of the others did (0.1-6.7 % of
-# the groups), TRIM 4 up to 35 times more.
-TRIM = 16.0
+# The ordinary values of a group: those at most ORDINARY times its largest |x|, so that any number of equal outliers
+# is left out of the mean they are measured against (measured against the mean of all the others, 5 channels of 1e5
+# among N(0, 1) in a group of 128 passed and erred by 148x the engine tests' tolerance on a column of zero weights;
+# against the values at most 16 times the group's mean, 4 of 64 and 8 of 128 still passed, 108-204x). Of groups of
+# heavy-tailed inputs (silu(g) u, silu(3 g) 3 u, Student's t with 2 or 3 degrees of freedom; 20,000 groups each of 64
+# and 128) it declines 0.07-7.1 % of the groups, against 0.07-6.9 % with that mean of 16.
+ORDINARY = 0.5
 
 
 def avx2_target() -> bool:
@@ -233,14 +233,56 @@ def _q4_integer_fit(half, cols):
     return AVX2 and (half == U(VECTOR_BYTES) or half == U(2 * VECTOR_BYTES)) and cols % (2 * half) == 0
 
 
+GROUP_HELD, GROUP_NOT_FINITE, GROUP_OUTLIER = 0, 1, 2  # `_group_verdict`
+
+
+@njit(inline="always", **_JIT)
+def _group_verdict(x, start, size):
+    """(the largest |x| of x[start:start + size] float32, GROUP_HELD / GROUP_NOT_FINITE / GROUP_OUTLIER): an
+    outlier group where the largest |x| is above OUTLIER_RATIO times the mean |x| of the group's ordinary values,
+    those at most ORDINARY times the largest (a group without any holds only values near its largest: held)."""
+    m = np.float32(0.0)
+    finite = True
+    for c in range(start, start + size):
+        v = x[c]
+        finite &= np.isfinite(v)
+        m = max(m, abs(v))
+    if not finite:
+        return m, GROUP_NOT_FINITE
+    cut = ORDINARY * np.float64(m)
+    ordinary, count = 0.0, 0
+    for c in range(start, start + size):
+        a = abs(np.float64(x[c]))
+        if a <= cut:
+            ordinary += a
+            count += 1
+    if count and m > OUTLIER_RATIO * ordinary / count:
+        return m, GROUP_OUTLIER
+    return m, GROUP_HELD
+
+
+@njit(**_JIT)
+def any_outlier_row(src, rows_of_src, n, cols, size):
+    """True where an input row src[rows_of_src[t]] (t < n; groups of size columns, the last one partial where cols
+    is not a multiple) has an outlier group (`_group_verdict`; non-finite groups are not counted): the float
+    kernel without zero points then makes each nibble exact instead of folding the offset of 8, which cancels from
+    such a group (`cpu_direct._project_float`)."""
+    for t in range(n):
+        x = src[rows_of_src[t]]
+        for start in range(0, cols, size):
+            if _group_verdict(x, start, min(size, cols - start))[1] == GROUP_OUTLIER:
+                return True
+    return False
+
+
 @njit(**_JIT)
 def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
     """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the
     module's layout), once per input and call (gate and up share it): pieces (n, >= cols · PIECES) int8, lane_sums
     (n, >= groups · SUM_VECTORS · LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64
     or 128; cols a multiple). Returns how many rows it could not hold: those with a group whose largest |x| is not
-    finite, or above OUTLIER_RATIO times the mean |x| of the group's ordinary values (those at most TRIM times its
-    mean |x|), or whose d_g is below float32's smallest normal (inputs below ~1e-31). Such a row is marked by
+    finite, or above OUTLIER_RATIO times the mean |x| of the group's ordinary values (`_group_verdict`), or whose
+    d_g is below float32's smallest normal (inputs below ~1e-31). Such a row is marked by
     steps[t, 0] = -1 (a step is never negative), and its pieces and lane sums are left unspecified: the float
     kernel serves it (`cpu_direct._project_direct`), which keeps Inf and NaN as they are."""
     half = size // 2
@@ -251,28 +293,10 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
         x = src[rows_of_src[t]]
         held = True
         for g in range(groups):
-            m = np.float32(0.0)
-            mass = 0.0  # sum of |x| over the group, float64
-            finite = True
-            for c in range(g * size, (g + 1) * size):
-                v = x[c]
-                finite &= np.isfinite(v)
-                m = max(m, abs(v))
-                mass += abs(np.float64(v))
-            if not finite:
+            m, verdict = _group_verdict(x, g * size, size)
+            if verdict != GROUP_HELD:
                 held = False
                 break
-            cut = TRIM * mass / size
-            if m > cut:  # else every value is ordinary and m <= TRIM * mean < OUTLIER_RATIO * mean: no second pass
-                ordinary, count = 0.0, 0
-                for c in range(g * size, (g + 1) * size):
-                    a = abs(np.float64(x[c]))
-                    if a <= cut:
-                        ordinary += a
-                        count += 1
-                if m > OUTLIER_RATIO * ordinary / count:
-                    held = False
-                    break
             d = np.float32(np.float64(m) / X_MAX)
             if m > 0 and d < SMALLEST_SCALE:
                 held = False

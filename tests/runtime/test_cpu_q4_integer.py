@@ -167,12 +167,15 @@ def test_an_outlier_on_a_column_of_zero_weights_keeps_the_others_exact(outlier, 
     check(project(codes, scales, zeros if zero_points else None, group, x), want)
 
 
-@pytest.mark.parametrize("group,count", [(64, 3), (128, 5), (128, 7)])
-def test_several_equal_outliers_on_columns_of_zero_weights_take_the_float_kernel(group, count):
+@pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-points"])
+@pytest.mark.parametrize("group,count", [(32, 2), (32, 8), (64, 3), (64, 4), (64, 16), (128, 5), (128, 8), (128, 32)])
+def test_several_equal_outliers_on_columns_of_zero_weights_take_the_float_kernel(group, count, zero_points):
     """count equal large values (1e5) in one group, on columns that weigh 0 in every row: measured against the mean
-    of the group's other values they passed (127 x 1e5 / 4e5 < 32 for 5 of 128), and the others' sums erred by 148x
-    the engine tests' tolerance; the mean of the ordinary values (at most TRIM times the group's mean) leaves them
-    out, so `_prepare_pieces` declines and the float kernel serves the product exactly."""
+    of the group's other values they passed (127 x 1e5 / 4e5 < 32 for 5 of 128), and against the values at most 16
+    times the group's mean 4 of 64 and 8 of 128 did; the others' sums erred by 108-204x the engine tests' tolerance.
+    The ordinary values are those at most half the group's largest |x| (`_group_verdict`), so `_prepare_pieces`
+    declines any number of them and the float kernel serves the product exactly; without zero points with exact
+    nibbles (its folded offset of 8 cancelled from them: 167x at g32, which never takes the integer path)."""
     rng = np.random.default_rng(count)
     rows, cols = 24, 2 * group
     columns = 4 + 2 * np.arange(count)  # even columns: the low nibbles of bytes 2, 3, ...
@@ -182,9 +185,34 @@ def test_several_equal_outliers_on_columns_of_zero_weights_take_the_float_kernel
     zeros = np.zeros((rows, cols // group), np.int8)
     x = rng.standard_normal((2, cols)).astype(np.float32)
     x[:, columns] = 1e5
-    assert not prepare(x, group)[0]
+    if group != 32:  # (the integer path takes groups of 64 and 128)
+        assert not prepare(x, group)[0]
+    assert qi.any_outlier_row(x, np.arange(2, dtype=np.int64), 2, cols, group)
     want = x.astype(np.float64) @ stored(codes, scales, zeros, group).T
-    check(project(codes, scales, zeros, group, x), want)
+    check(project(codes, scales, zeros if zero_points else None, group, x), want)
+
+
+@pytest.mark.parametrize("cols", [320, 96], ids=["g128-partial", "g32"])
+def test_the_float_kernel_without_zero_points_keeps_outlier_rows_exact(cols):
+    """Matrices the integer path does not take (a partial last group of 128, or g32) run the float kernel whatever
+    the input: one outlier of 1e5 on a column of zero weights made its folded offset of 8 cancel (up to 847x the
+    tolerance); `any_outlier_row` finds it, and the nibbles are made exact first. A row without an outlier keeps
+    the folded form (`any_outlier_row` False), also within tolerance."""
+    group = 128 if cols == 320 else 32
+    rng = np.random.default_rng(cols)
+    rows = 20
+    codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    codes[:, 3] = (codes[:, 3] & 0x0F) | 0x80  # column 7: weight 0
+    scales = (rng.random((rows, -(-cols // group))) * 0.02 + 0.001).astype(np.float16)
+    zeros = np.zeros(scales.shape, np.int8)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    assert not qi.any_outlier_row(x, np.arange(3, dtype=np.int64), 3, cols, group)
+    x[1, 7] = 1e5
+    assert qi.any_outlier_row(x, np.arange(3, dtype=np.int64), 3, cols, group)
+    full = stored(codes, scales, zeros, group) if cols % group == 0 else stored(
+        np.pad(codes, ((0, 0), (0, (-cols // 2) % (group // 2)))), scales, zeros, group)[:, :cols]
+    want = x.astype(np.float64) @ full.T
+    check(project(codes, scales, None, group, x), want)
 
 
 @pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-points"])
