@@ -45,13 +45,11 @@ def check_input(x, input_lengths, shape: tuple[int, int], hidden: int, shapes: i
     x3 = x if x.ndim == 3 else x[None]
     batch, tokens, _ = x3.shape
     if not 1 <= batch <= fixed_batch:
-        raise InputError(
-            f"input batch {batch} (shape {x.shape}); allowed: {counts_up_to(fixed_batch)}, the bundle's {bound} batch"
-        )
+        raise InputError(f"input batch {batch} (shape {x.shape}); allowed: {counts_up_to(fixed_batch)}, the "
+                         f"bundle's {bound} batch")
     if not 1 <= tokens <= fixed_tokens:
-        raise InputError(
-            f"input tokens {tokens} (shape {x.shape}); allowed: {counts_up_to(fixed_tokens)}, the bundle's {bound} tokens"
-        )
+        raise InputError(f"input tokens {tokens} (shape {x.shape}); allowed: {counts_up_to(fixed_tokens)}, the "
+                         f"bundle's {bound} tokens")
     if not x.flags.c_contiguous:
         raise InputError(
             f"input is not C-contiguous (shape {x.shape}, strides {x.strides}); pass np.ascontiguousarray(x)"

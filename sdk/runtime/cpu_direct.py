@@ -27,6 +27,13 @@ from .cpu_q4_integer import (
 # expert direct: 1.18 / 1.21 / 1.40 at T = 24 / 32 / 64) (2-core EPYC host, 2026-12-07).
 DIRECT_TOKENS = 63
 Q4_FLOAT_TOKENS = 4
+# The most rows of a call where the rows the integer path cannot hold take the float kernel each alone, the others
+# in integers (`_project_direct`); above, one such row sends the call to the decoded rows. Shape A's 1024 x 2816 int4
+# g128 projection with the caches cold, one row not held, median of 9 (2-core Intel Xeon host, 2026-12-07): mixed
+# against decoded rows 0.98 / 1.15 / 1.43 / 2.68 ms against 1.03 / 1.19 / 1.15 / 1.74 at 5 / 6 / 8 / 16 rows (every
+# row held in integers: 0.79 / 1.04 / 1.24 / 2.36); on the EPYC host where the integer path was measured faster
+# than decoded rows up to 63 rows (DIRECT_TOKENS) the crossing lies further on.
+MIXED_TOKENS = 8
 Q4_LANES = 8  # float32 lanes of `_q4_scaled_sums`' vectors: one AVX2 register, two NEON registers
 
 
@@ -384,16 +391,17 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     no decoded row. int4 of whole groups of 64 or 128 columns on an AVX2 target goes through integers
     (`cpu_q4_integer`); an input row the integer path cannot hold (a group's largest |x| not finite, too small for
     its step, or an outlier against the group's other values: `cpu_q4_integer.OUTLIER_RATIO`) takes the float
-    kernel (which keeps Inf and NaN): with every row of the call up to Q4_FLOAT_TOKENS rows, else alone, up to
-    Q4_FLOAT_TOKENS such rows, the others staying in integers.
+    kernel (which keeps Inf and NaN): with every row of the call up to Q4_FLOAT_TOKENS rows; alone up to
+    MIXED_TOKENS rows, up to Q4_FLOAT_TOKENS such rows, the others staying in integers; else with every row.
 
     xq (>= n · 2 · cols + 2,), xsum (>= n · groups,), s32 (>= 5/4 · rows · groups,): float32 scratch (the integer
-    path's pieces and lane sums in xq, its steps in xsum; the float32 scales and zero points of 0 in s32). prepared: what xq / xsum already hold for these src,
-    rows_of_src and n (the value the call before on the same input returned: the gate projection's, for the up
-    projection), so that the input is laid out once; returns what they hold afterwards (a PREPARED_* value).
-    decline: where more than Q4_FLOAT_TOKENS rows leave the integer path, compute nothing and return DECLINED
-    instead of running the float kernel on every row (`experts_into` declines above Q4_FLOAT_TOKENS tokens, where
-    the float kernel is slower than decoded rows)."""
+    path's pieces and lane sums in xq, its steps in xsum; the float32 scales and zero points of 0 in s32).
+    prepared: what xq / xsum already hold for these src, rows_of_src and n (the value the call before on the same
+    input returned: the gate projection's, for the up projection), so that the input is laid out once; returns what
+    they hold afterwards (a PREPARED_* value).
+    decline: where more than Q4_FLOAT_TOKENS rows leave the integer path, or any above MIXED_TOKENS rows, compute
+    nothing and return DECLINED instead of running the float kernel on every row (`experts_into` declines above
+    Q4_FLOAT_TOKENS tokens, where the float kernel is slower than decoded rows)."""
     rows, cols = codes.shape[0], src.shape[1]
     size = cols if group == 0 else group
     groups = (cols + size - 1) // size
@@ -405,12 +413,14 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
         start = (n * span + 3) // 4  # the lane sums after the pieces, 4-byte aligned
         width = groups * SUM_VECTORS * LANES  # lane sums a row
         lane_sums = xq[start: start + n * width].view(np.int32).reshape((n, width))
-        failed = 0 if prepared == PREPARED_INTEGER else _prepare_pieces(src, rows_of_src, n, cols, size, pieces,
-                                                                        lane_sums, xs2)
         # rows it cannot hold: up to Q4_FLOAT_TOKENS tokens the float kernel serves every row (one pass over the
-        # codes, as fast as the integer pass plus one for those rows); above, up to Q4_FLOAT_TOKENS such rows
-        # take the float kernel each alone, the others staying in integers (not the decoded rows)
-        if failed == 0 or (n > Q4_FLOAT_TOKENS and failed <= Q4_FLOAT_TOKENS):
+        # codes, as fast as the integer pass plus one for those rows); above, up to MIXED_TOKENS tokens, up to
+        # Q4_FLOAT_TOKENS such rows take the float kernel each alone, the others staying in integers (not the
+        # decoded rows); with more tokens one such row makes the call the float kernel's or the decoded rows'
+        mixed = Q4_FLOAT_TOKENS < n <= MIXED_TOKENS
+        failed = 0 if prepared == PREPARED_INTEGER else _prepare_pieces(
+            src, rows_of_src, n, cols, size, pieces, lane_sums, xs2, Q4_FLOAT_TOKENS if mixed else 0)
+        if failed == 0 or (mixed and failed <= Q4_FLOAT_TOKENS):
             if scale_f16:  # (a row not held gives an unspecified value here, replaced below)
                 _rows_q4_integer(codes, scales.view(np.uint16), zeros, has_zero, U(size // 2), pieces, lane_sums,
                                  xs2, n, out)
@@ -426,7 +436,7 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
                     _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, True, src,
                                    rows_of_src[t: t + 1], 1, out[t: t + 1], xq, xsum, s32, PREPARED_NONE)
             return PREPARED_NONE  # the scratch now holds neither layout whole
-        if decline and failed > Q4_FLOAT_TOKENS:
+        if decline and (failed > Q4_FLOAT_TOKENS or n > MIXED_TOKENS):
             return DECLINED
         return _project_float(store, codes, scales, scale_f16, zeros, has_zero, size, True, src, rows_of_src, n, out,
                               xq, xsum, s32, PREPARED_NONE)

@@ -276,7 +276,7 @@ def any_outlier_row(src, rows_of_src, n, cols, size):
 
 
 @njit(**_JIT)
-def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
+def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps, most=-1):
     """The n input rows src[rows_of_src[t]] (src (rows, cols) float32) laid out for `make_q4_integer_sums` (the
     module's layout), once per input and call (gate and up share it): pieces (n, >= cols · PIECES) int8, lane_sums
     (n, >= groups · SUM_VECTORS · LANES) int32, steps (n, >= groups) float32 = d_g. Whole groups of size columns (64
@@ -284,7 +284,8 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
     finite, or above OUTLIER_RATIO times the mean |x| of the group's ordinary values (`_group_verdict`), or whose
     d_g is below float32's smallest normal (inputs below ~1e-31). Such a row is marked by
     steps[t, 0] = -1 (a step is never negative), and its pieces and lane sums are left unspecified: the float
-    kernel serves it (`cpu_direct._project_direct`), which keeps Inf and NaN as they are."""
+    kernel serves it (`cpu_direct._project_direct`), which keeps Inf and NaN as they are. most >= 0: stop at the
+    first row past `most` such rows (returning most + 1: the caller then serves the call another way)."""
     half = size // 2
     groups = cols // size
     span = PIECES * 2 * half
@@ -322,4 +323,6 @@ def _prepare_pieces(src, rows_of_src, n, cols, size, pieces, lane_sums, steps):
         if not held:
             steps[t, 0] = -1.0
             failed += 1
+            if failed == most + 1:
+                return failed
     return failed

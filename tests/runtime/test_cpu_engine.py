@@ -178,13 +178,13 @@ def test_more_rows_than_the_engine_was_made_for_is_an_input_error(tmp_path):
 
 
 @pytest.mark.parametrize("zeros", [0, 1], ids=["symmetric", "zero-points"])
-@pytest.mark.parametrize("tokens,outliers", [(3, 1), (40, 1), (40, 6)])
+@pytest.mark.parametrize("tokens,outliers", [(3, 1), (14, 1), (40, 1), (40, 6)])
 def test_int4_inputs_the_integer_path_declines_take_the_float_kernel_or_decoded_rows(tmp_path, tokens, outliers,
                                                                                     zeros):
-    """Input rows the integer path cannot hold (one value 1e4 times the others in `outliers` tokens): up to
-    Q4_FLOAT_TOKENS of them take the float kernel, each alone, the other tokens staying in integers; with more, an
-    expert above Q4_FLOAT_TOKENS tokens declines to decoded rows (where the float kernel is slower). Against the
-    float64 reference."""
+    """Input rows the integer path cannot hold (one value 1e4 times the others in `outliers` tokens): at 3 tokens
+    the float kernel serves every row; at 14 (about 7 an expert) up to Q4_FLOAT_TOKENS of them take the float
+    kernel, each alone, the other tokens staying in integers; at 40 (about 20 an expert, above MIXED_TOKENS) an
+    expert declines to decoded rows (where the float kernel is slower). Against the float64 reference."""
     from colibri_sdk.runtime import cpu_q4_integer
 
     rng = np.random.default_rng(tokens + zeros + outliers - 1)

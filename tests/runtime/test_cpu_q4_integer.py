@@ -216,14 +216,15 @@ def test_the_float_kernel_without_zero_points_keeps_outlier_rows_exact(cols):
 
 
 @pytest.mark.parametrize("zero_points", [False, True], ids=["symmetric", "zero-points"])
-@pytest.mark.parametrize("n,outlier_rows", [(7, (1,)), (7, (0, 3, 5)), (7, (0, 1, 2, 4, 6)), (3, (1,))],
-                         ids=["1-of-7", "3-of-7", "5-of-7", "1-of-3"])
+@pytest.mark.parametrize("n,outlier_rows", [(7, (1,)), (7, (0, 3, 5)), (7, (0, 1, 2, 4, 6)), (3, (1,)), (12, (5,))],
+                         ids=["1-of-7", "3-of-7", "5-of-7", "1-of-3", "1-of-12"])
 def test_rows_the_integer_path_cannot_hold_take_the_float_kernel_alone(n, outlier_rows, zero_points):
     """Input rows, some with an outlier of 1e5 on a column of zero weights: `_prepare_pieces` counts them and marks
-    each (steps[t, 0] = -1). Above Q4_FLOAT_TOKENS rows `_project_direct` keeps the others in integers and runs the
-    float kernel on those rows alone, up to Q4_FLOAT_TOKENS of them (PREPARED_NONE: the scratch holds neither
-    layout whole); with more, it declines where asked (DECLINED, out untouched) and else runs the float kernel on
-    every row, as it does at up to Q4_FLOAT_TOKENS rows (PREPARED_FLOAT). Every result against float64."""
+    each (steps[t, 0] = -1). Above Q4_FLOAT_TOKENS rows, up to MIXED_TOKENS, `_project_direct` keeps the others in
+    integers and runs the float kernel on those rows alone, up to Q4_FLOAT_TOKENS of them (PREPARED_NONE: the
+    scratch holds neither layout whole); with more of them, or any above MIXED_TOKENS rows, it declines where asked
+    (DECLINED, out untouched) and else runs the float kernel on every row, as it does at up to Q4_FLOAT_TOKENS rows
+    (PREPARED_FLOAT). Every result against float64."""
     rng = np.random.default_rng(len(outlier_rows) + n)
     rows, cols, group = 40, 256, 128
     codes = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
@@ -239,7 +240,7 @@ def test_rows_the_integer_path_cannot_hold_take_the_float_kernel_alone(n, outlie
         outlier_rows)
     assert np.flatnonzero(steps[:, 0] < 0).tolist() == list(outlier_rows)
     want = x.astype(np.float64) @ stored(codes, scales, zeros, group).T
-    many = len(outlier_rows) > cpu_direct.Q4_FLOAT_TOKENS
+    many = len(outlier_rows) > cpu_direct.Q4_FLOAT_TOKENS or n > cpu_direct.MIXED_TOKENS
     mixed = AVX2 and n > cpu_direct.Q4_FLOAT_TOKENS and not many
     for decline in (False, True):
         out = np.full((n, rows), np.nan, np.float32)
