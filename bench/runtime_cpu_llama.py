@@ -28,6 +28,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -299,7 +300,10 @@ def measure(models: dict, tokens: dict, threads: int, args, env: dict) -> dict:
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
         tail = " | ".join(out.stderr.strip().splitlines()[-3:])
-        return {"skipped": f"the llama.cpp child exited with {out.returncode}: {tail or 'no message'}"}
+        how = f"exited with {out.returncode}"
+        if out.returncode < 0:  # killed by a signal: name it (SIGILL: llama.cpp built for instructions this CPU,
+            how = f"was killed by {signal.Signals(-out.returncode).name}"  # or its kernel, does not run)
+        return {"skipped": f"the llama.cpp child {how}: {tail or 'no message'}"}
     return json.loads(lines[-1])
 
 
