@@ -214,7 +214,7 @@ class ReferenceEngine:
     Usage::
 
         engine = ReferenceEngine("model.colibri")
-        y = engine(x)            # x (batch, tokens, hidden) or (tokens, hidden) → same shape, float32
+        y = engine(x)            # x (batch, tokens, hidden) or (tokens, hidden) → same shape, compute_dtype
 
     Raises:
         InputError: wrong rank, hidden size or dtype, or non-finite input; a layer whose output overflows the
@@ -366,7 +366,9 @@ class ReferenceEngine:
         return out
 
     def layer(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """One MoE layer on x (tokens, hidden) in the compute dtype → (tokens, hidden)."""
+        """One MoE block on x (tokens, hidden) in the compute dtype → (tokens, hidden): the block's output alone,
+        not composed with x (a residual file's layer output is x + this, as `run` composes it; `Runtime.layer`
+        returns the composed value)."""
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is raised below, with its layer
             indices, weights = self.route(layer, x)
             if self.capacity is not None:

@@ -132,6 +132,7 @@ def nonfinite_output(bundle, backend_name: str, x3: np.ndarray, out: np.ndarray)
         peak = magnitude  # the largest |value| the reference met: the input, each layer's output
         residual = weights.header.composition == COMPOSITION_RESIDUAL
         for index in range(weights.header.num_layers):
+            layer_input = float(np.abs(state).max())
             y = engine.layer(index, state)
             state = state + y if residual else y
             if not np.isfinite(state).all():
@@ -148,8 +149,9 @@ def nonfinite_output(bundle, backend_name: str, x3: np.ndarray, out: np.ndarray)
         cause = (f"the CPU reference engine gives finite values for that token, so the {backend_name} "
                  "backend's result is wrong")
     else:
-        cause = (f"layer {layer} is the first whose output is non-finite (the largest |input| there is "
-                 f"{magnitude:.3g}; float32's largest value is 3.4e38)")
+        call = "" if layer == 0 else f", the call's {magnitude:.3g}"
+        cause = (f"layer {layer} is the first whose output is non-finite (the largest |value| of its input is "
+                 f"{layer_input:.3g}{call}; float32's largest value is 3.4e38)")
     return NonFiniteOutputError(
         f"the output is non-finite (NaN or Inf) at {where}, from a finite input: {cause}", layer, (b, t), len(bad)
     )

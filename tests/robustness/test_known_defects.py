@@ -80,10 +80,16 @@ def test_non_finite_output_names_the_first_layer(runtime, scale, layer):
     with pytest.raises(NonFiniteOutputError) as info:
         runtime.infer(x)
     assert info.value.layer == layer and info.value.position == (0, 5) and info.value.count == 1
-    assert re.fullmatch(
+    match = re.fullmatch(
         rf"the output is non-finite \(NaN or Inf\) at 1 valid position, first at \(batch 0, token 5\), from a finite "
-        rf"input: layer {layer} is the first whose output is non-finite \(the largest \|input\| there is \S+; "
-        rf"float32's largest value is 3\.4e38\)", str(info.value)), str(info.value)
+        rf"input: layer {layer} is the first whose output is non-finite \(the largest \|value\| of its input is "
+        rf"(\S+?)(, the call's (\S+))?; float32's largest value is 3\.4e38\)", str(info.value))
+    assert match, str(info.value)
+    call = float(np.abs(x[0, 5]).max())
+    if layer == 0:  # the call's input is the layer's
+        assert match[2] is None and float(match[1]) == pytest.approx(call, rel=1e-2)
+    else:  # the layer's input (after layer 0's SwiGLU squared the scale) is named, then the call's
+        assert float(match[3]) == pytest.approx(call, rel=1e-2) and float(match[1]) > 1e3 * call
 
 
 @pytest.mark.parametrize("scale, blamed", [(1.0, True), (1e8, False)])
