@@ -399,9 +399,9 @@ def _project_direct(store, codes, scales, scale_f16, zeros, has_zero, group, src
     prepared: what xq / xsum already hold for these src, rows_of_src and n (the value the call before on the same
     input returned: the gate projection's, for the up projection), so that the input is laid out once; returns what
     they hold afterwards (a PREPARED_* value).
-    decline: where more than Q4_FLOAT_TOKENS rows leave the integer path, or any above MIXED_TOKENS rows, compute
-    nothing and return DECLINED instead of running the float kernel on every row (`experts_into` declines above
-    Q4_FLOAT_TOKENS tokens, where the float kernel is slower than decoded rows)."""
+    decline: where more than Q4_FLOAT_TOKENS rows leave the integer path, or any above MIXED_TOKENS rows (above
+    Q4_FLOAT_TOKENS tokens, where the float kernel is slower than decoded rows), compute nothing and return
+    DECLINED instead of running the float kernel on every row (`experts_into` asks: it decodes rows then)."""
     rows, cols = codes.shape[0], src.shape[1]
     size = cols if group == 0 else group
     groups = (cols + size - 1) // size

@@ -88,6 +88,19 @@ def ir_vector_load(builder, base, index, vtype, align: int):
     return builder.load(builder.bitcast(builder.gep(base, [index]), vtype.as_pointer()), align=align)
 
 
+def ir_prefetch(builder, pointer):
+    """LLVM IR: a prefetch hint (`llvm.prefetch`, read, to every cache level: x86 `prefetcht0`, aarch64 `prfm
+    pldl1keep`) for the cache line holding the byte at i8* `pointer`. A hint never faults, so a pointer past an
+    array's end (a stream's next rows, past the matrix's last) is harmless."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+    builder.call(fn, [pointer, i32(0), i32(3), i32(1)])
+
+
 def ir_splat(builder, value, vtype):
     """LLVM IR: a vector of type vtype with every element `value`."""
     from llvmlite import ir
@@ -161,24 +174,17 @@ _nibble_low, _nibble_high = make_nibbles()
 
 
 def make_prefetch():
-    """A numba intrinsic prefetch(a, offset): a hint (`llvm.prefetch`, read, to every cache level: x86
-    `prefetcht0`, aarch64 `prfm pldl1keep`) for the cache line holding byte `offset` of array a's data. A hint never
-    faults, so an offset past a's end (a stream's next rows, past the matrix's last) is harmless."""
+    """A numba intrinsic prefetch(a, offset): a hint (`ir_prefetch`) for the cache line holding byte `offset` of
+    array a's data; an offset past a's end is harmless."""
     from llvmlite import ir
     from numba import types
-    from numba.core import cgutils
     from numba.core.extending import intrinsic
-
-    i8, i32 = ir.IntType(8), ir.IntType(32)
 
     @intrinsic
     def prefetch(typingctx, a, offset):
         def codegen(context, builder, sig, args):
             data = context.make_array(sig.args[0])(context, builder, args[0]).data
-            line = builder.gep(builder.bitcast(data, i8.as_pointer()), [args[1]])
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
-            builder.call(fn, [line, i32(0), i32(3), i32(1)])
+            ir_prefetch(builder, builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]]))
             return context.get_dummy_value()
         return types.void(a, offset), codegen
 

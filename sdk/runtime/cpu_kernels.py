@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cpu_direct import (  # noqa: F401 - DIRECT_TOKENS: part of this module's interface
-    DECLINED, DIRECT_TOKENS, PREPARED_NONE, Q4_FLOAT_TOKENS, _project_direct, direct_tokens,
+    DECLINED, DIRECT_TOKENS, PREPARED_NONE, _project_direct, direct_tokens,
 )
 from .cpu_jit import (  # noqa: F401 - the storage codes and the float16 widening are part of this module's interface
     _JIT, ACT_CLAMPED, ACT_SWIGLU, STORE_F16, STORE_F32, STORE_Q4, STORE_Q8, U, _f16_into, _f16_value,
@@ -344,15 +344,11 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
         for i in range(n):
             tok[i] = order[p0 + i] // top_k
         direct = store >= STORE_Q8 and n <= most_direct
-        # above Q4_FLOAT_TOKENS tokens, where the float kernel is slower than decoded rows, a call with more than
-        # Q4_FLOAT_TOKENS rows the integer path cannot hold is declined to decoded rows (fewer take the float
-        # kernel each alone: `_project_direct`; docs/runtime.md, "int4 in integers")
-        decline = n > Q4_FLOAT_TOKENS
         streamed = store <= STORE_F16 and n < 4  # fp32 / fp16 read in place, in four streams (_project_streamed)
         inputs_direct = direct
         if direct:
             prepared = _project_direct(store, gate_w[e], gate_s[e], scale_f16, gate_z[e], has_zero, group, x, tok,
-                                       n, gate, xq, xsum, s32, PREPARED_NONE, decline)
+                                       n, gate, xq, xsum, s32, PREPARED_NONE, True)  # DECLINED: decoded rows
             if prepared == DECLINED:
                 inputs_direct = False
             else:
@@ -371,7 +367,7 @@ def experts_into(x, order, starts, pair_weights, top_k, chosen, store, scale_f16
         done = streamed
         if direct:
             done = _project_direct(store, down_w[e], down_s[e], scale_f16, down_z[e], has_zero, group, gate, ident,
-                                   n, y, xq, xsum, s32, PREPARED_NONE, decline) != DECLINED
+                                   n, y, xq, xsum, s32, PREPARED_NONE, True) != DECLINED
         elif streamed:
             _project_streamed(store, down_w[e], gate, ident, n, y)
         if done:

@@ -105,7 +105,7 @@ def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = N
 
     from .cpu_jit import f16_hardware, f16_widen_ir
     from .cpu_jit import ir_fast as fast, ir_horizontal_sum as horizontal_sum, ir_splat as splat
-    from .cpu_jit import ir_vector_load as load
+    from .cpu_jit import ir_prefetch as prefetch, ir_vector_load as load
 
     use_avx2 = avx2_target() if avx2 is None else avx2
     hardware = f16_hardware() if hardware_f16 is None else hardware_f16
@@ -151,8 +151,6 @@ def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = N
                 return context.make_array(sig.args[i])(context, builder, args[i]).data
 
             row, xp, offs, dsc, scales = data(0), data(1), data(2), data(3), data(4)
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
             zeros = data(5) if with_zeros else None
             n_groups, step = args[6], args[7]
             fzero = ir.Constant(vf, [0.0] * LANES)
@@ -166,8 +164,7 @@ def make_q4_integer_sums(avx2: bool | None = None, hardware_f16: bool | None = N
                 codes_base = builder.mul(g, step)
                 # a hint for the code line PREFETCH_BYTES ahead (the rows after this one: a stream's next rows); a
                 # hint past the matrix's end does not fault
-                builder.call(prefetch, [builder.gep(row, [builder.add(codes_base, i64(PREFETCH_BYTES))]), i32(0),
-                                        i32(3), i32(1)])
+                prefetch(builder, builder.gep(row, [builder.add(codes_base, i64(PREFETCH_BYTES))]))
                 pieces_base = builder.mul(g, builder.mul(piece_span, i64(PIECES)))
                 d = splat(builder, builder.load(builder.gep(dsc, [g])), vf)
                 s = builder.load(builder.gep(scales, [g]))
