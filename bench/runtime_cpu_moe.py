@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,9 @@ SHAPES = {"A": (1024, 2816, 8, 2), "B": (2048, 768, 128, 8)}  # hidden, intermed
 STORAGES = {"fp32": (0, 0, 0), "fp16": (0, 0, 1), "int8": (1, 0, 1), "int4 g128": (2, 128, 1),
             "int4 g32": (2, 32, 1)}  # quant, group, dtype (int4 g32: llama.cpp Q4_0's group and bits per weight)
 MOE_TOKENS = (1, 4, 16, 64)
+# Shape A, 1 thread: these storages and token counts again on copies of the files written just before the run, so
+# cached in 4 KiB pages (colibri_sdk.format.pages), side by side
+SMALL_PAGE_STORAGES, SMALL_PAGE_TOKENS, SMALL = ("fp32", "fp16", "int8", "int4 g128"), (1, 4), " 4KiB"
 POOL_BYTES = 1 << 30  # the copy's source: the storage's layer size, at most 1 GiB (L3 here: 480 MiB)
 MOE_CHILD = """
 import json, sys
@@ -111,6 +115,18 @@ class _Weights:
         return ColibriFile(self.path)
 
 
+def drop_cached(path: Path) -> None:
+    """Write back and drop the file's pages from the page cache (posix_fadvise POSIX_FADV_DONTNEED), as after a
+    reboot: the next reader's mapping reads it from storage, in the 2 MiB pages the CPU backend's mapping asks for
+    where the kernel builds them (colibri_sdk.format.pages)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 FLUSH_BYTES = 1 << 30  # read before each timed call: more than the L3 (480 MiB here)
 _flush: list = []
 
@@ -150,6 +166,7 @@ def moe_child(paths: dict, rounds: int, calls: int) -> dict:
     rng = np.random.default_rng(2)
     points, results, runners = [], {}, {}
     tokens_of = paths.pop("_tokens")
+    small_copies = paths.pop("_small", {})
     for shape, files in paths.items():
         H, I, E, k = SHAPES[shape]
         block = torch_block(shape)
@@ -161,6 +178,11 @@ def moe_child(paths: dict, rounds: int, calls: int) -> dict:
                                       min(os.path.getsize(path), POOL_BYTES))
             for t in tokens:
                 points.append((shape, name, t))
+            backends[tokens[0]]._file.data()[::4096].max()  # read once through a 2 MiB mapping, as Bundle.verify
+            if name in small_copies.get(shape, {}):  # a copy of the file, cached in 4 KiB pages
+                small = {t: CpuBackend(_Weights(Path(small_copies[shape][name]), t)) for t in SMALL_PAGE_TOKENS}
+                runners[(shape, name + SMALL)] = (small, inputs, None, 0)
+                points += [(shape, name + SMALL, t) for t in SMALL_PAGE_TOKENS]
         runners[(shape, "copy")] = np.ones(min(os.path.getsize(files["fp32"]), POOL_BYTES), np.uint8)
     diffs = {}
     for shape in paths:  # the fp32 file against the torch block it was written from
@@ -184,7 +206,7 @@ def moe_child(paths: dict, rounds: int, calls: int) -> dict:
             key = f"{shape}|{name}|{t}"
             entry = results.setdefault(key, {"colibri_ms": float("inf")})
             entry["colibri_ms"] = min(entry["colibri_ms"], _fastest(ours, calls, evict=True) * 1e3)
-            if t == 1:
+            if t == 1 and not name.endswith(SMALL):
                 selected = int(np.count_nonzero(np.diff(backend._engine.starts)))
                 stored = _expert_bytes(backend._engine) * selected
                 entry["selected_bytes"] = stored
@@ -220,10 +242,15 @@ def moe_child(paths: dict, rounds: int, calls: int) -> dict:
 
                 torch_ms = _fastest(theirs, calls, evict=True) * 1e3
                 entry["torch_ms"] = min(entry.get("torch_ms", float("inf")), torch_ms)
+    huge = {}  # (resident, of which in 2 MiB pages) bytes of each backend's mapping after the calls
+    for shape, name, t in points:
+        if t == 1 or name.endswith(SMALL):
+            backend = runners[(shape, name)][0][t]
+            huge[f"{shape}|{name}|{t}"] = backend.mapped_bytes()
     for backends, _, _, _ in (runners[(s, n)] for s, n, _ in points):
         for b in backends.values():
             b.close()
-    return {"threads": threads, "points": results, "max_rel_diff_vs_torch": diffs,
+    return {"threads": threads, "points": results, "max_rel_diff_vs_torch": diffs, "mapped_bytes": huge,
             "experts_impl": {s: getattr(runners[(s, "fp32")][2].experts.config, "_experts_implementation", None)
                              for s in paths}}
 
@@ -253,6 +280,13 @@ def moe_section(tmp: Path, args, say) -> dict:
         have = all(p.exists() for p in want.values())
         paths[shape] = {k: str(v) for k, v in (want if have else write_moe_files(folder, shape)).items()}
     tokens = {"A": MOE_TOKENS, "B": tuple(int(t) for t in args.moe_b_tokens.split(","))}
+    small = {}  # copies written now: the page cache holds them as write() left them (made before the drop below,
+    for name in SMALL_PAGE_STORAGES if "A" in paths else ():  # whose files this copy would read into 4 KiB pages)
+        small[name] = str(tmp / f"A-{name.replace(' ', '-')}.cached-4k.colibri")
+        shutil.copyfile(paths["A"][name], small[name])
+    for files in paths.values():  # read from storage by the backends' own mappings, as after a reboot
+        for path in files.values():
+            drop_cached(Path(path))
     env_base = {k: v for k, v in os.environ.items() if k not in BLAS_VARS}
     runs = {}
     for threads in (int(t) for t in args.moe_threads.split(",")):
@@ -260,6 +294,8 @@ def moe_section(tmp: Path, args, say) -> dict:
         # 2 threads: shape A only (shape B's layer is 2.4 GB in fp32; one child holds it once)
         wanted = {s: p for s, p in paths.items() if threads == 1 or s == "A"}
         wanted["_tokens"] = {s: tokens[s] for s in wanted}
+        if threads == 1 and "A" in wanted:
+            wanted["_small"] = {"A": small}
         runs[threads] = child(MOE_CHILD, [json.dumps(wanted), str(args.moe_rounds), str(args.moe_calls),
                                           str(Path(__file__).parent)], env, replace_env=True)
         if "models" in peer:  # right after colibri's child of the same thread count, on the same shapes
@@ -276,7 +312,8 @@ def moe_section(tmp: Path, args, say) -> dict:
             f"{'GB/s':>7} {'copy GB/s':>10} {'bw/copy':>8} {'read GB/s':>10} {'bw/read':>8} {'fp32/x':>7}")
         for key, p in run["points"].items():
             shape, name, t = key.split("|")
-            torch_ms = p.get("torch_ms")
+            torch_ms = p.get("torch_ms") or (run["points"].get(f"{shape}|fp32|{t}", {}).get("torch_ms")
+                                             if name == "fp32" + SMALL else None)
             ratio = f"{torch_ms / p['colibri_ms']:>13.2f}x" if torch_ms else f"{'':>14}"
             bw = ""
             if "selected_bytes" in p:
@@ -299,7 +336,28 @@ def moe_section(tmp: Path, args, say) -> dict:
                 say(f"    {shape} fp32 T=1: torch reads at {p['torch_read_ratio']:.2f}x the read-only pass, colibri at "
                     f"{p['read_ratio']:.2f}x: a product that reads its weights at the read pass's rate is "
                     f"{1 / p['torch_read_ratio']:.2f}x torch here")
+        _say_pages(run, say)
     return {"moe": runs, "llama_cpp_peer": llama_peer.report(peer, runs, say)}
+
+
+def _say_pages(run: dict, say) -> None:
+    """The weights' page size: how much of each file's mapping the kernel mapped in 2 MiB pages, and the rows
+    timed again with the same files in 4 KiB pages (4 KiB time ÷ 2 MiB time)."""
+    huge = run.get("mapped_bytes", {})
+    mapped = [(key.split("|")[1], got) for key, got in huge.items() if key.startswith("A|") and key.endswith("|1")]
+    if not mapped:
+        return
+    say("    of the weights the calls touched, in 2 MiB pages (shape A, T=1): "
+        + ", ".join(f"{name} {'?' if got is None else f'{got[1] / max(got[0], 1):.0%}'}" for name, got in mapped)
+        + "; the 4KiB rows: a copy of each file written just before the run (cached as write() left it)")
+    for name in SMALL_PAGE_STORAGES:
+        parts = []
+        for t in SMALL_PAGE_TOKENS:
+            small, big = run["points"].get(f"A|{name}{SMALL}|{t}"), run["points"].get(f"A|{name}|{t}")
+            if small and big:
+                parts.append(f"T={t} {small['colibri_ms'] / big['colibri_ms']:.2f}x")
+        if parts:
+            say(f"    A {name}: 4 KiB pages ÷ 2 MiB pages, time: " + ", ".join(parts))
 
 
 def overhead_section(tmp: Path, args, say) -> dict:

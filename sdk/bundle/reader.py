@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -40,6 +41,7 @@ from ..errors import BundleError, FormatError
 from ..format import Header, HeaderV2
 from ..format.constants import HEADER_SIZE, KINDS as TENSOR_KINDS, VERSION_2
 from ..format.header_v2 import prefix_size
+from ..format.pages import advise_huge_pages
 from .manifest import (  # noqa: F401 (re-exported: the writer and the deploy import them from here)
     DIGEST_KEY,
     HEADER_FIELDS,
@@ -63,6 +65,27 @@ from .paths import LINK_RULE, check_inside, kind_of, open_inside, read_manifest
 from .records import check_buffer_records, check_profile_shape
 
 _CHUNK = 1 << 20
+_WINDOW = 8 << 20  # the weights' mapping is released every _WINDOW bytes while hashed (a multiple of 2 MiB)
+
+
+def _mapped_chunks(fh, start: int):
+    """The bytes of the open regular file fh from `start` to its end, in _CHUNK pieces copied out of a read-only
+    mapping that asks for 2 MiB pages (colibri_sdk.format.pages), so that a file read here for the first time (a
+    device after a reboot) is cached in the 2 MiB pages the CPU backend's own mapping then gets; read() would
+    cache it in small pages. Each _WINDOW read is released from the mapping afterwards (MADV_DONTNEED on a file
+    mapping: the page cache keeps the pages), so the process's resident set does not grow with the file."""
+    size = os.fstat(fh.fileno()).st_size
+    if start >= size:
+        return
+    dontneed = getattr(mmap, "MADV_DONTNEED", None)
+    with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mapping:
+        advise_huge_pages(mapping)
+        mapping.seek(start)
+        for lo in range(start - start % _WINDOW, size, _WINDOW):
+            while mapping.tell() < min(lo + _WINDOW, size):
+                yield mapping.read(min(_CHUNK, lo + _WINDOW - mapping.tell()))
+            if dontneed is not None:
+                mapping.madvise(dontneed, lo, min(_WINDOW, size - lo))
 
 
 def file_sha256(path: Path, progress=None) -> str:
@@ -278,7 +301,8 @@ class Bundle:
             self._check_weights_header(head, rel)
             ranges = _float_ranges(Header.unpack(head))
         offset = fh.tell()
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+        chunks = _mapped_chunks(fh, offset) if weights else iter(lambda: fh.read(_CHUNK), b"")
+        for chunk in chunks:
             digest.update(chunk)
             if progress is not None:
                 progress(len(chunk))

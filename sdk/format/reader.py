@@ -17,6 +17,7 @@ from ..errors import FormatError
 from .constants import HEADER_SIZE, KINDS, MATRIX_KINDS, QUANT_INT4, SCALES_SUFFIX, SHARED_KINDS, ZEROS_SUFFIX
 from .header import Header
 from .header_v2 import HeaderV2
+from .pages import advise_huge_pages, mapped_bytes
 from .quant import QuantizedTensor
 
 
@@ -197,6 +198,26 @@ class ColibriFile:
         """Zero-copy uint8 view of all tensor bytes after the header (for a one-shot device upload)."""
         self._check_open()
         return self._buffer[HEADER_SIZE:]
+
+    def advise_huge_pages(self) -> bool:
+        """Ask the kernel to map the file in 2 MiB pages (madvise MADV_HUGEPAGE; colibri_sdk.format.pages: when
+        it can, and what it gains). Returns whether the advice was accepted; never raises.
+
+        Raises:
+            FormatError: the file is closed.
+        """
+        self._check_open()
+        return advise_huge_pages(self._mmap)
+
+    def mapped_bytes(self) -> tuple[int, int] | None:
+        """(resident, of which in 2 MiB pages) bytes of the file's mapping now (/proc/self/smaps; a page is
+        resident once touched through this mapping), or None where that cannot be read (not Linux).
+
+        Raises:
+            FormatError: the file is closed.
+        """
+        self._check_open()
+        return mapped_bytes(self._buffer.ctypes.data, self._buffer.size)
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | None = None) -> np.ndarray:
         self._check_open()

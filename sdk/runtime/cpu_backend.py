@@ -4,7 +4,9 @@ Loading maps `model.colibri` read-only and reads only its header: no weight byte
 touches it, so load time does not grow with the weights' size. A forward pass reads the experts it uses as they
 are stored (fp16 widened and int8/int4 dequantized one row at a time inside the compiled products, fp32
 accumulation, as on the GPU) and keeps no copy, so the process holds the weights at most once (in the page cache,
-shared with any other reader of the file). The compiled kernels (numba, cached on disk) are compiled or loaded from
+shared with any other reader of the file). The mapping asks for 2 MiB pages (madvise MADV_HUGEPAGE,
+colibri_sdk.format.pages: a fp32 layer at one token 1.21x faster where the kernel maps the file so, e.g. a file first
+read by `Bundle.verify` or by this mapping on Linux >= 6.16 with ext4). The compiled kernels (numba, cached on disk) are compiled or loaded from
 the cache at load (`warm_up`), never on a call.
 
 Threads: each forward pass runs inside `colibri_sdk.blas.LazyBlasThreads(rows)` (the call's batch · tokens), and
@@ -38,6 +40,8 @@ class CpuBackend:
         name: "cpu".
         shape: the bundle's fixed (batch, tokens).
         hidden_size: the model's hidden size.
+        huge_pages: whether the kernel accepted the advice to map the weights in 2 MiB pages (whether it does
+            depends on the file's page cache: colibri_sdk.format.pages; `mapped_bytes()` says what it did).
     """
 
     name = "cpu"
@@ -45,6 +49,8 @@ class CpuBackend:
     def __init__(self, bundle, eager: bool = False):
         self.shape = tuple(bundle.shape)
         self._file = bundle.open_weights()
+        # 2 MiB pages where the kernel gives them: fewer page walks while the experts stream (format.pages)
+        self.huge_pages = self._file.advise_huge_pages()
         self.hidden_size = self._file.header.hidden_size
         self.num_layers = self._file.header.num_layers
         rows = int(np.prod(self.shape))
@@ -126,6 +132,17 @@ class CpuBackend:
         with LazyBlasThreads(flat_x.shape[0]) as engine.blas:
             engine.run_into(flat_x, flat_out, start, stop)
         self.last_dropped = engine.dropped
+
+    def mapped_bytes(self) -> tuple[int, int] | None:
+        """(resident, of which in 2 MiB pages) bytes of the weights' mapping now (`ColibriFile.mapped_bytes`), or
+        None where that cannot be read (not Linux).
+
+        Raises:
+            BackendError: the backend is closed.
+        """
+        if self._engine is None:
+            raise BackendError("the CPU backend is closed; load the bundle again")
+        return self._file.mapped_bytes()
 
     def close(self) -> None:
         """Unmap the weights. Safe to call more than once."""

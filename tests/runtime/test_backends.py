@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +140,31 @@ def test_auto_falls_back_when_the_cuda_backend_cannot_be_imported(small_bundle, 
         assert rt.backend_name == "cpu"
     [notice] = notices()
     assert re.fullmatch(r"running on the CPU backend: backend 'cuda' cannot be imported here \(.+\)", notice)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_cpu_weights_read_first_at_load_are_mapped_in_2mib_pages(demo_bundle, verify):
+    """A weights file not yet cached (a device after a reboot) is read in 2 MiB pages (colibri_sdk.format.pages):
+    by Runtime.load's bundle check (verify), whose mapping asks for them, or else by the CPU backend's own mapping,
+    which asks for them too."""
+    import shutil
+
+    import page_support
+
+    with page_support.disk_folder() as folder:
+        reason = page_support.file_thp_reason(folder)
+        if reason:
+            pytest.skip(reason)
+        bundle = Path(shutil.copytree(demo_bundle, folder / "bundle"))
+        page_support.drop_cached(bundle / "model.colibri")
+        rt = Runtime.load(bundle, backend="cpu", verify=verify)
+        try:
+            backend = rt._run_for(1, 16).backend  # the CPU backend of the shape the call runs at
+            assert backend.huge_pages is True and rt._backend.huge_pages is True
+            rt.infer(np.full((1, 16, 256), 0.1, np.float32))
+            resident, huge = backend.mapped_bytes()
+            assert huge >= 4 << 20, f"{huge} of {resident} resident bytes in 2 MiB pages"
+        finally:
+            rt.close()
+        with pytest.raises(BackendError, match="closed"):
+            backend.mapped_bytes()
