@@ -66,7 +66,8 @@ def threads(rows: int) -> int:
     both a quiet and a fully loaded 2-core machine (demo model, p50 of the compiled path on 1 and 2 threads:
     16 tokens 9.4 -> 6.4 ms quiet, 13.4 -> 8.2 ms beside two busy loops; 64 tokens 20.0 -> 13.7 and 39.8 -> 20.3 ms;
     4 tokens no gain; bench/runtime_cpu_bench.py, 2026-12-07). The CPU backend applies it to each call's own rows
-    (`CpuBackend.run_layers`)."""
+    (`CpuBackend.run_layers`), to the compiled path's experts and to those on the BLAS path alike (each product of
+    these with one BLAS thread up to SMALL_ROWS rows: demo model at 1024 tokens 80 -> 46 ms on 2 cores, 2026-12-08)."""
     values = _thread_variables()
     if values:
         return min(values)

@@ -375,8 +375,13 @@ class CpuEngine:
             self._experts_threaded(x, order, starts, pair_w, k, small, np.diff(starts), w, out)
         elif small.size:
             finite = self._experts(x, order, starts, pair_w, k, small, w, out)
-        for e in big.tolist():
-            self._expert_blas(x, int(e), w, out)
+        if big.size > 1 and self.threads > 1:
+            self._blas_limit()  # from this thread, before the helpers' products (blas.LazyBlasThreads)
+            self._threaded(big, counts, out, lambda engine, group, rows: [
+                engine._expert_blas(x, int(e), w, rows) for e in group.tolist()])
+        else:
+            for e in big.tolist():
+                self._expert_blas(x, int(e), w, out)
         if self.shared_count:
             self._shared(x, w, out)
         if not self.clamped:
@@ -401,10 +406,17 @@ class CpuEngine:
         )
 
     def _experts_threaded(self, x, order, starts, pair_w, k, chosen, counts, w, out) -> None:
-        """`_experts` with the chosen experts split between `threads` threads (the kernels release the GIL): each
-        part by an engine of its own scratch into rows of its own, added to `out` in part order once all are done
-        (so the sum over experts is grouped by part: the same values as one thread within float32 rounding, and the
-        same bits from run to run). Parts are balanced by pairs plus a fixed cost per expert (its weights' bytes)."""
+        """`_experts` with the chosen experts split between `threads` threads (`_threaded`)."""
+        self._threaded(chosen, counts, out, lambda engine, group, rows: engine._experts(
+            x, order, starts, pair_w, k, group, w, rows))
+
+    def _threaded(self, chosen: np.ndarray, counts: np.ndarray, out: np.ndarray, work) -> None:
+        """work(engine, group, rows) for the chosen experts split between `threads` threads (the compiled kernels
+        and BLAS release the GIL; BLAS with one thread each, `_blas_limit` applied by the caller): each part by an
+        engine of its own scratch into rows of its own, added to `out` in part order once all are done (so the sum
+        over experts is grouped by part: the same values as one thread within float32 rounding, and the same bits
+        from run to run). Parts are balanced by pairs (`counts`) plus a fixed cost per expert (its weights'
+        bytes)."""
         parts = min(self.threads, chosen.size)
         load, groups = [0] * parts, [[] for _ in range(parts)]
         for e in sorted(chosen.tolist(), key=lambda e: (-int(counts[e]), e)):
@@ -413,15 +425,15 @@ class CpuEngine:
             load[i] += int(counts[e]) + EXPERT_COST_PAIRS
         groups = [np.asarray(sorted(g), np.int64) for g in groups]
         helpers = self._helper_engines(parts - 1)
-        n = x.shape[0]
+        n = out.shape[0]
         futures = []
         for group, (engine, rows) in zip(groups[1:], helpers):
             part = rows[:n]
             part.fill(0.0)
-            futures.append((part, self._pool.submit(engine._experts, x, order, starts, pair_w, k, group, w, part)))
+            futures.append((part, self._pool.submit(work, engine, group, part)))
         error = None
         try:
-            self._experts(x, order, starts, pair_w, k, groups[0], w, out)
+            work(self, groups[0], out)
         except BaseException as exc:  # noqa: BLE001 - re-raised once no helper still writes
             error = exc
         for part, future in futures:
@@ -443,6 +455,7 @@ class CpuEngine:
             e._gate_flat, e._up_flat = np.zeros_like(self._gate_flat), np.zeros_like(self._up_flat)
             e.y, e.buf = np.zeros_like(self.y), np.zeros_like(self.buf)
             e.xq, e.xsum, e.s32 = np.zeros_like(self.xq), np.zeros_like(self.xsum), np.zeros_like(self.s32)
+            e.xs, e.tile, e.tile_out = np.zeros_like(self.xs), np.zeros_like(self.tile), np.zeros_like(self.tile_out)
             e._sbufs, e._helpers, e._pool, e.threads = {}, [], None, 1
             self._helpers.append((e, np.zeros_like(self.y)))
         if self._pool is None or self._pool_workers < self.threads - 1:  # the count follows each call's rows

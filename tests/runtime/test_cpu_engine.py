@@ -74,9 +74,11 @@ def run_engine(path, x, blas_pairs=None, threads=1):
 def assert_matches_reference(path, x):
     """The engine on one thread at its own BLAS limit (the compiled kernel up to BLAS_PAIRS pairs) and, at 3 *
     BLAS_TEST_PAIRS tokens, on three threads (the experts split between them) and with blas_pairs BLAS_TEST_PAIRS
-    (some experts through BLAS), against the reference."""
+    (some experts through BLAS), on one thread and on three (those experts split between them too), against the
+    reference."""
     want = ReferenceEngine(path, compute_dtype=np.float64)(x)
-    runs = [(None, 1)] + ([(None, 3), (BLAS_TEST_PAIRS, 1)] if x.shape[0] >= 3 * BLAS_TEST_PAIRS else [])
+    runs = [(None, 1)] + ([(None, 3), (BLAS_TEST_PAIRS, 1), (BLAS_TEST_PAIRS, 3)]
+                          if x.shape[0] >= 3 * BLAS_TEST_PAIRS else [])
     for blas_pairs, threads in runs:
         got = run_engine(path, x, blas_pairs, threads)
         assert got.dtype == np.float32
