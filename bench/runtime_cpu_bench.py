@@ -16,8 +16,8 @@ torch, timed right after colibri on the same inputs, found the experts cached). 
 dropped from the page cache before the children start (posix_fadvise DONTNEED, as a reboot does) and each child
 reads each file once through its backend's mapping, which asks for 2 MiB pages, as `Runtime.load`'s check does
 (docs/runtime.md, "2 MiB pages"); at 1 thread shape A's fp32 / fp16 / int8 / int4 g128 run again at T = 1 and 4
-on copies of the files written just before the child starts, which the page cache holds in 4 KiB pages as a host
-that builds and runs at once has them (rows "4KiB", torch's ratio beside the fp32 ones), and the report says how
+on copies of the files made with shutil.copyfile just before the child starts, which the page cache holds in 4 KiB
+pages (rows "4KiB", torch's ratio beside the fp32 ones), and the report says how
 much of the weights the calls touched the kernel mapped in 2 MiB pages. Ratios: torch time ÷ colibri time
 (> 1: colibri faster); effective bandwidth = the selected experts' stored bytes ÷ time, ÷ the copy's, and ÷ a
 read-only pass over as many bytes (BLAS sdot of two halves, "read GB/s"): the rate of one plain sequential read, so

@@ -280,8 +280,8 @@ def moe_section(tmp: Path, args, say) -> dict:
         have = all(p.exists() for p in want.values())
         paths[shape] = {k: str(v) for k, v in (want if have else write_moe_files(folder, shape)).items()}
     tokens = {"A": MOE_TOKENS, "B": tuple(int(t) for t in args.moe_b_tokens.split(","))}
-    small = {}  # copies written now: the page cache holds them as write() left them (made before the drop below,
-    for name in SMALL_PAGE_STORAGES if "A" in paths else ():  # whose files this copy would read into 4 KiB pages)
+    small = {}  # copies made now (copy_file_range: cached in 4 KiB pieces), before the drop below,
+    for name in SMALL_PAGE_STORAGES if "A" in paths else ():  # (whose files the copy would read into 4 KiB pages)
         small[name] = str(tmp / f"A-{name.replace(' ', '-')}.cached-4k.colibri")
         shutil.copyfile(paths["A"][name], small[name])
     for files in paths.values():  # read from storage by the backends' own mappings, as after a reboot
@@ -349,7 +349,7 @@ def _say_pages(run: dict, say) -> None:
         return
     say("    of the weights the calls touched, in 2 MiB pages (shape A, T=1): "
         + ", ".join(f"{name} {'?' if got is None else f'{got[1] / max(got[0], 1):.0%}'}" for name, got in mapped)
-        + "; the 4KiB rows: a copy of each file written just before the run (cached as write() left it)")
+        + "; the 4KiB rows: a copy of each file made with shutil.copyfile just before the run (cached in 4 KiB pages)")
     for name in SMALL_PAGE_STORAGES:
         parts = []
         for t in SMALL_PAGE_TOKENS:

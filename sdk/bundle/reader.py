@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import mmap
 import os
 import stat
 from pathlib import Path
@@ -41,7 +40,7 @@ from ..errors import BundleError, FormatError
 from ..format import Header, HeaderV2
 from ..format.constants import HEADER_SIZE, KINDS as TENSOR_KINDS, VERSION_2
 from ..format.header_v2 import prefix_size
-from ..format.pages import advise_huge_pages
+from ..format.pages import HugePageCache
 from .manifest import (  # noqa: F401 (re-exported: the writer and the deploy import them from here)
     DIGEST_KEY,
     HEADER_FIELDS,
@@ -65,27 +64,26 @@ from .paths import LINK_RULE, check_inside, kind_of, open_inside, read_manifest
 from .records import check_buffer_records, check_profile_shape
 
 _CHUNK = 1 << 20
-_WINDOW = 8 << 20  # the weights' mapping is released every _WINDOW bytes while hashed (a multiple of 2 MiB)
+_WINDOW = 8 << 20  # the weights are brought into the page cache a _WINDOW at a time (a multiple of 2 MiB)
 
 
-def _mapped_chunks(fh, start: int):
-    """The bytes of the open regular file fh from `start` to its end, in _CHUNK pieces copied out of a read-only
-    mapping that asks for 2 MiB pages (colibri_sdk.format.pages), so that a file read here for the first time (a
-    device after a reboot) is cached in the 2 MiB pages the CPU backend's own mapping then gets; read() would
-    cache it in small pages. Each _WINDOW read is released from the mapping afterwards (MADV_DONTNEED on a file
-    mapping: the page cache keeps the pages), so the process's resident set does not grow with the file."""
-    size = os.fstat(fh.fileno()).st_size
-    if start >= size:
-        return
-    dontneed = getattr(mmap, "MADV_DONTNEED", None)
-    with mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mapping:
-        advise_huge_pages(mapping)
-        mapping.seek(start)
-        for lo in range(start - start % _WINDOW, size, _WINDOW):
-            while mapping.tell() < min(lo + _WINDOW, size):
-                yield mapping.read(min(_CHUNK, lo + _WINDOW - mapping.tell()))
-            if dontneed is not None:
-                mapping.madvise(dontneed, lo, min(_WINDOW, size - lo))
+def _chunks(fh, start: int, cache: HugePageCache | None):
+    """The bytes of the open file fh from `start` (its position) to its end, read() in _CHUNK pieces; where a cache
+    is given, each _WINDOW from the next one on first brought into the page cache through its mapping, which asks
+    for 2 MiB pages (colibri_sdk.format.pages.HugePageCache), so that a file read here for the first time (a
+    device after a reboot) is cached in the 2 MiB pages the CPU backend's own mapping then gets. A file that
+    changes meanwhile reads as it is (the sha256 then differs): the mapping never serves the bytes, so a file that
+    shrinks cannot raise SIGBUS here."""
+    position = start
+    while True:
+        into = position % _WINDOW
+        if cache is not None and into == 0:
+            cache.load(position, _WINDOW)
+        chunk = fh.read(min(_CHUNK, _WINDOW - into))
+        if not chunk:
+            return
+        yield chunk
+        position += len(chunk)
 
 
 def file_sha256(path: Path, progress=None) -> str:
@@ -289,6 +287,17 @@ class Bundle:
 
     def _hash(self, fh, rel: str, weights: bool, progress=None) -> str:
         """sha256 of an open file; for the weights also the header against the manifest and a NaN/Inf scan."""
+        cache = HugePageCache(fh.fileno()) if weights else None
+        try:
+            if cache is not None:
+                cache.load(0, _WINDOW)  # before the header's read(), which would cache the file's start in small pages
+            return self._hash_chunks(fh, rel, weights, progress, cache)
+        finally:
+            if cache is not None:
+                cache.close()
+
+    def _hash_chunks(self, fh, rel: str, weights: bool, progress, cache: HugePageCache | None) -> str:
+        """`_hash` with the weights' page cache helper (None for the other files)."""
         digest = hashlib.sha256()
         ranges = None
         if weights:
@@ -301,8 +310,7 @@ class Bundle:
             self._check_weights_header(head, rel)
             ranges = _float_ranges(Header.unpack(head))
         offset = fh.tell()
-        chunks = _mapped_chunks(fh, offset) if weights else iter(lambda: fh.read(_CHUNK), b"")
-        for chunk in chunks:
+        for chunk in _chunks(fh, offset, cache):
             digest.update(chunk)
             if progress is not None:
                 progress(len(chunk))

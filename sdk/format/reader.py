@@ -201,7 +201,8 @@ class ColibriFile:
 
     def advise_huge_pages(self) -> bool:
         """Ask the kernel to map the file in 2 MiB pages (madvise MADV_HUGEPAGE; colibri_sdk.format.pages: when
-        it can, and what it gains). Returns whether the advice was accepted; never raises.
+        it can, and what it gains). Returns whether the kernel accepted the advice (False where it refused it or
+        the platform has none).
 
         Raises:
             FormatError: the file is closed.

@@ -5,9 +5,9 @@ touches it, so load time does not grow with the weights' size. A forward pass re
 are stored (fp16 widened and int8/int4 dequantized one row at a time inside the compiled products, fp32
 accumulation, as on the GPU) and keeps no copy, so the process holds the weights at most once (in the page cache,
 shared with any other reader of the file). The mapping asks for 2 MiB pages (madvise MADV_HUGEPAGE,
-colibri_sdk.format.pages: a fp32 layer at one token 1.21x faster where the kernel maps the file so, e.g. a file first
-read by `Bundle.verify` or by this mapping on Linux >= 6.16 with ext4). The compiled kernels (numba, cached on disk) are compiled or loaded from
-the cache at load (`warm_up`), never on a call.
+colibri_sdk.format.pages: an fp32 layer at one token 1.14-1.21x faster where the kernel maps the file so, e.g. a
+file first read by `Bundle.verify` or by this mapping on Linux >= 6.16 with ext4). The compiled kernels (numba,
+cached on disk) are compiled or loaded from the cache at load (`warm_up`), never on a call.
 
 Threads: each forward pass runs inside `colibri_sdk.blas.LazyBlasThreads(rows)` (the call's batch · tokens), and
 splits its experts between `colibri_sdk.blas.threads(rows)` threads, so the BLAS

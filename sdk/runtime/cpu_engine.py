@@ -56,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..blas import threads as call_threads
+from ..blas import threads_for
 from ..errors import FormatError, InputError
 from ..format import HeaderV2
 from ..format.constants import (
@@ -298,6 +299,13 @@ class CpuEngine:
                 self._finite_matrix(w[kind], layer, e)
             self._checked[layer, e] = True
 
+    def _blas_single(self) -> bool:
+        """Whether this call's BLAS products run on one thread (colibri_sdk.blas.threads_for: no thread variable set,
+        at most SMALL_ROWS rows), the condition for splitting its BLAS-path experts between threads: BLAS products
+        of several threads each, called from two threads at once, stalled OpenBLAS for seconds (0.4-3.5 s calls at
+        256 tokens on 2 cores with OMP_NUM_THREADS=2)."""
+        return self.blas is not None and threads_for(self.blas.rows) == 1
+
     def _blas_limit(self) -> None:
         """Apply the call's BLAS thread limit (self.blas) before a BLAS product; none outside a CpuBackend call."""
         if self.blas is not None:
@@ -375,7 +383,7 @@ class CpuEngine:
             self._experts_threaded(x, order, starts, pair_w, k, small, np.diff(starts), w, out)
         elif small.size:
             finite = self._experts(x, order, starts, pair_w, k, small, w, out)
-        if big.size > 1 and self.threads > 1:
+        if big.size > 1 and self.threads > 1 and self._blas_single():
             self._blas_limit()  # from this thread, before the helpers' products (blas.LazyBlasThreads)
             self._threaded(big, counts, out, lambda engine, group, rows: [
                 engine._expert_blas(x, int(e), w, rows) for e in group.tolist()])
@@ -412,11 +420,12 @@ class CpuEngine:
 
     def _threaded(self, chosen: np.ndarray, counts: np.ndarray, out: np.ndarray, work) -> None:
         """work(engine, group, rows) for the chosen experts split between `threads` threads (the compiled kernels
-        and BLAS release the GIL; BLAS with one thread each, `_blas_limit` applied by the caller): each part by an
-        engine of its own scratch into rows of its own, added to `out` in part order once all are done (so the sum
-        over experts is grouped by part: the same values as one thread within float32 rounding, and the same bits
-        from run to run). Parts are balanced by pairs (`counts`) plus a fixed cost per expert (its weights'
-        bytes)."""
+        and BLAS release the GIL; BLAS only with one thread each, `_blas_single`, the limit applied by the caller):
+        each part by an engine of its own scratch into rows of its own, added to `out` in part order once all are
+        done (so the sum over experts is grouped by part: the same values as one thread within float32 rounding,
+        and the same bits from run to run). Parts are balanced by pairs (`counts`) plus a fixed cost per expert
+        (its weights' bytes). The helpers run under the calling thread's NumPy error state (np.errstate is per
+        thread: Runtime's "ignore" for overflow, reported once as NonFiniteOutputError, must hold there too)."""
         parts = min(self.threads, chosen.size)
         load, groups = [0] * parts, [[] for _ in range(parts)]
         for e in sorted(chosen.tolist(), key=lambda e: (-int(counts[e]), e)):
@@ -430,7 +439,7 @@ class CpuEngine:
         for group, (engine, rows) in zip(groups[1:], helpers):
             part = rows[:n]
             part.fill(0.0)
-            futures.append((part, self._pool.submit(work, engine, group, part)))
+            futures.append((part, self._pool.submit(_with_errstate, np.geterr(), work, engine, group, part)))
         error = None
         try:
             work(self, groups[0], out)
@@ -545,3 +554,9 @@ class CpuEngine:
                 np.add(nxt, h, out=nxt)
             h = nxt
         np.copyto(out, h)
+
+
+def _with_errstate(state: dict, work, *args):
+    """work(*args) under the NumPy error state `state` (np.geterr() of the thread that handed the work over)."""
+    with np.errstate(**state):
+        return work(*args)

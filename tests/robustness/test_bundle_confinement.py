@@ -16,6 +16,7 @@ from colibri_sdk.errors import BundleError
 from colibri_sdk.format.constants import HEADER_SIZE
 from colibri_sdk.runtime import Runtime
 from robustness_helpers import cli_error, load_manifest, save_manifest
+from timeout_support import guard
 
 COMMANDS = (("verify", "--backend", "cpu"), ("run", "--backend", "cpu", "--iters", "1"), ("inspect",))
 
@@ -258,3 +259,59 @@ def test_verify_reports_hashing_progress_up_to_every_byte(bundle):
     total = sum(e["size"] for e in load_manifest(bundle)["files"])
     assert calls and {c[0] for c in calls} == {"sha256"} and calls[-1][1:] == (total, total)
     assert [c[1] for c in calls] == sorted(c[1] for c in calls)
+
+
+def test_weights_that_shrink_while_verified_are_refused_in_one_line(bundle):
+    """The weights are read with read() (the mapping that asks for 2 MiB pages only brings them into the page
+    cache, MADV_POPULATE_READ): a file truncated during the check is a BundleError, never SIGBUS (through the
+    mapping, bytes past the new end would be). In a child process, so that a SIGBUS fails this test only."""
+    import subprocess
+    import textwrap
+
+    manifest = load_manifest(bundle)
+    weights = bundle / manifest["weights"]["file"]
+    assert weights.stat().st_size > 64 << 10
+    files = [e["path"] for e in manifest["files"]]
+    before = sum(e["size"] for e in manifest["files"][: files.index(manifest["weights"]["file"])])
+    script = textwrap.dedent(f"""
+        import os
+        from colibri_sdk.bundle import Bundle, reader
+        from colibri_sdk.errors import BundleError
+        reader._CHUNK, reader._WINDOW = 4096, 16384  # many chunks and windows in a small file
+        def progress(step, done, total):
+            if done > {before} + 40_000 and os.path.getsize({str(weights)!r}) > 20_000:  # 40 kB into the weights
+                os.truncate({str(weights)!r}, 20_000)
+        try:
+            Bundle.open({str(bundle)!r}, verify=False).verify(progress=progress)
+        except BundleError as exc:
+            print("BundleError:", exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=guard(300))
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert re.fullmatch(r"BundleError: model\.colibri: sha256 [0-9a-f]{64} differs from the manifest's [0-9a-f]{64}\n",
+                        done.stdout), done.stdout
+
+
+def test_a_process_that_locked_its_memory_still_verifies(bundle):
+    """Under mlockall (real-time camera loops lock their memory) madvise(MADV_DONTNEED) on the check's mapping
+    fails with EINVAL: the check goes on (the mapping is released when it closes)."""
+    import subprocess
+    import textwrap
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mlockall with MCL_ONFAULT is Linux's")
+    script = textwrap.dedent(f"""
+        import ctypes, os, sys
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mlockall(1 | 2 | 4) != 0:  # MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT
+            print("mlockall refused:", os.strerror(ctypes.get_errno()))
+            sys.exit(0)
+        from colibri_sdk.bundle import Bundle
+        Bundle.open({str(bundle)!r}, verify=True)
+        print("verified")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=guard(300))
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.startswith("mlockall refused"):
+        pytest.skip(f"this process may not lock its memory here ({done.stdout.strip()})")
+    assert done.stdout == "verified\n"

@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+from colibri_sdk import blas
+from colibri_sdk.blas import LazyBlasThreads
 from colibri_sdk.errors import FormatError
 from colibri_sdk.format import ColibriFile, Header, HeaderV2, write_model
 from colibri_sdk.format.quant import QuantizedTensor, quantize_rtn
@@ -66,9 +68,36 @@ def run_engine(path, x, blas_pairs=None, threads=1):
             engine.blas_pairs = blas_pairs
         engine.warm_up()
         out = np.full_like(x, np.nan)
-        engine.run_into(x, out, 0, model.header.num_layers)
+        with LazyBlasThreads(x.shape[0]) as engine.blas:  # as CpuBackend runs it (colibri_sdk.blas)
+            engine.run_into(x, out, 0, model.header.num_layers)
         del engine
     return out
+
+
+@pytest.mark.parametrize("variable", [None, "OMP_NUM_THREADS"])
+def test_blas_path_experts_split_between_threads_only_with_one_blas_thread(tmp_path, monkeypatch, variable):
+    """Experts on the BLAS path go to the call's threads only where each product runs on one BLAS thread (no thread
+    variable set): a variable keeps the library's own threads, and several of those products at once from two
+    threads stalled OpenBLAS for seconds. Either way the values are the reference's."""
+    for name in blas.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    if variable:
+        monkeypatch.setenv(variable, "2")
+    split = []
+    real = CpuEngine._threaded
+
+    def spy(self, chosen, counts, out, work):
+        split.append(bool((counts[chosen] >= self.blas_pairs).all()))
+        return real(self, chosen, counts, out, work)
+
+    monkeypatch.setattr(CpuEngine, "_threaded", spy)
+    rng = np.random.default_rng(5)
+    path = write_v2(tmp_path / "m.colibri", dict(BASE, dtype=1), rng)
+    x = rng.standard_normal((3 * BLAS_TEST_PAIRS, BASE["hidden_size"])).astype(np.float32)
+    want = ReferenceEngine(path, compute_dtype=np.float64)(x)
+    got = run_engine(path, x, blas_pairs=1, threads=2)  # every expert of the call on the BLAS path
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(np.abs(want).max()))
+    assert (True in split) is (variable is None), split
 
 
 def assert_matches_reference(path, x):
@@ -394,3 +423,20 @@ def test_one_non_finite_stored_value_of_a_used_expert_is_named(tmp_path, quant, 
     x = np.random.default_rng(7).standard_normal((1, BASE["hidden_size"])).astype(np.float32)
     with pytest.raises(FormatError, match=rf"m\.colibri: {name} \(layer 0, expert \d\) holds 1 non-finite value "):
         run_engine(path, x)
+
+
+def test_threads_keep_the_callers_numpy_error_state(tmp_path, monkeypatch):
+    """np.errstate is per thread: the helper threads of a split call run under the calling thread's (Runtime's
+    "ignore" for overflow, reported once as NonFiniteOutputError), so an overflowing BLAS product warns nowhere,
+    even where warnings are errors."""
+    import warnings
+
+    for name in blas.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    rng = np.random.default_rng(6)
+    path = write_v2(tmp_path / "m.colibri", dict(BASE), rng)
+    x = rng.standard_normal((3 * BLAS_TEST_PAIRS, BASE["hidden_size"])).astype(np.float32) * np.float32(3e18)
+    with np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run_engine(path, x, blas_pairs=1, threads=2)
+    assert not np.isfinite(got).all()
