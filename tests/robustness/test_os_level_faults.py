@@ -86,7 +86,9 @@ def test_a_folder_the_user_may_not_enter_or_a_file_not_to_read_is_one_line():
         probe = subprocess.run([*_as_another_user(), sys.executable, "-c", "import colibri_sdk"], capture_output=True,
                                text=True, timeout=guard(600), env=env, cwd=root)
         if probe.returncode != 0:
-            pytest.skip(f"uid 65534 cannot import colibri_sdk from this checkout: {probe.stderr.strip()[-200:]}")
+            last = (probe.stderr.strip().splitlines() or ["no message"])[-1]  # the exception's own line
+            pytest.skip(f"uid 65534 cannot import colibri_sdk from this checkout (a folder above it closed to other "
+                        f"users?): {last[-200:]}")
         prefix = [*_as_another_user(), sys.executable, "-m", "colibri_sdk"]
         cases = {
             ("convert", str(closed / "ck")): f"{closed / 'ck'}: cannot examine it: Permission denied",
