@@ -115,18 +115,6 @@ class _Weights:
         return ColibriFile(self.path)
 
 
-def drop_cached(path: Path) -> None:
-    """Write back and drop the file's pages from the page cache (posix_fadvise POSIX_FADV_DONTNEED), as after a
-    reboot: the next reader's mapping reads it from storage, in the 2 MiB pages the CPU backend's mapping asks for
-    where the kernel builds them (colibri_sdk.format.pages)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 FLUSH_BYTES = 1 << 30  # read before each timed call: more than the L3 (480 MiB here)
 _flush: list = []
 
@@ -270,6 +258,8 @@ def moe_section(tmp: Path, args, say) -> dict:
     import runtime_cpu_llama as llama_peer  # (it imports this module's shapes and timing)
     import torch
 
+    from colibri_sdk.format.pages import drop_cached
+
     folder = Path(args.moe_files) if args.moe_files else tmp
     folder.mkdir(parents=True, exist_ok=True)
     shapes = args.moe_shapes.split(",")
@@ -286,7 +276,7 @@ def moe_section(tmp: Path, args, say) -> dict:
         shutil.copyfile(paths["A"][name], small[name])
     for files in paths.values():  # read from storage by the backends' own mappings, as after a reboot
         for path in files.values():
-            drop_cached(Path(path))
+            drop_cached(path)
     env_base = {k: v for k, v in os.environ.items() if k not in BLAS_VARS}
     runs = {}
     for threads in (int(t) for t in args.moe_threads.split(",")):

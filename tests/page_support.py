@@ -1,5 +1,6 @@
 """2 MiB file pages in the tests (colibri_sdk.format.pages): whether this kernel and file system can give them, a
-folder on disk for such a file, and dropping a file from the page cache (as a reboot does)."""
+folder on disk for such a file, and `drop_cached` (colibri_sdk.format.pages: a file out of the page cache, as a
+reboot)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import platform
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+
+from colibri_sdk.format.pages import drop_cached  # noqa: F401 (the tests' name for it)
 
 
 def thp_mode() -> str | None:
@@ -40,16 +43,6 @@ def file_thp_reason(folder: Path) -> str | None:
     if needed is None or version < needed:
         return f"{kind} on Linux {platform.release()} has no large folios (ext4 from 6.16, xfs from 5.18)"
     return None
-
-
-def drop_cached(path: Path) -> None:
-    """Write the file back and drop its pages from the page cache (posix_fadvise POSIX_FADV_DONTNEED)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @contextmanager

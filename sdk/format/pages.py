@@ -93,6 +93,23 @@ class HugePageCache:
             mapping.close()
 
 
+def drop_cached(path: str | os.PathLike) -> None:
+    """Write the file back and drop its clean pages from the page cache (fsync, then posix_fadvise
+    POSIX_FADV_DONTNEED; pages another process maps stay), as a reboot does: the next reader reads it from storage,
+    through a 2 MiB mapping in 2 MiB folios where the kernel builds them (module docstring).
+
+    Raises:
+        OSError: the file cannot be opened; where the platform has no posix_fadvise, nothing is dropped.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def mapped_bytes(address: int, length: int, smaps: str = SMAPS) -> tuple[int, int] | None:
     """(resident, of which in 2 MiB pages) bytes of this process's mappings that overlap [address, address +
     length), whole mappings (smaps Rss, and FilePmdMapped + AnonHugePages + ShmemPmdMapped of each overlapping
