@@ -19,8 +19,8 @@ SHAPES = {"A": (1024, 2816, 8, 2), "B": (2048, 768, 128, 8)}  # hidden, intermed
 STORAGES = {"fp32": (0, 0, 0), "fp16": (0, 0, 1), "int8": (1, 0, 1), "int4 g128": (2, 128, 1),
             "int4 g32": (2, 32, 1)}  # quant, group, dtype (int4 g32: llama.cpp Q4_0's group and bits per weight)
 MOE_TOKENS = (1, 4, 16, 64)
-# Shape A, 1 thread: these storages and token counts again on copies of the files written just before the run, so
-# cached in 4 KiB pages (colibri_sdk.format.pages), side by side
+# Shape A, 1 thread: these storages and token counts again on copies of the files made with shutil.copyfile just
+# before the run, so cached in 4 KiB pages (colibri_sdk.format.pages), side by side
 SMALL_PAGE_STORAGES, SMALL_PAGE_TOKENS, SMALL = ("fp32", "fp16", "int8", "int4 g128"), (1, 4), " 4KiB"
 POOL_BYTES = 1 << 30  # the copy's source: the storage's layer size, at most 1 GiB (L3 here: 480 MiB)
 MOE_CHILD = """
@@ -332,7 +332,7 @@ def moe_section(tmp: Path, args, say) -> dict:
 
 def _say_pages(run: dict, say) -> None:
     """The weights' page size: how much of each file's mapping the kernel mapped in 2 MiB pages, and the rows
-    timed again with the same files in 4 KiB pages (4 KiB time ÷ 2 MiB time)."""
+    timed again on the copies cached in 4 KiB pages (4 KiB time ÷ 2 MiB time)."""
     huge = run.get("mapped_bytes", {})
     mapped = [(key.split("|")[1], got) for key, got in huge.items() if key.startswith("A|") and key.endswith("|1")]
     if not mapped:

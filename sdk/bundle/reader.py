@@ -29,6 +29,7 @@ Device side: needs NumPy and the standard library only.
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import hashlib
 import os
 import stat
@@ -287,42 +288,34 @@ class Bundle:
 
     def _hash(self, fh, rel: str, weights: bool, progress=None) -> str:
         """sha256 of an open file; for the weights also the header against the manifest and a NaN/Inf scan."""
-        cache = HugePageCache(fh.fileno()) if weights else None
-        try:
+        with HugePageCache(fh.fileno()) if weights else contextlib.nullcontext() as cache:
             if cache is not None:
                 cache.load(0, _WINDOW)  # before the header's read(), which would cache the file's start in small pages
-            return self._hash_chunks(fh, rel, weights, progress, cache)
-        finally:
-            if cache is not None:
-                cache.close()
-
-    def _hash_chunks(self, fh, rel: str, weights: bool, progress, cache: HugePageCache | None) -> str:
-        """`_hash` with the weights' page cache helper (None for the other files)."""
-        digest = hashlib.sha256()
-        ranges = None
-        if weights:
-            head = fh.read(HEADER_SIZE)
-            if len(head) == HEADER_SIZE and int.from_bytes(head[4:6], "little") == VERSION_2:
-                head += fh.read(prefix_size(int.from_bytes(head[6:8], "little")) - HEADER_SIZE)  # the layer map
-            digest.update(head)
-            if progress is not None:
-                progress(len(head))
-            self._check_weights_header(head, rel)
-            ranges = _float_ranges(Header.unpack(head))
-        offset = fh.tell()
-        for chunk in _chunks(fh, offset, cache):
-            digest.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-            if ranges is not None:
-                bad = _first_nonfinite(chunk, offset, ranges)
-                if bad is not None:
-                    raise BundleError(
-                        f"{rel}: a NaN or Inf weight at byte offset {bad}; allowed: finite weights (the file was "
-                        "damaged, or the checkpoint holds non-finite values)"
-                    )
-            offset += len(chunk)
-        return digest.hexdigest()
+            digest = hashlib.sha256()
+            ranges = None
+            if weights:
+                head = fh.read(HEADER_SIZE)
+                if len(head) == HEADER_SIZE and int.from_bytes(head[4:6], "little") == VERSION_2:
+                    head += fh.read(prefix_size(int.from_bytes(head[6:8], "little")) - HEADER_SIZE)  # the layer map
+                digest.update(head)
+                if progress is not None:
+                    progress(len(head))
+                self._check_weights_header(head, rel)
+                ranges = _float_ranges(Header.unpack(head))
+            offset = fh.tell()
+            for chunk in _chunks(fh, offset, cache):
+                digest.update(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+                if ranges is not None:
+                    bad = _first_nonfinite(chunk, offset, ranges)
+                    if bad is not None:
+                        raise BundleError(
+                            f"{rel}: a NaN or Inf weight at byte offset {bad}; allowed: finite weights (the file was "
+                            "damaged, or the checkpoint holds non-finite values)"
+                        )
+                offset += len(chunk)
+            return digest.hexdigest()
 
     def _check_weights_header(self, head: bytes, rel: str) -> None:
         try:

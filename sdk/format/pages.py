@@ -11,9 +11,9 @@ reads the file from storage through a mapping that carries MADV_HUGEPAGE (THP "a
 /sys/kernel/mm/transparent_hugepage/enabled) on a file system with large folios (ext4 from Linux 6.16, xfs from
 5.18); not through read(), and not for pages it holds already in smaller folios (read with read(), or written in
 small pieces; large aligned write() calls may leave 2 MiB folios): those stay in 4 KiB pages until the kernel drops
-them from its cache (memory pressure, a reboot, posix_fadvise POSIX_FADV_DONTNEED). Once cached so, a mapping gets 2 MiB pages unless it carries
-MADV_NOHUGEPAGE. Elsewhere (older kernels, such as the Jetson's L4T kernels, other systems) the advice is accepted
-or refused and nothing changes: the same values, 4 KiB pages.
+them from its cache (memory pressure, a reboot, posix_fadvise POSIX_FADV_DONTNEED). Once cached so, a mapping gets
+2 MiB pages unless it carries MADV_NOHUGEPAGE. Elsewhere (older kernels, such as the Jetson's L4T kernels, other
+systems) the advice is accepted or refused and nothing changes: the same values, 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class HugePageCache:
     meanwhile) and releases it from the mapping at once (MADV_DONTNEED on a file mapping: the page cache keeps the
     pages), so the process's resident set does not grow. Every failure only turns the cache off: no mapping
     (mmap refused, e.g. RLIMIT_MEMLOCK under mlockall), a kernel without MADV_POPULATE_READ (before 5.14, which has
-    no large file folios either), a file that shrank. `close()` unmaps; safe to call more than once."""
+    no large file folios either), a file that shrank. `close()` (or leaving a `with` block) unmaps; safe to
+    call more than once."""
 
     def __init__(self, fd: int):
         self._mapping = None
@@ -91,6 +92,12 @@ class HugePageCache:
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
             mapping.close()
+
+    def __enter__(self) -> "HugePageCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def drop_cached(path: str | os.PathLike) -> None:

@@ -70,7 +70,8 @@ def test_advice_on_a_closed_mapping_or_without_the_platform_is_refused_quietly(m
         assert pages.advise_huge_pages(open_mapping) is False
 
 
-@pytest.mark.skipif(page_support.thp_mode() in (None, "never"), reason="transparent huge pages are off or not built here")
+@pytest.mark.skipif(page_support.thp_mode() in (None, "never"),
+                    reason="transparent huge pages are off or not built here")
 def test_advice_is_accepted_where_the_kernel_has_huge_pages(tmp_path):
     with mmap.mmap(-1, 4 << 21) as mapping:
         assert pages.advise_huge_pages(mapping) is True
